@@ -1,0 +1,121 @@
+"""``vf.compile``: the ordered list of passes from an ``nn.Module`` to a running pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import schedule as schedules
+from .capture import TRACERS, bind_inputs, capture
+from .cluster import Cluster
+from .codegen import build_stage
+from .configure import Configuration, choose_configuration
+from .costmodel import device_spec
+from .errors import VarunaFxError
+from .passes.annotate_costs import annotate_costs, canonical_names
+from .passes.annotate_shapes import annotate_shapes
+from .passes.assign_stages import CostSetting, assign_stages
+from .passes.check import check_assignment, check_parameters, check_split
+from .passes.mark_replicable import mark_replicable
+from .passes.split_stages import split_stages
+from .pipeline import Pipeline
+from .plan import Plan
+from .plan_costs import stage_costs
+
+
+def compile(  # noqa: A001 - the public name in API.md
+    model: nn.Module,
+    cluster: Cluster | None = None,
+    example_inputs: Any = None,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    global_batch_size: int | None = None,
+    stages: int | None = None,
+    data_parallel: int | None = None,
+    micro_batch_size: int | None = None,
+    schedule: str = "varuna",
+    recompute: bool = True,
+    tracer: str = "auto",
+    offload_stash: bool = False,
+) -> Pipeline:
+    """Trace ``model``, cut it into balanced stages and return a runnable :class:`Pipeline`."""
+    _check_arguments(model, example_inputs, schedule, tracer, stages)
+    cluster = cluster or Cluster.local()
+
+    # 1. capture: model -> one flat fx graph over tensor inputs, original FQNs kept
+    bound = bind_inputs(model, example_inputs)
+    captured = capture(model, bound, tracer)
+    gm = captured.gm
+    canonical = canonical_names(model)
+
+    # 2. annotate: shapes and costs as functions of the micro-batch size b
+    annotate_shapes(gm, bound)
+    annotate_costs(gm, canonical)
+    mark_replicable(gm)
+
+    # 3. configure: P, D and the micro-batch size (given, or chosen)
+    config: Configuration = choose_configuration(
+        gm, cluster, example_batch=bound.batch_size, global_batch_size=global_batch_size,
+        stages=stages, data_parallel=data_parallel, micro_batch_size=micro_batch_size,
+        schedule=schedule, recompute=recompute,
+    )
+
+    # 4. partition: a stage for every operation, balanced by cost
+    setting = CostSetting(
+        micro_batch_size=config.micro_batch_size, device=device_spec(cluster.device),
+        bandwidth=config.pipeline_bandwidth, memory_cap=cluster.gpu_memory,
+        in_flight=config.in_flight, recompute=recompute,
+    )
+    partition = assign_stages(gm, config.stages, setting)
+    check_assignment(gm, config.stages)
+
+    # 5. split + codegen: one readable GraphModule per stage, explicit boundaries
+    trainable = {canonical[n] for n, p in model.named_parameters(remove_duplicate=False)
+                 if p.requires_grad}
+    stage_graphs = split_stages(gm, config.stages, trainable)
+    check_split(gm, stage_graphs)
+    order = list(dict.fromkeys(canonical.values()))
+    name = type(model).__name__
+    built = [build_stage(gm, sg, config.stages, order, name) for sg in stage_graphs]
+    check_parameters(gm, [s.parameter_names for s in built], canonical)
+
+    # 6. plan + runtime
+    costs = stage_costs(gm, built, partition, setting)
+    holders: dict[str, list[int]] = {}
+    for s in built:
+        for p in s.parameter_names:
+            holders.setdefault(p, []).append(s.index)
+    plan = Plan(
+        stages=config.stages, data_parallel=config.data_parallel,
+        micro_batch_size=config.micro_batch_size,
+        num_micro_batches=config.num_micro_batches, schedule=schedule, recompute=recompute,
+        stage_costs=costs, tied_parameters={k: v for k, v in holders.items() if len(v) > 1},
+        tracer=captured.tracer, model_name=name, alternatives=config.alternatives,
+    )
+    plan.predicted_step_time = config.predict(plan)
+    from .runtime.launch import make_runtime  # the runtime depends on how we were launched
+
+    return make_runtime(model, captured, built, plan, canonical, loss_fn=loss_fn,
+                        offload_stash=offload_stash)
+
+
+def _check_arguments(model: Any, example_inputs: Any, schedule: str, tracer: str,
+                     stages: int | None) -> None:
+    if not isinstance(model, nn.Module):
+        raise VarunaFxError(f"compile expects a torch.nn.Module, got {type(model).__name__}")
+    if example_inputs is None:
+        raise VarunaFxError(
+            "example_inputs is required: a tuple of positional args or a dict of keyword args "
+            "for one sample batch (dim 0 of every tensor is the batch)"
+        )
+    if schedule not in schedules.SCHEDULES:
+        raise VarunaFxError(
+            f"schedule={schedule!r} is unknown; choose one of {sorted(schedules.SCHEDULES)}"
+        )
+    if tracer not in TRACERS:
+        raise VarunaFxError(f"tracer={tracer!r} is unknown; choose one of {TRACERS}")
+    if stages is not None and (not isinstance(stages, int) or stages < 1):
+        raise VarunaFxError(f"stages={stages!r}: give a positive number of pipeline stages")

@@ -1,0 +1,328 @@
+"""Capture: an unmodified ``nn.Module`` becomes one flat ``fx.GraphModule``.
+
+Whatever tracer is used, the result has the same canonical shape, so every later pass sees one
+kind of graph:
+
+* one placeholder per tensor input, named after the ``forward`` parameter it binds to;
+* ``get_attr`` / ``call_module`` targets are the original fully qualified names (FQNs), and the
+  parameters are the model's own ``Parameter`` objects (gradients land on the user's model);
+* the output node returns a flat tuple of leaves; ``out_spec`` rebuilds the user's structure
+  (a tensor, tuple, dict or HuggingFace ``ModelOutput``).
+
+Tracers: ``"fx"`` is ``torch.fx`` symbolic tracing (keeps ``nn.Linear`` etc. as readable
+``call_module`` nodes); ``"export"`` is non-strict ``torch.export`` (aten-level, for models fx
+cannot trace such as every HuggingFace transformers 5.x model); ``"auto"`` tries fx, then export.
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import re
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+from .errors import CaptureError, InputError
+
+TRACERS = ("fx", "export", "auto")
+
+
+@dataclass
+class BoundInputs:
+    """The user's example inputs bound to ``model.forward``'s parameters."""
+
+    tensors: dict[str, torch.Tensor]  # graph inputs, in signature order
+    constants: dict[str, Any] = field(default_factory=dict)  # non-tensor values given by the user
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+
+@dataclass
+class Captured:
+    gm: fx.GraphModule
+    input_names: list[str]
+    out_spec: pytree.TreeSpec
+    tracer: str
+    signature: inspect.Signature
+    constants: dict[str, Any]
+
+
+def bind_inputs(model: nn.Module, inputs: Any, kw_inputs: dict[str, Any] | None = None,
+                *, what: str = "example_inputs") -> BoundInputs:
+    """Bind positional/keyword inputs to ``model.forward`` and check the batch dimension."""
+    if isinstance(inputs, torch.Tensor):
+        args, kwargs = (inputs,), {}
+    elif isinstance(inputs, dict):
+        args, kwargs = (), dict(inputs)
+    elif isinstance(inputs, (tuple, list)):
+        args, kwargs = tuple(inputs), {}
+    else:
+        raise InputError(
+            f"{what} must be a tuple of positional arguments or a dict of keyword arguments "
+            f"for {type(model).__name__}.forward, got {type(inputs).__name__}"
+        )
+    kwargs.update(kw_inputs or {})
+    signature = inspect.signature(model.forward)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise InputError(
+            f"{what} do not match {type(model).__name__}.forward{signature}: {exc}"
+        ) from None
+    tensors: dict[str, torch.Tensor] = {}
+    constants: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            raise InputError(
+                f"{type(model).__name__}.forward takes *args/**kwargs ('{name}'); pass inputs "
+                "that bind to named parameters, or wrap the model in a module with explicit ones"
+            )
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            constants[name] = value
+        else:
+            raise InputError(
+                f"{what}: argument '{name}' is a {type(value).__name__}; inputs must be tensors "
+                "(with the batch on dim 0) or plain constants (None, bool, int, float, str)"
+            )
+    if not tensors:
+        raise InputError(f"{what} contain no tensor: give at least one batch tensor")
+    batch = {n: (t.shape[0] if t.dim() > 0 else None) for n, t in tensors.items()}
+    if None in batch.values():
+        scalars = [n for n, b in batch.items() if b is None]
+        raise InputError(
+            f"{what}: {scalars} are 0-d tensors; every tensor input needs the batch on dim 0"
+        )
+    if len(set(batch.values())) > 1:
+        sizes = ", ".join(f"{n}: {b}" for n, b in batch.items())
+        raise InputError(
+            f"{what}: tensors disagree on the batch size (dim 0): {sizes}; dim 0 of every "
+            "tensor input must be the batch"
+        )
+    return BoundInputs(tensors, constants)
+
+
+def capture(model: nn.Module, bound: BoundInputs, tracer: str = "auto") -> Captured:
+    if tracer not in TRACERS:
+        raise CaptureError(f"tracer={tracer!r} is unknown; use one of {TRACERS}")
+    if tracer == "fx":
+        return _capture_fx(model, bound)
+    if tracer == "export":
+        return _capture_export(model, bound)
+    try:
+        return _capture_fx(model, bound)
+    except CaptureError as fx_error:
+        try:
+            return _capture_export(model, bound)
+        except CaptureError as export_error:
+            raise CaptureError(
+                f"neither tracer could capture {type(model).__name__}.\n"
+                f"  fx: {fx_error}\n  export: {export_error}"
+            ) from None
+
+
+# -- fx ------------------------------------------------------------------------------------------
+
+
+class _Tracer(fx.Tracer):
+    # Keep each node's source line: error messages and the generated stage code show it.
+    record_stack_traces = True
+    # Buffers (causal masks, rotary tables) become get_attr nodes instead of baked constants,
+    # so they may be sliced by traced sizes and are owned by the stages that read them.
+    proxy_buffer_attributes = True
+
+
+def _capture_fx(model: nn.Module, bound: BoundInputs) -> Captured:
+    signature = inspect.signature(model.forward)
+    concrete = dict(bound.constants)
+    for name, param in signature.parameters.items():
+        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if name not in bound.tensors and name not in concrete:
+            if param.default is inspect.Parameter.empty:
+                raise InputError(f"example_inputs give no value for '{name}'")
+            concrete[name] = param.default
+    tracer = _Tracer()
+    try:
+        graph = tracer.trace(model, concrete_args=concrete or None)
+    except Exception as exc:  # fx raises many kinds: TraceError, TypeError, AttributeError...
+        raise CaptureError(_describe_failure("torch.fx", exc)) from None
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _drop_concrete_placeholders(gm, bound)
+    gm.graph.eliminate_dead_code()
+    out_spec = _flatten_output(gm)
+    return Captured(gm, list(bound.tensors), out_spec, "fx", signature, bound.constants)
+
+
+def _drop_concrete_placeholders(gm: fx.GraphModule, bound: BoundInputs) -> None:
+    """fx keeps a placeholder for each concrete arg, feeding only a guard: remove both."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "placeholder" or node.target in bound.tensors:
+            continue
+        reached = _descendants(node)
+        if any(n.op == "output" for n in reached):
+            raise CaptureError(f"constant input '{node.target}' flows into the model's output")
+        for dead in reversed([n for n in graph.nodes if n in reached]):
+            graph.erase_node(dead)
+        graph.erase_node(node)
+    gm.recompile()
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = list(node.users)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.users)
+    return seen
+
+
+def _plain(value: Any) -> Any:
+    """fx stores output structures as immutable collections; users expect dict/list."""
+    if isinstance(value, immutable_dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, immutable_list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return type(value)({k: _plain(v) for k, v in value.items()})
+    return value
+
+
+def _flatten_output(gm: fx.GraphModule) -> pytree.TreeSpec:
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    leaves, spec = pytree.tree_flatten(_plain(output.args[0]))
+    output.args = (tuple(leaves),)
+    gm.recompile()
+    return spec
+
+
+# -- torch.export --------------------------------------------------------------------------------
+
+
+def _capture_export(model: nn.Module, bound: BoundInputs) -> Captured:
+    signature = inspect.signature(model.forward)
+    kwargs = {**bound.tensors, **bound.constants}
+    # dim 0 of every tensor input is the one batch dimension: export it symbolically, so the
+    # graph runs at any micro-batch size instead of being specialised to the example's.
+    batch = torch.export.Dim("batch", min=1)
+    dynamic = {name: ({0: batch} if name in bound.tensors else None) for name in kwargs}
+    try:
+        program = torch.export.export(
+            model, args=(), kwargs=kwargs, dynamic_shapes=dynamic, strict=False
+        )
+    except Exception as exc:
+        raise CaptureError(_describe_failure("torch.export", exc)) from None
+    gm = program.module()
+    info = gm.graph._codegen.pytree_info
+    leaves = pytree.tree_leaves(((), kwargs))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    flat_names = _leaf_names(kwargs)
+    for node, leaf, name in zip(placeholders, leaves, flat_names):
+        if isinstance(leaf, torch.Tensor):
+            node.target = name
+            node._rename(name)
+        elif node.users:
+            raise CaptureError(f"constant input {name}={leaf!r} is used as a tensor")
+        else:
+            gm.graph.erase_node(node)
+    for node in list(gm.graph.nodes):  # torch.export's runtime input guards: not part of the model
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm.graph.eliminate_dead_code()
+    _name_after_modules(gm)
+    # A fresh GraphModule: the unlifted one carries pre-hooks that check the pytree input spec.
+    gm = fx.GraphModule(gm, gm.graph, type(model).__name__)
+    return Captured(gm, list(bound.tensors), info.out_spec, "export", signature, bound.constants)
+
+
+def _leaf_names(kwargs: dict[str, Any]) -> list[str]:
+    names = []
+    for key, value in kwargs.items():
+        names.extend([key] * max(1, len(pytree.tree_leaves(value))))
+    return names
+
+
+_SELF_PREFIX = re.compile(r"^L__self___?")
+
+
+def _name_after_modules(gm: fx.GraphModule) -> None:
+    """aten nodes are called ``linear_17``; prefix the module they came from: ``h_3_mlp_linear``."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        if not stack:
+            continue
+        path = list(stack.values())[-1][0]
+        path = path.replace("L['self'].", "").replace("L__self__.", "")
+        if not path:
+            continue
+        try:
+            gm.get_submodule(path)
+        except AttributeError:  # export's own bookkeeping frames, not a model module
+            continue
+        parts = [p for p in re.split(r"[.\[\]'\"]+", path) if p]
+        prefix = "_".join(parts).lower()
+        base = re.sub(r"_\d+$", "", node.name)
+        node._rename(f"{prefix}_{base}")
+
+
+# -- error messages ------------------------------------------------------------------------------
+
+_LIBRARY_PATHS = (
+    "/torch/", "/varuna_fx/", "/transformers/", "/contextlib.py", "/functools.py", "/sympy/",
+)
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if not any(p in f.filename for p in _LIBRARY_PATHS)]
+    if not user:
+        # A model defined inside a library (e.g. transformers) still has a best guess: the last
+        # frame outside torch.
+        user = [f for f in frames if "/torch/" not in f.filename]
+    return user[-1] if user else None
+
+
+def _describe_failure(tracer: str, exc: BaseException) -> str:
+    frame = _user_frame(exc)
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if len(reason) > 300:
+        reason = reason[:300] + "..."
+    where = ""
+    if frame is not None:
+        line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        where = f" at {frame.filename}:{frame.lineno} in {frame.name}: `{line}`"
+    data_dependent = any(key in f"{type(exc).__name__} {reason}" for key in (
+        "control flow", "DataDependent", "data-dependent", "__bool__"))
+    if data_dependent:
+        hint = (
+            "Python control flow (if/while/bool()) that depends on tensor values cannot be "
+            "traced: rewrite it with torch.where or torch.cond, move it out of forward, or make "
+            "it depend only on shapes or constants"
+        )
+    else:
+        other = "'export'" if tracer == "torch.fx" else "'fx'"
+        hint = f"this operation cannot be traced by {tracer}: try tracer={other} or 'auto'"
+    return f"{tracer} failed{where} ({type(exc).__name__}: {reason}). {hint}"
+
+

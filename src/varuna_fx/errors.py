@@ -1,0 +1,39 @@
+"""Errors raised for bad user input.
+
+Every error a user can cause derives from :class:`VarunaFxError` and says what was wrong and
+what to change, so callers can catch one type and show the message as it is.
+"""
+
+from __future__ import annotations
+
+
+class VarunaFxError(Exception):
+    """Base class of every error caused by the user's model, inputs or configuration."""
+
+
+class CaptureError(VarunaFxError):
+    """The model could not be turned into a graph (data-dependent control flow, ...)."""
+
+
+class InputError(VarunaFxError):
+    """Example or step inputs are malformed (wrong types, batch dims that disagree, ...)."""
+
+
+class PartitionError(VarunaFxError):
+    """No valid partition exists (too many stages, a stage does not fit in memory, ...)."""
+
+
+class ScheduleError(VarunaFxError):
+    """A schedule is incomplete, inconsistent or would deadlock."""
+
+
+class PlanError(VarunaFxError):
+    """No configuration (P, D, micro-batch size) fits the cluster or the batch."""
+
+
+class DistributedError(VarunaFxError):
+    """A distributed run is misconfigured (world size, disagreeing ranks, ...)."""
+
+
+class PeerTimeoutError(DistributedError):
+    """A peer rank did not answer within the timeout."""

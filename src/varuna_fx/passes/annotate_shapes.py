@@ -1,0 +1,184 @@
+"""annotate_shapes: output shapes, dtypes, bytes and raw FLOP counts of every node.
+
+The graph runs twice on fake tensors (``FakeTensorMode``: shapes and dtypes only, no memory and
+no compute), at two batch sizes. Every size that changes between the runs is linear in the
+batch, so each dimension, byte count and FLOP count is fitted as ``const + per_sample * b``
+(see :class:`varuna_fx.ir.Affine`). A dispatch-level recorder counts matmul-class FLOPs with
+torch's own formulas (``torch.utils.flop_counter``), one FLOP per output element for every
+other non-view aten op, and notices random ops (``Tag.nondeterministic_seeded``: dropout & co).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from ..capture import BoundInputs
+from ..errors import CaptureError
+from ..ir import Affine, TensorInfo, b, info
+
+_RANDOM_MODULES = ("Dropout",)  # by class name: also catches user subclasses
+
+
+@dataclass
+class _Observed:
+    shapes: list[tuple[int, ...]]
+    dtypes: list[torch.dtype]
+    is_tensor: bool
+    out_bytes: int
+    matmul_flops: int
+    elementwise_flops: int
+    random: bool
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Counts FLOPs and notices random ops of whatever runs inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reset()
+
+    def reset(self) -> None:
+        self.matmul = 0
+        self.elementwise = 0
+        self.random = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.random = True
+        if packet in flop_registry:
+            self.matmul += int(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif not func.is_view:
+            self.elementwise += sum(
+                t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+            )
+        return out
+
+
+class _FakeRun(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, recorder: _OpRecorder) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.recorder = recorder
+        self.observed: dict[fx.Node, _Observed] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.recorder.reset()
+        try:
+            value = super().run_node(n)
+        except Exception as exc:
+            where = n.meta.get("stack_trace", "").strip().splitlines()[-2:]
+            raise CaptureError(
+                f"running node '{n.name}' ({n.format_node()}) on fake tensors failed: "
+                f"{type(exc).__name__}: {exc}. Source: {' '.join(s.strip() for s in where)}"
+            ) from None
+        tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        random = self.recorder.random or _is_random_module(self.module, n)
+        self.observed[n] = _Observed(
+            shapes=[tuple(t.shape) for t in tensors],
+            dtypes=[t.dtype for t in tensors],
+            is_tensor=isinstance(value, torch.Tensor),
+            out_bytes=sum(t.numel() * t.element_size() for t in tensors),
+            matmul_flops=self.recorder.matmul,
+            elementwise_flops=self.recorder.elementwise,
+            random=random,
+        )
+        return value
+
+
+def _is_random_module(root: torch.nn.Module, n: fx.Node) -> bool:
+    if n.op == "call_module":
+        return any(r in type(root.get_submodule(n.target)).__name__ for r in _RANDOM_MODULES)
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", "") in ("dropout", "dropout1d", "dropout2d",
+                                                     "alpha_dropout", "feature_alpha_dropout")
+    return False
+
+
+def _run_fake(gm: fx.GraphModule, bound: BoundInputs, batch: int) -> dict[fx.Node, _Observed]:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    recorder = _OpRecorder()
+    with mode:
+        fake = [torch.empty((batch, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                for t in bound.tensors.values()]
+    runner = _FakeRun(gm, recorder)
+    # Tracing-time RNG, autograd and module state must not leak into the user's program.
+    with torch.no_grad(), mode, recorder:
+        runner.run(*fake)
+    return runner.observed
+
+
+def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
+    """Write outputs/bytes/FLOPs (affine in the micro-batch size ``b``) into node.meta."""
+    b1 = bound.batch_size
+    b2 = 2 * b1 + 1
+    first = _run_fake(gm, bound, b1)
+    second = _run_fake(gm, bound, b2)
+    for node in gm.graph.nodes:
+        meta = info(node)
+        frames = node.meta.get("stack_trace", "")
+        meta.source = _last_source_line(frames)
+        meta.module_path = _module_path(node)
+        if node not in first:
+            continue
+        o1, o2 = first[node], second[node]
+        meta.is_tensor = o1.is_tensor
+        meta.random = o1.random
+        meta.outputs = [
+            TensorInfo(_fit_shape(s1, s2, b1, b2), dtype)
+            for s1, s2, dtype in zip(o1.shapes, o2.shapes, o1.dtypes)
+        ]
+        meta.out_bytes = Affine.fit(b1, o1.out_bytes, b2, o2.out_bytes)
+        meta.matmul_flops = Affine.fit(b1, o1.matmul_flops, b2, o2.matmul_flops)
+        meta.elementwise_flops = Affine.fit(b1, o1.elementwise_flops, b2, o2.elementwise_flops)
+    for node in gm.graph.nodes:
+        meta = info(node)
+        meta.in_bytes = sum((info(i).out_bytes for i in node.all_input_nodes), Affine())
+
+
+def _fit_shape(s1: tuple[int, ...], s2: tuple[int, ...], b1: int, b2: int) -> tuple[sympy.Expr, ...]:
+    if len(s1) != len(s2):  # rank depends on the batch: keep the example's shape
+        return tuple(sympy.Integer(d) for d in s1)
+    dims = []
+    for d1, d2 in zip(s1, s2):
+        if d1 == d2:
+            dims.append(sympy.Integer(d1))
+        else:
+            fit = Affine.fit(b1, d1, b2, d2)
+            dims.append(sympy.nsimplify(fit.const) + sympy.nsimplify(fit.per_sample) * b)
+    return tuple(dims)
+
+
+def _last_source_line(stack_trace: str) -> str:
+    """'File "x.py", line 12, in forward' -> 'x.py:12'."""
+    lines = [ln.strip() for ln in (stack_trace or "").splitlines()
+             if ln.strip().startswith("File") and "/torch/" not in ln]
+    if not lines:
+        return ""
+    last = lines[-1]
+    try:
+        path = last.split('"')[1]
+        lineno = last.split("line ")[1].split(",")[0]
+    except IndexError:
+        return ""
+    return f"{path.rsplit('/', 1)[-1]}:{lineno}"
+
+
+def _module_path(node: fx.Node) -> str:
+    if node.op in ("call_module", "get_attr"):
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return str(path).replace("L['self'].", "").replace("L__self__.", "")

@@ -1,0 +1,53 @@
+"""mark_replicable: values every stage can compute for itself instead of receiving.
+
+Every stage has the batch, so anything cheap that depends only on model inputs, buffers and
+constants -- ``input_ids.size()``, position ids, attention-mask arithmetic, a causal mask, a
+view of a weight -- is copied into each stage that uses it rather than sent. This keeps
+non-tensor values (shapes, ints) off the network and frees the partitioner from cutting where
+they flow. A node is replicable when all its inputs are, it is not random, it does no
+matmul-class work and it is not a module call with state; a node reading a trainable parameter
+qualifies only if it is a pure view of it (a transpose), so no work on weights is duplicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..ir import info
+
+
+def mark_replicable(gm: fx.GraphModule) -> None:
+    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False)
+                 if p.requires_grad}
+    reads_weight: dict[fx.Node, bool] = {}
+    for node in gm.graph.nodes:
+        meta = info(node)
+        inputs = node.all_input_nodes
+        reads_weight[node] = (
+            (node.op == "get_attr" and str(node.target) in trainable)
+            or any(reads_weight[i] for i in inputs)
+        )
+        if node.op in ("placeholder", "get_attr"):
+            meta.replicable = True
+        elif node.op == "output":
+            meta.replicable = False
+        else:
+            meta.replicable = (
+                all(info(i).replicable for i in inputs)
+                and not meta.random
+                and meta.matmul_flops.const == 0 and meta.matmul_flops.per_sample == 0
+                and not _stateful_module(gm, node)
+                and (not reads_weight[node] or _is_free(meta))
+            )
+
+
+def _is_free(meta) -> bool:  # noqa: ANN001
+    return meta.elementwise_flops.const == 0 and meta.elementwise_flops.per_sample == 0
+
+
+def _stateful_module(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op != "call_module":
+        return False
+    module: torch.nn.Module = gm.get_submodule(str(node.target))
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())

@@ -1,0 +1,125 @@
+"""split_stages: one fx.Graph per stage, with explicit boundaries.
+
+Each stage graph takes the model inputs it reads and the values it receives as placeholders
+(named after the producing node, so ``add_11`` in stage 1 *is* stage 0's ``add_11``), copies
+its own nodes plus the replicable ones it needs, and returns a dict: every value a later stage
+needs (sent once, to each consumer stage directly, so long skip connections arrive without
+relaying) and, on the last stage, the model's output leaves as ``output_<i>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch.fx as fx
+
+from ..ir import StageSpec, TensorInfo, Transfer, info
+
+
+@dataclass
+class StageGraph:
+    spec: StageSpec
+    graph: fx.Graph
+
+
+def output_key(i: int) -> str:
+    return f"output_{i}"
+
+
+def _needed_replicables(node: fx.Node, into: set[fx.Node], inputs: set[fx.Node]) -> None:
+    for inp in node.all_input_nodes:
+        if inp.op == "placeholder":
+            inputs.add(inp)
+        elif info(inp).replicable and inp not in into:
+            into.add(inp)
+            _needed_replicables(inp, into, inputs)
+
+
+def requiring_grad(gm: fx.GraphModule, trainable: set[str]) -> set[fx.Node]:
+    """Nodes whose value depends differentiably on a trainable parameter (model inputs are
+    data and need no gradient). Decided statically so peers need not exchange metadata."""
+    found: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        floating = any(t.dtype.is_floating_point or t.dtype.is_complex
+                       for t in info(node).outputs)
+        if floating and (any(p in trainable for p in info(node).params)
+                         or any(i in found for i in node.all_input_nodes)):
+            found.add(node)
+    return found
+
+
+def split_stages(gm: fx.GraphModule, num_stages: int,
+                 trainable: set[str]) -> list[StageGraph]:
+    grad_nodes = requiring_grad(gm, trainable)
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    output = nodes[-1]
+    last = num_stages - 1
+
+    def stage_of(n: fx.Node) -> int:
+        return last if n.op == "output" else info(n).stage  # type: ignore[return-value]
+
+    owned: list[list[fx.Node]] = [[] for _ in range(num_stages)]
+    for n in nodes:
+        if n.op not in ("placeholder", "get_attr", "output") and not info(n).replicable:
+            owned[info(n).stage].append(n)  # type: ignore[index]
+    # Who needs which computed value: consumer stages of every non-replicable node.
+    consumers: dict[fx.Node, set[int]] = {n: set() for s in owned for n in s}
+    for n in [*[x for s in owned for x in s], output]:
+        for inp in n.all_input_nodes:
+            if inp in consumers and stage_of(inp) != stage_of(n):
+                consumers[inp].add(stage_of(n))
+    transfers = [
+        Transfer(n.name, stage_of(n), dst, _tensor(n), info(n).out_bytes, n in grad_nodes)
+        for n in sorted(consumers, key=order.__getitem__) for dst in sorted(consumers[n])
+    ]
+    by_name = {n.name: n for n in nodes}
+    stages = []
+    for s in range(num_stages):
+        body = owned[s] + ([output] if s == last else [])
+        replicated: set[fx.Node] = set()
+        placeholders: set[fx.Node] = set()
+        for n in body:
+            _needed_replicables(n, replicated, placeholders)
+        recvs = [t for t in transfers if t.dst == s]
+        sends = [t for t in transfers if t.src == s]
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        inputs = [p for p in nodes if p in placeholders]
+        for p in inputs:
+            env[p] = graph.placeholder(p.name)
+            env[p].meta = dict(p.meta)
+        for t in {t.name: t for t in recvs}.values():  # one placeholder per value
+            src = by_name[t.name]
+            env[src] = graph.placeholder(t.name)
+            # shapes and source for the generated code, but not the producer's parameters
+            env[src].meta = {**src.meta, "varuna": replace(info(src), params={})}
+        for n in nodes:
+            if n in replicated or (n in owned[s]):
+                env[n] = graph.node_copy(n, lambda a: env[a])
+        results: dict[str, fx.Node] = {}
+        for name in dict.fromkeys(t.name for t in sends):
+            results[name] = env[by_name[name]]
+        outputs = []
+        if s == last:
+            for i, leaf in enumerate(output.args[0]):
+                if isinstance(leaf, fx.Node):
+                    results[output_key(i)] = env[leaf]
+                    outputs.append(i)
+        graph.output(results)
+        graph.lint()
+        spec = StageSpec(
+            index=s,
+            inputs=[str(p.target) for p in inputs],
+            recvs=recvs,
+            sends=sends,
+            outputs=outputs,
+            nodes=[n.name for n in owned[s]],
+            parameter_names=[],  # filled in by codegen, which knows the model's order
+        )
+        stages.append(StageGraph(spec, graph))
+    return stages
+
+
+def _tensor(n: fx.Node) -> TensorInfo:
+    return info(n).outputs[0]

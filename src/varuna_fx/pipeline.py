@@ -1,0 +1,126 @@
+"""Pipeline: what ``vf.compile`` returns -- the stages, the plan and a runtime to drive them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .capture import Captured, bind_inputs
+from .codegen import Stage
+from .errors import InputError
+from .passes.split_stages import output_key
+from .plan import Plan
+
+
+class Pipeline:
+    def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
+                 canonical: dict[str, str], runtime: Any, *, stage_index: int = 0,
+                 replica_index: int = 0, local_stages: list[int] | None = None) -> None:
+        self.model = model
+        self.captured = captured
+        self.stages = stages
+        self.plan = plan
+        self.canonical = canonical
+        self.runtime = runtime
+        self.stage_index = stage_index
+        self.replica_index = replica_index
+        # stages whose parameters live in this process (all of them in one process)
+        self.local_stages = local_stages if local_stages is not None else list(range(len(stages)))
+        output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
+        self._output_template = [None if isinstance(leaf, fx.Node) else leaf
+                                 for leaf in output.args[0]]
+
+    # -- running -------------------------------------------------------------------------------
+
+    def _bind(self, inputs: tuple, kw_inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+        bound = bind_inputs(self.model, inputs, kw_inputs, what="step inputs")
+        expected = self.captured.input_names
+        if list(bound.tensors) != expected:
+            raise InputError(
+                f"inputs {list(bound.tensors)} differ from the compiled ones {expected}: pass the "
+                "same arguments as example_inputs"
+            )
+        if bound.constants != self.captured.constants:
+            raise InputError(
+                f"constant arguments {bound.constants} differ from the compiled ones "
+                f"{self.captured.constants}; compile again to change them"
+            )
+        return bound.tensors
+
+    def assemble(self, outputs: dict[str, Any]) -> Any:
+        """The last stage's result dict -> the model's output structure."""
+        leaves = [outputs[output_key(i)] if const is None else const
+                  for i, const in enumerate(self._output_template)]
+        return pytree.tree_unflatten(leaves, self.captured.out_spec)
+
+    def step(self, *inputs: Any, target: Any = None, **kw_inputs: Any) -> torch.Tensor:
+        """Forward and backward of one batch under the schedule; returns the mean loss."""
+        return self.runtime.step(self._bind(inputs, kw_inputs), target)
+
+    def __call__(self, *inputs: Any, **kw_inputs: Any) -> Any:
+        return self.runtime.forward(self._bind(inputs, kw_inputs))
+
+    # -- parameters ----------------------------------------------------------------------------
+
+    def _held_names(self) -> list[str]:
+        held = {n for s in self.local_stages for n in self.stages[s].parameter_names}
+        return [n for n in dict.fromkeys(self.canonical.values()) if n in held]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name in self._held_names():
+            if name in params:
+                yield name, params[name]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        for name in self._held_names():
+            if name in buffers:
+                yield name, buffers[name]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def train(self, mode: bool = True) -> Pipeline:
+        self.model.train(mode)
+        for s in self.stages:
+            s.module.train(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        return self.train(False)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers held here, keyed by the original (canonical) FQNs."""
+        persistent = set(self.model.state_dict().keys())
+        state = {n: p for n, p in self.named_parameters()}
+        state.update({n: b for n, b in self.named_buffers() if n in persistent})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        mine = self.state_dict()
+        missing = [k for k in mine if k not in state]
+        if strict and missing:
+            raise InputError(f"state dict lacks {len(missing)} entries, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for name, tensor in mine.items():
+                if name in state:
+                    tensor.copy_(state[name])
+
+    def __repr__(self) -> str:
+        return f"Pipeline(\n{self.plan})"

@@ -1,0 +1,91 @@
+"""Plan: what the compiler decided, printable as a table."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclass(frozen=True)
+class StageCost:
+    index: int
+    nodes: int  # operations computed on the stage
+    parameters: int  # parameter elements held
+    parameter_bytes: int
+    flops: float  # forward + backward FLOPs per micro-batch
+    activation_bytes: float  # activations one micro-batch produces on the stage
+    boundary_bytes: float  # bytes the stage sends per micro-batch
+    time: float  # estimated seconds per micro-batch (forward + backward (+ recompute) + send)
+    memory: float  # estimated bytes on the device
+    forward_time: float = 0.0  # estimated seconds of one micro-batch's forward
+    backward_time: float = 0.0
+
+
+@dataclass
+class Plan:
+    stages: int
+    data_parallel: int
+    micro_batch_size: int
+    num_micro_batches: int
+    schedule: str
+    recompute: bool
+    stage_costs: list[StageCost]
+    tied_parameters: dict[str, list[int]] = field(default_factory=dict)
+    predicted_step_time: float | None = None
+    tracer: str = "fx"
+    model_name: str = "model"
+    alternatives: list[str] = field(default_factory=list)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches * self.data_parallel
+
+    @property
+    def balance(self) -> float:
+        """max / mean stage time: 1.0 is perfect balance."""
+        times = [s.time for s in self.stage_costs]
+        return max(times) / (sum(times) / len(times)) if times and sum(times) else 1.0
+
+    def table(self) -> Table:
+        step = (f", predicted step {self.predicted_step_time * 1e3:.2f} ms"
+                if self.predicted_step_time is not None else "")
+        table = Table(title=(
+            f"{self.model_name}: P={self.stages} x D={self.data_parallel}, micro-batch "
+            f"{self.micro_batch_size} x {self.num_micro_batches}, schedule {self.schedule}"
+            f"{' + recompute' if self.recompute else ''}{step}"
+        ))
+        for name in ("stage", "nodes", "parameters", "FLOPs/mb", "activations/mb",
+                     "boundary/mb", "time/mb", "memory"):
+            table.add_column(name, justify="right")
+        for s in self.stage_costs:
+            table.add_row(str(s.index), str(s.nodes), _count(s.parameters), _count(s.flops),
+                          _bytes(s.activation_bytes), _bytes(s.boundary_bytes),
+                          f"{s.time * 1e3:.3f} ms", _bytes(s.memory))
+        tied = ", ".join(f"{k} (stages {v})" for k, v in self.tied_parameters.items())
+        table.caption = f"balance max/mean {self.balance:.3f}" + (f"; tied: {tied}" if tied else "")
+        return table
+
+    def __rich__(self) -> Table:
+        return self.table()
+
+    def __str__(self) -> str:
+        buffer = io.StringIO()
+        Console(file=buffer, width=120, force_terminal=False, color_system=None).print(self.table())
+        return buffer.getvalue().rstrip() + "\n"
+
+
+def _count(n: float) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return f"{n:.0f}"
+
+
+def _bytes(n: float) -> str:
+    for scale, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {suffix}"
+    return f"{n:.0f} B"

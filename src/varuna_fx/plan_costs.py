@@ -1,0 +1,43 @@
+"""Per-stage totals for the plan table and the simulator."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .codegen import Stage
+from .costmodel import backward_time, forward_time
+from .ir import info
+from .passes.assign_stages import CostSetting
+from .passes.partition import Partition
+from .plan import StageCost
+
+
+def stage_costs(gm: fx.GraphModule, stages: list[Stage], partition: Partition,
+                setting: CostSetting) -> list[StageCost]:
+    b = setting.micro_batch_size
+    by_name = {n.name: n for n in gm.graph.nodes}
+    sizes = {name: p.numel() for name, p in gm.named_parameters(remove_duplicate=False)}
+    sizes.update({name: p.numel() for name, p in gm.named_buffers(remove_duplicate=False)})
+    result = []
+    for stage in stages:
+        nodes = [by_name[n] for n in stage.spec.nodes]
+        held: dict[str, int] = {}
+        for n in stage.module.graph.nodes:
+            held.update(info(n).params)
+        fwd = sum(forward_time(info(n), b, setting.device) for n in nodes)
+        bwd = sum(backward_time(info(n), b, setting.device) for n in nodes)
+        result.append(StageCost(
+            index=stage.index,
+            nodes=len(nodes),
+            parameters=sum(sizes.get(name, 0) for name in held),
+            parameter_bytes=sum(held.values()),
+            flops=sum(info(n).flops(b) for n in nodes),
+            activation_bytes=sum(info(n).out_bytes(b) for n in nodes
+                                 if info(n).fwd_flops(b) > 0),
+            boundary_bytes=sum(t.nbytes(b) for t in stage.spec.sends),
+            time=partition.stage_costs[stage.index],
+            memory=partition.stage_memory[stage.index],
+            forward_time=fwd,
+            backward_time=bwd,
+        ))
+    return result

@@ -1,0 +1,1 @@
+"""Executors: one process (``local``) and torch.distributed (``distributed``)."""

@@ -1,0 +1,68 @@
+"""Splitting a batch into micro-batches, and finding the loss in a model's output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..errors import InputError
+
+
+def split_batch(tensors: dict[str, torch.Tensor], micro_batch_size: int,
+                what: str = "batch") -> list[dict[str, torch.Tensor]]:
+    sizes = {name: t.shape[0] for name, t in tensors.items()}
+    batch = next(iter(sizes.values()))
+    if len(set(sizes.values())) > 1:
+        raise InputError(f"{what}: tensors disagree on the batch size (dim 0): {sizes}")
+    if batch % micro_batch_size:
+        raise InputError(
+            f"{what}: batch size {batch} is not divisible by the micro-batch size "
+            f"{micro_batch_size}; pass a batch that is a multiple of {micro_batch_size} or "
+            "compile with another micro_batch_size"
+        )
+    count = batch // micro_batch_size
+    chunks = {name: t.split(micro_batch_size) for name, t in tensors.items()}
+    return [{name: chunks[name][i] for name in tensors} for i in range(count)]
+
+
+def split_target(target: Any, micro_batch_size: int, count: int) -> list[Any]:
+    if target is None:
+        return [None] * count
+    leaves, spec = pytree.tree_flatten(target)
+    pieces = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            if leaf.shape[0] != micro_batch_size * count:
+                raise InputError(
+                    f"target has batch size {leaf.shape[0]} but the inputs have "
+                    f"{micro_batch_size * count}; dim 0 of the target must be the batch"
+                )
+            pieces.append(leaf.split(micro_batch_size))
+        else:
+            pieces.append([leaf] * count)
+    return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(count)]
+
+
+def extract_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None,
+                 target: Any) -> torch.Tensor:
+    """The scalar loss of one micro-batch: ``loss_fn(output, target)`` or the model's own."""
+    if loss_fn is not None:
+        loss = loss_fn(output, target) if target is not None else loss_fn(output)
+    elif isinstance(output, torch.Tensor):
+        loss = output
+    elif hasattr(output, "loss") and getattr(output, "loss") is not None:
+        loss = output.loss
+    elif isinstance(output, dict) and "loss" in output:
+        loss = output["loss"]
+    else:
+        raise InputError(
+            f"the model returned a {type(output).__name__} with no loss: pass loss_fn=... to "
+            "vf.compile, or return a 0-d tensor, an object with .loss or a dict with 'loss'"
+        )
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InputError(f"the loss must be a 0-d tensor, got {shape}: reduce it (e.g. .mean())")
+    return loss

@@ -1,0 +1,146 @@
+"""StageWorker: forward, recompute and backward of one stage for one micro-batch at a time.
+
+Shared by the one-process and the distributed runtimes; they differ only in how values travel.
+
+* **forward** runs the stage. With recomputation (and not on the last stage) it runs under
+  ``no_grad`` and stashes only what went *in*: the received values and the model-input slices
+  (optionally in host memory). Without it, it keeps the autograd graph until the backward.
+* **recompute** replays the forward with autograd on, from the stash.
+* **backward** back-propagates the gradients of the values the stage sent (summed over every
+  consumer stage) and returns the gradients of the values it received.
+
+Random ops (dropout) draw from a generator seeded per (step seed, stage, micro-batch), so the
+replay reproduces the same masks, and recomputation on or off gives identical numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..codegen import Stage
+
+LossFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+
+
+@dataclass
+class _Stash:
+    inputs: dict[str, torch.Tensor]  # model-input slices and received values (leaves)
+    outputs: dict[str, torch.Tensor] | None = None  # with autograd graph, after F or R
+    nbytes: int = 0
+
+
+def _leaf(value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    leaf = value.detach()
+    if requires_grad:
+        leaf.requires_grad_(True)
+    return leaf
+
+
+class StageWorker:
+    def __init__(self, stage: Stage, *, recompute: bool, is_last: bool,
+                 offload_stash: bool = False) -> None:
+        self.stage = stage
+        self.spec = stage.spec
+        self.recompute = recompute and not is_last  # the last stage never recomputes
+        self.is_last = is_last
+        self.offload = offload_stash
+        self.random = stage.random
+        self.seed = 0
+        self.grad_recvs = [t for t in self.spec.recvs if t.requires_grad]
+        self._stash: dict[int, _Stash] = {}
+        self.stash_bytes = 0
+        self.peak_stash_bytes = 0
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _run(self, mb: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not self.random:
+            return self.stage(inputs)
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(hash((self.seed, self.stage.index, mb)) & (2**63 - 1))
+            return self.stage(inputs)
+
+    def _track(self, delta: int) -> None:
+        self.stash_bytes += delta
+        self.peak_stash_bytes = max(self.peak_stash_bytes, self.stash_bytes)
+
+    def reset_peak(self) -> None:
+        self.peak_stash_bytes = self.stash_bytes
+
+    # -- actions -------------------------------------------------------------------------------
+
+    def forward(self, mb: int, model_inputs: dict[str, torch.Tensor],
+                received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Returns every value the stage produces for others (sends and output leaves)."""
+        inputs = {name: model_inputs[name] for name in self.spec.inputs}
+        needs = {t.name: t.requires_grad for t in self.spec.recvs}
+        for name, value in received.items():
+            inputs[name] = _leaf(value, needs[name] and torch.is_grad_enabled())
+        if self.recompute:
+            with torch.no_grad():
+                outputs = self._run(mb, inputs)
+            stashed = {k: (v.to("cpu", non_blocking=True) if self.offload else v)
+                       for k, v in inputs.items()}
+            nbytes = sum(v.numel() * v.element_size() for v in stashed.values())
+            self._stash[mb] = _Stash(stashed, None, nbytes)
+        else:
+            outputs = self._run(mb, inputs)
+            nbytes = _graph_bytes(outputs, inputs)
+            self._stash[mb] = _Stash(inputs, outputs, nbytes)
+        self._track(nbytes)
+        return outputs
+
+    def recompute_mb(self, mb: int, device: torch.device | None = None) -> None:
+        stash = self._stash[mb]
+        inputs = {}
+        needs = {t.name: t.requires_grad for t in self.spec.recvs}
+        for name, value in stash.inputs.items():
+            if self.offload and device is not None:
+                value = value.to(device, non_blocking=True)
+            inputs[name] = _leaf(value, needs.get(name, False))
+        with torch.enable_grad():
+            stash.inputs = inputs
+            stash.outputs = self._run(mb, inputs)
+
+    def backward(self, mb: int, grads: dict[str, torch.Tensor],
+                 loss: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """``grads``: summed gradients of the sent values; ``loss``: on the last stage, the
+        micro-batch's scaled loss. Returns the gradients of the received values."""
+        stash = self._stash.pop(mb)
+        if stash.outputs is None:
+            raise RuntimeError(f"stage {self.stage.index}: backward of micro-batch {mb} before "
+                               "its recompute")
+        tensors, seeds = [], []
+        if loss is not None:
+            tensors.append(loss)
+            seeds.append(torch.ones_like(loss))
+        for name, grad in grads.items():
+            value = stash.outputs[name]
+            if value.requires_grad:
+                tensors.append(value)
+                seeds.append(grad)
+        if tensors:
+            torch.autograd.backward(tensors, seeds)
+        self._track(-stash.nbytes)
+        result = {}
+        for t in self.grad_recvs:
+            leaf = stash.inputs[t.name]
+            result[t.name] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        return result
+
+    def outputs_of(self, mb: int) -> dict[str, torch.Tensor]:
+        stash = self._stash[mb]
+        assert stash.outputs is not None
+        return stash.outputs
+
+
+def _graph_bytes(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> int:
+    """Rough size of what a kept autograd graph holds: inputs plus outputs (a lower bound; the
+    saved intermediates are not visible from here)."""
+    total = sum(v.numel() * v.element_size() for v in inputs.values())
+    return total + sum(v.numel() * v.element_size() for v in outputs.values()
+                       if isinstance(v, torch.Tensor))

@@ -1,0 +1,28 @@
+"""Pipeline schedules: generate (Varuna, 1F1B, GPipe), validate, simulate and draw them.
+
+>>> from varuna_fx.schedule import build_schedule, simulate
+>>> sched = build_schedule("varuna", num_stages=4, num_micro_batches=8)
+>>> simulate(sched, forward=[1.0] * 4, backward=[2.0] * 4).step_time
+39.0
+"""
+
+from varuna_fx.schedule.actions import Action, Kind, Schedule
+from varuna_fx.schedule.generators import SCHEDULES, build_schedule
+from varuna_fx.schedule.render import gantt, text_grid
+from varuna_fx.schedule.simulate import SimResult, analytic_bubble, simulate
+from varuna_fx.schedule.validate import execution_order, validate
+
+__all__ = [
+    "Action",
+    "Kind",
+    "SCHEDULES",
+    "Schedule",
+    "SimResult",
+    "analytic_bubble",
+    "build_schedule",
+    "execution_order",
+    "gantt",
+    "simulate",
+    "text_grid",
+    "validate",
+]

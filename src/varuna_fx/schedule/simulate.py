@@ -1,0 +1,217 @@
+"""Discrete-event simulation of a static schedule, fast enough for a planner's inner loop.
+
+Each stage executes its list in order; an action starts once its stage finished the previous
+action and the data of its cross-stage dependency has arrived (dependency end + latency +
+bytes / bandwidth). Same-stage dependencies (R after F, B after R) are implied by the stage's
+sequential order, so every action has at most one edge that matters besides its predecessor.
+
+Speed: everything that depends only on the schedule's structure (a topological order, the index
+of each action's stage predecessor and cross-stage dependency, cost-table slots, stash peaks) is
+compiled once per :class:`Schedule` object and cached on it, so one :func:`simulate` call is a
+single loop over plain Python lists. Reuse the same Schedule object across calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from varuna_fx.errors import ScheduleError
+from varuna_fx.schedule.actions import Action, Kind, Schedule
+from varuna_fx.schedule.validate import check_complete, execution_order
+
+_KIND_SLOT = {Kind.F: 0, Kind.R: 1, Kind.B: 2}
+
+
+@dataclass
+class _Compiled:
+    """Structure-only data of one schedule; indices are shifted by one (0 is a 'done at t=0'
+    sentinel) so the hot loop needs no branches."""
+
+    key: tuple[int, int, bool]  # (P, m, recompute) the data was compiled for
+    snapshot: list[list[Action]]
+    order: list[Action]  # topological order
+    prev: list[int]  # 1 + index of the stage predecessor, or 0
+    dep: list[int]  # 1 + index of the cross-stage dependency, or 0
+    link: list[int]  # 1 + link index crossed by that dependency, or 0
+    cost_slot: list[int]  # kind_slot * P + stage, into the flat cost table
+    counts: list[tuple[int, int, int]]  # (#F, #R, #B) per stage
+    peak_stash: list[int]
+
+
+def _peak_stash(acts: list[Action]) -> int:
+    """Most micro-batches held at once: from the start of F(i) to the end of B(i).
+
+    A stage runs its actions one at a time, so the count only changes in list order and the
+    peak does not depend on the timings at all.
+    """
+    live = peak = 0
+    for act in acts:
+        if act.kind is Kind.F:
+            live += 1
+            peak = max(peak, live)
+        elif act.kind is Kind.B:
+            live -= 1
+    return peak
+
+
+def _compile(schedule: Schedule) -> _Compiled:
+    check_complete(schedule)
+    order = execution_order(schedule)
+    p = schedule.num_stages
+    index = {act: k + 1 for k, act in enumerate(order)}
+    prev_of: dict[Action, int] = {}
+    for acts in schedule.per_stage:
+        for before, act in zip(acts, acts[1:]):
+            prev_of[act] = index[before]
+    prev, dep, link, slot = [], [], [], []
+    for act in order:
+        s, i = act.stage, act.mb
+        prev.append(prev_of.get(act, 0))
+        slot.append(_KIND_SLOT[act.kind] * p + s)
+        if act.kind is Kind.F and s > 0:
+            dep.append(index[Action(s - 1, Kind.F, i)])
+            link.append(s)  # link s-1, shifted by one
+        elif act.kind is Kind.B and s < p - 1:
+            dep.append(index[Action(s + 1, Kind.B, i)])
+            link.append(s + 1)  # link s, shifted by one
+        else:
+            dep.append(0)
+            link.append(0)
+    return _Compiled(
+        key=(p, schedule.num_micro_batches, schedule.recompute),
+        snapshot=[list(acts) for acts in schedule.per_stage],
+        order=order,
+        prev=prev,
+        dep=dep,
+        link=link,
+        cost_slot=slot,
+        counts=[
+            tuple(sum(a.kind is k for a in acts) for k in (Kind.F, Kind.R, Kind.B))
+            for acts in schedule.per_stage
+        ],
+        peak_stash=[_peak_stash(acts) for acts in schedule.per_stage],
+    )
+
+
+def compiled(schedule: Schedule) -> _Compiled:
+    """The cached compiled form of ``schedule``, rebuilt if its lists were changed."""
+    comp = schedule._compiled
+    key = (schedule.num_stages, schedule.num_micro_batches, schedule.recompute)
+    # List equality short-cuts on identical elements, so this check is cheap when unchanged.
+    if comp is None or comp.key != key or comp.snapshot != schedule.per_stage:
+        comp = _compile(schedule)
+        schedule._compiled = comp
+    return comp
+
+
+@dataclass
+class SimResult:
+    """Outcome of one simulated training step."""
+
+    schedule: Schedule
+    step_time: float
+    busy: list[float]
+    idle: list[float]
+    bubble_fraction: float  # mean over stages of idle / step_time
+    peak_stash_count: list[int]
+    peak_stash_bytes: list[float] | None  # None when no stash_bytes were given
+    starts: list[float] = field(repr=False)  # aligned with `actions`
+    ends: list[float] = field(repr=False)
+    actions: list[Action] = field(repr=False)  # a topological order
+
+    @property
+    def timeline(self) -> list[tuple[Action, float, float]]:
+        """``(action, start, end)`` for every action, by start time then stage."""
+        rows = list(zip(self.actions, self.starts, self.ends))
+        rows.sort(key=lambda r: (r[1], r[0].stage))
+        return rows
+
+
+def _per_stage(values: Sequence[float], n: int, what: str) -> list[float]:
+    if len(values) != n:
+        raise ScheduleError(f"{what} needs {n} values (one per stage/link), got {len(values)}")
+    return [float(v) for v in values]
+
+
+def _link_costs(
+    p: int,
+    send_bytes: Sequence[float] | None,
+    latency: float,
+    bandwidth: float | Sequence[float],
+) -> list[float]:
+    """Transfer time per link (same both ways: gradients are as big as activations)."""
+    sizes = (
+        _per_stage(send_bytes, p - 1, "send_bytes") if send_bytes is not None else [0.0] * (p - 1)
+    )
+    if isinstance(bandwidth, (int, float)):
+        bws = [float(bandwidth)] * (p - 1)
+    else:
+        bws = _per_stage(bandwidth, p - 1, "bandwidth")
+    if any(bw <= 0 for bw in bws):
+        raise ScheduleError(f"bandwidth must be > 0 bytes/s, got {bws}")
+    return [latency + (size / bw if size else 0.0) for size, bw in zip(sizes, bws)]
+
+
+def simulate(
+    schedule: Schedule,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    recompute: Sequence[float] | None = None,
+    send_bytes: Sequence[float] | None = None,
+    latency: float = 0.0,
+    bandwidth: float | Sequence[float] = math.inf,
+    stash_bytes: Sequence[float] | None = None,
+) -> SimResult:
+    """Simulate one step of ``schedule`` with per-stage costs (seconds per micro-batch).
+
+    ``recompute`` defaults to ``forward`` (a recompute replays the forward). ``send_bytes[s]`` is
+    what crosses link ``s`` (stage s -> s+1) per micro-batch; ``bandwidth`` is bytes/s, one value
+    or one per link; ``stash_bytes[s]`` is the memory one stashed micro-batch takes on stage s.
+    """
+    comp = compiled(schedule)
+    p = schedule.num_stages
+    fwd = _per_stage(forward, p, "forward")
+    rec = fwd if recompute is None else _per_stage(recompute, p, "recompute")
+    cost = fwd + rec + _per_stage(backward, p, "backward")
+    comm = [0.0] + _link_costs(p, send_bytes, float(latency), bandwidth)
+
+    starts: list[float] = []
+    ends: list[float] = [0.0]  # slot 0: the "no dependency" sentinel
+    start_append, end_append = starts.append, ends.append
+    for pk, dk, lk, ck in zip(comp.prev, comp.dep, comp.link, comp.cost_slot):
+        a = ends[pk]
+        b = ends[dk] + comm[lk]
+        t = a if a >= b else b
+        start_append(t)
+        end_append(t + cost[ck])
+
+    step = max(ends)
+    busy = [
+        nf * fwd[s] + nr * rec[s] + nb * cost[2 * p + s]
+        for s, (nf, nr, nb) in enumerate(comp.counts)
+    ]
+    idle = [step - b for b in busy]
+    bubble = sum(idle) / (p * step) if step > 0 else 0.0
+    peak_bytes = None
+    if stash_bytes is not None:
+        sizes = _per_stage(stash_bytes, p, "stash_bytes")
+        peak_bytes = [c * b for c, b in zip(comp.peak_stash, sizes)]
+    return SimResult(
+        schedule=schedule,
+        step_time=step,
+        busy=busy,
+        idle=idle,
+        bubble_fraction=bubble,
+        peak_stash_count=list(comp.peak_stash),
+        peak_stash_bytes=peak_bytes,
+        starts=starts,
+        ends=ends[1:],
+        actions=comp.order,
+    )
+
+
+def analytic_bubble(num_stages: int, num_micro_batches: int) -> float:
+    """Idle fraction of GPipe / 1F1B with uniform stages and free links: (P-1)/(m+P-1)."""
+    return (num_stages - 1) / (num_micro_batches + num_stages - 1)
