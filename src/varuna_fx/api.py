@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from . import schedule as schedules
-from .capture import TRACERS, bind_inputs, capture
+from .capture import TRACERS, BoundInputs, Captured, bind_inputs, capture
 from .cluster import Cluster
 from .codegen import build_stage
 from .configure import Configuration, choose_configuration
@@ -46,15 +47,11 @@ def compile(  # noqa: A001 - the public name in API.md
     cluster = cluster or Cluster.local()
 
     # 1. capture: model -> one flat fx graph over tensor inputs, original FQNs kept
-    bound = bind_inputs(model, example_inputs)
-    captured = capture(model, bound, tracer)
-    gm = captured.gm
-    canonical = canonical_names(model)
-
     # 2. annotate: shapes and costs as functions of the micro-batch size b
-    annotate_shapes(gm, bound)
-    annotate_costs(gm, canonical)
-    mark_replicable(gm)
+    bound = bind_inputs(model, example_inputs)
+    canonical = canonical_names(model)
+    captured = _captured_and_annotated(model, bound, tracer, canonical)
+    gm = captured.gm
 
     # 3. configure: P, D and the micro-batch size (given, or chosen)
     config: Configuration = choose_configuration(
@@ -79,8 +76,9 @@ def compile(  # noqa: A001 - the public name in API.md
     check_split(gm, stage_graphs)
     order = list(dict.fromkeys(canonical.values()))
     name = type(model).__name__
-    built = [build_stage(gm, sg, config.stages, order, name) for sg in stage_graphs]
-    check_parameters(gm, [s.parameter_names for s in built], canonical)
+    params = {canonical[n] for n, _ in model.named_parameters(remove_duplicate=False)}
+    built = [build_stage(gm, sg, config.stages, order, name, params) for sg in stage_graphs]
+    check_parameters(gm, [s.parameter_names + s.spec.buffer_names for s in built], canonical)
 
     # 6. plan + runtime
     costs = stage_costs(gm, built, partition, setting)
@@ -100,6 +98,36 @@ def compile(  # noqa: A001 - the public name in API.md
 
     return make_runtime(model, captured, built, plan, canonical, loss_fn=loss_fn,
                         offload_stash=offload_stash)
+
+
+# Re-compiling the same model (another P, schedule or micro-batch size, as one does while
+# exploring in a notebook) reuses its annotated graph. The key covers everything capture
+# depends on, so a changed model or input signature is captured afresh.
+_CAPTURES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Captured]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _fingerprint(model: nn.Module, bound: BoundInputs, tracer: str) -> tuple:
+    tensors = tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in bound.tensors.items())
+    state = tuple((n, id(t), tuple(t.shape), t.dtype) for n, t in
+                  [*model.named_parameters(remove_duplicate=False),
+                   *model.named_buffers(remove_duplicate=False)])
+    modes = tuple(m.training for m in model.modules())
+    return (tracer, tensors, tuple(sorted(bound.constants.items(), key=str)), state, modes)
+
+
+def _captured_and_annotated(model: nn.Module, bound: BoundInputs, tracer: str,
+                            canonical: dict[str, str]) -> Captured:
+    key = _fingerprint(model, bound, tracer)
+    cached = _CAPTURES.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    captured = capture(model, bound, tracer)
+    annotate_shapes(captured.gm, bound)
+    annotate_costs(captured.gm, canonical)
+    mark_replicable(captured.gm)
+    _CAPTURES[model] = (key, captured)
+    return captured
 
 
 def _check_arguments(model: Any, example_inputs: Any, schedule: str, tracer: str,

@@ -133,7 +133,8 @@ class StageSpec:
     sends: list[Transfer]
     outputs: list[int]  # indices of the model's output leaves it returns (last stage)
     nodes: list[str]  # names of the captured-graph nodes it computes
-    parameter_names: list[str]  # canonical FQNs it holds
+    parameter_names: list[str]  # canonical FQNs of the parameters it holds
+    buffer_names: list[str] = field(default_factory=list)  # ... and of its buffers
 
     @property
     def send_names(self) -> list[str]:

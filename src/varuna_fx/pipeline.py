@@ -68,7 +68,8 @@ class Pipeline:
     # -- parameters ----------------------------------------------------------------------------
 
     def _held_names(self) -> list[str]:
-        held = {n for s in self.local_stages for n in self.stages[s].parameter_names}
+        held = {n for s in self.local_stages
+                for n in [*self.stages[s].parameter_names, *self.stages[s].spec.buffer_names]}
         return [n for n in dict.fromkeys(self.canonical.values()) if n in held]
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

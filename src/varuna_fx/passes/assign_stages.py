@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
-from ..costmodel import DeviceSpec, step_time
+from ..costmodel import DeviceSpec, NodeTimes, step_time
 from ..ir import info
 from .partition import Partition, PartitionCosts, partition
 
@@ -30,6 +30,8 @@ class CostSetting:
     memory_cap: float  # bytes per device
     in_flight: int  # micro-batches stashed at once on a stage
     recompute: bool
+    # Measured costs (a planner profile) replacing the FLOP-based estimates when given.
+    node_times: NodeTimes | None = None
 
 
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -54,7 +56,11 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
     n = len(nodes)
     position = {node: i for i, node in enumerate(nodes)}
     b = setting.micro_batch_size
-    compute = np.array([step_time(info(x), b, setting.device, setting.recompute) for x in nodes])
+    if setting.node_times is not None:
+        compute = np.asarray(setting.node_times.step_times(nodes, b, setting.recompute), float)
+    else:
+        compute = np.array([step_time(info(x), b, setting.device, setting.recompute)
+                            for x in nodes])
     weights = np.zeros(n)
     seen: set[str] = set()
     for i, node in enumerate(nodes):  # a weight counts where it is first read
@@ -62,9 +68,12 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
             if name not in seen:
                 seen.add(name)
                 weights[i] += WEIGHT_COPIES * nbytes
-    activations = np.array([
-        info(x).out_bytes(b) if (info(x).fwd_flops(b) > 0) else 0.0 for x in nodes
-    ])
+    if setting.node_times is not None:
+        activations = np.asarray(setting.node_times.activation_bytes(nodes, b), float)
+    else:
+        activations = np.array([
+            info(x).out_bytes(b) if (info(x).fwd_flops(b) > 0) else 0.0 for x in nodes
+        ])
     crossing = np.zeros(n + 2)
     forbidden = np.zeros(n + 2)
     for node in nodes:

@@ -73,52 +73,51 @@ def split_stages(gm: fx.GraphModule, num_stages: int,
         Transfer(n.name, stage_of(n), dst, _tensor(n), info(n).out_bytes, n in grad_nodes)
         for n in sorted(consumers, key=order.__getitem__) for dst in sorted(consumers[n])
     ]
+    return [_stage_graph(s, nodes, owned[s], transfers, last) for s in range(num_stages)]
+
+
+def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
+                 transfers: list[Transfer], last: int) -> StageGraph:
+    """Copy stage ``s``'s nodes (and the replicable ones they need) into a graph of its own."""
     by_name = {n.name: n for n in nodes}
-    stages = []
-    for s in range(num_stages):
-        body = owned[s] + ([output] if s == last else [])
-        replicated: set[fx.Node] = set()
-        placeholders: set[fx.Node] = set()
-        for n in body:
-            _needed_replicables(n, replicated, placeholders)
-        recvs = [t for t in transfers if t.dst == s]
-        sends = [t for t in transfers if t.src == s]
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        inputs = [p for p in nodes if p in placeholders]
-        for p in inputs:
-            env[p] = graph.placeholder(p.name)
-            env[p].meta = dict(p.meta)
-        for t in {t.name: t for t in recvs}.values():  # one placeholder per value
-            src = by_name[t.name]
-            env[src] = graph.placeholder(t.name)
-            # shapes and source for the generated code, but not the producer's parameters
-            env[src].meta = {**src.meta, "varuna": replace(info(src), params={})}
-        for n in nodes:
-            if n in replicated or (n in owned[s]):
-                env[n] = graph.node_copy(n, lambda a: env[a])
-        results: dict[str, fx.Node] = {}
-        for name in dict.fromkeys(t.name for t in sends):
-            results[name] = env[by_name[name]]
-        outputs = []
-        if s == last:
-            for i, leaf in enumerate(output.args[0]):
-                if isinstance(leaf, fx.Node):
-                    results[output_key(i)] = env[leaf]
-                    outputs.append(i)
-        graph.output(results)
-        graph.lint()
-        spec = StageSpec(
-            index=s,
-            inputs=[str(p.target) for p in inputs],
-            recvs=recvs,
-            sends=sends,
-            outputs=outputs,
-            nodes=[n.name for n in owned[s]],
-            parameter_names=[],  # filled in by codegen, which knows the model's order
-        )
-        stages.append(StageGraph(spec, graph))
-    return stages
+    output = nodes[-1]
+    body = owned + ([output] if s == last else [])
+    replicated: set[fx.Node] = set()
+    placeholders: set[fx.Node] = set()
+    for n in body:
+        _needed_replicables(n, replicated, placeholders)
+    recvs = [t for t in transfers if t.dst == s]
+    sends = [t for t in transfers if t.src == s]
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs = [p for p in nodes if p in placeholders]
+    for p in inputs:
+        env[p] = graph.placeholder(p.name)
+        env[p].meta = dict(p.meta)
+    for t in {t.name: t for t in recvs}.values():  # one placeholder per value
+        src = by_name[t.name]
+        env[src] = graph.placeholder(t.name)
+        # shapes and source for the generated code, but not the producer's parameters
+        env[src].meta = {**src.meta, "varuna": replace(info(src), params={})}
+    members = replicated | set(owned)
+    for n in nodes:
+        if n in members:
+            env[n] = graph.node_copy(n, env.__getitem__)
+    results = {name: env[by_name[name]] for name in dict.fromkeys(t.name for t in sends)}
+    outputs = []
+    if s == last:
+        for i, leaf in enumerate(output.args[0]):
+            if isinstance(leaf, fx.Node):
+                results[output_key(i)] = env[leaf]
+                outputs.append(i)
+    graph.output(results)
+    graph.lint()
+    spec = StageSpec(
+        index=s, inputs=[str(p.target) for p in inputs], recvs=recvs, sends=sends,
+        outputs=outputs, nodes=[n.name for n in owned],
+        parameter_names=[],  # filled in by codegen, which knows the model's order
+    )
+    return StageGraph(spec, graph)
 
 
 def _tensor(n: fx.Node) -> TensorInfo:

@@ -9,6 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import InputError
+from ..ir import TensorInfo
 
 
 def split_batch(tensors: dict[str, torch.Tensor], micro_batch_size: int,
@@ -53,7 +54,7 @@ def extract_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None,
         loss = loss_fn(output, target) if target is not None else loss_fn(output)
     elif isinstance(output, torch.Tensor):
         loss = output
-    elif hasattr(output, "loss") and getattr(output, "loss") is not None:
+    elif hasattr(output, "loss") and output.loss is not None:
         loss = output.loss
     elif isinstance(output, dict) and "loss" in output:
         loss = output["loss"]
@@ -62,7 +63,54 @@ def extract_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None,
             f"the model returned a {type(output).__name__} with no loss: pass loss_fn=... to "
             "vf.compile, or return a 0-d tensor, an object with .loss or a dict with 'loss'"
         )
+    if loss_fn is None and isinstance(loss, torch.Tensor) and loss.dim() != 0:
+        raise InputError(
+            f"the model returned a tensor of shape {tuple(loss.shape)}, not a loss: pass "
+            "loss_fn=... to vf.compile, or make the model return a 0-d loss"
+        )
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise InputError(f"the loss must be a 0-d tensor, got {shape}: reduce it (e.g. .mean())")
     return loss
+
+
+def check_batch_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, TensorInfo],
+                       batch: int) -> None:
+    """Every input must have exactly the planned shape and dtype for a batch of ``batch``.
+
+    The distributed runtime calls this on every rank before any communication: peers size
+    their receive buffers from the plan, so another shape would otherwise surface as a size
+    mismatch inside the transport or a hang. Every rank gets the same batch, so all raise."""
+    for name, tensor in tensors.items():
+        planned = expected.get(name)
+        if planned is None:
+            continue
+        shape = planned.concrete_shape(batch)
+        if tuple(tensor.shape) != shape:
+            got = tuple(tensor.shape)
+            if got[:1] != shape[:1] and got[1:] == shape[1:]:
+                raise InputError(
+                    f"input {name!r} has batch size {got[0]} but the plan runs {batch} samples "
+                    f"per replica per step (micro-batches); pass {batch} rows, or compile with "
+                    "this batch as example_inputs / global_batch_size"
+                )
+            raise InputError(
+                f"input {name!r} has shape {got} but the plan was compiled for {shape}: pass "
+                "inputs shaped like example_inputs, or compile again for the new shape"
+            )
+        if tensor.dtype != planned.dtype:
+            raise InputError(
+                f"input {name!r} is {tensor.dtype} but the plan was compiled for "
+                f"{planned.dtype}; convert it or compile again"
+            )
+
+
+def micro_batch_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None, target: Any,
+                     count: int, autocast: Callable[[], Any],
+                     scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss to report, the loss to back-propagate): the latter is divided by the number
+    of micro-batches (the step's loss is their mean) and multiplied by the fp16 loss scale."""
+    with autocast():
+        raw = extract_loss(output, loss_fn, target)
+    seed = raw / count
+    return raw.detach().float(), seed * scale if scale != 1.0 else seed

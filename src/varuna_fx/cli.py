@@ -1,0 +1,120 @@
+"""``varuna-fx``: inspect a model's partition and stage code, plan, launch, demo."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.syntax import Syntax
+
+
+def _load_factory(spec: str) -> Any:
+    """'package.module:function' -> function() (returns model, example inputs[, ...])."""
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise SystemExit(f"--model {spec!r}: write module:function, e.g. mypkg.models:make_gpt")
+    sys.path.insert(0, ".")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import varuna_fx as vf
+    from varuna_fx.examples import demo_gpt, lm_loss
+
+    console = Console()
+    model, tokens, targets = demo_gpt(n_layer=args.layers)
+    pipe = vf.compile(model, example_inputs=(tokens,), loss_fn=lm_loss, stages=args.stages,
+                      schedule=args.schedule, tracer=args.tracer)
+    console.print(pipe.plan)
+    stage = pipe.stages[min(args.show_stage, len(pipe.stages) - 1)]
+    console.print(f"\n[bold]Generated code of stage {stage.index}[/bold]")
+    console.print(Syntax(stage.code, "python", word_wrap=True))
+    loss = pipe.step(tokens, target=targets)
+    console.print(f"\none training step under the {args.schedule} schedule: loss {float(loss):.4f}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import varuna_fx as vf
+
+    console = Console()
+    made = _load_factory(args.model)()
+    model, inputs = made[0], made[1]
+    pipe = vf.compile(model, example_inputs=inputs, stages=args.stages, tracer=args.tracer)
+    console.print(pipe.plan)
+    for stage in pipe.stages:
+        if args.stage is None or stage.index == args.stage:
+            console.print(Syntax(stage.code, "python", word_wrap=True))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from varuna_fx.planner.report import plan_command
+
+    return plan_command(args)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Wrap torch.distributed.run: standalone on one machine, multi-node flags pass through."""
+    from torch.distributed.run import main as torchrun
+
+    argv = list(args.torchrun_args)
+    if not any(a.startswith("--nnodes") or a.startswith("--rdzv") for a in argv):
+        argv = ["--standalone", *argv]
+    torchrun([f"--nproc-per-node={args.nproc}", *argv, args.script, *args.script_args])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="varuna-fx", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="compile the built-in GPT, print its plan and a stage")
+    demo.add_argument("--layers", type=int, default=8)
+    demo.add_argument("--stages", type=int, default=4)
+    demo.add_argument("--schedule", default="varuna")
+    demo.add_argument("--tracer", default="auto")
+    demo.add_argument("--show-stage", type=int, default=1)
+    demo.set_defaults(func=cmd_demo)
+
+    inspect = sub.add_parser("inspect", help="partition a model and print its stage code")
+    inspect.add_argument("--model", required=True, help="module:factory returning (model, inputs)")
+    inspect.add_argument("--stages", type=int, default=2)
+    inspect.add_argument("--stage", type=int, default=None, help="only this stage's code")
+    inspect.add_argument("--tracer", default="auto")
+    inspect.set_defaults(func=cmd_inspect)
+
+    plan = sub.add_parser("plan", help="choose P, D and micro-batch size for a described cluster")
+    plan.add_argument("--model", default="varuna_fx.examples:demo_gpt",
+                      help="module:factory returning (model, inputs[, ...])")
+    plan.add_argument("--gpus", type=int, default=16)
+    plan.add_argument("--gpus-per-node", type=int, default=4)
+    plan.add_argument("--gpu-memory", default="16GiB")
+    plan.add_argument("--intra-node-bandwidth", default="100GB/s")
+    plan.add_argument("--inter-node-bandwidth", default="10Gbit/s")
+    plan.add_argument("--device", default="cuda")
+    plan.add_argument("--global-batch-size", type=int, default=None)
+    plan.add_argument("--schedule", default="varuna")
+    plan.set_defaults(func=cmd_plan)
+
+    run = sub.add_parser("run", help="launch a training script on local processes (torchrun)")
+    run.add_argument("--nproc", type=int, required=True)
+    run.add_argument("--torchrun-args", nargs="*", default=[],
+                     help="extra torchrun flags, e.g. --nnodes=2 --rdzv-endpoint=host:29400")
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
