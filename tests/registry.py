@@ -23,6 +23,11 @@ class Case:
     max_stages: int = 4
     tracer: str = "auto"
 
+    @property
+    def batch_size(self) -> int:
+        values = self.inputs if isinstance(self.inputs, tuple) else tuple(self.inputs.values())
+        return next(v for v in values if isinstance(v, torch.Tensor)).shape[0]
+
     def eager_loss(self, model: nn.Module | None = None) -> torch.Tensor:
         m = model or self.model
         out = m(*self.inputs) if isinstance(self.inputs, tuple) else m(**self.inputs)

@@ -22,8 +22,9 @@ SCHEDULES = ["varuna", "1f1b", "gpipe"]
 def test_step_matches_eager(name: str, stages: int, schedule: str, recompute: bool) -> None:
     case = CASES[name]
     pipe = vf.compile(case.model, example_inputs=case.inputs, loss_fn=case.loss_fn,
-                      stages=stages, schedule=schedule, recompute=recompute, tracer=case.tracer)
-    assert pipe.plan.num_micro_batches > 1
+                      stages=stages, schedule=schedule, recompute=recompute, tracer=case.tracer,
+                      micro_batch_size=case.batch_size // 4)
+    assert pipe.plan.num_micro_batches == 4
     loss, grads = eager_grads(case)
     args, kwargs = call_args(case)
     pipe.zero_grad()

@@ -10,6 +10,7 @@ other non-view aten op, and notices random ops (``Tag.nondeterministic_seeded``:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,15 +149,21 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
 
 def _fit_shape(s1: tuple[int, ...], s2: tuple[int, ...], b1: int, b2: int) -> tuple[sympy.Expr, ...]:
     if len(s1) != len(s2):  # rank depends on the batch: keep the example's shape
-        return tuple(sympy.Integer(d) for d in s1)
+        return tuple(_dim(int(d), 0) for d in s1)
     dims = []
     for d1, d2 in zip(s1, s2):
-        if d1 == d2:
-            dims.append(sympy.Integer(d1))
+        slope = (int(d2) - int(d1)) // (b2 - b1) if (int(d2) - int(d1)) % (b2 - b1) == 0 else None
+        if slope is None:  # not linear in the batch: keep the example's size
+            dims.append(_dim(int(d1), 0))
         else:
-            fit = Affine.fit(b1, d1, b2, d2)
-            dims.append(sympy.nsimplify(fit.const) + sympy.nsimplify(fit.per_sample) * b)
+            dims.append(_dim(int(d1) - slope * b1, slope))
     return tuple(dims)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dim(const: int, per_sample: int) -> sympy.Expr:
+    """``const + per_sample * b``; cached, since sympy arithmetic is slow and sizes repeat."""
+    return sympy.Integer(const) + sympy.Integer(per_sample) * b
 
 
 def _last_source_line(stack_trace: str) -> str:
