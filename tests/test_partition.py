@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -113,3 +114,14 @@ def test_large_problem_stays_fast_and_balanced() -> None:
     result = partition(costs, 8)
     mean = costs.compute.sum() / 8
     assert result.bottleneck / mean < 1.01
+
+
+def test_last_stage_is_costed_without_recompute() -> None:
+    # with recompute every node costs 3 (F + R + B) except on the last stage (F + B = 2)
+    compute = np.full(5, 3.0)
+    plain = PartitionCosts(compute, np.zeros(5), np.zeros(5), np.zeros(6))
+    aware = dataclasses.replace(plain, last_stage_compute=np.full(5, 2.0))
+    assert partition(plain, 2).bounds in ((0, 2, 5), (0, 3, 5))
+    result = partition(aware, 2)
+    assert result.bounds == (0, 2, 5)  # the last stage can take three nodes: 6 = 2 * 3
+    assert result.stage_costs == (6.0, 6.0)

@@ -143,8 +143,12 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
         meta.matmul_flops = Affine.fit(b1, o1.matmul_flops, b2, o2.matmul_flops)
         meta.elementwise_flops = Affine.fit(b1, o1.elementwise_flops, b2, o2.elementwise_flops)
     for node in gm.graph.nodes:
+        # Activations read, not weights: an embedding reads a few rows of its table, and a
+        # matmul is compute-bound anyway. (fx's module calls never see their weights as
+        # inputs; this keeps export's get_attr inputs consistent with that.)
         meta = info(node)
-        meta.in_bytes = sum((info(i).out_bytes for i in node.all_input_nodes), Affine())
+        meta.in_bytes = sum((info(i).out_bytes for i in node.all_input_nodes
+                             if i.op != "get_attr"), Affine())
 
 
 def _fit_shape(s1: tuple[int, ...], s2: tuple[int, ...], b1: int, b2: int) -> tuple[sympy.Expr, ...]:

@@ -12,6 +12,7 @@ Nothing here knows about graphs: tests feed it synthetic arrays.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,9 +32,13 @@ class PartitionCosts:
     memory_cap: float = float("inf")  # bytes per stage
     in_flight: int = 1  # micro-batches whose stash a stage holds at once
     recompute: bool = True  # stash only stage inputs (else all activations) per micro-batch
+    # [N] time of each node on the last stage, if different: the last stage never recomputes
+    last_stage_compute: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.compute)
+        if self.last_stage_compute is not None and len(self.last_stage_compute) != n:
+            raise ValueError("last_stage_compute must have one entry per node")
         if len(self.weight_bytes) != n or len(self.activation_bytes) != n:
             raise ValueError("compute, weight_bytes and activation_bytes must have equal length")
         if len(self.cut_bytes) != n + 1:
@@ -69,6 +74,9 @@ def _matrices(costs: PartitionCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray
     idx = np.arange(n + 1)
     valid = idx[:, None] < idx[None, :]
     cost = np.where(valid, compute[None, :] - compute[:, None] + send[None, :], np.inf)
+    if costs.last_stage_compute is not None:  # the stage ending at N is the last one
+        last = np.concatenate([[0.0], np.cumsum(costs.last_stage_compute, dtype=np.float64)])
+        cost[:, n] = np.where(idx < n, last[n] - last, np.inf)
     stage_acts = acts[None, :] - acts[:, None]
     if costs.recompute:  # stash: the stage input per micro-batch, plus one replay in flight
         stash = costs.in_flight * np.where(np.isfinite(cut), cut, 0.0)[:, None] + stage_acts
@@ -144,10 +152,12 @@ def _reduce(costs: PartitionCosts, positions: list[int]) -> PartitionCosts:
         prefix = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
         return np.diff(prefix[positions])
 
+    last = costs.last_stage_compute
     return PartitionCosts(
         sums(costs.compute), sums(costs.weight_bytes), sums(costs.activation_bytes),
         np.asarray(costs.cut_bytes, dtype=np.float64)[positions], costs.bandwidth,
         costs.memory_cap, costs.in_flight, costs.recompute,
+        None if last is None else sums(last),
     )
 
 
@@ -180,10 +190,7 @@ def _explain_infeasible(costs: PartitionCosts, num_stages: int, cost: np.ndarray
             f"cannot cut the model into {num_stages} stages: too few places where only tensors "
             "cross between operations; use fewer stages"
         )
-    unconstrained = PartitionCosts(
-        costs.compute, costs.weight_bytes, costs.activation_bytes, costs.cut_bytes,
-        costs.bandwidth, float("inf"), costs.in_flight, costs.recompute,
-    )
+    unconstrained = dataclasses.replace(costs, memory_cap=float("inf"))
     loose = partition(unconstrained, num_stages)
     worst = int(np.argmax(loose.stage_memory))
     raise PartitionError(
