@@ -21,10 +21,12 @@ from .passes.annotate_shapes import annotate_shapes
 from .passes.assign_stages import CostSetting, assign_stages
 from .passes.check import check_assignment, check_parameters, check_split
 from .passes.mark_replicable import mark_replicable
+from .passes.specialize_sizes import specialize_sizes
 from .passes.split_stages import split_stages
 from .pipeline import Pipeline
 from .plan import Plan
 from .plan_costs import stage_costs
+from .planner.resolve import resolve_profile
 
 
 def compile(  # noqa: A001 - the public name in API.md
@@ -41,8 +43,15 @@ def compile(  # noqa: A001 - the public name in API.md
     recompute: bool = True,
     tracer: str = "auto",
     offload_stash: bool = False,
+    precision: str = "fp32",
+    timeout: float | None = None,
+    profile: Any = False,
 ) -> Pipeline:
-    """Trace ``model``, cut it into balanced stages and return a runnable :class:`Pipeline`."""
+    """Trace ``model``, cut it into balanced stages and return a runnable :class:`Pipeline`.
+
+    ``profile``: False plans with FLOP estimates; True measures this device (cached on disk);
+    a ``varuna_fx.planner.Profile`` uses those measurements.
+    """
     _check_arguments(model, example_inputs, schedule, tracer, stages)
     cluster = cluster or Cluster.local()
 
@@ -53,18 +62,20 @@ def compile(  # noqa: A001 - the public name in API.md
     captured = _captured_and_annotated(model, bound, tracer, canonical)
     gm = captured.gm
 
-    # 3. configure: P, D and the micro-batch size (given, or chosen)
+    # 3. configure: P, D and the micro-batch size (given, or chosen from measured or
+    #    estimated costs)
     config: Configuration = choose_configuration(
         gm, cluster, example_batch=bound.batch_size, global_batch_size=global_batch_size,
         stages=stages, data_parallel=data_parallel, micro_batch_size=micro_batch_size,
-        schedule=schedule, recompute=recompute,
+        schedule=schedule, recompute=recompute, profile=resolve_profile(gm, bound, profile),
     )
 
     # 4. partition: a stage for every operation, balanced by cost
     setting = CostSetting(
-        micro_batch_size=config.micro_batch_size, device=device_spec(cluster.device),
+        micro_batch_size=config.micro_batch_size,
+        device=config.device or device_spec(cluster.device),
         bandwidth=config.pipeline_bandwidth, memory_cap=cluster.gpu_memory,
-        in_flight=config.in_flight, recompute=recompute,
+        in_flight=config.in_flight, recompute=recompute, node_times=config.node_times,
     )
     partition = assign_stages(gm, config.stages, setting)
     check_assignment(gm, config.stages)
@@ -97,7 +108,7 @@ def compile(  # noqa: A001 - the public name in API.md
     from .runtime.launch import make_runtime  # the runtime depends on how we were launched
 
     return make_runtime(model, captured, built, plan, canonical, loss_fn=loss_fn,
-                        offload_stash=offload_stash)
+                        offload_stash=offload_stash, precision=precision, timeout=timeout)
 
 
 # Re-compiling the same model (another P, schedule or micro-batch size, as one does while
@@ -124,6 +135,7 @@ def _captured_and_annotated(model: nn.Module, bound: BoundInputs, tracer: str,
         return cached[1]
     captured = capture(model, bound, tracer)
     annotate_shapes(captured.gm, bound)
+    specialize_sizes(captured.gm)
     annotate_costs(captured.gm, canonical)
     mark_replicable(captured.gm)
     _CAPTURES[model] = (key, captured)

@@ -99,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device", default="cuda")
     plan.add_argument("--global-batch-size", type=int, default=None)
     plan.add_argument("--schedule", default="varuna")
+    plan.add_argument("--device-type", default=None,
+                      help="a100 | v100 | h100 | h200 | cpu: the device to time with FLOPs")
+    plan.add_argument("--flops", default=None, help="sustained throughput, e.g. 150TFLOP/s")
+    plan.add_argument("--latency", default="0", help="per message between devices, e.g. 5us")
+    plan.add_argument("--stages", type=int, default=None, help="fix P")
+    plan.add_argument("--data-parallel", type=int, default=None, help="fix D")
+    plan.add_argument("--micro-batch-size", type=int, default=None, help="fix the micro-batch")
+    plan.add_argument("--no-recompute", action="store_true", help="stash all activations")
+    plan.add_argument("--profile", action="store_true",
+                      help="measure this device (cached) instead of FLOP estimates")
+    plan.add_argument("--top", type=int, default=5, help="configurations to show")
+    plan.add_argument("--tracer", default="auto")
     plan.set_defaults(func=cmd_plan)
 
     run = sub.add_parser("run", help="launch a training script on local processes (torchrun)")

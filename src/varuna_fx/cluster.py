@@ -6,6 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from .costmodel import DEVICES, DeviceSpec, device_spec
 from .errors import VarunaFxError
 
 _BYTE_UNITS = {
@@ -14,6 +15,8 @@ _BYTE_UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _BIT_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_FLOP_UNITS = {"flop": 1, "kflop": 10**3, "mflop": 10**6, "gflop": 10**9, "tflop": 10**12,
+               "pflop": 10**15, "flops": 1, "tflops": 10**12, "gflops": 10**9, "pflops": 10**15}
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -49,6 +52,34 @@ def parse_bandwidth(value: int | float | str) -> float:
     )
 
 
+def parse_flops(value: int | float | str) -> float:
+    """"150TFLOP/s" / "150 TFLOPS" / 1.5e14 -> FLOP per second."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = value.strip()
+    if text.lower().endswith("/s"):
+        text = text[:-2]
+    match = _QUANTITY.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _FLOP_UNITS:
+        raise VarunaFxError(
+            f"cannot read throughput {value!r}: write FLOP/s or e.g. '150TFLOP/s', '60 TFLOPS'"
+        )
+    return float(match.group(1)) * _FLOP_UNITS[unit]
+
+
+def parse_seconds(value: int | float | str) -> float:
+    """"5us" / "0.1ms" / 2e-6 -> seconds."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    units = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+    match = _QUANTITY.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in units:
+        raise VarunaFxError(f"cannot read latency {value!r}: write seconds or e.g. '5us', '0.1ms'")
+    return float(match.group(1)) * units[unit]
+
+
 @dataclass(frozen=True)
 class Cluster:
     """Devices to plan for. Sizes accept numbers or strings such as "16GiB" and "10Gbit/s"."""
@@ -59,6 +90,12 @@ class Cluster:
     intra_node_bandwidth: float | str = "100GB/s"
     inter_node_bandwidth: float | str = "10Gbit/s"
     device: str = "cuda"
+    # What the planner needs to time a device it cannot measure: a known type ("a100", "v100",
+    # "h100", "h200", "cpu"; None: a generic GPU, or "cpu" for device="cpu") and/or the sustained
+    # throughput. A profile measured on the same device type beats both.
+    device_type: str | None = None
+    flops: float | str | None = None
+    latency: float | str = 0.0  # seconds per message between devices (added to every transfer)
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus, int) or self.gpus < 1:
@@ -69,6 +106,16 @@ class Cluster:
             )
         if self.device not in ("cuda", "cpu"):
             raise VarunaFxError(f"Cluster(device={self.device!r}): use 'cuda' or 'cpu'")
+        if self.device_type is not None:
+            object.__setattr__(self, "device_type", str(self.device_type).lower())
+            if self.device_type not in DEVICES and self.flops is None:
+                raise VarunaFxError(
+                    f"Cluster(device_type={self.device_type!r}) is unknown: use one of "
+                    f"{sorted(DEVICES)} or state its throughput, e.g. flops='100TFLOP/s'"
+                )
+        if self.flops is not None:
+            object.__setattr__(self, "flops", parse_flops(self.flops))
+        object.__setattr__(self, "latency", parse_seconds(self.latency))
         # Normalise units once so the planner only ever sees numbers.
         object.__setattr__(self, "gpu_memory", parse_bytes(self.gpu_memory))
         object.__setattr__(self, "intra_node_bandwidth", parse_bandwidth(self.intra_node_bandwidth))
@@ -77,6 +124,16 @@ class Cluster:
     @property
     def nodes(self) -> int:
         return -(-self.gpus // self.gpus_per_node)
+
+    @property
+    def kind(self) -> str:
+        """The device type plans are timed for: device_type, else "cpu" or generic "cuda"."""
+        return self.device_type or self.device
+
+    @property
+    def spec(self) -> DeviceSpec:
+        """Throughput and memory bandwidth for FLOP-based time estimates."""
+        return device_spec(self.kind, self.flops)  # type: ignore[arg-type]
 
     @classmethod
     def local(cls) -> Cluster:
@@ -100,7 +157,21 @@ class Cluster:
             gpus_per_node=max(1, min(per_node, world)),
             gpu_memory=memory,
             device=device,
+            device_type=local_device_type(),
         )
+
+
+def local_device_type() -> str:
+    """This machine's device type as the planner names it: "cpu", "h100", ..., or "cuda"."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).lower()
+    for kind in ("h200", "h100", "a100", "v100"):
+        if kind in name:
+            return kind
+    return "cuda"
 
 
 def _host_memory() -> int:

@@ -7,7 +7,11 @@ Backward FLOPs come from ``annotate_costs``; recomputation adds one more forward
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import numpy as np
 
 from .ir import NodeInfo
 
@@ -30,8 +34,28 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 
 
-def device_spec(name: str) -> DeviceSpec:
-    return DEVICES.get(name.lower(), DEVICES["cuda"])
+def device_spec(name: str, flops: float | None = None) -> DeviceSpec:
+    """The spec of a device type ("a100", "cpu", ...; unknown names: a generic GPU), with its
+    throughput replaced by ``flops`` when the user states it."""
+    spec = DEVICES.get(name.lower(), DEVICES["cuda"])
+    if flops is not None:
+        spec = replace(spec, name=name.lower(), flops=float(flops))
+    return spec
+
+
+class NodeTimes(Protocol):
+    """Measured per-node costs that replace the roofline estimates (see ``varuna_fx.planner``).
+
+    ``nodes`` are the partition's compute nodes in order; both methods return one value per node.
+    """
+
+    def step_times(self, nodes: Sequence[Any], batch: int, recompute: bool) -> np.ndarray:
+        """Seconds of forward + backward (+ the recompute forward) of one micro-batch."""
+        ...
+
+    def activation_bytes(self, nodes: Sequence[Any], batch: int) -> np.ndarray:
+        """Bytes one micro-batch leaves for the backward at each node."""
+        ...
 
 
 def forward_time(meta: NodeInfo, batch: int, device: DeviceSpec) -> float:

@@ -95,6 +95,39 @@ class Pipeline:
             elif p.grad is not None:
                 p.grad.zero_()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the whole model (every stage, tied parameters counted once) to
+        ``max_norm`` and return the total norm -- ``torch.nn.utils.clip_grad_norm_`` on the
+        eager model, on every rank."""
+        return self.runtime.clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
+    # -- mixed precision (see runtime/precision.py) ---------------------------------------------
+
+    @property
+    def found_inf(self) -> bool:
+        """fp16: whether the last ``step`` overflowed on any stage of any replica (then
+        :meth:`optimizer_step` skips the update everywhere). Always False otherwise."""
+        return self.runtime.scaler.found_inf
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 for fp32 and bf16)."""
+        return self.runtime.scaler.scale
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """``optimizer.step()`` unless the last step overflowed (fp16), then update the loss
+        scale. Returns whether it stepped. Works for every precision, so scripts can always
+        call it instead of ``optimizer.step()``."""
+        from .runtime.precision import optimizer_step
+
+        return optimizer_step(self.runtime.scaler, optimizer)
+
+    def close(self) -> None:
+        """Release what the runtime holds (process groups); the pipeline is unusable after."""
+        close = getattr(self.runtime, "close", None)
+        if close is not None:
+            close()
+
     def train(self, mode: bool = True) -> Pipeline:
         self.model.train(mode)
         for s in self.stages:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass, field
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 
 
@@ -24,6 +24,34 @@ class StageCost:
     backward_time: float = 0.0
 
 
+@dataclass(frozen=True)
+class Alternative:
+    """One configuration the planner weighed, with its simulated step."""
+
+    stages: int
+    data_parallel: int
+    micro_batch_size: int
+    num_micro_batches: int
+    step_time: float  # seconds: simulated pipeline + data-parallel all-reduce
+    bubble_fraction: float  # idle share of the pipeline part
+    allreduce_time: float  # seconds of gradient all-reduce after the pipeline
+    stage_memory: tuple[float, ...]  # bytes per stage
+    chosen: bool = False
+
+    @property
+    def max_memory(self) -> float:
+        return max(self.stage_memory, default=0.0)
+
+    @property
+    def samples(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches * self.data_parallel
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second over all replicas."""
+        return self.samples / self.step_time if self.step_time > 0 else float("inf")
+
+
 @dataclass
 class Plan:
     stages: int
@@ -37,7 +65,7 @@ class Plan:
     predicted_step_time: float | None = None
     tracer: str = "fx"
     model_name: str = "model"
-    alternatives: list[str] = field(default_factory=list)
+    alternatives: list[Alternative] = field(default_factory=list)  # best first
 
     @property
     def global_batch_size(self) -> int:
@@ -68,13 +96,47 @@ class Plan:
         table.caption = f"balance max/mean {self.balance:.3f}" + (f"; tied: {tied}" if tied else "")
         return table
 
-    def __rich__(self) -> Table:
-        return self.table()
+    def alternatives_table(self) -> Table | None:
+        if not self.alternatives:
+            return None
+        return alternatives_table(self.alternatives, "configurations weighed by the planner")
+
+    def __rich__(self) -> Group:
+        tables = [self.table()]
+        other = self.alternatives_table()
+        if other is not None:
+            tables.append(other)
+        return Group(*tables)
 
     def __str__(self) -> str:
         buffer = io.StringIO()
-        Console(file=buffer, width=120, force_terminal=False, color_system=None).print(self.table())
+        Console(file=buffer, width=120, force_terminal=False, color_system=None).print(self)
         return buffer.getvalue().rstrip() + "\n"
+
+
+def alternatives_table(rows: list[Alternative], title: str) -> Table:
+    table = Table(title=title)
+    for name in ("", "P", "D", "b x m", "step", "samples/s", "bubble", "all-reduce",
+                 "memory"):
+        table.add_column(name, justify="right")
+    for row in rows:
+        table.add_row(
+            "*" if row.chosen else "", str(row.stages), str(row.data_parallel),
+            f"{row.micro_batch_size} x {row.num_micro_batches}", _seconds(row.step_time),
+            _count(row.throughput), f"{row.bubble_fraction:.0%}", _seconds(row.allreduce_time),
+            _bytes(row.max_memory),
+        )
+    table.caption = ("* chosen. b x m: micro-batch size x count per replica; step: simulated "
+                     "pipeline + data-parallel all-reduce; memory: largest stage")
+    return table
+
+
+def _seconds(t: float) -> str:
+    if t >= 1:
+        return f"{t:.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.2f} ms"
+    return f"{t * 1e6:.1f} us"
 
 
 def _count(n: float) -> str:

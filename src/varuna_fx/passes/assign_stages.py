@@ -51,6 +51,11 @@ def params_read(node: fx.Node) -> dict[str, int]:
     return found
 
 
+def trainable_names(gm: fx.GraphModule) -> set[str]:
+    """Parameters with gradients: they carry WEIGHT_COPIES; buffers and frozen weights one."""
+    return {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
 def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
     nodes = compute_nodes(gm)
     n = len(nodes)
@@ -63,11 +68,12 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
                             for x in nodes])
     weights = np.zeros(n)
     seen: set[str] = set()
+    trainable = trainable_names(gm)
     for i, node in enumerate(nodes):  # a weight counts where it is first read
         for name, nbytes in params_read(node).items():
             if name not in seen:
                 seen.add(name)
-                weights[i] += WEIGHT_COPIES * nbytes
+                weights[i] += (WEIGHT_COPIES if name in trainable else 1) * nbytes
     if setting.node_times is not None:
         activations = np.asarray(setting.node_times.activation_bytes(nodes, b), float)
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -75,7 +76,7 @@ def extract_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None,
 
 
 def check_batch_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, TensorInfo],
-                       batch: int) -> None:
+                       batch: int, split: str = "") -> None:
     """Every input must have exactly the planned shape and dtype for a batch of ``batch``.
 
     The distributed runtime calls this on every rank before any communication: peers size
@@ -85,14 +86,14 @@ def check_batch_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, Ten
         planned = expected.get(name)
         if planned is None:
             continue
-        shape = planned.concrete_shape(batch)
+        shape = _planned_shape(planned, batch)
         if tuple(tensor.shape) != shape:
             got = tuple(tensor.shape)
             if got[:1] != shape[:1] and got[1:] == shape[1:]:
                 raise InputError(
                     f"input {name!r} has batch size {got[0]} but the plan runs {batch} samples "
-                    f"per replica per step (micro-batches); pass {batch} rows, or compile with "
-                    "this batch as example_inputs / global_batch_size"
+                    f"per replica{split}; pass {batch} rows (this replica's share of the "
+                    "global batch), or compile for this batch size"
                 )
             raise InputError(
                 f"input {name!r} has shape {got} but the plan was compiled for {shape}: pass "
@@ -105,6 +106,11 @@ def check_batch_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, Ten
             )
 
 
+@functools.lru_cache(maxsize=256)
+def _planned_shape(planned: TensorInfo, batch: int) -> tuple[int, ...]:
+    return planned.concrete_shape(batch)  # a sympy substitution: worth caching per step
+
+
 def micro_batch_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None, target: Any,
                      count: int, autocast: Callable[[], Any],
                      scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,4 +119,4 @@ def micro_batch_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None, t
     with autocast():
         raw = extract_loss(output, loss_fn, target)
     seed = raw / count
-    return raw.detach().float(), seed * scale if scale != 1.0 else seed
+    return raw.detach(), seed * scale if scale != 1.0 else seed

@@ -8,29 +8,35 @@ a distributed run's, which makes this the runtime for notebooks, exploration and
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..codegen import Stage
 from ..schedule import Kind, build_schedule, execution_order, validate
-from .batching import extract_loss, split_batch, split_target
+from .batching import micro_batch_loss, split_batch, split_target
+from .precision import LossScaler, autocast_factory
 from .worker import StageWorker
 
 
 class LocalRuntime:
     def __init__(self, stages: list[Stage], *, assemble: Any, loss_fn: Any,
                  schedule: str, recompute: bool, micro_batch_size: int,
-                 offload_stash: bool = False) -> None:
+                 offload_stash: bool = False, precision: str = "fp32") -> None:
         self.stages = stages
         self.assemble = assemble  # last stage's outputs dict -> the model's output structure
         self.loss_fn = loss_fn
         self.schedule_name = schedule
         self.recompute = recompute
         self.micro_batch_size = micro_batch_size
+        self.autocast = autocast_factory(precision, "cuda" if _on_cuda(stages) else "cpu")
+        self.scaler = LossScaler(enabled=precision == "fp16")
         last = len(stages) - 1
         self.workers = [StageWorker(s, recompute=recompute, is_last=s.index == last,
-                                    offload_stash=offload_stash) for s in stages]
+                                    offload_stash=offload_stash, autocast=self.autocast)
+                        for s in stages]
         self._orders: dict[int, list] = {}
 
     def order(self, num_micro_batches: int) -> list:
@@ -58,30 +64,49 @@ class LocalRuntime:
             worker = self.workers[s]
             if action.kind is Kind.F:
                 outputs = worker.forward(i, micro[i], inbox.pop((s, i), {}))
-                for t in worker.spec.sends:
-                    inbox[(t.dst, i)][t.name] = outputs[t.name]
+                for t in worker.spec.sends:  # in the planned dtype, as the network carries it
+                    inbox[(t.dst, i)][t.name] = outputs[t.name].to(t.tensor.dtype)
             elif action.kind is Kind.R:
                 worker.recompute_mb(i)
             else:
                 loss = None
                 if s == last:
                     output = self.assemble(worker.outputs_of(i))
-                    raw = extract_loss(output, self.loss_fn, targets[i])
-                    losses[i] = raw.detach()
-                    loss = raw / m
+                    losses[i], loss = micro_batch_loss(output, self.loss_fn, targets[i], m,
+                                                       self.autocast, self.scaler.scale)
                 grads = worker.backward(i, grad_box.pop((s, i), {}), loss)
                 for t in worker.spec.recvs:
                     if t.requires_grad:
                         box = grad_box[(t.src, i)]
                         box[t.name] = box[t.name] + grads[t.name] if t.name in box \
                             else grads[t.name]
+        if self.scaler.enabled:
+            self.scaler.unscale_(_unique_params(self.stages))
         return torch.stack(losses).mean()
+
+    def clip_grad_norm_(self, params: Iterable[nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        # one process holds each parameter once (tied ones are one object): torch's own
+        return torch.nn.utils.clip_grad_norm_(list(params), max_norm, norm_type)
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> Any:
         """The whole batch as one micro-batch, stage after stage (autograd as the caller's)."""
         values: dict[str, torch.Tensor] = {}
         outputs: dict[str, Any] = {}
-        for stage in self.stages:
-            outputs = stage({**inputs, **values})
-            values.update(outputs)
+        with self.autocast():
+            for stage in self.stages:
+                outputs = stage({**inputs, **values})
+                values.update(outputs)
         return self.assemble(outputs)
+
+
+def _on_cuda(stages: list[Stage]) -> bool:
+    return any(p.is_cuda for s in stages for p in s.module.parameters())
+
+
+def _unique_params(stages: list[Stage]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for s in stages:
+        for p in s.module.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())

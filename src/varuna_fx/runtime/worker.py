@@ -15,8 +15,10 @@ replay reproduces the same masks, and recomputation on or off gives identical nu
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,8 +43,10 @@ def _leaf(value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 class StageWorker:
     def __init__(self, stage: Stage, *, recompute: bool, is_last: bool,
-                 offload_stash: bool = False) -> None:
+                 offload_stash: bool = False,
+                 autocast: Callable[[], Any] = contextlib.nullcontext) -> None:
         self.stage = stage
+        self.autocast = autocast  # mixed precision: the context stage compute runs in
         self.spec = stage.spec
         self.recompute = recompute and not is_last  # the last stage never recomputes
         self.is_last = is_last
@@ -58,9 +62,10 @@ class StageWorker:
 
     def _run(self, mb: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not self.random:
-            return self.stage(inputs)
+            with self.autocast():
+                return self.stage(inputs)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), self.autocast():
             torch.manual_seed(hash((self.seed, self.stage.index, mb)) & (2**63 - 1))
             return self.stage(inputs)
 
@@ -122,7 +127,8 @@ class StageWorker:
             value = stash.outputs[name]
             if value.requires_grad:
                 tensors.append(value)
-                seeds.append(grad)
+                # under autocast the value may be bf16 while the gradient travelled as planned
+                seeds.append(grad if grad.dtype == value.dtype else grad.to(value.dtype))
         if tensors:
             torch.autograd.backward(tensors, seeds)
         self._track(-stash.nbytes)

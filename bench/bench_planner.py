@@ -1,0 +1,81 @@
+"""Planner speed: the full (P, D, micro-batch) search for a 48-layer, d=1024 GPT on 1024 GPUs.
+
+Run: ``python bench/bench_planner.py`` (``--global-batch-size``, ``--schedule``, ``--gpu-memory``,
+``--inter-node-bandwidth`` and ``--device-type`` vary the setting). The model is built on the
+meta device (capture and annotation use fake tensors), so nothing large is allocated. Capture
+and annotation are timed apart from the search; the search is timed cold (fresh planner, no
+cached partitions or schedules). Target: <= 2 s for the search.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from rich.console import Console
+
+import varuna_fx as vf
+from varuna_fx.capture import bind_inputs, capture
+from varuna_fx.examples import GPT, GPTConfig
+from varuna_fx.plan import alternatives_table
+from varuna_fx.planner import CostTable, Planner, Space, analyze
+from varuna_fx.planner.report import stage_table
+
+CFG = GPTConfig(n_layer=48, n_embd=1024, n_head=16, vocab_size=50257, block_size=1024)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--global-batch-size", type=int, default=1024)
+    parser.add_argument("--schedule", default="varuna")
+    parser.add_argument("--gpu-memory", default="16GiB")
+    parser.add_argument("--inter-node-bandwidth", default="10Gbit/s")
+    parser.add_argument("--device-type", default=None)
+    parser.add_argument("--top", type=int, default=8)
+    args = parser.parse_args()
+    console = Console(width=150)
+
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(CFG)
+    built = time.perf_counter() - start
+    tokens = torch.zeros(8, CFG.block_size, dtype=torch.long)
+    start = time.perf_counter()
+    capture(model, bind_inputs(model, (tokens,)), "auto")  # alone, to split the time below
+    captured = time.perf_counter() - start
+    graph = analyze(model, (tokens,))
+    start = time.perf_counter()
+    table = CostTable.build(graph.gm)
+    tabled = time.perf_counter() - start
+
+    cluster = vf.Cluster(gpus=1024, gpus_per_node=8, gpu_memory=args.gpu_memory,
+                         inter_node_bandwidth=args.inter_node_bandwidth,
+                         device_type=args.device_type)
+    planner = Planner(table, cluster, schedule=args.schedule, recompute=True)
+    result = planner.search(Space(cluster.gpus, 8, args.global_batch_size), top=args.top)
+    best = result.best
+
+    params = sum(p.numel() for p in model.parameters())
+    console.print(
+        f"GPT 48 x 1024 ({params / 1e6:.0f} M parameters, {len(table.names)} operations, "
+        f"{table.num_units} cut units) on {cluster.gpus} x {cluster.kind} "
+        f"({cluster.gpus_per_node} per node, {args.gpu_memory}, inter-node "
+        f"{args.inter_node_bandwidth}), global batch {args.global_batch_size}, "
+        f"{args.schedule} schedule"
+    )
+    console.print(
+        f"build (meta) {built:.2f} s | capture {captured:.2f} s | annotate "
+        f"{graph.seconds['capture+annotate'] - captured:.2f} s | cost table {tabled:.2f} s | "
+        "[bold]search "
+        f"{result.seconds:.2f} s[/bold] ({result.considered} candidates, "
+        f"{result.partitioned} partitioned, {result.simulated} simulated)"
+    )
+    console.print(f"chosen: P={best.stages} D={best.data_parallel} micro-batch "
+                  f"{best.micro_batch_size} x {best.num_micro_batches}")
+    console.print(alternatives_table(result.alternatives, "top configurations"))
+    console.print(stage_table(best))
+
+
+if __name__ == "__main__":
+    main()

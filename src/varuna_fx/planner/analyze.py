@@ -1,0 +1,76 @@
+"""Planning without compiling: capture and annotate a model, then search its configurations.
+
+``vf.compile`` does the same inside its pass list; these entry points serve the command line,
+the benchmarks and anyone asking "what would the planner do on a cluster I do not have?".
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from ..capture import BoundInputs, bind_inputs
+from ..cluster import Cluster
+from ..passes.annotate_costs import canonical_names
+from .costs import CostTable
+from .explain import explain_nothing_fits
+from .measure import ProfileSettings
+from .profile import Profile
+from .resolve import resolve_profile
+from .search import Planner, SearchResult, Space
+
+
+@dataclass
+class Analyzed:
+    """An annotated graph, ready for profiling and planning."""
+
+    gm: fx.GraphModule
+    bound: BoundInputs
+    model_name: str
+    tracer: str
+    seconds: dict[str, float] = field(default_factory=dict)  # capture + annotate time
+
+    def table(self, profile: Profile | None = None) -> CostTable:
+        table = CostTable.build(self.gm)
+        if profile is not None:
+            table.measured = profile.measured_times(table)
+        return table
+
+    def profile(self, settings: ProfileSettings | None = None) -> Profile:
+        """Measure (or load from the cache) this device's profile of the graph."""
+        found = resolve_profile(self.gm, self.bound, True, settings)
+        assert found is not None
+        return found
+
+
+def analyze(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Analyzed:
+    """Capture and annotate ``model`` exactly as ``vf.compile`` does (the same passes, and the
+    same per-model cache, so a compile afterwards does not capture again)."""
+    from ..api import _captured_and_annotated
+
+    start = time.perf_counter()
+    bound = bind_inputs(model, example_inputs)
+    captured = _captured_and_annotated(model, bound, tracer, canonical_names(model))
+    return Analyzed(captured.gm, bound, type(model).__name__, captured.tracer,
+                    {"capture+annotate": time.perf_counter() - start})
+
+
+def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None = None,
+             stages: int | None = None, data_parallel: int | None = None,
+             micro_batch_size: int | None = None, schedule: str = "varuna",
+             recompute: bool = True, profile: Profile | None = None,
+             top: int = 5) -> SearchResult:
+    """The best configurations for ``cluster``; raises PlanError when none fits."""
+    use = profile if profile is not None and profile.applies_to(cluster) else None
+    planner = Planner(graph.table(use), cluster, schedule=schedule, recompute=recompute,
+                      network=use.network if use else None)
+    space = Space(cluster.gpus, graph.bound.batch_size, global_batch_size, stages,
+                  data_parallel, micro_batch_size)
+    result = planner.search(space, top=top)
+    if not result.top:
+        raise explain_nothing_fits(planner, space)
+    return result

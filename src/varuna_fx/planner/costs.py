@@ -1,0 +1,256 @@
+"""Per-node costs of an annotated graph as numpy arrays, cheap to evaluate at any micro-batch size.
+
+The search weighs thousands of (P, D, micro-batch) candidates, so it needs every node's forward,
+recompute and backward time, weights, activations and the bytes crossing every cut at many
+micro-batch sizes. All of them are affine in ``b`` (times: a roofline max of affine terms), so
+:class:`CostTable` keeps the coefficients and evaluates whole arrays at once. Weights,
+activations and cut bytes come from ``assign_stages.partition_costs`` itself (fitted from two
+sizes), so the planner and the partition pass cannot disagree about them.
+
+Nodes are grouped into *units* between the cut positions worth considering (allowed cuts, one per
+run of free nodes -- the same reduction the partitioner makes), which shrinks the arrays ~5x.
+Measured profiles replace the time estimates through :class:`MeasuredTimes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch.fx as fx
+
+from ..costmodel import DeviceSpec
+from ..ir import info
+from ..passes.assign_stages import (
+    WEIGHT_COPIES,
+    CostSetting,
+    compute_nodes,
+    params_read,
+    trainable_names,
+)
+from ..passes.assign_stages import partition_costs as _partition_costs
+
+
+def _coefficients(values: list[Any]) -> np.ndarray:
+    """Affines -> a [2, N] array of (const, per_sample)."""
+    return np.array([[a.const for a in values], [a.per_sample for a in values]], dtype=float)
+
+
+def _at(coef: np.ndarray, b: float) -> np.ndarray:
+    return coef[0] + coef[1] * b
+
+
+@dataclass
+class NodeArrays:
+    """Costs of one micro-batch of size ``b``, one entry per compute node."""
+
+    forward: np.ndarray  # seconds, forward without autograd (what recomputing stages run first)
+    recompute: np.ndarray  # seconds, forward with autograd (recompute, or a stashing forward)
+    backward: np.ndarray
+    activations: np.ndarray  # bytes left for the backward
+
+
+@dataclass
+class MeasuredTimes:
+    """Chunk-level measurements spread over the chunk's nodes in proportion to their estimates.
+
+    Implements ``costmodel.NodeTimes`` so the partition pass can use it. ``fwd``/``rec``/``bwd``/
+    ``mem`` are [K, 2] arrays of (const, per_sample) per chunk.
+    """
+
+    names: list[str]
+    chunk_of: np.ndarray  # [N] chunk of every compute node
+    fwd: np.ndarray
+    rec: np.ndarray
+    bwd: np.ndarray
+    mem: np.ndarray
+    estimate: Any = field(repr=False)  # b -> NodeArrays with the local device's estimates
+    reseed: float = 0.0  # seconds per forward/recompute of a stage with random ops
+
+    def arrays(self, b: int) -> NodeArrays:
+        est = self.estimate(b)
+        k = len(self.fwd)
+
+        def spread(chunk: np.ndarray, weight: np.ndarray) -> np.ndarray:
+            measured = np.maximum(chunk[:, 0] + chunk[:, 1] * b, 0.0)
+            total = np.bincount(self.chunk_of, weights=weight, minlength=k)
+            count = np.bincount(self.chunk_of, minlength=k)
+            # a chunk whose estimate is zero (rare: all free nodes) spreads evenly
+            share = np.where(total[self.chunk_of] > 0,
+                             weight / np.where(total > 0, total, 1.0)[self.chunk_of],
+                             1.0 / np.maximum(count, 1)[self.chunk_of])
+            return measured[self.chunk_of] * share
+
+        return NodeArrays(spread(self.fwd, est.forward), spread(self.rec, est.forward),
+                          spread(self.bwd, est.backward), spread(self.mem, est.activations))
+
+    def _select(self, nodes: Sequence[Any], values: np.ndarray) -> np.ndarray:
+        index = {name: i for i, name in enumerate(self.names)}
+        return values[[index[n.name] for n in nodes]]
+
+    def step_times(self, nodes: Sequence[Any], batch: int, recompute: bool) -> np.ndarray:
+        a = self.arrays(batch)
+        total = a.forward + a.recompute + a.backward if recompute else a.recompute + a.backward
+        return self._select(nodes, total)
+
+    def activation_bytes(self, nodes: Sequence[Any], batch: int) -> np.ndarray:
+        return self._select(nodes, self.arrays(batch).activations)
+
+
+@dataclass
+class CostTable:
+    """Everything the search needs about one annotated graph, as coefficient arrays."""
+
+    names: list[str]
+    fwd_flops: np.ndarray  # [2, N]
+    bwd_flops: np.ndarray
+    moved: np.ndarray  # bytes read + written
+    out_bytes: np.ndarray
+    weights: np.ndarray  # [N] bytes (weights + grads + Adam), where first read
+    activations: np.ndarray  # [2, N]
+    cut: np.ndarray  # [2, N + 1] bytes crossing the cut before node j
+    allowed: np.ndarray  # [N + 1] bool: only tensors cross there
+    random: np.ndarray  # [N] bool: dropout & co (the runtime re-seeds around such stages)
+    units: np.ndarray  # cut positions worth considering, 0 .. N
+    grads: np.ndarray  # [N] gradient bytes, where first read
+    shared: list[Shared]  # weights read in several units
+    measured: MeasuredTimes | None = None
+
+    @classmethod
+    def build(cls, gm: fx.GraphModule) -> CostTable:
+        nodes = compute_nodes(gm)
+        metas = [info(n) for n in nodes]
+        pc = [_partition_costs(gm, CostSetting(b, DeviceSpec("x", 1.0, 1.0), 1.0,
+                                               float("inf"), 1, True)) for b in (1, 2)]
+        allowed = np.isfinite(pc[0].cut_bytes)
+        cuts = [np.where(allowed, p.cut_bytes, 0.0) for p in pc]
+        acts = [p.activation_bytes for p in pc]
+        table = cls(
+            names=[n.name for n in nodes],
+            fwd_flops=_coefficients([m.fwd_flops for m in metas]),
+            bwd_flops=_coefficients([m.bwd_flops for m in metas]),
+            moved=_coefficients([m.in_bytes + m.out_bytes for m in metas]),
+            out_bytes=_coefficients([m.out_bytes for m in metas]),
+            weights=np.asarray(pc[0].weight_bytes, dtype=float),
+            activations=np.stack([2 * acts[0] - acts[1], acts[1] - acts[0]]),
+            cut=np.stack([2 * cuts[0] - cuts[1], cuts[1] - cuts[0]]),
+            allowed=allowed,
+            random=np.array([m.random for m in metas], dtype=bool),
+            units=np.zeros(0, dtype=np.int64),
+            grads=np.zeros(0),
+            shared=[],
+        )
+        table.units = table._candidate_cuts()
+        table.shared, table.grads = _shared_weights(nodes, trainable_names(gm))
+        return table
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units) - 1
+
+    def _candidate_cuts(self) -> np.ndarray:
+        """Allowed cuts, keeping of each run separated only by free nodes (no compute, weights or
+        activations) the cut sending the fewest bytes -- as ``partition._candidate_cuts``."""
+        n = len(self.names)
+        free = ((self.fwd_flops == 0).all(0) & (self.bwd_flops == 0).all(0)
+                & (self.weights == 0) & (self.activations == 0).all(0))
+        size = self.cut[0] + self.cut[1]
+        positions = [0]
+        for j in range(1, n):
+            if not self.allowed[j]:
+                continue
+            last = positions[-1]
+            if last != 0 and free[last:j].all():
+                if size[j] < size[last]:
+                    positions[-1] = j
+                continue
+            positions.append(j)
+        positions.append(n)
+        return np.array(positions, dtype=np.int64)
+
+    def estimate(self, b: float, spec: DeviceSpec) -> NodeArrays:
+        """Roofline estimates, exactly as ``costmodel.forward_time``/``backward_time``."""
+        ff, bf, mv = _at(self.fwd_flops, b), _at(self.bwd_flops, b), _at(self.moved, b)
+        fwd = np.where(ff > 0, np.maximum(ff / spec.flops, mv / spec.memory_bandwidth), 0.0)
+        bwd = np.where(bf > 0, np.maximum(bf / spec.flops, 2 * mv / spec.memory_bandwidth), 0.0)
+        return NodeArrays(fwd, fwd, bwd, _at(self.activations, b))
+
+    def node_arrays(self, b: int, spec: DeviceSpec) -> NodeArrays:
+        """Measured costs when the table has a profile, estimates for ``spec`` otherwise."""
+        if self.measured is not None:
+            return self.measured.arrays(b)
+        return self.estimate(b, spec)
+
+    def unit_arrays(self, b: int, spec: DeviceSpec,
+                    positions: np.ndarray | None = None) -> UnitArrays:
+        """Costs summed over the units between ``positions`` (default: the candidate cuts)."""
+        positions = self.units if positions is None else np.asarray(positions, dtype=np.int64)
+        nodes = self.node_arrays(b, spec)
+        starts = positions[:-1]
+
+        def per_unit(values: np.ndarray) -> np.ndarray:
+            return np.add.reduceat(values, starts) if len(values) else values
+
+        out = _at(self.out_bytes, b) * (_at(self.activations, b) > 0)
+        return UnitArrays(
+            b=b,
+            positions=positions,
+            forward=per_unit(nodes.forward),
+            recompute=per_unit(nodes.recompute),
+            backward=per_unit(nodes.backward),
+            weights=per_unit(self.weights),
+            grads=per_unit(self.grads),
+            activations=per_unit(nodes.activations),
+            cut=_at(self.cut, b)[positions],
+            biggest=np.maximum.reduceat(out, starts) if len(out) else out,
+            random=np.logical_or.reduceat(self.random, starts) if len(out) else self.random,
+            reseed=self.measured.reseed if self.measured is not None else 0.0,
+        )
+
+
+@dataclass
+class UnitArrays:
+    """Costs of one micro-batch size per unit (``cut`` has one more entry: before each unit)."""
+
+    b: int
+    positions: np.ndarray  # node position where each unit starts, and N at the end
+    forward: np.ndarray
+    recompute: np.ndarray
+    backward: np.ndarray
+    weights: np.ndarray
+    grads: np.ndarray
+    activations: np.ndarray
+    cut: np.ndarray
+    biggest: np.ndarray  # largest single activation in the unit: the backward's workspace
+    random: np.ndarray  # the unit has random ops
+    reseed: float = 0.0  # seconds per forward/recompute of a stage with random ops
+
+
+def _shared_weights(nodes: list[fx.Node], trainable: set[str]
+                    ) -> tuple[list[Shared], np.ndarray]:
+    """Weights read in more than one unit (tied embeddings): each stage reading one holds a copy,
+    which the first-read accounting of ``partition_costs`` does not see. Also returns the
+    gradient bytes (trainable parameters) of every node, where first read: what data
+    parallelism all-reduces."""
+    readers: dict[str, set[int]] = {}
+    sizes: dict[str, int] = {}
+    grads = np.zeros(len(nodes))
+    for i, node in enumerate(nodes):
+        for name, nbytes in params_read(node).items():
+            if name not in sizes and name in trainable:
+                grads[i] += nbytes
+            readers.setdefault(name, set()).add(i)
+            sizes[name] = nbytes
+    shared = [Shared(float((WEIGHT_COPIES if name in trainable else 1) * sizes[name]),
+                     float(sizes[name]) if name in trainable else 0.0, np.array(sorted(at)))
+              for name, at in readers.items() if len(at) > 1]
+    return shared, grads
+
+
+@dataclass(frozen=True)
+class Shared:
+    held: float  # bytes on every stage reading it (with gradient and optimizer state)
+    grad: float  # gradient bytes (0 for buffers)
+    nodes: np.ndarray  # positions of the compute nodes reading it, sorted

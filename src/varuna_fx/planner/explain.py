@@ -1,0 +1,70 @@
+"""When no configuration fits: the smallest memory per device that would, as a PlanError."""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import PlanError
+from .search import Candidate, Planner, Space
+
+
+def smallest_memory(planner: Planner, c: Candidate) -> float:
+    """The least memory per device for which ``c`` finds a fitting partition (bisection)."""
+    _, counts = planner.built(c.stages, c.num_micro_batches)
+    plan = planner.balancer(c.micro_batch_size).min_memory_partition(c.stages, max(counts))
+    if plan is None:
+        return math.inf
+    hi = float(plan.memory(counts, planner.recompute).max())
+    for _ in range(8):  # the full model may want a little more than the partitioner's
+        if planner.fit(c, counts, hi):
+            break
+        hi *= 1.25
+    else:
+        return math.inf
+    lo = hi / 2
+    while hi - lo > 1e-3 * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if planner.fit(c, counts, mid) else (mid, hi)
+    return hi
+
+
+def no_candidates(space: Space) -> str:
+    fixed = ", ".join(f"{k}={v}" for k, v in (
+        ("stages", space.stages), ("data_parallel", space.data_parallel),
+        ("micro_batch_size", space.micro_batch_size)) if v is not None)
+    devices = f"exactly the {space.world} running ranks" if space.world else \
+        f"at most {space.gpus} devices"
+    batch = f"global_batch_size={space.global_batch_size}" if space.global_batch_size \
+        else f"the example batch of {space.example_batch} per replica"
+    return (f"no (P, D, micro-batch size) uses {devices} with {batch}"
+            + (f" and {fixed}" if fixed else "") + ": P x D must fit the devices, D divide the "
+            "global batch and the micro-batch size divide the per-replica batch; change the "
+            "fixed values or the batch")
+
+
+def explain_nothing_fits(planner: Planner, space: Space) -> PlanError:
+    """The smallest memory per device any candidate would need, as a PlanError."""
+    pool = planner.candidates(space)
+    if not pool:
+        return PlanError(no_candidates(space))
+    # memory falls with more stages, smaller micro-batches and fewer micro-batches in flight
+    tried = []
+    for p in sorted({c.stages for c in pool})[-3:]:
+        group = [c for c in pool if c.stages == p]
+        c = min(group, key=lambda x: (x.micro_batch_size, x.num_micro_batches))
+        tried.append((smallest_memory(planner, c), c))
+    need, c = min(tried, key=lambda t: t[0])
+    have = _gib(planner.memory_cap)
+    if not math.isfinite(need):
+        return PlanError(f"no configuration of P, D and micro-batch size fits in {have} per "
+                         "device; use devices with more memory or a smaller model")
+    return PlanError(
+        f"no configuration of P, D and micro-batch size fits in {have} per device: the "
+        f"smallest needs {_gib(need)} per device (P={c.stages}, D={c.data_parallel}, "
+        f"micro-batch {c.micro_batch_size}). Use devices with at least {_gib(need)}, more "
+        "devices, a smaller global batch, or recompute=True"
+    )
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

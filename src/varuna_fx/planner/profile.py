@@ -1,0 +1,161 @@
+"""Measured profiles: what they hold, where they are cached, and when they apply.
+
+A :class:`Profile` holds, for contiguous chunks of the graph's compute nodes, the measured
+forward, recompute (forward with autograd) and backward time and the activation memory, each
+fitted as ``const + per_sample * b`` (:class:`varuna_fx.ir.Affine`, so ``.expr`` is sympy like
+every other cost). ``measure.py`` makes them; the planner turns them into per-node costs with
+:class:`varuna_fx.planner.costs.MeasuredTimes`.
+
+Profiles are cached as JSON under ``$VARUNA_FX_CACHE`` (default ``~/.cache/varuna_fx/profiles``),
+keyed by a hash of the graph (every node's op, target and output shapes), the parameters' dtype,
+the device and the thread count, so compiling the same model again re-plans without measuring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from ..cluster import Cluster
+from ..costmodel import device_spec
+from ..errors import PlanError
+from ..ir import Affine, info
+from .costs import CostTable, MeasuredTimes
+from .network import NetworkProfile
+
+FORMAT = 2  # bump when the JSON layout or the measuring method changes
+
+
+@dataclass
+class ChunkProfile:
+    nodes: list[str]  # compute nodes of the chunk, in graph order
+    forward: Affine  # seconds per micro-batch, without autograd
+    recompute: Affine  # forward with autograd (also what a non-recomputing stage runs)
+    backward: Affine
+    memory: Affine  # bytes the forward leaves for the backward (GPU: peak over F + B)
+    samples: dict[int, tuple[float, float, float, float]] = field(default_factory=dict)
+
+
+@dataclass
+class Profile:
+    key: str
+    graph: str  # graph_hash of the profiled graph
+    device: str  # device type as Cluster names it: "cpu", "h100", "cuda", ...
+    device_name: str
+    dtype: str
+    threads: int
+    sizes: list[int]
+    chunks: list[ChunkProfile]
+    # seconds the runtime spends re-seeding the RNG around each forward/recompute of a stage
+    # with random ops (dropout replays exactly on recompute); added per action by the planner
+    reseed: float = 0.0
+    network: NetworkProfile | None = None
+    from_cache: bool = False
+
+    def measured_times(self, table: CostTable) -> MeasuredTimes:
+        """Per-node costs for ``table``'s graph (which must be the profiled one)."""
+        position = {name: i for i, name in enumerate(table.names)}
+        chunk_of = np.full(len(table.names), -1, dtype=np.int64)
+        for k, chunk in enumerate(self.chunks):
+            for name in chunk.nodes:
+                if name not in position:
+                    raise PlanError(f"the profile does not match this graph (no node {name!r}); "
+                                    "profile this model again (profile=True)")
+                chunk_of[position[name]] = k
+        if (chunk_of < 0).any():
+            missing = table.names[int(np.argmax(chunk_of < 0))]
+            raise PlanError(f"the profile does not cover node {missing!r} of this graph; "
+                            "profile this model again (profile=True)")
+        spec = device_spec(self.device)
+
+        def coef(attr: str) -> np.ndarray:
+            return np.array([[getattr(c, attr).const, getattr(c, attr).per_sample]
+                             for c in self.chunks])
+
+        return MeasuredTimes(list(table.names), chunk_of, coef("forward"), coef("recompute"),
+                             coef("backward"), coef("memory"),
+                             estimate=lambda b: table.estimate(b, spec), reseed=self.reseed)
+
+    def applies_to(self, cluster: Cluster) -> bool:
+        """Measured times transfer to devices of the same type (a generic "cuda" cluster
+        accepts any GPU's profile)."""
+        if cluster.flops is not None:
+            return False  # the user stated the throughput to plan with
+        if self.device == cluster.kind:
+            return True
+        return cluster.device_type is None and cluster.device == "cuda" and self.device != "cpu"
+
+    # -- JSON ----------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data.pop("from_cache")
+        data["format"] = FORMAT
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        data = json.loads(text)
+        if data.pop("format", None) != FORMAT:
+            raise ValueError("profile format changed")
+        chunks = [ChunkProfile(
+            nodes=c["nodes"],
+            **{k: Affine(**c[k]) for k in ("forward", "recompute", "backward", "memory")},
+            samples={int(b): tuple(v) for b, v in c["samples"].items()},
+        ) for c in data.pop("chunks")]
+        network = data.pop("network")
+        return cls(chunks=chunks, network=NetworkProfile(**network) if network else None,
+                   **data)
+
+
+def graph_hash(gm: fx.GraphModule) -> str:
+    """Structure and shapes of the graph: equal for the same model and example shapes."""
+    digest = hashlib.sha256()
+    for node in gm.graph.nodes:
+        target = node.target if isinstance(node.target, str) else \
+            getattr(node.target, "__qualname__", repr(node.target))
+        shapes = ";".join(str(t) for t in info(node).outputs)
+        digest.update(f"{node.op}|{target}|{node.name}|{shapes}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+def profile_key(gm: fx.GraphModule, device: str, dtype: str, threads: int,
+                settings: dict[str, Any]) -> str:
+    text = json.dumps([graph_hash(gm), device, dtype, threads, torch.__version__, FORMAT,
+                       sorted(settings.items())])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("VARUNA_FX_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "varuna_fx" / "profiles"
+
+
+def load_cached(key: str) -> Profile | None:
+    path = cache_dir() / f"{key}.json"
+    try:
+        profile = Profile.from_json(path.read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    profile.from_cache = True
+    return profile
+
+
+def save_cached(profile: Profile) -> None:
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{profile.key}.{os.getpid()}.tmp"
+        tmp.write_text(profile.to_json())
+        tmp.replace(directory / f"{profile.key}.json")  # atomic: ranks may race
+    except OSError as exc:
+        warnings.warn(f"could not cache the profile in {directory}: {exc}", stacklevel=2)

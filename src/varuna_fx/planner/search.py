@@ -1,0 +1,363 @@
+"""Auto-configuration: the fastest (P, D, micro-batch size) for a cluster and a batch.
+
+Every candidate with P x D <= GPUs (P up to the number of places the model can be cut), D
+dividing the global batch and a micro-batch size dividing the per-replica batch is weighed by
+time per sample (with a fixed global batch: by step time). Evaluating one fully costs a
+partition, a memory check and a schedule simulation, and there are up to ~10^4 candidates for a
+1024-GPU cluster, so the search is a best-first branch and bound. Every candidate enters a heap
+keyed by a lower bound of its time per sample, and popping the smallest key refines it one
+level and pushes it back:
+
+0. from totals only: ``max(m * bottleneck bound, one micro-batch through the whole model,
+   ...) + the all-reduce of the largest unit's gradients``;
+1. partitioned (cost arrays depend only on b, partitions only on (b, P): both cached):
+   ``max_s [fill before stage s + m * busy_s + drain after it] + all-reduce``;
+2. checked against memory with the schedule's real stash counts (re-partitioned to fit if
+   needed), and bounded by Little's law (stage s holds at most k_s micro-batches, each for at
+   least its forward-to-backward round trip);
+3. simulated (``schedule.simulate``) plus the all-reduce: final.
+
+A candidate popped at level 3 is faster than every bound left in the heap, so the first ``top``
+popped are the top of the whole space, exactly as evaluating everything would rank them (tested)
+-- after a few hundred partitions and a handful of simulations instead of ~10^4 of each.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..cluster import Cluster
+from ..costmodel import DeviceSpec
+from ..errors import PartitionError
+from ..plan import Alternative
+from ..schedule import Schedule, build_schedule, simulate
+from .balance import Balancer, StagePlan
+from .costs import CostTable
+from .network import Links, NetworkProfile, links
+
+
+@dataclass
+class Candidate:
+    stages: int
+    data_parallel: int
+    micro_batch_size: int
+    num_micro_batches: int
+    plan: StagePlan | None = None
+    in_flight: int = 1  # stash count the partition was made for (1: a relaxation)
+    exact: bool = False  # partitioned with the schedule's real stash count
+    step_time: float = math.inf
+    allreduce_time: float = 0.0
+    bubble: float = 0.0
+    memory: tuple[float, ...] = ()
+
+    @property
+    def samples(self) -> int:
+        return self.data_parallel * self.micro_batch_size * self.num_micro_batches
+
+    def alternative(self, chosen: bool = False) -> Alternative:
+        return Alternative(self.stages, self.data_parallel, self.micro_batch_size,
+                           self.num_micro_batches, self.step_time, self.bubble,
+                           self.allreduce_time, self.memory, chosen)
+
+
+@dataclass
+class SearchResult:
+    top: list[Candidate]  # best first
+    considered: int = 0
+    partitioned: int = 0
+    simulated: int = 0
+    seconds: float = 0.0
+    alternatives: list[Alternative] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate:
+        return self.top[0]
+
+
+@dataclass(frozen=True)
+class Space:
+    """What may vary: None means the planner chooses."""
+
+    gpus: int
+    example_batch: int
+    global_batch_size: int | None = None
+    stages: int | None = None
+    data_parallel: int | None = None
+    micro_batch_size: int | None = None
+    world: int | None = None  # a running job: P x D must use exactly its ranks
+
+    def replica_batch(self, replicas: int) -> int | None:
+        if self.global_batch_size is None:
+            return self.example_batch  # each replica steps on a batch like the example
+        if self.global_batch_size % replicas:
+            return None
+        return self.global_batch_size // replicas
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Planner:
+    """Searches one model's configurations on one cluster; caches partitions and schedules."""
+
+    def __init__(self, table: CostTable, cluster: Cluster, *, schedule: str, recompute: bool,
+                 spec: DeviceSpec | None = None, network: NetworkProfile | None = None) -> None:
+        self.table = table
+        self.cluster = cluster
+        self.spec = spec or cluster.spec
+        self.schedule = schedule
+        self.recompute = recompute
+        self.network = network
+        self.memory_cap = float(cluster.gpu_memory)
+        self._balancers: dict[int, Balancer] = {}
+        self._plans: dict[tuple[int, int, int, float], StagePlan | None] = {}
+        self._schedules: dict[tuple[int, int], tuple[Schedule, list[int]]] = {}
+        self._links: dict[tuple[int, int], Links] = {}
+        self._totals: dict[int, tuple[float, ...]] = {}
+        self._hop_sums: dict[tuple[int, int, int], float] = {}
+
+    # -- caches --------------------------------------------------------------------------------
+
+    def balancer(self, b: int) -> Balancer:
+        if b not in self._balancers:
+            bw = links(self.cluster, 2, 1, self.network).partition_bandwidth
+            units = self.table.unit_arrays(b, self.spec)
+            self._balancers[b] = Balancer(units, self.table.shared, bw, self.recompute)
+        return self._balancers[b]
+
+    def partition(self, b: int, stages: int, in_flight: int,
+                  budget: float | None = None) -> StagePlan | None:
+        """Fastest partition whose stages fit ``budget`` (default: the device memory) by the
+        partition pass's memory model."""
+        budget = self.memory_cap if budget is None else budget
+        key = (b, stages, in_flight, budget)
+        if key not in self._plans:
+            self._plans[key] = self.balancer(b).partition(stages, budget, in_flight)
+        return self._plans[key]
+
+    def built(self, stages: int, micro_batches: int) -> tuple[Schedule, list[int]]:
+        """The schedule (its compiled form is cached on it) and its per-stage stash counts."""
+        key = (stages, micro_batches)
+        if key not in self._schedules:
+            sched = build_schedule(self.schedule, stages, micro_batches, self.recompute)
+            self._schedules[key] = (sched, stash_counts(sched))
+        return self._schedules[key]
+
+    def links(self, stages: int, replicas: int) -> Links:
+        key = (stages, replicas)
+        if key not in self._links:
+            self._links[key] = links(self.cluster, stages, replicas, self.network)
+        return self._links[key]
+
+    def _totals_at(self, b: int) -> tuple[float, ...]:
+        """(all busy time, busy without recompute, largest unit without recompute, one
+        micro-batch's forward + backward, gradient bytes, of the largest unit, the chain
+        around the last unit, its busy time) at micro-batch size b."""
+        if b not in self._totals:
+            u = self.balancer(b).units
+            plain = u.recompute + u.backward
+            chain = np.minimum(u.forward, u.recompute) + u.backward
+            # the last stage holds at least the last unit, and all other units' forward and
+            # backward of one micro-batch chain around it
+            last = float(chain.sum() - chain[-1]), float(plain[-1])
+            self._totals[b] = (self.balancer(b).total, float(plain.sum()),
+                               float(plain.max(initial=0.0)), float(chain.sum()),
+                               float(u.grads.sum()), float(u.grads.max(initial=0.0)), *last)
+        return self._totals[b]
+
+    def _hops(self, b: int, stages: int, replicas: int) -> float:
+        """One micro-batch crosses every link forward and back, with at least the smallest
+        value any cut sends."""
+        if stages == 1:
+            return 0.0
+        key = (b, stages, replicas)
+        if key not in self._hop_sums:
+            cut = self.balancer(b).units.cut[1:-1]
+            least = float(cut.min()) if len(cut) else 0.0
+            net = self.links(stages, replicas)
+            self._hop_sums[key] = 2 * ((stages - 1) * net.latency + least * net.inverse_bandwidth)
+        return self._hop_sums[key]
+
+    # -- the three keys ------------------------------------------------------------------------
+
+    def bound_from_totals(self, c: Candidate) -> float:
+        busy, plain, largest, chain, grads, unit_grads, around, last = \
+            self._totals_at(c.micro_batch_size)
+        p, m = c.stages, c.num_micro_batches
+        # the last stage does not recompute: some stage is busy >= (busy - its R) / P
+        bottleneck = plain if p == 1 else max(largest, busy / (p + 1))
+        hops = self._hops(c.micro_batch_size, p, c.data_parallel)
+        pipeline = max(m * bottleneck, chain + hops, around + hops + m * last if p > 1 else 0.0)
+        stage_grads = max(grads / p, unit_grads)
+        return pipeline + self.links(p, c.data_parallel).allreduce(stage_grads, c.data_parallel)
+
+    def bound_from_stages(self, c: Candidate) -> float:
+        plan = c.plan
+        assert plan is not None
+        net = self.links(c.stages, c.data_parallel)
+        busy = plan.compute(self.recompute)
+        hop = np.asarray([net.latency + nb / bw for nb, bw in zip(plan.send_bytes,
+                                                                  net.bandwidths)])
+        chain = plan.sim_forward(self.recompute)[:-1] + plan.backward[:-1] + 2 * hop
+        before = np.concatenate([[0.0], np.cumsum(chain)])
+        pipeline = float(np.max(before + c.num_micro_batches * busy))
+        return pipeline + self.allreduce(c)
+
+    def bound_from_stash(self, c: Candidate, counts: list[int]) -> float:
+        """Little's law: stage s holds at most counts[s] micro-batches, each for at least the
+        round trip from its forward to its backward, so a step lasts >= m * trip / count."""
+        plan = c.plan
+        assert plan is not None
+        net = self.links(c.stages, c.data_parallel)
+        hop = [net.latency + nb / bw for nb, bw in zip(plan.send_bytes, net.bandwidths)]
+        work = plan.sim_forward(self.recompute) + plan.backward
+        trip = np.cumsum((work + 2 * np.asarray([*hop, 0.0]))[::-1])[::-1]
+        pipeline = float(np.max(c.num_micro_batches * trip / np.maximum(counts, 1)))
+        return pipeline + self.allreduce(c)
+
+    def allreduce(self, c: Candidate) -> float:
+        """Gradient all-reduce of the largest stage across replicas, plus summing the
+        gradients of weights that several stages hold (tied embeddings)."""
+        assert c.plan is not None
+        net = self.links(c.stages, c.data_parallel)
+        replicas = net.allreduce(float(c.plan.grads.max()), c.data_parallel)
+        tied = net.allreduce(c.plan.shared_grads, 2) if c.stages > 1 else 0.0
+        return replicas + tied
+
+    def simulated(self, c: Candidate, sched: Schedule) -> float:
+        plan = c.plan
+        assert plan is not None
+        net = self.links(c.stages, c.data_parallel)
+        sim = simulate(
+            sched, forward=plan.sim_forward(self.recompute), backward=plan.backward,
+            recompute=plan.recompute, send_bytes=plan.send_bytes, latency=net.latency,
+            bandwidth=net.bandwidths if c.stages > 1 else math.inf,
+        )
+        c.allreduce_time = self.allreduce(c)
+        c.bubble = sim.bubble_fraction
+        c.step_time = sim.step_time + c.allreduce_time
+        return c.step_time
+
+    # -- the search ----------------------------------------------------------------------------
+
+    def candidates(self, space: Space) -> list[Candidate]:
+        most = self.table.num_units
+        if space.stages is not None:
+            if space.stages > most:
+                raise PartitionError(
+                    f"stages={space.stages} is more than the {most} places the model can be cut "
+                    f"(operations of the model between cuts): use at most {most} stages"
+                )
+            depths: list[int] = [space.stages]
+        else:
+            depths = list(range(1, min(most, space.gpus) + 1))
+        found = []
+        for p in depths:
+            widths = [space.data_parallel] if space.data_parallel is not None else \
+                range(1, max(1, space.gpus // p) + 1)
+            if space.world is not None:
+                widths = [d for d in widths if p * d == space.world]
+            elif space.gpus > 1:  # (one device may time-share an explicit P for exploration)
+                widths = [d for d in widths if p * d <= space.gpus]
+            for d in widths:
+                batch = space.replica_batch(d)
+                if batch is None:
+                    continue
+                sizes = [space.micro_batch_size] if space.micro_batch_size is not None \
+                    else divisors(batch)
+                found += [Candidate(p, d, b, batch // b) for b in sizes if batch % b == 0]
+        return found
+
+    def search(self, space: Space, top: int = 5) -> SearchResult:
+        start = time.perf_counter()
+        result = SearchResult(top=[])
+        pool = self.candidates(space)
+        result.considered = len(pool)
+        order = itertools.count()
+        heap = [(self._key(self.bound_from_totals(c), c), next(order), 0, c) for c in pool]
+        heapq.heapify(heap)
+
+        def push(seconds: float, level: int, c: Candidate) -> None:
+            heapq.heappush(heap, (self._key(seconds, c), next(order), level, c))
+
+        while heap and len(result.top) < top:
+            _, _, level, c = heapq.heappop(heap)
+            if level == 3:  # simulated, and no other candidate can be faster
+                result.top.append(c)
+            elif level == 0:
+                c.plan = self.partition(c.micro_batch_size, c.stages, c.in_flight)
+                result.partitioned += 1
+                if c.plan is not None:
+                    push(self.bound_from_stages(c), 1, c)
+            elif level == 1:
+                _, counts = self.built(c.stages, c.num_micro_batches)
+                if not self._fits(c, counts):
+                    if not c.exact and self.fit(c, counts):  # re-partitioned: new bound
+                        push(self.bound_from_stages(c), 1, c)
+                    continue
+                push(max(self.bound_from_stages(c), self.bound_from_stash(c, counts)), 2, c)
+            else:
+                sched, _ = self.built(c.stages, c.num_micro_batches)
+                result.simulated += 1
+                push(self.simulated(c, sched), 3, c)
+        result.seconds = time.perf_counter() - start
+        result.alternatives = [c.alternative(i == 0) for i, c in enumerate(result.top)]
+        return result
+
+    def _key(self, seconds: float, c: Candidate) -> tuple[float, int, int, int]:
+        """Time per sample; ties go to fewer devices, fewer stages, bigger micro-batches."""
+        per_sample = float(f"{seconds / c.samples:.9g}")
+        return (per_sample, c.stages * c.data_parallel, c.stages, -c.micro_batch_size)
+
+    def _fits(self, c: Candidate, counts: list[int], cap: float | None = None) -> bool:
+        assert c.plan is not None
+        memory = c.plan.memory(counts, self.recompute)
+        c.memory = tuple(float(m) for m in memory)
+        return bool(np.all(memory <= (self.memory_cap if cap is None else cap)))
+
+    def fit(self, c: Candidate, counts: list[int], cap: float | None = None) -> bool:
+        """Partition ``c`` for the schedule's real stash counts (the first partition assumed
+        one micro-batch in flight) so that every stage fits by the full memory model (shared
+        weight copies and workspace too): the partitioner's budget shrinks by the overshoot."""
+        cap = self.memory_cap if cap is None else cap
+        c.exact, c.in_flight = True, max(counts)
+        budget = cap
+        for _ in range(4):
+            c.plan = self.partition(c.micro_batch_size, c.stages, c.in_flight, budget)
+            if c.plan is None:
+                break
+            if self._fits(c, counts, cap):
+                return True
+            budget -= max(c.memory) - cap
+        # last resort: leave room for the most the partitioner's model can leave out
+        units = self.balancer(c.micro_batch_size).units
+        extra = sum(item.held for item in self.table.shared) + float(units.biggest.max())
+        if cap - extra >= budget:
+            return False
+        c.plan = self.partition(c.micro_batch_size, c.stages, c.in_flight, cap - extra)
+        return c.plan is not None and self._fits(c, counts, cap)
+
+
+def stash_counts(schedule: Schedule) -> list[int]:
+    """Most micro-batches each stage holds at once: from the start of F(i) to the end of B(i)
+    (a stage runs its list in order, so this depends on the structure only)."""
+    from ..schedule import Kind
+
+    counts = []
+    for acts in schedule.per_stage:
+        live = peak = 0
+        for act in acts:
+            if act.kind is Kind.F:
+                live += 1
+                peak = max(peak, live)
+            elif act.kind is Kind.B:
+                live -= 1
+        counts.append(peak)
+    return counts

@@ -1,0 +1,102 @@
+"""After the last backward: tied-weight sums, the data-parallel average, the global grad norm.
+
+* **Tied parameters** (held by several stages) are summed over every holder stage of every
+  replica and divided by D in one all-reduce, so all copies stay bit-identical. Gradient
+  accumulation across steps works: before a step, only the lowest holder keeps the
+  (already synchronised) accumulated gradient; the others start from zero, so the sum counts it
+  once.
+* **Everything else** this stage holds is averaged over the D replicas, flattened into ~25 MB
+  buckets with one asynchronous all-reduce each, launched right after the stage's last backward.
+* **Gradient clipping** needs the norm of the whole model: each stage adds its squares (a tied
+  parameter only on its lowest holder), one all-reduce over the replica's P stages sums them
+  (the replicas already agree), and every stage scales by the same factor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import AllReduce, wait
+from .setup import Groups
+
+
+class GradSync:
+    def __init__(self, held: dict[str, nn.Parameter], groups: Groups,
+                 tied_holders: dict[str, list[int]], stage: int, replicas: int,
+                 timeout: float, who: str) -> None:
+        self.groups, self.replicas, self.timeout, self.who = groups, replicas, timeout, who
+        self.held = {n: p for n, p in held.items() if p.requires_grad}
+        tied_here = {n for names, _ in groups.tied for n in names}
+        self.plain = [p for n, p in self.held.items() if n not in tied_here]
+        self.tied = [([self.held[n] for n in names if n in self.held], g)
+                     for names, g in groups.tied]
+        # tied copies whose accumulated gradient another (lower) holder stage keeps
+        self.not_lowest = [self.held[n] for n in tied_here
+                           if n in self.held and min(tied_holders[n]) != stage]
+        # what this stage contributes to the global norm: tied parameters once, at the lowest
+        self.norm_params = [p for n, p in self.held.items()
+                            if n not in tied_holders or min(tied_holders[n]) == stage]
+
+    def before_step(self) -> None:
+        for p in self.not_lowest:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def start(self) -> list[AllReduce]:
+        """Launch every reduction of this stage's gradients (asynchronous)."""
+        pending = []
+        for params, group in self.tied:
+            pending.append(AllReduce(_grads(params), group, divide=self.replicas,
+                                     timeout=self.timeout, who=self.who,
+                                     what=f"the tied-parameter gradient sum {_ranks(group)}"))
+        if self.groups.data_parallel is not None and self.plain:
+            pending.append(AllReduce(_grads(self.plain), self.groups.data_parallel,
+                                     divide=self.replicas, timeout=self.timeout, who=self.who,
+                                     what="the data-parallel gradient all-reduce "
+                                     f"{_ranks(self.groups.data_parallel)}"))
+        return pending
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model, on every rank."""
+        norm_type = float(norm_type)
+        grads = [p.grad for p in self.norm_params if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+        if math.isinf(norm_type):
+            local = torch.stack(norms).max() if norms else torch.zeros(())
+            op = dist.ReduceOp.MAX
+        else:
+            local = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros(())
+            op = dist.ReduceOp.SUM
+        total = local.to(device, torch.float32).reshape(1)
+        if self.groups.pipeline is not None:
+            work = dist.all_reduce(total, op=op, group=self.groups.pipeline, async_op=True)
+            wait(work, self.timeout, self.who,
+                 f"the gradient-norm sum over the pipeline {_ranks(self.groups.pipeline)}")
+        total = total[0] if math.isinf(norm_type) else total[0].pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        every = [p.grad for p in self.held.values() if p.grad is not None]
+        if every:
+            torch._foreach_mul_(every, coef.to(every[0].device))
+        return total
+
+
+def _ranks(group: object) -> str:
+    return f"with ranks {dist.get_process_group_ranks(group)}"
+
+
+def _grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients to reduce; a parameter without one contributes zeros (every member of a
+    group must reduce the same tensors)."""
+    out = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        out.append(p.grad)
+    return out

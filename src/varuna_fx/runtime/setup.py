@@ -1,0 +1,203 @@
+"""Joining a distributed run: the process group, one plan for all, groups, held parameters.
+
+Every rank compiles the model itself; nothing but a fingerprint of the plan crosses the network
+before training, so a rank that planned differently (another seed, batch or argument) is named
+instead of deadlocking or exchanging tensors of the wrong size later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..codegen import Stage
+from ..errors import DistributedError, PeerTimeoutError
+from ..plan import Plan
+from ..schedule import build_schedule
+from .comm import wait
+from .placement import Placement
+
+
+def launched_distributed() -> bool:
+    """True when this process is one rank of several (initialised, or torchrun's env)."""
+    if not dist.is_available():
+        return False
+    if dist.is_initialized():
+        return dist.get_world_size() > 1
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_process_group(timeout: float) -> None:
+    """Join the job torchrun described (env://) unless the user already did: gloo on CPU,
+    NCCL on GPU. The rendezvous waits at most ``timeout`` for the other ranks."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError) as exc:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise PeerTimeoutError(
+            f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')} could "
+            f"not form the process group at {where} within {timeout:.1f} s: some rank did not "
+            f"start or crashed before vf.compile; see its log ({str(exc).splitlines()[0]})"
+        ) from exc
+
+
+def plan_summary(plan: Plan) -> str:
+    sizes = [c.nodes for c in plan.stage_costs]
+    return (f"P={plan.stages} D={plan.data_parallel} micro-batch {plan.micro_batch_size} x "
+            f"{plan.num_micro_batches} schedule {plan.schedule} recompute={plan.recompute} "
+            f"nodes per stage {sizes}")
+
+
+def plan_fingerprint(plan: Plan, stages: list[Stage], precision: str) -> str:
+    """Everything two ranks must agree on: layout, stage contents, boundaries, schedule."""
+    parts = [plan_summary(plan), precision]
+    for s in stages:
+        spec = s.spec
+        parts.append(f"stage {spec.index}: {' '.join(spec.nodes)} | "
+                     f"{' '.join(spec.parameter_names)} | inputs {spec.inputs}")
+        for t in spec.sends:
+            parts.append(f"  {t.name} {t.src}->{t.dst} {t.tensor} grad={t.requires_grad}")
+    parts.append(str(build_schedule(plan.schedule, plan.stages, plan.num_micro_batches,
+                                    plan.recompute)))
+    return "\n".join(parts)
+
+
+def verify_same_plan(plan: Plan, fingerprint: str, timeout: float) -> None:
+    """All-gather a hash of the plan; every rank raises if any two differ."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    digest = int(hashlib.sha256(fingerprint.encode()).hexdigest()[:15], 16)
+    mine = torch.tensor([digest], dtype=torch.int64, device=_comm_device())
+    every = [torch.empty_like(mine) for _ in range(world)]
+    work = dist.all_gather(every, mine, async_op=True)
+    wait(work, timeout, f"rank {rank}", "every rank's plan fingerprint (all ranks must call "
+         "vf.compile)")
+    hashes = [int(t) for t in every]
+    if len(set(hashes)) == 1:
+        return
+    summaries: list[Any] = [None] * world
+    dist.all_gather_object(summaries, plan_summary(plan))  # every rank is on this error path
+    groups: dict[int, list[int]] = {}
+    for r, h in enumerate(hashes):
+        groups.setdefault(h, []).append(r)
+    described = "; ".join(f"ranks {ranks} planned {summaries[ranks[0]]}"
+                          for ranks in groups.values())
+    odd = [r for r, h in enumerate(hashes) if h != hashes[0]]
+    raise DistributedError(
+        f"the ranks compiled different plans (ranks {odd} differ from rank 0): {described}. "
+        "Every rank must call vf.compile with the same model (same seed), example inputs and "
+        "arguments, and the same Cluster"
+    )
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass
+class Groups:
+    """Process groups of this rank (None where a group would hold this rank alone)."""
+
+    pipeline: Any = None  # the P stages of my replica: loss and grad-norm reductions
+    data_parallel: Any = None  # the D replicas of my stage: the gradient average
+    tied: list[tuple[list[str], Any]] = field(default_factory=list)  # my tied sets
+    created: list[Any] = field(default_factory=list)
+
+
+def build_groups(placement: Placement, tied: dict[tuple[int, ...], list[str]],
+                 stage: int, replica: int, timeout: float) -> Groups:
+    """``dist.new_group`` for every group of the job, on every rank in the same order (the
+    call is collective), keeping the ones this rank belongs to.
+
+    A tied set gets one group spanning its holder stages in *all* replicas: summing there and
+    dividing by D equals summing across holders per replica and then averaging across
+    replicas, in one collective instead of two."""
+    groups = Groups()
+    span = timedelta(seconds=timeout)
+
+    def make(ranks: list[int]) -> Any:
+        group = dist.new_group(ranks, timeout=span)
+        groups.created.append(group)
+        return group
+
+    p, d = placement.stages, placement.replicas
+    if p > 1:
+        for r in range(d):
+            g = make(placement.pipeline_ranks(r))
+            if r == replica:
+                groups.pipeline = g
+    if d > 1:
+        for s in range(p):
+            g = make(placement.replica_ranks(s))
+            if s == stage:
+                groups.data_parallel = g
+    for holders in sorted(tied):
+        g = make(placement.holder_ranks(list(holders)))
+        if stage in holders:
+            groups.tied.append((tied[holders], g))
+    return groups
+
+
+def tied_sets(plan: Plan, model: nn.Module, canonical: dict[str, str]) -> dict[tuple, list[str]]:
+    """Trainable parameters held by several stages, grouped by their holder stages."""
+    trainable = {canonical[n] for n, p in model.named_parameters(remove_duplicate=False)
+                 if p.requires_grad}
+    sets: dict[tuple[int, ...], list[str]] = {}
+    for name, holders in plan.tied_parameters.items():
+        if name in trainable:
+            sets.setdefault(tuple(sorted(holders)), []).append(name)
+    return sets
+
+
+def release_unheld(model: nn.Module, stage: Stage, device: torch.device) -> None:
+    """Keep (and move to ``device``) the tensors this stage's module uses; empty every other
+    parameter and buffer of the model in place, so the memory is released while the module
+    objects stay intact. Decided by identity with what the stage module holds, which is exactly
+    what its code can reach."""
+    used = {id(t) for t in [*stage.module.parameters(), *stage.module.buffers()]}
+    seen: set[int] = set()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if id(tensor) in used:
+            if tensor.device != device:
+                tensor.data = tensor.data.to(device)
+        else:
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=device)
+            if isinstance(tensor, nn.Parameter):
+                tensor.grad = None
+
+
+def broadcast_initial(named: dict[str, torch.Tensor], groups: Groups, placement: Placement,
+                      stage: int, timeout: float, who: str) -> None:
+    """Make the replicas start equal, as DDP does: replica 0 of each stage broadcasts its
+    parameters and buffers; a tied set comes from replica 0 of its lowest holder stage."""
+    tied_names = {n for names, _ in groups.tied for n in names}
+    works = []
+    with torch.no_grad():
+        for names, group in groups.tied:
+            lowest = min(placement.coords(r)[0] for r in dist.get_process_group_ranks(group))
+            for n in names:
+                works.append(dist.broadcast(named[n], src=placement.rank(lowest, 0),
+                                            group=group, async_op=True))
+        if groups.data_parallel is not None:
+            for n, t in named.items():
+                if n not in tied_names and t.numel():
+                    works.append(dist.broadcast(t, src=placement.rank(stage, 0),
+                                                group=groups.data_parallel, async_op=True))
+    for w in works:
+        wait(w, timeout, who, "the initial parameters from replica 0")

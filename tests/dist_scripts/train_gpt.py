@@ -1,0 +1,160 @@
+"""One rank of a distributed test: trains the tiny tied GPT under each requested layout.
+
+Usage (under tests/dist_utils.launch): ``train_gpt.py OUT_DIR JOBS_JSON``. ``JOBS_JSON`` is a
+list of jobs run one after another in this process; each writes ``OUT_DIR/<name>_rank<r>.pt``
+with the losses, clipped norms and held parameters after the steps, or the error it raised.
+Job kinds: ``train`` (compile, 3 AdamW steps with clipping), ``bad_world`` (compile for a
+layout the world does not have), ``mismatch`` (ranks compile different plans), ``bad_batch`` (steps with wrongly shaped batches), ``peer_loss``
+(after compile one rank dies or stalls; the others must raise PeerTimeoutError). A job
+that stops the process must be the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import varuna_fx as vf  # noqa: E402
+from dist_common import ADAM_EPS, GLOBAL_BATCH, make_model_and_data  # noqa: E402
+from varuna_fx.examples import lm_loss  # noqa: E402
+
+RANK = int(os.environ["RANK"])
+
+
+def compile_job(job: dict[str, Any], share: int) -> vf.Pipeline:
+    model, tokens = make_model_and_data()
+    micro = job.get("micro_batch_size", {}).get(str(RANK), 2)  # per rank: to disagree
+    return vf.compile(model, example_inputs=(tokens[0, :share, :-1],), loss_fn=lm_loss,
+                      stages=job["P"], data_parallel=job.get("D"), micro_batch_size=micro,
+                      schedule=job.get("schedule", "varuna"),
+                      precision=job.get("precision", "fp32"), timeout=job.get("timeout"))
+
+
+def train(job: dict[str, Any]) -> dict[str, Any]:
+    share = GLOBAL_BATCH // job["D"]
+    pipe = compile_job(job, share)
+    _, tokens = make_model_and_data()
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, eps=ADAM_EPS)
+    losses, norms = [], []
+    lo = pipe.replica_index * share
+    for step in range(tokens.shape[0]):
+        batch = tokens[step, lo:lo + share]
+        pipe.zero_grad()
+        losses.append(float(pipe.step(batch[:, :-1], target=batch[:, 1:])))
+        norms.append(float(pipe.clip_grad_norm_(job.get("max_norm", 0.5))))
+        pipe.optimizer_step(opt)
+    params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    logits = pipe(tokens[0, lo:lo + share, :-1])  # evaluation: every rank gets the output
+    result = {"losses": losses, "norms": norms, "params": params, "stage": pipe.stage_index,
+              "replica": pipe.replica_index, "tied": pipe.plan.tied_parameters,
+              "logits": logits, "rows": (lo, lo + share)}
+    pipe.close()
+    return result
+
+
+def bad_batch(job: dict[str, Any]) -> dict[str, Any]:
+    share = GLOBAL_BATCH // job["D"]
+    pipe = compile_job(job, share)
+    _, tokens = make_model_and_data()
+    errors = []
+    more_rows = torch.cat([tokens[0, :share], tokens[1, :2]])
+    for batch in (more_rows, tokens[0, :share, :-2]):  # more rows; shorter rows
+        try:
+            pipe.step(batch[:, :-1], target=batch[:, 1:])
+            errors.append(None)
+        except vf.VarunaFxError as exc:
+            errors.append((type(exc).__name__, str(exc)))
+    ok = tokens[0, :share]  # the run goes on after the error: nothing was sent
+    loss = float(pipe.step(ok[:, :-1], target=ok[:, 1:]))
+    pipe.close()
+    return {"errors": errors, "loss_after": loss}
+
+
+def accumulate(job: dict[str, Any]) -> dict[str, Any]:
+    """Two steps without zero_grad: gradients (tied ones too) must add up as in eager."""
+    share = GLOBAL_BATCH // job["D"]
+    pipe = compile_job(job, share)
+    _, tokens = make_model_and_data()
+    lo = pipe.replica_index * share
+    for step in range(2):
+        batch = tokens[step, lo:lo + share]
+        pipe.step(batch[:, :-1], target=batch[:, 1:])
+    grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    pipe.close()
+    return {"grads": grads}
+
+
+def fp16(job: dict[str, Any]) -> dict[str, Any]:
+    """A clean fp16 step, then one forced to overflow: every rank must skip it together."""
+    share = GLOBAL_BATCH // job["D"]
+    pipe = compile_job({**job, "precision": "fp16"}, share)
+    _, tokens = make_model_and_data()
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    lo = pipe.replica_index * share
+    batch = tokens[0, lo:lo + share]
+    flags, stepped = [], []
+    for scale in (pipe.loss_scale, 2.0**120):  # at 2**120 any fp16 backward overflows
+        pipe.runtime.scaler.scale = scale
+        pipe.zero_grad()
+        loss = float(pipe.step(batch[:, :-1], target=batch[:, 1:]))
+        flags.append(pipe.found_inf)
+        before = [p.detach().clone() for p in pipe.parameters()]
+        stepped.append(pipe.optimizer_step(opt))
+        changed = any(not torch.equal(a, p) for a, p in zip(before, pipe.parameters()))
+        assert changed == stepped[-1]
+    result = {"found_inf": flags, "stepped": stepped, "loss": loss, "scale": pipe.loss_scale}
+    pipe.close()
+    return result
+
+
+def peer_loss(job: dict[str, Any]) -> dict[str, Any]:
+    pipe = compile_job(job, GLOBAL_BATCH // job["D"])
+    _, tokens = make_model_and_data()
+    torch.distributed.barrier()  # everyone is through compile's collectives
+    if RANK == job.get("dies"):
+        os._exit(3)  # a crash: the connection closes under the peers
+    if RANK == job.get("stalls"):  # alive but never answering: the others must time out
+        time.sleep(job["timeout"] + 2)
+        os._exit(0)
+    share = GLOBAL_BATCH // job["D"]
+    lo = pipe.replica_index * share
+    batch = tokens[0, lo:lo + share]
+    start = time.monotonic()
+    try:
+        pipe.step(batch[:, :-1], target=batch[:, 1:])
+        outcome: dict[str, Any] = {"error": None}
+    except vf.VarunaFxError as exc:
+        outcome = {"error": type(exc).__name__, "message": str(exc)}
+    outcome["elapsed"] = time.monotonic() - start
+    return outcome
+
+
+def save(job: dict[str, Any], result: dict[str, Any]) -> None:
+    torch.save(result, Path(sys.argv[1]) / f"{job['name']}_rank{RANK}.pt")
+
+
+def main() -> None:
+    for job in json.loads(sys.argv[2]):
+        try:
+            result = {"train": train, "bad_batch": bad_batch, "peer_loss": peer_loss, "fp16": fp16,
+                      "accumulate": accumulate,
+                      "bad_world": lambda j: {"pipe": compile_job(j, GLOBAL_BATCH)},
+                      "mismatch": lambda j: {"pipe": compile_job(j, GLOBAL_BATCH)},
+                      }[job["kind"]](job)
+            result.pop("pipe", None)
+        except vf.VarunaFxError as exc:
+            result = {"error": type(exc).__name__, "message": str(exc)}
+        save(job, result)
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown (about a second per rank): results are saved
+
+
+if __name__ == "__main__":
+    main()

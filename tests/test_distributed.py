@@ -1,0 +1,176 @@
+"""The distributed runtime on local gloo ranks, against eager single-process training.
+
+Two launches cover everything (process start-up and the first compile cost seconds each):
+2 ranks run (P, D) = (2, 1) and (1, 2) under both schedules, bf16, wrong batches, a wrong world
+size and a stalled peer; 4 ranks run (2, 2) under both schedules and lose a rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_common import eager_training, make_model_and_data
+from dist_utils import run_jobs
+from varuna_fx.examples import lm_loss
+
+pytestmark = pytest.mark.distributed
+
+SCHEDULES = ("varuna", "1f1b")
+
+
+@pytest.fixture(scope="module")
+def eager() -> dict:
+    return eager_training()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    jobs = [{"name": f"P{p}D{d}_{s}", "kind": "train", "P": p, "D": d, "schedule": s}
+            for p, d in ((2, 1), (1, 2)) for s in SCHEDULES]
+    jobs.append({"name": "bf16", "kind": "train", "P": 2, "D": 1, "precision": "bf16"})
+    jobs.append({"name": "fp16", "kind": "fp16", "P": 2, "D": 1})
+    jobs.append({"name": "accumulate", "kind": "accumulate", "P": 2, "D": 1})
+    jobs.append({"name": "bad_batch", "kind": "bad_batch", "P": 2, "D": 1})
+    jobs.append({"name": "mismatch", "kind": "mismatch", "P": 2, "D": 1,
+                 "micro_batch_size": {"1": 4}})  # rank 1 plans another micro-batch size
+    jobs.append({"name": "bad_world", "kind": "bad_world", "P": 3})  # P x D = 3 x 1 != 2
+    jobs.append({"name": "stall", "kind": "peer_loss", "P": 2, "D": 1, "timeout": 3.0,
+                 "stalls": 1, "ranks": [0]})
+    return run_jobs(tmp_path_factory.mktemp("two"), 2, jobs)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    jobs = [{"name": f"P2D2_{s}", "kind": "train", "P": 2, "D": 2, "schedule": s}
+            for s in SCHEDULES]
+    jobs.append({"name": "dies", "kind": "peer_loss", "P": 2, "D": 2, "timeout": 3.0,
+                 "dies": 3, "ranks": [0, 1, 2]})
+    return run_jobs(tmp_path_factory.mktemp("four"), 4, jobs)
+
+
+def check_against_eager(per_rank: list[dict], eager: dict, P: int, D: int,
+                        tol: dict | None = None, autocast: torch.dtype | None = None) -> None:
+    tol = tol or {"rtol": 1e-4, "atol": 1e-5}
+    assert sorted((r["stage"], r["replica"]) for r in per_rank) == \
+        sorted((s, d) for s in range(P) for d in range(D))
+    seen: set[str] = set()
+    for r in per_rank:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(eager["losses"]),
+                                   **tol)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(eager["norms"]),
+                                   **tol)
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, eager["params"][name].detach(), **tol,
+                                       msg=lambda m, n=name, r=r: f"{n} on stage {r['stage']} "
+                                       f"replica {r['replica']}: {m}")
+            seen.add(name)
+        lo, hi = r["rows"]
+        with torch.no_grad(), torch.autocast("cpu", autocast, enabled=autocast is not None):
+            want = eager["model"](eager["tokens"][0, lo:hi, :-1])
+        # pipe(...) on every rank; bf16 logits of size ~8 have an ulp of 0.06
+        torch.testing.assert_close(r["logits"], want, **(tol if autocast is None else
+                                                         {"rtol": 0.05, "atol": 0.15}))
+    assert seen == set(eager["params"]), "every parameter is held by some rank"
+
+
+@pytest.mark.parametrize("P,D", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_two_ranks_match_eager(two_ranks: dict, eager: dict, P: int, D: int,
+                               schedule: str) -> None:
+    check_against_eager(two_ranks[f"P{P}D{D}_{schedule}"], eager, P, D)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pipeline_times_data_parallel_matches_eager(four_ranks: dict, eager: dict,
+                                                    schedule: str) -> None:
+    check_against_eager(four_ranks[f"P2D2_{schedule}"], eager, 2, 2)
+
+
+def test_rank_layout_is_replica_major(four_ranks: dict) -> None:
+    """rank = replica * P + stage: a replica's stages sit on consecutive ranks (one node)."""
+    for rank, r in enumerate(four_ranks["P2D2_varuna"]):
+        assert (r["stage"], r["replica"]) == (rank % 2, rank // 2)
+
+
+@pytest.mark.parametrize("job", ["P2D1_varuna", "P2D2_1f1b"])
+def test_tied_copies_bit_identical(two_ranks: dict, four_ranks: dict, job: str) -> None:
+    per_rank = (two_ranks | four_ranks)[job]
+    tied = per_rank[0]["tied"]
+    assert "wte.weight" in tied and len(tied["wte.weight"]) == 2
+    copies = [r["params"]["wte.weight"] for r in per_rank if "wte.weight" in r["params"]]
+    assert len(copies) == len(per_rank)  # both stages of every replica hold a copy
+    for c in copies[1:]:
+        assert torch.equal(c, copies[0])
+
+
+def test_data_parallel_replicas_bit_identical(four_ranks: dict) -> None:
+    per_rank = four_ranks["P2D2_varuna"]
+    for stage in range(2):
+        a, b = [r["params"] for r in per_rank if r["stage"] == stage]
+        assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_gradients_accumulate_across_steps(two_ranks: dict) -> None:
+    """Without zero_grad the tied sum must count the earlier steps' gradient once."""
+    model, tokens = make_model_and_data()
+    for step in range(2):
+        lm_loss(model(tokens[step, :, :-1]), tokens[step, :, 1:]).backward()
+    want = dict(model.named_parameters())
+    for r in two_ranks["accumulate"]:
+        assert "wte.weight" in r["grads"]
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, want[name].grad, rtol=1e-4, atol=1e-6)
+
+
+def test_bf16_matches_eager_autocast(two_ranks: dict) -> None:
+    eager = eager_training(precision="bf16")
+    check_against_eager(two_ranks["bf16"], eager, 2, 1, tol={"rtol": 2e-2, "atol": 2e-2},
+                        autocast=torch.bfloat16)
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank(two_ranks: dict) -> None:
+    for r in two_ranks["fp16"]:
+        assert r["found_inf"] == [False, True] and r["stepped"] == [True, False]
+        assert r["scale"] == 2.0**119  # backed off once, on both stages alike
+        assert 0 < r["loss"] < 100  # the unscaled loss, even on the overflowing step
+
+
+def test_wrong_batch_is_a_clear_error_on_every_rank(two_ranks: dict) -> None:
+    for r in two_ranks["bad_batch"]:
+        rows, length = r["errors"]
+        assert rows[0] == "InputError" and "batch size 10" in rows[1] and "8" in rows[1]
+        assert length[0] == "InputError" and "shape" in length[1]
+        assert r["loss_after"] > 0  # nothing was half-sent: training goes on
+
+
+def test_ranks_with_different_plans_are_named(two_ranks: dict) -> None:
+    for r in two_ranks["mismatch"]:
+        assert r["error"] == "DistributedError"
+        assert "ranks [1] differ from rank 0" in r["message"]
+        assert "micro-batch 2 x 4" in r["message"] and "micro-batch 4 x 2" in r["message"]
+
+
+def test_wrong_world_size_is_a_clear_error_on_every_rank(two_ranks: dict) -> None:
+    for r in two_ranks["bad_world"]:
+        assert r["error"] == "DistributedError"
+        assert "2 ranks" in r["message"] and "3 x 1" in r["message"]
+        assert "--nproc 3" in r["message"] and "stages=" in r["message"]
+
+
+def test_stalled_peer_raises_peer_timeout(two_ranks: dict) -> None:
+    """Rank 1 never steps: rank 0 gives up on its gradient after the 3 s timeout."""
+    (rank0,) = two_ranks["stall"]
+    assert rank0["error"] == "PeerTimeoutError", rank0
+    assert "stage 0 (rank 0) waited 3.0 s for the gradient" in rank0["message"]
+    assert "of micro-batch 0 from stage 1 (rank 1)" in rank0["message"]
+    assert 3.0 <= rank0["elapsed"] < 5.0
+
+
+def test_dead_peer_raises_peer_timeout_everywhere(four_ranks: dict) -> None:
+    """Rank 3 (stage 1 of replica 1) dies: its pipeline neighbour notices at once, the ranks
+    that meet it (or a failed rank) in an all-reduce within the timeout."""
+    for rank, r in enumerate(four_ranks["dies"]):
+        assert r["error"] == "PeerTimeoutError", (rank, r)
+        assert r["elapsed"] < 3.0 + 2.0
+    assert "stage 1 (rank 3)" in four_ranks["dies"][2]["message"]
