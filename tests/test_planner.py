@@ -121,6 +121,7 @@ def test_fast_partition_matches_the_exact_partitioner(gpt: Analyzed) -> None:
                 continue
             assert fast is not None
             busy = fast.forward + fast.recompute + fast.backward
+            busy[-1] -= fast.forward[-1]  # the last stage never recomputes
             sends = np.append(fast.send_bytes / bw, 0.0)
             assert max(busy + sends) == pytest.approx(exact.bottleneck, rel=2e-4)
 

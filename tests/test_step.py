@@ -78,6 +78,11 @@ def test_recompute_replays_dropout_exactly() -> None:
     torch.testing.assert_close(loss_r, loss_s, rtol=0, atol=0)
     for name in grads_r:
         torch.testing.assert_close(grads_r[name], grads_s[name], rtol=0, atol=0, msg=name)
+    # masks depend on (seed, operation, micro-batch) only, not on the partition
+    one_stage = vf.compile(model, example_inputs=(x,), loss_fn=lm_loss, stages=1,
+                           micro_batch_size=2)
+    torch.manual_seed(123)
+    torch.testing.assert_close(one_stage.step(x, target=y), loss_s)
     # and dropout really was active: another seed gives another loss
     torch.manual_seed(7)
     pipe.zero_grad()

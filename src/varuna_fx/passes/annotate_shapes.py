@@ -84,7 +84,8 @@ class _FakeRun(fx.Interpreter):
                 f"{type(exc).__name__}: {exc}. Source: {' '.join(s.strip() for s in where)}"
             ) from None
         tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-        random = self.recorder.random or _is_random_module(self.module, n)
+        random = (self.recorder.random or _is_random_module(self.module, n)) \
+            and not _is_inactive_dropout(self.module, n)
         self.observed[n] = _Observed(
             shapes=[tuple(t.shape) for t in tensors],
             dtypes=[t.dtype for t in tensors],
@@ -97,9 +98,20 @@ class _FakeRun(fx.Interpreter):
         return value
 
 
+def _is_inactive_dropout(root: torch.nn.Module, n: fx.Node) -> bool:
+    """``nn.Dropout(p=0)`` still calls the seeded kernel but draws a mask of ones."""
+    if n.op != "call_module":
+        return False
+    module = root.get_submodule(n.target)
+    return any(r in type(module).__name__ for r in _RANDOM_MODULES) and \
+        getattr(module, "p", None) == 0
+
+
 def _is_random_module(root: torch.nn.Module, n: fx.Node) -> bool:
     if n.op == "call_module":
-        return any(r in type(root.get_submodule(n.target)).__name__ for r in _RANDOM_MODULES)
+        module = root.get_submodule(n.target)
+        is_dropout = any(r in type(module).__name__ for r in _RANDOM_MODULES)
+        return is_dropout and getattr(module, "p", 1.0) > 0  # Dropout(0) draws nothing
     if n.op == "call_function":
         return getattr(n.target, "__name__", "") in ("dropout", "dropout1d", "dropout2d",
                                                      "alpha_dropout", "feature_alpha_dropout")

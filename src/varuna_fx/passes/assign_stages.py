@@ -61,11 +61,14 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
     n = len(nodes)
     position = {node: i for i, node in enumerate(nodes)}
     b = setting.micro_batch_size
-    if setting.node_times is not None:
-        compute = np.asarray(setting.node_times.step_times(nodes, b, setting.recompute), float)
-    else:
-        compute = np.array([step_time(info(x), b, setting.device, setting.recompute)
-                            for x in nodes])
+    def times(recompute: bool) -> np.ndarray:
+        if setting.node_times is not None:
+            return np.asarray(setting.node_times.step_times(nodes, b, recompute), float)
+        return np.array([step_time(info(x), b, setting.device, recompute) for x in nodes])
+
+    compute = times(setting.recompute)
+    # the last stage never recomputes: its forward is followed directly by its backward
+    last_compute = times(False) if setting.recompute else None
     weights = np.zeros(n)
     seen: set[str] = set()
     trainable = trainable_names(gm)
@@ -102,6 +105,7 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
         compute=compute, weight_bytes=weights, activation_bytes=activations, cut_bytes=cut,
         bandwidth=setting.bandwidth, memory_cap=setting.memory_cap,
         in_flight=setting.in_flight, recompute=setting.recompute,
+        last_stage_compute=last_compute,
     )
 
 

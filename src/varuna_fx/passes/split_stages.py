@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
-from ..ir import StageSpec, TensorInfo, Transfer, info
+from ..ir import NodeInfo, StageSpec, TensorInfo, Transfer, info
+from ..runtime.rng import seed_node
 
 
 @dataclass
@@ -102,6 +103,9 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
     members = replicated | set(owned)
     for n in nodes:
         if n in members:
+            if info(n).random:  # dropout & co: masks from (step seed, node, micro-batch)
+                seeding = graph.call_function(seed_node, (n.name,))
+                seeding.meta["varuna"] = NodeInfo(is_tensor=False, replicable=True)
             env[n] = graph.node_copy(n, env.__getitem__)
     results = {name: env[by_name[name]] for name in dict.fromkeys(t.name for t in sends)}
     outputs = []

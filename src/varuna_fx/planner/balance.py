@@ -91,8 +91,12 @@ class Balancer:
         self.weight_prefix = np.concatenate([[0.0], np.cumsum(units.weights)])
         self.act_prefix = np.concatenate([[0.0], np.cumsum(units.activations)])
         self.cut = units.cut.tolist()
-        self.max_unit = float(compute.max()) if len(compute) else 0.0
+        # the last stage never recomputes: it costs forward-with-autograd + backward
+        last = units.recompute + units.backward
+        self.last_prefix = np.concatenate([[0.0], np.cumsum(last)]).tolist()
+        self.max_unit = float(last.max()) if len(last) else 0.0
         self.total = float(self.prefix[-1])
+        self.last_total = float(self.last_prefix[-1])
         self._memory_lists: dict[int, list[float]] = {}
 
     def _memory_prefix(self, in_flight: int) -> list[float]:
@@ -103,8 +107,9 @@ class Balancer:
         return self._memory_lists[in_flight]
 
     def lower_bound(self, stages: int) -> float:
-        """No partition into ``stages`` has a smaller bottleneck (compute only)."""
-        return max(self.max_unit, self.total / stages)
+        """No partition into ``stages`` has a smaller bottleneck (compute only; every unit
+        priced as on the last stage, the cheapest place for it)."""
+        return max(self.max_unit, self.last_total / stages)
 
     def greedy(self, threshold: float, stages: int, memory_cap: float,
                in_flight: int) -> list[int] | None:
@@ -116,6 +121,13 @@ class Balancer:
         i = 0
         for k in range(stages):
             remaining = stages - k - 1
+            if remaining == 0:  # the last stage, priced without recompute
+                last_cost = self.last_prefix[n] - self.last_prefix[i]
+                fits = mem[n] - mem[i] + stash * self.cut[i] <= memory_cap
+                if last_cost > threshold or not fits or i >= n:
+                    return None
+                bounds.append(n)
+                return bounds
             limit = prefix[i] + threshold
             j = min(bisect_right(suffix, limit) - 1, n - remaining,
                     bisect_right(mem, memory_cap + mem[i] - stash * self.cut[i]) - 1)

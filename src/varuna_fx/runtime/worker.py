@@ -9,8 +9,9 @@ Shared by the one-process and the distributed runtimes; they differ only in how 
 * **backward** back-propagates the gradients of the values the stage sent (summed over every
   consumer stage) and returns the gradients of the values it received.
 
-Random ops (dropout) draw from a generator seeded per (step seed, stage, micro-batch), so the
-replay reproduces the same masks, and recomputation on or off gives identical numbers.
+Random ops (dropout) are reseeded per (step seed, operation, micro-batch) (``rng.py``), so the
+replay reproduces the same masks, and recomputation, schedule and stage count do not change
+the numbers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from ..codegen import Stage
+from .rng import rng_context
 
 LossFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
@@ -55,6 +57,7 @@ class StageWorker:
         self.seed = 0
         self.grad_recvs = [t for t in self.spec.recvs if t.requires_grad]
         self._stash: dict[int, _Stash] = {}
+        self._devices: dict[int, dict[str, torch.device]] = {}  # of offloaded stashes
         self.stash_bytes = 0
         self.peak_stash_bytes = 0
 
@@ -64,9 +67,7 @@ class StageWorker:
         if not self.random:
             with self.autocast():
                 return self.stage(inputs)
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices), self.autocast():
-            torch.manual_seed(hash((self.seed, self.stage.index, mb)) & (2**63 - 1))
+        with rng_context(self.seed, mb), self.autocast():
             return self.stage(inputs)
 
     def _track(self, delta: int) -> None:
@@ -88,8 +89,9 @@ class StageWorker:
         if self.recompute:
             with torch.no_grad():
                 outputs = self._run(mb, inputs)
-            stashed = {k: (v.to("cpu", non_blocking=True) if self.offload else v)
+            stashed = {k: (v.detach().to("cpu", non_blocking=True) if self.offload else v)
                        for k, v in inputs.items()}
+            self._devices[mb] = {k: v.device for k, v in inputs.items()}
             nbytes = sum(v.numel() * v.element_size() for v in stashed.values())
             self._stash[mb] = _Stash(stashed, None, nbytes)
         else:
@@ -103,9 +105,10 @@ class StageWorker:
         stash = self._stash[mb]
         inputs = {}
         needs = {t.name: t.requires_grad for t in self.spec.recvs}
+        devices = self._devices.pop(mb, {})
         for name, value in stash.inputs.items():
-            if self.offload and device is not None:
-                value = value.to(device, non_blocking=True)
+            if self.offload:  # back from host memory to where the stage runs
+                value = value.to(device or devices.get(name, value.device), non_blocking=True)
             inputs[name] = _leaf(value, needs.get(name, False))
         with torch.enable_grad():
             stash.inputs = inputs
