@@ -113,7 +113,7 @@ def main() -> None:
     table = Table(title="Stage balance max/mean, GPT 48 x 1024, vocab 50257 (tied head), "
                         "seq 1024, micro-batch 1, V100-class cost model")
     for col in ["tracer", "cluster", "P", "ours", "equal-layer", "param-count", "eq bneck x",
-                "param bneck x", "ours †", "optimum †"]:
+                "param bneck x"]:
         table.add_column(col, justify="right")
     for tracer in ("fx", "export"):
         for cname, kw in CLUSTERS.items():
@@ -133,7 +133,8 @@ def main() -> None:
                 stage = np.array([info(x).stage for x in nodes])
                 ours_b = [0, *(int(np.argmax(stage >= s)) for s in range(1, p)), len(nodes)]
                 ours = [s.time for s in pipe.plan.stage_costs]
-                assert np.allclose(times(costs.compute, costs.compute, send, ours_b), ours)
+                # the last stage never recomputes; the partition pass prices it that way
+                assert np.allclose(times(costs.compute, no_rc, send, ours_b), ours)
                 units = unit_of_nodes(nodes)
                 per = CFG.n_layer // p
                 eq_b = bounds_from_units(units, [0] + [1 + s * per for s in range(1, p)])
@@ -141,16 +142,13 @@ def main() -> None:
                                                       np.zeros_like(params),
                                                       np.zeros(len(params) + 1)), p)
                 par_b = bounds_from_units(units, list(unit_split.bounds[:-1]))
-                eq = times(costs.compute, costs.compute, send, eq_b)
-                par = times(costs.compute, costs.compute, send, par_b)
-                true_ours = times(costs.compute, no_rc, send, ours_b)
-                opt = optimum(costs.compute, no_rc, send, p)
-                same = optimum(costs.compute, costs.compute, send, p)  # ours must be optimal
-                assert np.isclose(max(same), max(ours), rtol=1e-9), (max(same), max(ours))
+                eq = times(costs.compute, no_rc, send, eq_b)
+                par = times(costs.compute, no_rc, send, par_b)
+                opt = optimum(costs.compute, no_rc, send, p)  # unreduced DP: ours must equal it
+                assert np.isclose(max(opt), max(ours), rtol=1e-9), (max(opt), max(ours))
                 table.add_row(tracer, cname, str(p), f"{ratio(ours):.3f}", f"{ratio(eq):.3f}",
                               f"{ratio(par):.3f}", f"{max(eq) / max(ours):.3f}",
-                              f"{max(par) / max(ours):.3f}", f"{ratio(true_ours):.3f}",
-                              f"{ratio(opt):.3f} ({max(true_ours) / max(opt):.3f}x)")
+                              f"{max(par) / max(ours):.3f}")
             table.add_section()
     Console(width=150).print(table)
 

@@ -122,3 +122,16 @@ def test_loss_fn_returning_a_non_scalar() -> None:
     pipe = vf.compile(case.model, example_inputs=case.inputs, loss_fn=lambda o, t: o, stages=2)
     with pytest.raises(vf.InputError, match="0-d tensor"):
         pipe.step(*case.inputs, target=case.target)
+
+
+def test_step_input_with_another_sequence_length_or_dtype() -> None:
+    case = CASES["gpt_tied"]
+    pipe = vf.compile(case.model, example_inputs=case.inputs, loss_fn=case.loss_fn, stages=2)
+    (tokens,) = case.inputs
+    with pytest.raises(vf.InputError, match=r"compiled for \(batch, 16\).*only the batch size"):
+        pipe.step(tokens[:, :8], target=case.target[:, :8])
+    with pytest.raises(vf.InputError, match="torch.float32 but the pipeline was compiled for"):
+        pipe.step(tokens.float(), target=case.target)
+    pipe.zero_grad()
+    pipe.step(tokens[:4], target=case.target[:4])  # another batch size is fine
+    pipe.zero_grad()

@@ -14,7 +14,9 @@ from .capture import Captured, bind_inputs
 from .codegen import Stage
 from .errors import InputError
 from .passes.split_stages import output_key
+from .ir import info
 from .plan import Plan
+from .runtime.batching import check_sample_shapes
 
 
 class Pipeline:
@@ -31,6 +33,8 @@ class Pipeline:
         self.replica_index = replica_index
         # stages whose parameters live in this process (all of them in one process)
         self.local_stages = local_stages if local_stages is not None else list(range(len(stages)))
+        self._input_infos = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
+                             if n.op == "placeholder" and info(n).outputs}
         output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
         self._output_template = [None if isinstance(leaf, fx.Node) else leaf
                                  for leaf in output.args[0]]
@@ -45,6 +49,7 @@ class Pipeline:
                 f"inputs {list(bound.tensors)} differ from the compiled ones {expected}: pass the "
                 "same arguments as example_inputs"
             )
+        check_sample_shapes(bound.tensors, self._input_infos)
         if bound.constants != self.captured.constants:
             raise InputError(
                 f"constant arguments {bound.constants} differ from the compiled ones "

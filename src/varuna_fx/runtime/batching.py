@@ -106,6 +106,28 @@ def check_batch_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, Ten
             )
 
 
+def check_sample_shapes(tensors: dict[str, torch.Tensor],
+                        expected: dict[str, TensorInfo]) -> None:
+    """Any batch size, but every other dimension and the dtype as compiled: the stage code
+    has the example's sizes (a sequence length, say) built in."""
+    for name, tensor in tensors.items():
+        planned = expected.get(name)
+        if planned is None:
+            continue
+        want = planned.concrete_shape(tensor.shape[0])
+        if tuple(tensor.shape[1:]) != want[1:] or tensor.dim() != len(want):
+            raise InputError(
+                f"input {name!r} has shape {tuple(tensor.shape)} but the pipeline was compiled "
+                f"for (batch, {', '.join(map(str, want[1:]))}): only the batch size may change; "
+                "pad the input, or compile again with example inputs of the new shape"
+            )
+        if tensor.dtype != planned.dtype:
+            raise InputError(
+                f"input {name!r} is {tensor.dtype} but the pipeline was compiled for "
+                f"{planned.dtype}; convert it or compile again"
+            )
+
+
 @functools.lru_cache(maxsize=256)
 def _planned_shape(planned: TensorInfo, batch: int) -> tuple[int, ...]:
     return planned.concrete_shape(batch)  # a sympy substitution: worth caching per step
