@@ -13,8 +13,8 @@ from torch import nn
 from .capture import Captured, bind_inputs
 from .codegen import Stage
 from .errors import InputError
-from .passes.split_stages import output_key
 from .ir import info
+from .passes.split_stages import output_key
 from .plan import Plan
 from .runtime.batching import check_sample_shapes
 
