@@ -34,19 +34,24 @@ def parse_bytes(value: int | float | str) -> int:
     return int(float(match.group(1)) * _BYTE_UNITS[unit])
 
 
+def _rate(text: str) -> tuple[float, str] | None:
+    """'25 Gbit/s' -> (25.0, 'gbit'); None when it does not read as a number and a unit."""
+    text = text.strip()
+    if text.lower().endswith("/s"):
+        text = text[:-2]
+    match = _QUANTITY.match(text)
+    return (float(match.group(1)), match.group(2).lower()) if match else None
+
+
 def parse_bandwidth(value: int | float | str) -> float:
     """"100GB/s" / "25Gbit/s" / 1e9 -> bytes per second."""
     if isinstance(value, (int, float)):
         return float(value)
-    text = value.strip()
-    if text.lower().endswith("/s"):
-        text = text[:-2]
-    match = _QUANTITY.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is not None and unit in _BIT_UNITS:
-        return float(match.group(1)) * _BIT_UNITS[unit] / 8
-    if match is not None and unit in _BYTE_UNITS:
-        return float(match.group(1)) * _BYTE_UNITS[unit]
+    rate = _rate(value)
+    if rate is not None and rate[1] in _BIT_UNITS:
+        return rate[0] * _BIT_UNITS[rate[1]] / 8
+    if rate is not None and rate[1] in _BYTE_UNITS:
+        return rate[0] * _BYTE_UNITS[rate[1]]
     raise VarunaFxError(
         f"cannot read bandwidth {value!r}: write bytes/s or e.g. '100GB/s', '25Gbit/s'"
     )
@@ -56,16 +61,12 @@ def parse_flops(value: int | float | str) -> float:
     """"150TFLOP/s" / "150 TFLOPS" / 1.5e14 -> FLOP per second."""
     if isinstance(value, (int, float)):
         return float(value)
-    text = value.strip()
-    if text.lower().endswith("/s"):
-        text = text[:-2]
-    match = _QUANTITY.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _FLOP_UNITS:
+    rate = _rate(value)
+    if rate is None or rate[1] not in _FLOP_UNITS:
         raise VarunaFxError(
             f"cannot read throughput {value!r}: write FLOP/s or e.g. '150TFLOP/s', '60 TFLOPS'"
         )
-    return float(match.group(1)) * _FLOP_UNITS[unit]
+    return rate[0] * _FLOP_UNITS[rate[1]]
 
 
 def parse_seconds(value: int | float | str) -> float:
