@@ -125,20 +125,24 @@ def partition(costs: PartitionCosts, num_stages: int) -> Partition:
 
 
 def _candidate_cuts(costs: PartitionCosts) -> list[int]:
-    """Cut positions worth considering: allowed ones, and of a run of positions separated only
-    by free nodes (no compute, weights or activations: views, getitem), the one sending the
-    fewest bytes. Both stages around such a run cost the same wherever in the run the cut
-    falls, so this keeps the optimum exact while shrinking the O(N^2) problem several-fold."""
-    n = len(costs.compute)
     free = (costs.compute == 0) & (costs.weight_bytes == 0) & (costs.activation_bytes == 0)
-    cut = costs.cut_bytes
+    return candidate_cuts(free, np.asarray(costs.cut_bytes, dtype=np.float64))
+
+
+def candidate_cuts(free: np.ndarray, cut_bytes: np.ndarray) -> list[int]:
+    """Cut positions worth considering: allowed ones (finite ``cut_bytes``), and of a run of
+    positions separated only by ``free`` nodes (no compute, weights or activations: views,
+    getitem), the one sending the fewest bytes. Both stages around such a run cost the same
+    wherever in the run the cut falls, so this keeps the optimum exact while shrinking the
+    O(N^2) problem several-fold. Shared with the planner's cost table."""
+    n = len(free)
     positions = [0]
     for j in range(1, n):
-        if not np.isfinite(cut[j]):
+        if not np.isfinite(cut_bytes[j]):
             continue
         last = positions[-1]
         if last != 0 and free[last:j].all():
-            if cut[j] < cut[last]:
+            if cut_bytes[j] < cut_bytes[last]:
                 positions[-1] = j
             continue
         positions.append(j)

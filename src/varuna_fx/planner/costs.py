@@ -31,6 +31,7 @@ from ..passes.assign_stages import (
     trainable_names,
 )
 from ..passes.assign_stages import partition_costs as _partition_costs
+from ..passes.partition import candidate_cuts
 
 
 def _coefficients(values: list[Any]) -> np.ndarray:
@@ -152,23 +153,11 @@ class CostTable:
 
     def _candidate_cuts(self) -> np.ndarray:
         """Allowed cuts, keeping of each run separated only by free nodes (no compute, weights or
-        activations) the cut sending the fewest bytes -- as ``partition._candidate_cuts``."""
-        n = len(self.names)
+        activations) the cut sending the fewest bytes: ``partition.candidate_cuts``."""
         free = ((self.fwd_flops == 0).all(0) & (self.bwd_flops == 0).all(0)
                 & (self.weights == 0) & (self.activations == 0).all(0))
-        size = self.cut[0] + self.cut[1]
-        positions = [0]
-        for j in range(1, n):
-            if not self.allowed[j]:
-                continue
-            last = positions[-1]
-            if last != 0 and free[last:j].all():
-                if size[j] < size[last]:
-                    positions[-1] = j
-                continue
-            positions.append(j)
-        positions.append(n)
-        return np.array(positions, dtype=np.int64)
+        size = np.where(self.allowed, self.cut[0] + self.cut[1], np.inf)
+        return np.array(candidate_cuts(free, size), dtype=np.int64)
 
     def estimate(self, b: float, spec: DeviceSpec) -> NodeArrays:
         """Roofline estimates, exactly as ``costmodel.forward_time``/``backward_time``."""

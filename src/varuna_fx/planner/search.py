@@ -346,18 +346,7 @@ class Planner:
 
 
 def stash_counts(schedule: Schedule) -> list[int]:
-    """Most micro-batches each stage holds at once: from the start of F(i) to the end of B(i)
-    (a stage runs its list in order, so this depends on the structure only)."""
-    from ..schedule import Kind
+    """Most micro-batches each stage holds at once (see ``schedule.peak_stash_counts``)."""
+    from ..schedule import peak_stash_counts
 
-    counts = []
-    for acts in schedule.per_stage:
-        live = peak = 0
-        for act in acts:
-            if act.kind is Kind.F:
-                live += 1
-                peak = max(peak, live)
-            elif act.kind is Kind.B:
-                live -= 1
-        counts.append(peak)
-    return counts
+    return peak_stash_counts(schedule)

@@ -9,7 +9,7 @@
 from varuna_fx.schedule.actions import Action, Kind, Schedule
 from varuna_fx.schedule.generators import SCHEDULES, build_schedule
 from varuna_fx.schedule.render import gantt, text_grid
-from varuna_fx.schedule.simulate import SimResult, analytic_bubble, simulate
+from varuna_fx.schedule.simulate import SimResult, analytic_bubble, peak_stash_counts, simulate
 from varuna_fx.schedule.validate import execution_order, validate
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "build_schedule",
     "execution_order",
     "gantt",
+    "peak_stash_counts",
     "simulate",
     "text_grid",
     "validate",

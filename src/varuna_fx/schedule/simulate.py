@@ -56,6 +56,11 @@ def _peak_stash(acts: list[Action]) -> int:
     return peak
 
 
+def peak_stash_counts(schedule: Schedule) -> list[int]:
+    """Most micro-batches each stage holds at once (structure only, no timings needed)."""
+    return [_peak_stash(acts) for acts in schedule.per_stage]
+
+
 def _compile(schedule: Schedule) -> _Compiled:
     check_complete(schedule)
     order = execution_order(schedule)
@@ -91,7 +96,7 @@ def _compile(schedule: Schedule) -> _Compiled:
             tuple(sum(a.kind is k for a in acts) for k in (Kind.F, Kind.R, Kind.B))
             for acts in schedule.per_stage
         ],
-        peak_stash=[_peak_stash(acts) for acts in schedule.per_stage],
+        peak_stash=peak_stash_counts(schedule),
     )
 
 
