@@ -57,7 +57,8 @@ class Captured:
 
 
 def bind_inputs(model: nn.Module, inputs: Any, kw_inputs: dict[str, Any] | None = None,
-                *, what: str = "example_inputs") -> BoundInputs:
+                *, what: str = "example_inputs",
+                signature: inspect.Signature | None = None) -> BoundInputs:
     """Bind positional/keyword inputs to ``model.forward`` and check the batch dimension."""
     if isinstance(inputs, torch.Tensor):
         args, kwargs = (inputs,), {}
@@ -71,7 +72,8 @@ def bind_inputs(model: nn.Module, inputs: Any, kw_inputs: dict[str, Any] | None 
             f"for {type(model).__name__}.forward, got {type(inputs).__name__}"
         )
     kwargs.update(kw_inputs or {})
-    signature = inspect.signature(model.forward)
+    # every step binds its inputs: callers that already have the signature pass it
+    signature = signature or inspect.signature(model.forward)
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:

@@ -42,7 +42,8 @@ class Pipeline:
     # -- running -------------------------------------------------------------------------------
 
     def _bind(self, inputs: tuple, kw_inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
-        bound = bind_inputs(self.model, inputs, kw_inputs, what="step inputs")
+        bound = bind_inputs(self.model, inputs, kw_inputs, what="step inputs",
+                            signature=self.captured.signature)
         expected = self.captured.input_names
         if list(bound.tensors) != expected:
             raise InputError(
