@@ -65,6 +65,28 @@ def test_state_dict_is_the_whole_model() -> None:
         torch.testing.assert_close(state[pipe.canonical[name]], value)
 
 
+class DeadCode(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.dead = torch.nn.Linear(4, 4)  # called, result unused
+        self.never = torch.nn.Linear(4, 2)  # never called
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        unused = self.dead(x)  # noqa: F841
+        return self.b(self.a(x)).sum()
+
+
+def test_parameters_only_dead_code_reads_are_held() -> None:
+    model = DeadCode()
+    pipe = vf.compile(model, example_inputs=(torch.randn(4, 4),), stages=2)
+    assert sorted(n for n, _ in pipe.named_parameters()) == \
+        sorted(n for n, _ in model.named_parameters())
+    assert sorted(pipe.state_dict()) == sorted(model.state_dict())
+    pipe.step(torch.randn(4, 4))
+    assert model.never.weight.grad is None  # as in eager: no gradient, so no optimizer update
+
+
 def test_load_state_dict_refuses_wrong_shapes_and_unknown_keys() -> None:
     pipe = compile_at(2)
     state = {n: t.detach().clone() for n, t in pipe.state_dict().items()}
