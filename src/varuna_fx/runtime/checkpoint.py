@@ -136,7 +136,7 @@ class Checkpointer:
             raise CheckpointError(f"extra must be a dict, got {type(extra).__name__}")
         if self.rank == 0:
             scaler = self.pipe.runtime.scaler
-            meta = {"extra": extra or {}, "loss_scale": scaler.scale,
+            meta = {"extra": extra or {}, "loss_scale": scaler.scale if scaler.enabled else None,
                     "clean_steps": scaler._clean_steps, "rng": _rng_state()}
             state[META] = encode(meta)
             try:
@@ -201,7 +201,8 @@ class Checkpointer:
             restore_optimizer(optimizer, self._names(), dest)
         meta = decode(dest[META])
         scaler = self.pipe.runtime.scaler
-        scaler.scale, scaler._clean_steps = meta["loss_scale"], meta["clean_steps"]
+        if scaler.enabled and meta["loss_scale"] is not None:  # fp16 saved and fp16 now
+            scaler.scale, scaler._clean_steps = meta["loss_scale"], meta["clean_steps"]
         _set_rng_state(meta["rng"])
         return meta["extra"]
 
