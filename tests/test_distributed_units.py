@@ -191,6 +191,7 @@ def test_unknown_precision_is_rejected() -> None:
 # -- launching -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_varuna_fx_run_launches_ranks(tmp_path: Path) -> None:
     """`varuna-fx run --nproc 2 script` (torchrun underneath) gives each rank its stage."""
