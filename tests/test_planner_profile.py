@@ -16,6 +16,8 @@ from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.planner import Profile, analyze, plan_for
 from varuna_fx.planner.measure import measure
 
+pytestmark = pytest.mark.slow  # measures this device for real (timing loops)
+
 VOCAB, T = 512, 64
 
 
