@@ -4,6 +4,7 @@ that stay independent of each other when compiled from one cached graph."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.ir import copy_graph_module, info
 from varuna_fx.passes.assign_stages import compute_nodes
 from varuna_fx.passes.check import InvariantError, check_graph
+from varuna_fx.placement import Placement
+from varuna_fx.schedule import with_micro_batches
 
 
 def small_gpt() -> tuple[torch.nn.Module, torch.Tensor]:
@@ -112,3 +115,31 @@ def test_profiling_chunks_do_not_touch_the_cached_graph() -> None:
     assert len(chunks) == 2
     assert {n.name: n.meta["varuna"].stage for n in gm.graph.nodes if "varuna" in n.meta} \
         == stages
+
+
+def test_plan_carries_what_was_decided() -> None:
+    """The schedule object that was simulated, the bounds assign_stages made, the placement and
+    a recompute flag per stage -- and the runtime runs exactly those."""
+    model, tokens = small_gpt()
+    pipe = vf.compile(model, example_inputs=(tokens,), loss_fn=lm_loss, stages=3,
+                      schedule="1f1b", recompute=False)
+    plan = pipe.plan
+    assert plan.schedule.name == "1f1b" and plan.schedule.num_stages == 3
+    assert plan.schedule.num_micro_batches == plan.num_micro_batches
+    assert repr(plan.schedule) == f"Schedule('1f1b', P=3, m={plan.num_micro_batches}, " \
+        "recompute=False)"
+    assert plan.recompute == (False, False, False)
+    assert plan.placement == Placement(3, 1)
+    bounds = plan.bounds
+    assert len(bounds) == 4 and bounds[0] == 0 and list(bounds) == sorted(set(bounds))
+    assert [b - a for a, b in zip(bounds, bounds[1:])] == [s.nodes for s in plan.stage_costs]
+    assert with_micro_batches(plan.schedule, plan.num_micro_batches) is plan.schedule
+    assert [w.recompute for w in pipe.runtime.workers] == [False, False, False]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.stages = 4  # type: ignore[misc]
+
+    again = vf.compile(model, example_inputs=(tokens,), loss_fn=lm_loss, stages=3,
+                       recompute=True)
+    assert again.plan.recompute == (True, True, True)
+    # the last stage never recomputes, whatever the flag says
+    assert [w.recompute for w in again.runtime.workers] == [True, True, False]
