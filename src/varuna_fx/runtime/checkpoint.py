@@ -36,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from ..errors import CheckpointError
+from ..where import launched_distributed
 from .comm import resolve_timeout
 from .optimizer_state import (
     decode,
@@ -45,7 +46,6 @@ from .optimizer_state import (
     restore_optimizer,
     wanted_keys,
 )
-from .setup import launched_distributed
 
 FORMAT = 1
 # DCP warns on every call in one process that it assumes one process (also on async_save's
@@ -371,7 +371,7 @@ def _class_name(optimizer: torch.optim.Optimizer) -> str:
 def _layout_summary(pipe: Any) -> dict[str, Any]:
     plan = pipe.plan
     return {"stages": plan.stages, "data_parallel": plan.data_parallel,
-            "micro_batch_size": plan.micro_batch_size, "schedule": plan.schedule}
+            "micro_batch_size": plan.micro_batch_size, "schedule": plan.schedule.name}
 
 
 def _few(items: list[str], limit: int = 5) -> str:
