@@ -151,9 +151,9 @@ def _check_arguments(model: Any, example_inputs: Any, schedule: str, tracer: str
             "example_inputs is required: a tuple of positional args or a dict of keyword args "
             "for one sample batch (dim 0 of every tensor is the batch)"
         )
-    if schedule not in schedules.SCHEDULES:
+    if schedule not in schedules.schedule_names():
         raise VarunaFxError(
-            f"schedule={schedule!r} is unknown; choose one of {sorted(schedules.SCHEDULES)}"
+            f"schedule={schedule!r} is unknown; choose one of {schedules.schedule_names()}"
         )
     if tracer not in TRACERS:
         raise VarunaFxError(f"tracer={tracer!r} is unknown; choose one of {TRACERS}")

@@ -61,6 +61,7 @@ class DistributedRuntime:
         sched = build_schedule(plan.schedule, plan.stages, plan.num_micro_batches,
                                plan.recompute)
         validate(sched)
+        self.executor.split = sched.split_backward
         self.per_stage = sched.per_stage
 
     # -- training ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..codegen import Stage
-from ..schedule import Kind, build_schedule, execution_order, validate
+from ..schedule import Kind, build_schedule, execution_order, is_split, validate
 from .batching import micro_batch_loss, split_batch, split_target
 from .precision import LossScaler, autocast_factory
 from .worker import StageWorker
@@ -29,6 +29,7 @@ class LocalRuntime:
         self.assemble = assemble  # last stage's outputs dict -> the model's output structure
         self.loss_fn = loss_fn
         self.schedule_name = schedule
+        self.split = is_split(schedule)
         self.recompute = recompute
         self.micro_batch_size = micro_batch_size
         self.autocast = autocast_factory(precision, "cuda" if _on_cuda(stages) else "cpu")
@@ -68,13 +69,15 @@ class LocalRuntime:
                     inbox[(t.dst, i)][t.name] = outputs[t.name].to(t.tensor.dtype)
             elif action.kind is Kind.R:
                 worker.recompute_mb(i)
+            elif action.kind is Kind.W:
+                worker.weight_grads(i)
             else:
                 loss = None
                 if s == last:
                     output = self.assemble(worker.outputs_of(i))
                     losses[i], loss = micro_batch_loss(output, self.loss_fn, targets[i], m,
                                                        self.autocast, self.scaler.scale)
-                grads = worker.backward(i, grad_box.pop((s, i), {}), loss)
+                grads = worker.backward(i, grad_box.pop((s, i), {}), loss, split=self.split)
                 for t in worker.spec.recvs:
                     if t.requires_grad:
                         box = grad_box[(t.src, i)]
