@@ -15,6 +15,7 @@ from varuna_fx.schedule.generators import (
     is_split,
     recompute_per_stage,
     schedule_names,
+    with_micro_batches,
 )
 from varuna_fx.schedule.render import gantt, text_grid
 from varuna_fx.schedule.simulate import (
@@ -46,4 +47,5 @@ __all__ = [
     "simulate_costs",
     "text_grid",
     "validate",
+    "with_micro_batches",
 ]

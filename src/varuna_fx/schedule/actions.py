@@ -78,6 +78,8 @@ class Schedule:
     split_backward: bool = False
     # Compiled simulation data (see simulate.py); not part of the schedule's identity.
     _compiled: Any = field(default=None, init=False, repr=False, compare=False)
+    # The ScheduleCosts a cost-aware order was generated from (None: parsed or unit costs).
+    costs: Any = field(default=None, init=False, repr=False, compare=False)
 
     def recomputes(self, stage: int) -> bool:
         """Whether ``stage`` replays its forward before each backward (never the last stage)."""
@@ -96,6 +98,11 @@ class Schedule:
     def actions(self) -> list[Action]:
         """All actions, stage by stage (not an execution order; see ``execution_order``)."""
         return [a for stage in self.per_stage for a in stage]
+
+    def __repr__(self) -> str:
+        # compact: a Plan's repr shows its schedule; str() gives the full action lists
+        return (f"Schedule({self.name!r}, P={self.num_stages}, m={self.num_micro_batches}, "
+                f"recompute={self.recompute})")
 
     def __str__(self) -> str:
         rc = self.recompute if isinstance(self.recompute, bool) else \

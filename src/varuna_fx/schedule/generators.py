@@ -144,4 +144,16 @@ def build_schedule(
         per_stage = split_backward(bases, costs, rc, name, num_micro_batches)
     # keep a plain bool when the flags are uniform, so old texts and callers read the same
     flag: bool | tuple[bool, ...] = recompute if isinstance(recompute, bool) else rc
-    return Schedule(name, num_stages, num_micro_batches, flag, per_stage, split_backward=split)
+    sched = Schedule(name, num_stages, num_micro_batches, flag, per_stage, split_backward=split)
+    sched.costs = costs
+    return sched
+
+
+def with_micro_batches(schedule: Schedule, num_micro_batches: int) -> Schedule:
+    """``schedule`` itself when it has ``num_micro_batches``, else the same kind of schedule
+    (same generator, stages, recompute and costs) for that many: a one-process pipeline
+    accepts any batch the micro-batch size divides."""
+    if schedule.num_micro_batches == num_micro_batches:
+        return schedule
+    return build_schedule(schedule.name, schedule.num_stages, num_micro_batches,
+                          schedule.recompute, schedule.costs)
