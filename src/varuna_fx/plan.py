@@ -97,13 +97,13 @@ class Plan:
             f"{_recompute_note(self.recompute)}{step}"
         ))
         for name in ("stage", "nodes", "parameters", "FLOPs/mb", "activations/mb",
-                     "boundary/mb", "time/mb", "memory", "recompute"):
+                     "boundary/mb", "time/mb", "recompute", "memory"):
             table.add_column(name, justify="right")
         for s in self.stage_costs:
             rc = self.recompute[s.index] if s.index < len(self.recompute) else False
             table.add_row(str(s.index), str(s.nodes), _count(s.parameters), _count(s.flops),
                           _bytes(s.activation_bytes), _bytes(s.boundary_bytes),
-                          f"{s.time * 1e3:.3f} ms", _bytes(s.memory), "yes" if rc else "no")
+                          f"{s.time * 1e3:.3f} ms", "yes" if rc else "no", _bytes(s.memory))
         tied = ", ".join(f"{k} (stages {v})" for k, v in self.tied_parameters.items())
         table.caption = f"balance max/mean {self.balance:.3f}" + (f"; tied: {tied}" if tied else "")
         return table

@@ -143,7 +143,13 @@ def build_schedule(
             bases.pop()
         per_stage = split_backward(bases, costs, rc, name, num_micro_batches)
     # keep a plain bool when the flags are uniform, so old texts and callers read the same
-    flag: bool | tuple[bool, ...] = recompute if isinstance(recompute, bool) else rc
+    flag: bool | tuple[bool, ...] = rc
+    if isinstance(recompute, bool):
+        flag = recompute
+    elif not any(rc):
+        flag = False
+    elif all(rc[:-1]):
+        flag = True
     sched = Schedule(name, num_stages, num_micro_batches, flag, per_stage, split_backward=split)
     sched.costs = costs
     return sched

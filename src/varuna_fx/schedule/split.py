@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind, Schedule
 from varuna_fx.schedule.costs import ScheduleCosts
+from varuna_fx.schedule.simulate import peak_stash_counts, simulate_costs
+from varuna_fx.schedule.varuna import fastest
 
 _INF = float("inf")
 
@@ -120,9 +122,6 @@ def split_backward(bases: list[list[list[Action]]], costs: ScheduleCosts,
                    m: int) -> list[list[Action]]:
     """The fastest (simulated with ``costs``) placement of ``W`` into any of ``bases`` (F/R/B
     orders), the one holding fewer micro-batches on ties."""
-    from varuna_fx.schedule.simulate import peak_stash_counts, simulate_costs
-    from varuna_fx.schedule.varuna import fastest
-
     found = []
     for base in bases:
         p = len(base)

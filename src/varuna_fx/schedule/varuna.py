@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind, Schedule
 from varuna_fx.schedule.costs import ScheduleCosts
+from varuna_fx.schedule.simulate import peak_stash_counts, simulate_costs
 
 _INF = float("inf")
 
@@ -178,9 +179,6 @@ def varuna_order(num_stages: int, num_micro_batches: int,
                  recompute: bool | Sequence[bool],
                  costs: ScheduleCosts | None = None) -> list[list[Action]]:
     """Per-stage action order of Varuna's schedule (see the module docstring for the rules)."""
-    # simulate imports the validator, which needs this package's actions first
-    from varuna_fx.schedule.simulate import peak_stash_counts, simulate_costs
-
     p, m = num_stages, num_micro_batches
     costs = costs or ScheduleCosts.unit(p)
     costs.check(p)
