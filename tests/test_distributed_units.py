@@ -206,3 +206,17 @@ def test_varuna_fx_run_launches_ranks(tmp_path: Path) -> None:
     assert [line.split(" loss ")[0] for line in lines] == \
         ["rank 0 stage 0 replica 0", "rank 1 stage 1 replica 0"]
     assert len({line.split(" loss ")[1] for line in lines}) == 1  # every rank: the same loss
+
+
+def test_step_loop_returns_the_flags_it_was_given_in_one_process() -> None:
+    """The hook for flags that ride the step's world all-reduce (one process: nothing to OR)."""
+    model, tokens = make_model_and_data()
+    pipe = vf.compile(model, example_inputs=(tokens[0, :, :-1],), loss_fn=lm_loss, stages=2)
+    batch = tokens[0]
+    inputs = pipe._bind((batch[:, :-1],), {})
+    loss = pipe.runtime.step(inputs, batch[:, 1:], flags=(True, False))
+    assert pipe.runtime.flags == (True, False)
+    pipe.zero_grad()
+    torch.testing.assert_close(torch.as_tensor(loss),
+                               torch.as_tensor(pipe.step(batch[:, :-1], target=batch[:, 1:])))
+    assert pipe.runtime.flags == ()

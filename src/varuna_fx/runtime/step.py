@@ -38,7 +38,8 @@ class Runtime(Protocol):
     replica_index: int
     local_stages: list[int]  # stages whose parameters live in this process
 
-    def step(self, inputs: dict[str, torch.Tensor], target: Any = None) -> torch.Tensor: ...
+    def step(self, inputs: dict[str, torch.Tensor], target: Any = None,
+             flags: Sequence[bool] = ()) -> torch.Tensor: ...
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> Any: ...
 
@@ -77,6 +78,8 @@ class StepLoop:
         """Whether any stage draws random numbers (every process knows every stage, so all
         draw the step seed alike and the global generators stay in step)."""
         return any(s.random for s in self.stages)
+
+    flags: tuple[bool, ...] = ()  # the last step's ``flags``, ORed over every rank
 
     def step(self, inputs: dict[str, torch.Tensor], target: Any = None,
              flags: Sequence[bool] = ()) -> torch.Tensor:
