@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .costmodel import DEVICES, DeviceSpec, device_spec
 from .errors import VarunaFxError
+
+if TYPE_CHECKING:
+    from .planner.network import NetworkProfile
 
 _BYTE_UNITS = {
     "": 1, "b": 1,
@@ -97,6 +101,9 @@ class Cluster:
     device_type: str | None = None
     flops: float | str | None = None
     latency: float | str = 0.0  # seconds per message between devices (added to every transfer)
+    # The links as measured (Cluster.local() in a launched job): when set, the planner and the
+    # partitioner time every transfer with it instead of the stated bandwidths and latency.
+    network: NetworkProfile | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus, int) or self.gpus < 1:
@@ -137,11 +144,25 @@ class Cluster:
         return device_spec(self.kind, self.flops)  # type: ignore[arg-type]
 
     @classmethod
-    def local(cls) -> Cluster:
-        """The job we are running in: world size from torch.distributed or torchrun's env."""
+    def local(cls, measure_network: bool = True) -> Cluster:
+        """The job we are running in: world size from torch.distributed or torchrun's env.
+
+        Launched on several ranks (torchrun), it joins the process group and measures the links
+        the job will use (:func:`varuna_fx.planner.network.quick_network`: a ring exchange and
+        an all-reduce, about a second at most, the same numbers on every rank), so plans price
+        transfers by the real network instead of assuming fast links. Every rank must call it
+        then. ``measure_network=False`` skips that and keeps the stated defaults."""
         import torch
         import torch.distributed as dist
 
+        network = None
+        if measure_network:
+            from .planner.network import quick_network
+            from .runtime.setup import init_process_group, launched_distributed
+
+            if launched_distributed():
+                init_process_group(timeout=600.0)
+                network = quick_network()
         if dist.is_available() and dist.is_initialized():
             world = dist.get_world_size()
         else:
@@ -159,6 +180,7 @@ class Cluster:
             gpu_memory=memory,
             device=device,
             device_type=local_device_type(),
+            network=network,
         )
 
 

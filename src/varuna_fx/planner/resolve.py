@@ -11,7 +11,7 @@ from ..capture import BoundInputs
 from ..cluster import local_device_type
 from ..errors import VarunaFxError
 from .measure import ProfileSettings, measure
-from .network import measure_network
+from .network import quick_network
 from .profile import Profile, graph_hash, load_cached, profile_key, save_cached
 
 
@@ -69,6 +69,6 @@ def profile_here(gm: fx.GraphModule, bound: BoundInputs, settings: ProfileSettin
     if group:
         dist.broadcast_object_list(found, src=0)
         assert found[0] is not None
-        found[0].network = measure_network()
+        found[0].network = quick_network()
     assert found[0] is not None
     return found[0]
