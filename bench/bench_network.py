@@ -11,8 +11,9 @@ round-robin one step each (background load hits all alike), median step time:
 
 - ``defaults``: ``vf.compile(model, stages=2, micro_batch_size=batch/m)``, nothing else: the
   library's default schedule and recompute, FLOP estimates, links measured by Cluster.local();
-- ``varuna`` / ``1f1b`` / ``gpipe`` (``--schedules``; add the split-backward schedule's name when
-  it exists): our schedules without recompute, partitioned from a measured profile;
+- ``varuna`` / ``1f1b`` / ``gpipe`` / ``varuna-zb`` / ``1f1b-zb`` (``--schedules``; the split
+  backward ones where this version has them): our schedules without recompute, partitioned
+  from a measured profile;
 - ``planner``: ``vf.compile(model, global_batch_size=batch, profile=True)``: P, D and the
   micro-batch size chosen by the planner for the 2 ranks and the measured link;
 - ``pipelining 1F1B`` / ``pipelining GPipe``: torch.distributed.pipelining split at the middle
@@ -198,6 +199,22 @@ def data_parallel(case: dict, kind: str) -> Variant:
 
 # -- one launch ------------------------------------------------------------------------------
 
+def known_schedules(names: list[str]) -> list[str]:
+    """The names this version of varuna_fx can build (split-backward ``*-zb`` ones only where
+    that has landed), so one schedule list serves every version."""
+    from varuna_fx.errors import VarunaFxError
+    from varuna_fx.schedule import build_schedule
+
+    known = []
+    for name in filter(None, names):
+        try:
+            build_schedule(name, 2, M, False)
+        except (VarunaFxError, KeyError, ValueError):
+            continue
+        known.append(name)
+    return known
+
+
 def measure(variants: dict[str, Variant], warmup: int, timed: int,
             slow: set[str], slow_timed: int) -> dict[str, list[float]]:
     import torch.distributed as dist
@@ -227,7 +244,7 @@ def worker(args: argparse.Namespace) -> None:
 
     init_process_group(timeout=300.0)
     rank = dist.get_rank()
-    schedules = [s for s in args.schedules.split(",") if s]
+    schedules = known_schedules(args.schedules.split(","))
     rows = []
     for case in make_cases(args.models.split(",")):
         batch = case["x"].shape[0]
@@ -327,6 +344,7 @@ def report(rows: list[dict], append: bool) -> str:
                 lines.append(f"| {r['variant']} | {r['ms']:.1f} | {r['ms'] / ref:.3f} | "
                              f"{vs_ours} | {f'{pred:.1f}' if pred else ''} | {err} | "
                              f"{r['note']} |")
+    lines += ["", *targets(rows)]
     text = "\n".join(lines)
     if append:
         import torch
@@ -338,6 +356,60 @@ def report(rows: list[dict], append: bool) -> str:
                     f"way; P=2, m={M} for the fixed variants; a step is forward + backward."
                     f"\n{text}\n")
     return text
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """Issue 10's targets, checked on this run's ratios."""
+    out = ["Targets (issue 10), this run:", ""]
+
+    def ms(link: str, model: str, variant: str) -> float | None:
+        return next((r["ms"] for r in rows if (r["link"], r["model"], r["variant"]) ==
+                     (link, model, variant)), None)
+
+    for link in dict.fromkeys(r["link"] for r in rows):
+        for model in dict.fromkeys(r["model"] for r in rows):
+            ref, ours_1f1b = ms(link, model, "pipelining 1F1B"), ms(link, model, "1f1b")
+            if ref is None:
+                continue
+            where = f"{model} @ {link}"
+            limit = 0.85 if model == "gpt" else 1.0
+            defaults = ms(link, model, "defaults")
+            if defaults:
+                ok = defaults / ref <= limit
+                out.append(f"- {where}: defaults {defaults / ref:.3f}x pipelining 1F1B "
+                           f"(<= {limit}) {'met' if ok else 'MISSED'}")
+            varuna = ms(link, model, "varuna")
+            if varuna and ours_1f1b:
+                limit = 1.0
+                ok = varuna / ours_1f1b <= limit and (link != "100mbit" or varuna < ours_1f1b)
+                out.append(f"- {where}: varuna {varuna / ours_1f1b:.3f}x our 1f1b "
+                           f"{'met' if ok else 'MISSED'}")
+            for split in ("varuna-zb", "1f1b-zb"):
+                t = ms(link, model, split)
+                if t and ours_1f1b:
+                    ok = t / ours_1f1b <= 0.95
+                    out.append(f"- {where}: {split} {t / ours_1f1b:.3f}x our 1f1b (<= 0.95, "
+                               f"m = {M} <= 2P) {'met' if ok else 'MISSED'}")
+            planner = ms(link, model, "planner")
+            ddp, fsdp = ms(link, model, "DDP"), ms(link, model, "FSDP2")
+            if planner and ddp and fsdp and link == "100mbit":
+                ok = planner < min(ddp, fsdp)
+                out.append(f"- {where}: planner {planner:.0f} ms vs DDP {ddp:.0f} / FSDP2 "
+                           f"{fsdp:.0f} ms {'met' if ok else 'MISSED'}")
+            ours_all = [r["ms"] for r in rows if r["link"] == link and r["model"] == model
+                        and r["predicted_ms"] is not None]
+            if planner and ours_all:
+                gap = planner / min(ours_all) - 1
+                out.append(f"- {where}: planner's pick {gap:+.1%} vs our measured best "
+                           f"(<= 5%) {'met' if gap <= 0.05 else 'MISSED'}")
+        errors = sorted(abs(r["predicted_ms"] / r["ms"] - 1) for r in rows
+                        if r["link"] == link and r["predicted_ms"] and r["variant"] != "defaults")
+        if errors:
+            median, worst = statistics.median(errors), errors[-1]
+            ok = median <= 0.05 and worst <= 0.10
+            out.append(f"- simulator @ {link} (profiled variants): median |error| "
+                       f"{median:.1%}, worst {worst:.1%} {'met' if ok else 'MISSED'}")
+    return out
 
 
 def chart(rows: list[dict], path: Path) -> None:
@@ -370,8 +442,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--links", default="unshaped,1gbit,100mbit")
     parser.add_argument("--models", default="gpt,mlp")
-    parser.add_argument("--schedules", default="varuna,1f1b,gpipe",
-                        help="our schedules to run, comma-separated (add split backward's name)")
+    parser.add_argument("--schedules", default="varuna,1f1b,gpipe,varuna-zb,1f1b-zb",
+                        help="our schedules, comma-separated; unknown names are skipped")
     parser.add_argument("--steps", type=int, default=7, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--zb", action="store_true", help="also pipelining's zero-bubble")
