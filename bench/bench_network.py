@@ -449,29 +449,39 @@ def main() -> None:
     parser.add_argument("--zb", action="store_true", help="also pipelining's zero-bubble")
     parser.add_argument("--append", action="store_true", help="append tables to RESULTS.md")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    parser.add_argument("--cache", default="", help="keep measured profiles in this folder")
+    parser.add_argument("--report", action="store_true",
+                        help="only redo the tables and chart from bench/figures/network.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--link", default="unshaped", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.report:  # tables and chart again from a saved run
+        rows = json.loads((HERE / "figures" / "network.json").read_text())
+        chart(rows, HERE / "figures" / "network.png")
+        print(report(rows, args.append))
+        return
     if args.worker:
         worker(args)
         return
     if os.geteuid() != 0:
         raise SystemExit("bench_network.py creates network namespaces: run it as root")
     rows: list[dict] = []
+    figures = HERE / "figures"
+    figures.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="netb") as tmp:
         started = time.time()
-        launch(args, None, tmp, None, profile_only=True)  # the profile, in a launch of its own
+        cache = args.cache or tmp  # profiles (link-independent) may be kept between runs
+        launch(args, None, cache, None, profile_only=True)  # the profile, in its own launch
         print(f"profiled in {time.time() - started:.0f} s", flush=True)
         for link in args.links.split(","):
             out = Path(tmp) / f"{link}.json"
-            launch(args, None if link == "unshaped" else link, tmp, out)
+            launch(args, None if link == "unshaped" else link, cache, out)
             rows += json.loads(out.read_text())
+            # written after every link, so an interrupted run keeps what it measured
+            (figures / "network.json").write_text(json.dumps(rows, indent=1))
             print(f"{link} done at {time.time() - started:.0f} s", flush=True)
-    figures = HERE / "figures"
-    figures.mkdir(exist_ok=True)
-    (figures / "network.json").write_text(json.dumps(rows, indent=1))
     chart(rows, figures / "network.png")
     print(report(rows, args.append))
 

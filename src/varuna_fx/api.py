@@ -53,7 +53,7 @@ def compile(  # noqa: A001 - the public name in API.md
     a ``varuna_fx.planner.Profile`` uses those measurements.
     """
     _check_arguments(model, example_inputs, schedule, tracer, stages)
-    cluster = cluster or Cluster.local()
+    cluster = cluster or Cluster.local(timeout=timeout)
 
     # 1. capture: model -> one flat fx graph over tensor inputs, original FQNs kept
     # 2. annotate: shapes and costs as functions of the micro-batch size b

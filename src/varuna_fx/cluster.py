@@ -144,24 +144,27 @@ class Cluster:
         return device_spec(self.kind, self.flops)  # type: ignore[arg-type]
 
     @classmethod
-    def local(cls, measure_network: bool = True) -> Cluster:
+    def local(cls, measure_network: bool = True, timeout: float | None = None) -> Cluster:
         """The job we are running in: world size from torch.distributed or torchrun's env.
 
         Launched on several ranks (torchrun), it joins the process group and measures the links
         the job will use (:func:`varuna_fx.planner.network.quick_network`: a ring exchange and
         an all-reduce, about a second at most, the same numbers on every rank), so plans price
         transfers by the real network instead of assuming fast links. Every rank must call it
-        then. ``measure_network=False`` skips that and keeps the stated defaults."""
+        then. ``measure_network=False`` skips that and keeps the stated defaults. ``timeout``:
+        how long to wait for the other ranks (as ``vf.compile(timeout=)``; the process group
+        keeps it for its collectives)."""
         import torch
         import torch.distributed as dist
 
         network = None
         if measure_network:
             from .planner.network import quick_network
+            from .runtime.comm import resolve_timeout
             from .runtime.setup import init_process_group, launched_distributed
 
             if launched_distributed():
-                init_process_group(timeout=600.0)
+                init_process_group(resolve_timeout(timeout))
                 network = quick_network()
         if dist.is_available() and dist.is_initialized():
             world = dist.get_world_size()
