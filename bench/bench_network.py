@@ -444,7 +444,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt,mlp")
     parser.add_argument("--schedules", default="varuna,1f1b,gpipe,varuna-zb,1f1b-zb",
                         help="our schedules, comma-separated; unknown names are skipped")
-    parser.add_argument("--steps", type=int, default=7, help="timed steps per variant")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--zb", action="store_true", help="also pipelining's zero-bubble")
     parser.add_argument("--append", action="store_true", help="append tables to RESULTS.md")
