@@ -5,13 +5,11 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from . import where
 from .costmodel import DEVICES, DeviceSpec, device_spec
 from .errors import VarunaFxError
-
-if TYPE_CHECKING:
-    from .planner.network import NetworkProfile
+from .where import NetworkProfile
 
 _BYTE_UNITS = {
     "": 1, "b": 1,
@@ -148,29 +146,19 @@ class Cluster:
         """The job we are running in: world size from torch.distributed or torchrun's env.
 
         Launched on several ranks (torchrun), it joins the process group and measures the links
-        the job will use (:func:`varuna_fx.planner.network.quick_network`: a ring exchange and
-        an all-reduce, about a second at most, the same numbers on every rank), so plans price
+        the job will use (:func:`varuna_fx.where.quick_network`: ping-pongs and an all-reduce,
+        about a second, the same numbers on every rank), so plans price
         transfers by the real network instead of assuming fast links. Every rank must call it
         then. ``measure_network=False`` skips that and keeps the stated defaults. ``timeout``:
-        how long to wait for the other ranks (as ``vf.compile(timeout=)``; the process group
-        keeps it for its collectives)."""
+        seconds to wait for the other ranks (default 300; ``vf.compile`` passes its own, which
+        the process group then keeps for its collectives)."""
         import torch
-        import torch.distributed as dist
 
         network = None
-        if measure_network:
-            from .planner.network import quick_network
-            from .runtime.comm import resolve_timeout
-            from .runtime.setup import init_process_group, launched_distributed
-
-            if launched_distributed():
-                init_process_group(resolve_timeout(timeout))
-                network = quick_network()
-        if dist.is_available() and dist.is_initialized():
-            world = dist.get_world_size()
-        else:
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        if measure_network and where.launched_distributed():
+            where.init_process_group(300.0 if timeout is None else timeout)
+            network = where.quick_network()
+        world = where.world_size()
         if torch.cuda.is_available():
             memory = torch.cuda.get_device_properties(0).total_memory
             device = "cuda"
@@ -179,7 +167,7 @@ class Cluster:
             device = "cpu"
         return cls(
             gpus=world,
-            gpus_per_node=max(1, min(per_node, world)),
+            gpus_per_node=where.local_world_size(),
             gpu_memory=memory,
             device=device,
             device_type=local_device_type(),
