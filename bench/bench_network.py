@@ -115,8 +115,11 @@ def ours(case: dict, **options: Any) -> Variant:
         return pipe.step(xs, target=ys)
 
     cut = plan.stage_costs[0].boundary_bytes if plan.stages > 1 else 0
+    schedule = getattr(plan.schedule, "name", plan.schedule)  # a Schedule, or its name
+    recompute = plan.recompute if isinstance(plan.recompute, bool) else \
+        "".join("R" if r else "-" for r in plan.recompute)  # per stage
     note = (f"P={plan.stages} D={plan.data_parallel} b={plan.micro_batch_size} "
-            f"m={plan.num_micro_batches} {plan.schedule} recompute={plan.recompute} "
+            f"m={plan.num_micro_batches} {schedule} recompute={recompute} "
             f"cut {cut / 2**10:.0f} KiB")
     return step, plan.predicted_step_time, note
 
