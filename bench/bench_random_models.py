@@ -70,7 +70,8 @@ def main() -> int:
     for feature in rm.FEATURES:
         status = "pending fix" if feature in rm.PENDING_FIXES else ""
         if feature not in enabled:
-            status = "not generated (pending fix)"
+            status = ("not checked (pending fix)" if feature in rm.OBSERVED else
+                      "not generated (pending fix)")
         table.add_row(feature, str(used[feature]), str(failed[feature]), status)
     console.print(table)
     if errors:

@@ -38,11 +38,14 @@ FEATURES = (
     "linear", "activation", "activation_module", "residual_add", "elementwise", "concat",
     "split", "layernorm", "dropout", "functional_dropout", "shared_module", "tied_weights",
     "inplace", "inplace_module", "iadd", "inplace_statement", "tuple_output", "dict_output",
-    "nested_output", "model_loss", "none_output", "keyword_inputs", "float64",
+    "nested_output", "model_loss", "none_output", "const_output", "input_output", "int_output",
+    "keyword_inputs", "float64",
     "param_matmul", "buffer", "reduction", "reshape", "masked",
     # case-level: an in-place op at P > 1 (its input may be received from another stage);
     # captured by torch.export; torch.export and dropout
     "inplace_received", "export_tracer", "export_dropout",
+    # observed when run: some parameter gets no gradient (only dead code reads it)
+    "unread_parameters",
 )
 
 # Features that hit bugs being fixed on other branches (issue 9). A pending feature is never
@@ -54,9 +57,12 @@ PENDING_FIXES: dict[str, str] = {
     "none_output": "outputs containing None crash (KeyError: 'output_1')",
     "functional_dropout": "pipe.eval() ignores self.training (functional dropout stays on)",
     "export_dropout": "pipe.eval() does not turn off dropout in a torch.export graph",
+    # (a check, not generated: when enabled, such a parameter must be in named_parameters())
+    "unread_parameters": "pipe.named_parameters() omits parameters forward never reads",
 }
 
 ENABLED = frozenset(FEATURES) - frozenset(PENDING_FIXES)
+OBSERVED = frozenset({"unread_parameters"})  # known only once a case ran
 OUTPUT_KINDS = ("tuple_output", "dict_output", "nested_output", "model_loss")
 DROPOUT = frozenset({"dropout", "functional_dropout"})
 INPLACE = frozenset({"inplace", "inplace_module", "iadd", "inplace_statement"})
@@ -153,7 +159,7 @@ def program_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     """A weighted squared error of every tensor in the output against a slice of the target.
 
     A mean over samples, so the mean of the micro-batches' losses is the whole batch's."""
-    leaves = [t for t in _leaves(output) if isinstance(t, torch.Tensor)]
+    leaves = [t for t in _leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return sum(((t - target[:, : t.shape[-1]]) ** 2).mean() * (i + 1)
                for i, t in enumerate(leaves))  # type: ignore[return-value]
 
@@ -181,6 +187,8 @@ class _Generator:
             self.program.features.add("float64")
         self.values = [_Value(n, WIDTH) for n in self.program.inputs]
         self.linears: list[tuple[str, int]] = []  # (attribute, in width)
+        # a third of the programs use in-place ops (else nearly all would, with ~10 ops each)
+        self.inplace = rng.random() < 0.35
         self.counter = 0
         for _ in range(rng.randint(3, 12)):
             self._one_op()
@@ -244,7 +252,7 @@ class _Generator:
             "buffer": self._buffer, "reduction": self._reduction, "reshape": self._reshape,
             "masked": self._masked,
         }
-        names = [n for n in ops if n in self.enabled]
+        names = [n for n in ops if n in self.enabled and (self.inplace or n not in INPLACE)]
         weights = [3 if n == "linear" else 1 for n in names]
         for _ in range(10):  # some ops need operands that may not exist yet
             if ops[self.rng.choices(names, weights)[0]]():
@@ -411,8 +419,8 @@ class _Generator:
         out = self._new(v.width, False, v)
         n = v.name
         form = self.rng.choice([f"torch.softmax({n}, dim=-1)", f"{n} - {n}.mean(-1, keepdim=True)",
-                                f"{n} * {n}.sum(dim=-1, keepdim=True)",
-                                f"F.log_softmax({n}, -1)", f"{n} / {n}.norm(dim=-1, keepdim=True)"])
+                                f"{n} * torch.tanh({n}.sum(dim=-1, keepdim=True))",
+                                f"F.log_softmax({n}, -1)", f"{n} / ({n}.norm(dim=-1, keepdim=True) + 1.0)"])
         self._emit(f"{out.name} = {form}", "reduction")
         return True
 
@@ -511,9 +519,15 @@ class _Generator:
             self._emit_output(f"return {last.name}")
             return
         self.program.features.add(kind)
-        if "none_output" in self.enabled and rng.random() < 0.4:
-            leaves.insert(rng.randint(0, len(leaves)), "None")
-            self.program.features.add("none_output")
+        odd_leaves = {  # leaves that are not computed float tensors
+            "none_output": "None", "const_output": rng.choice(["3", '"text"', "0.5"]),
+            "input_output": rng.choice(self.program.inputs),
+            "int_output": f"{rng.choice(self.values).name}.argmax(dim=-1)",
+        }
+        for feature, leaf in odd_leaves.items():
+            if feature in self.enabled and rng.random() < 0.25:
+                leaves.insert(rng.randint(0, len(leaves)), leaf)
+                self.program.features.add(feature)
         if kind == "tuple_output":
             self._emit_output(f"return ({', '.join([last.name, *leaves])},)")
         elif kind == "dict_output":
@@ -553,11 +567,13 @@ class Case:
     recompute: bool
     micro_batch_size: int
     tracer: str = "fx"
+    enabled: frozenset[str] = ENABLED
     error: str | None = None  # after check_case: a one-line summary of the failure
+    observed: set[str] = field(default_factory=set)  # features seen while running it
 
     @property
     def features(self) -> set[str]:
-        f = set(self.program.features)
+        f = set(self.program.features) | self.observed
         if self.stages > 1 and f & INPLACE:
             f.add("inplace_received")
         if self.tracer == "export":
@@ -579,7 +595,7 @@ class Case:
         return Case(seed, program, stages=rng.randint(1, max_stages),
                     schedule=rng.choice(SCHEDULES), recompute=rng.random() < 0.5,
                     micro_batch_size=rng.choice([1, 2, 4, 8]),
-                    tracer="export" if export else "fx")
+                    tracer="export" if export else "fx", enabled=enabled)
 
     def __str__(self) -> str:
         return (f"case seed={self.seed}: stages={self.stages} schedule={self.schedule} "
@@ -616,19 +632,21 @@ def _grads(named: Any) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.clone() for n, p in named}
 
 
-def _assert_grads(got: dict, expected: dict, what: str, **tol: float) -> None:
+def _assert_grads(got: dict, expected: dict, what: str, all_params: bool) -> None:
     assert set(got) <= set(expected), f"{what}: unknown parameters {set(got) - set(expected)}"
     for name, want in expected.items():
         if name not in got:
-            # a parameter forward never reads (dead code) is held by no stage
-            assert want is None, f"{what}: parameter {name} missing from the pipeline"
+            # API.md: in one process pipe.named_parameters() has all of them; today one that
+            # only dead code reads is held by no stage (see PENDING_FIXES)
+            assert want is None and not all_params, \
+                f"{what}: parameter {name} missing from pipe.named_parameters()"
             continue
         have = got[name]
         if want is None or have is None:
             zero = want if have is None else have
             assert zero is None or not zero.any(), f"{what}: {name} grad {have} vs {want}"
             continue
-        torch.testing.assert_close(have, want, msg=lambda m, n=name: f"{what}: {n}: {m}", **tol)
+        torch.testing.assert_close(have, want, msg=lambda m, n=name: f"{what}: {n}: {m}")
 
 
 def _assert_outputs(got: Any, want: Any, what: str) -> None:
@@ -644,6 +662,9 @@ def _assert_outputs(got: Any, want: Any, what: str) -> None:
         assert isinstance(got, tuple) and len(got) == len(want), f"{what}: {got!r} vs {want!r}"
         for i, (g, w) in enumerate(zip(got, want)):
             _assert_outputs(g, w, f"{what}[{i}]")
+        return
+    if not isinstance(want, torch.Tensor):  # a constant leaf
+        assert type(got) is type(want) and got == want, f"{what}: {got!r} vs {want!r}"
         return
     torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}")
 
@@ -679,10 +700,13 @@ def run_case(case: Case) -> None:
     eager_loss.backward()
     expected = _grads(zero_model.named_parameters())  # tied: once, under its first name
     zero_model.zero_grad(set_to_none=True)
+    if any(g is None for g in expected.values()):
+        case.observed.add("unread_parameters")
+    all_params = "unread_parameters" in case.enabled
     loss = _call(zero_pipe.step, inputs, target=target)
     torch.testing.assert_close(torch.as_tensor(loss), eager_loss.detach(),
                                msg=lambda m: f"loss: {m}")
-    _assert_grads(_grads(zero_pipe.named_parameters()), expected, "grad")
+    _assert_grads(_grads(zero_pipe.named_parameters()), expected, "grad", all_params)
     zero_pipe.zero_grad()
     _set_dropout(model, program.dropout_p)
 
@@ -705,7 +729,7 @@ def run_case(case: Case) -> None:
             results.append((torch.as_tensor(loss), _grads(p.named_parameters())))
         (ref_loss, ref_grads), (loss, grads) = results
         torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"dropout loss vs P=1: {m}")
-        _assert_grads(grads, ref_grads, "dropout grad vs P=1")
+        _assert_grads(grads, ref_grads, "dropout grad vs P=1", all_params)
 
 
 def check_case(case: Case) -> str | None:
