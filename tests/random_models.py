@@ -19,6 +19,7 @@ gradient, which the library guarantees.
 
 from __future__ import annotations
 
+import copy
 import random
 import re
 import textwrap
@@ -141,10 +142,10 @@ class Program:
                     m.p = dropout_p
         return model.to(self.dtype)
 
-    def example(self) -> tuple[tuple | dict, torch.Tensor]:
+    def example(self, batch: int = 0) -> tuple[tuple | dict, torch.Tensor]:
         """(example inputs, target) for a batch of ``BATCH`` samples (with ``model_loss``, the
         target is also the input ``labels``)."""
-        g = torch.Generator().manual_seed(self.seed)
+        g = torch.Generator().manual_seed(self.seed * 1_000 + batch)
         target = torch.randn(BATCH, MAX_WIDTH, generator=g, dtype=self.dtype)
         tensors = {n: target if n == "labels" else
                    torch.randn(BATCH, WIDTH, generator=g, dtype=self.dtype) for n in self.inputs}
@@ -684,30 +685,37 @@ def run_case(case: Case) -> None:
     graph: a second model then."""
     program = case.program
     inputs, target = program.example()
+    target = None if program.model_loss else target  # else it is an input
     features = case.features
     dropout = bool(features & DROPOUT)
     model = program.build()
     pipe = _compile(case, model, inputs)
 
-    # 1. train mode, dropout off: the step's loss and every gradient equal eager's
+    # 1. train mode, dropout off: two steps' losses and every gradient equal eager's
     zero_model, zero_pipe = model, pipe
     if "functional_dropout" in features or (dropout and case.tracer == "export"):
         zero_model = program.build(dropout_p=0.0)
         zero_pipe = _compile(case, zero_model, inputs)
     _set_dropout(zero_model, 0.0)
-    eager_loss = program.loss(_call(zero_model, inputs), target)
-    target = None if program.model_loss else target  # else an input
-    eager_loss.backward()
-    expected = _grads(zero_model.named_parameters())  # tied: once, under its first name
-    zero_model.zero_grad(set_to_none=True)
-    if any(g is None for g in expected.values()):
-        case.observed.add("unread_parameters")
+    eager_model = copy.deepcopy(zero_model)  # trains beside the pipeline
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager_model, zero_pipe)]
     all_params = "unread_parameters" in case.enabled
-    loss = _call(zero_pipe.step, inputs, target=target)
-    torch.testing.assert_close(torch.as_tensor(loss), eager_loss.detach(),
-                               msg=lambda m: f"loss: {m}")
-    _assert_grads(_grads(zero_pipe.named_parameters()), expected, "grad", all_params)
-    zero_pipe.zero_grad()
+    for step in range(2):  # the second step starts from the weights the first one updated
+        batch, batch_target = program.example(step)
+        eager_loss = program.loss(_call(eager_model, batch), batch_target)
+        eager_loss.backward()
+        expected = _grads(eager_model.named_parameters())  # tied: once, under its first name
+        if any(g is None for g in expected.values()):
+            case.observed.add("unread_parameters")
+        loss = _call(zero_pipe.step, batch,
+                     target=None if program.model_loss else batch_target)
+        torch.testing.assert_close(torch.as_tensor(loss), eager_loss.detach(),
+                                   msg=lambda m, s=step: f"step {s} loss: {m}")
+        _assert_grads(_grads(zero_pipe.named_parameters()), expected, f"step {step} grad",
+                      all_params)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     _set_dropout(model, program.dropout_p)
 
     # 2. eval mode (dropout active in train mode): the output equals eager's
