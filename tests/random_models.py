@@ -1,20 +1,26 @@
 """Seeded random models for the randomized equivalence test (issue 9).
 
 ``Program.generate(seed)`` draws a small model: a DAG of Linear layers, activations, in-place
-ops, residual adds, concat/split, dropout, LayerNorm, shared modules and tied weights, with
-tensor/tuple/dict/None outputs and positional or keyword inputs. The program renders as the
+ops, residual adds, concat/split, dropout, LayerNorm, shared modules, tied weights, buffers,
+reductions, reshapes and masks over (batch, width) or (batch, seq, width) inputs, given by
+position or keyword, with tensor/tuple/dict/nested outputs holding None, constants, inputs or
+integer tensors, or a loss the model computes itself (``FEATURES``). The program renders as the
 Python source of an ``nn.Module`` (``str(program)``), and the model is built by executing
 exactly that source, so a failing seed prints a model one can read, paste and debug.
 
-``Case.generate(seed)`` adds a pipeline configuration (stages P, schedule, recompute,
-micro-batch size) and ``run_case`` checks it against eager PyTorch: the loss, every parameter
-gradient and the eval-mode output, with ``torch.testing.assert_close``.
+``Case.generate(seed)`` adds a pipeline configuration (stages P in 1..4, lowered to what the
+model allows; schedule; recompute; micro-batch size; fx or torch.export) and ``run_case``
+checks it against eager PyTorch with ``torch.testing.assert_close``: two training steps (loss
+and every parameter gradient; SGD in between) and the eval-mode output.
 
 Dropout: the library seeds each random op from (step seed, op, micro-batch) (runtime/rng.py),
 so its masks cannot equal eager's whole-batch masks. Eager equality is therefore checked with
 every dropout probability set to 0 (in train mode) and in eval mode; with dropout active, the
 pipeline is checked against itself: P, schedule and recompute must not change the loss or any
 gradient, which the library guarantees.
+
+Reproduce a failure: ``python -c "import random_models as rm; print(rm.check(SEED))"`` from
+``tests/`` (with ``PYTHONPATH=src``); ``bench/bench_random_models.py`` runs 2,000 cases.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ FEATURES = (
     "split", "layernorm", "dropout", "functional_dropout", "shared_module", "tied_weights",
     "inplace", "inplace_module", "iadd", "inplace_statement", "tuple_output", "dict_output",
     "nested_output", "model_loss", "none_output", "const_output", "input_output", "int_output",
-    "keyword_inputs", "float64",
+    "keyword_inputs", "float64", "sequence",
     "param_matmul", "buffer", "reduction", "reshape", "masked",
     # case-level: an in-place op at P > 1 (its input may be received from another stage);
     # captured by torch.export; torch.export and dropout
@@ -93,6 +99,7 @@ class Program:
     keyword: bool
     dtype: torch.dtype
     dropout_p: float
+    seq_len: int = 0  # > 0: inputs are (batch, seq_len, width), as in sequence models
     init_lines: list[str] = field(default_factory=list)
     body: list[str] = field(default_factory=list)
     features: set[str] = field(default_factory=set)
@@ -127,7 +134,8 @@ class Program:
 
     def __str__(self) -> str:
         how = "keyword" if self.keyword else "positional"
-        return (f"# program seed={self.seed} dtype={self.dtype} inputs={how} "
+        shape = f"(batch, {self.seq_len}, width)" if self.seq_len else "(batch, width)"
+        return (f"# program seed={self.seed} dtype={self.dtype} inputs={how} {shape} "
                 f"dropout_p={self.dropout_p} features={sorted(self.features)}\n{self.source}")
 
     def build(self, dropout_p: float | None = None) -> nn.Module:
@@ -146,9 +154,10 @@ class Program:
         """(example inputs, target) for a batch of ``BATCH`` samples (with ``model_loss``, the
         target is also the input ``labels``)."""
         g = torch.Generator().manual_seed(self.seed * 1_000 + batch)
-        target = torch.randn(BATCH, MAX_WIDTH, generator=g, dtype=self.dtype)
+        lead = (BATCH, self.seq_len) if self.seq_len else (BATCH,)
+        target = torch.randn(*lead, MAX_WIDTH, generator=g, dtype=self.dtype)
         tensors = {n: target if n == "labels" else
-                   torch.randn(BATCH, WIDTH, generator=g, dtype=self.dtype) for n in self.inputs}
+                   torch.randn(*lead, WIDTH, generator=g, dtype=self.dtype) for n in self.inputs}
         return (tensors if self.keyword else tuple(tensors.values())), target
 
     @staticmethod
@@ -161,7 +170,7 @@ def program_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
 
     A mean over samples, so the mean of the micro-batches' losses is the whole batch's."""
     leaves = [t for t in _leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return sum(((t - target[:, : t.shape[-1]]) ** 2).mean() * (i + 1)
+    return sum(((t - target[..., : t.shape[-1]]) ** 2).mean() * (i + 1)
                for i, t in enumerate(leaves))  # type: ignore[return-value]
 
 
@@ -186,6 +195,9 @@ class _Generator:
             self.program.features.add("keyword_inputs")
         if dtype == torch.float64:
             self.program.features.add("float64")
+        if "sequence" in enabled and rng.random() < 0.3:
+            self.program.seq_len = 3
+            self.program.features.add("sequence")
         self.values = [_Value(n, WIDTH) for n in self.program.inputs]
         self.linears: list[tuple[str, int]] = []  # (attribute, in width)
         # a third of the programs use in-place ops (else nearly all would, with ~10 ops each)
@@ -364,7 +376,7 @@ class _Generator:
         elif form == "chunk":
             line = f"{a.name}, {b.name} = torch.chunk({v.name}, 2, dim=-1)"
         else:
-            line = f"{a.name}, {b.name} = {v.name}[:, :{half}], {v.name}[:, {half}:]"
+            line = f"{a.name}, {b.name} = {v.name}[..., :{half}], {v.name}[..., {half}:]"
         self._emit(line, "split")
         return True
 
@@ -419,9 +431,13 @@ class _Generator:
         assert v is not None
         out = self._new(v.width, False, v)
         n = v.name
-        form = self.rng.choice([f"torch.softmax({n}, dim=-1)", f"{n} - {n}.mean(-1, keepdim=True)",
+        forms = [f"torch.softmax({n}, dim=-1)", f"{n} - {n}.mean(-1, keepdim=True)",
                                 f"{n} * torch.tanh({n}.sum(dim=-1, keepdim=True))",
-                                f"F.log_softmax({n}, -1)", f"{n} / ({n}.norm(dim=-1, keepdim=True) + 1.0)"])
+                 f"F.log_softmax({n}, -1)", f"{n} / ({n}.norm(dim=-1, keepdim=True) + 1.0)"]
+        if self.program.seq_len:  # mixing positions of one sample, as attention does
+            forms += [f"torch.softmax({n} @ {n}.transpose(1, 2), dim=-1) @ {n}",
+                      f"torch.cumsum({n}, dim=1)", f"{n} + {n}.mean(dim=1, keepdim=True)"]
+        form = self.rng.choice(forms)
         self._emit(f"{out.name} = {form}", "reduction")
         return True
 
@@ -429,11 +445,16 @@ class _Generator:
         v = self._pick()
         assert v is not None
         n, w = v.name, v.width
-        forms = [(w, f"{n}.view({n}.size(0), 2, {w // 2}).flip(1).reshape({n}.shape[0], -1)")]
+        seq = self.program.seq_len > 0
+        lead = f"{n}.size(0), {n}.size(1)" if seq else f"{n}.size(0)"
+        forms = [(w, f"{n}.view({lead}, 2, {w // 2}).flip(-2).reshape({lead}, -1)")]
         if w >= WIDTH:
-            forms.append((w // 2, f"{n}.reshape(-1, 2, {w // 2}).sum(dim=1)"))
+            forms.append((w // 2, f"{n}.reshape({lead}, 2, {w // 2}).sum(dim=-2)"))
+            if not seq:
+                forms.append((w // 2, f"{n}.reshape(-1, 2, {w // 2}).mean(dim=1)"))
         if 2 * w <= MAX_WIDTH:
-            forms.append((2 * w, f"{n}.unsqueeze(1).expand(-1, 2, -1).flatten(1)"))
+            expand = "-1, -1" if seq else "-1"
+            forms.append((2 * w, f"{n}.unsqueeze(-2).expand({expand}, 2, -1).flatten(-2)"))
         width, form = self.rng.choice(forms)
         out = self._new(width, False, v)
         self._emit(f"{out.name} = {form}", "reshape")
@@ -544,7 +565,7 @@ class _Generator:
             # (named labels: an input named target cannot be passed by keyword to pipe.step, whose
             # own target= parameter takes it)
             self.program.inputs.append("labels")
-            self._emit_output(f"loss = (({last.name} - labels[:, :{last.width}]) ** 2).mean()")
+            self._emit_output(f"loss = (({last.name} - labels[..., :{last.width}]) ** 2).mean()")
             self._emit_output(f"return {_dict({'loss': 'loss', 'out': last.name}, leaves)}")
 
     def _emit_output(self, line: str) -> None:
