@@ -40,7 +40,8 @@ from torch import nn
 import varuna_fx as vf
 from varuna_fx.errors import PartitionError
 
-# Every feature the generator can put into a program (or a case, for the last two).
+# Every feature the generator can put into a program (the last four: into a case). float64 is
+# checked in one process; its torchrun bug (issue 9) is outside what this test launches.
 FEATURES = (
     "linear", "activation", "activation_module", "residual_add", "elementwise", "concat",
     "split", "layernorm", "dropout", "functional_dropout", "shared_module", "tied_weights",
@@ -654,7 +655,13 @@ def _grads(named: Any) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.clone() for n, p in named}
 
 
-def _assert_grads(got: dict, expected: dict, what: str, all_params: bool) -> None:
+def _loose(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 1.3e-5, "atol": 1e-4} if dtype == torch.float32 else \
+        {"rtol": 1e-6, "atol": 1e-6}
+
+
+def _assert_grads(got: dict, expected: dict, what: str, all_params: bool,
+                  **tol: float) -> None:
     assert set(got) <= set(expected), f"{what}: unknown parameters {set(got) - set(expected)}"
     for name, want in expected.items():
         if name not in got:
@@ -668,7 +675,7 @@ def _assert_grads(got: dict, expected: dict, what: str, all_params: bool) -> Non
             zero = want if have is None else have
             assert zero is None or not zero.any(), f"{what}: {name} grad {have} vs {want}"
             continue
-        torch.testing.assert_close(have, want, msg=lambda m, n=name: f"{what}: {n}: {m}")
+        torch.testing.assert_close(have, want, msg=lambda m, n=name: f"{what}: {n}: {m}", **tol)
 
 
 def _assert_outputs(got: Any, want: Any, what: str) -> None:
@@ -730,10 +737,13 @@ def run_case(case: Case) -> None:
             case.observed.add("unread_parameters")
         loss = _call(zero_pipe.step, batch,
                      target=None if program.model_loss else batch_target)
+        # the second step starts from weights that the first step's rounding (micro-batches
+        # sum in another order) already moved apart a little: 10x assert_close's tolerances
+        tol = {} if step == 0 else _loose(program.dtype)
         torch.testing.assert_close(torch.as_tensor(loss), eager_loss.detach(),
-                                   msg=lambda m, s=step: f"step {s} loss: {m}")
+                                   msg=lambda m, s=step: f"step {s} loss: {m}", **tol)
         _assert_grads(_grads(zero_pipe.named_parameters()), expected, f"step {step} grad",
-                      all_params)
+                      all_params, **tol)
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
