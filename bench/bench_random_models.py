@@ -42,6 +42,7 @@ def main() -> int:
     failed: Counter[str] = Counter()
     errors: Counter[str] = Counter()
     failures: list[int] = []
+    unexplained: list[int] = []  # failing cases that use no pending feature
     ran = 0
     t0 = time.perf_counter()
     seed = args.start
@@ -57,6 +58,8 @@ def main() -> int:
         if report is not None:
             failures.append(case.seed)
             failed.update(features)
+            if not features & set(rm.PENDING_FIXES):
+                unexplained.append(case.seed)
             errors[case.error or "?"] += 1
             console.print(f"[red]FAIL[/red] seed {case.seed}", highlight=False)
             if not args.quiet:
@@ -82,6 +85,7 @@ def main() -> int:
             err.add_row(str(n), line)
         console.print(err)
     print(f"failing seeds: {failures}")
+    print(f"failing cases that use no pending feature: {len(unexplained)} {unexplained}")
     return 1 if failures else 0
 
 

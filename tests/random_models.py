@@ -267,7 +267,9 @@ class _Generator:
             "masked": self._masked,
         }
         names = [n for n in ops if n in self.enabled and (self.inplace or n not in INPLACE)]
-        weights = [3 if n == "linear" else 1 for n in names]
+        # Linear most (it makes values in-place ops may write into), then in-place ops in the
+        # programs that have them, as they need such a value nothing has read yet
+        weights = [3 if n == "linear" or n in INPLACE else 1 for n in names]
         for _ in range(10):  # some ops need operands that may not exist yet
             if ops[self.rng.choices(names, weights)[0]]():
                 return
