@@ -65,8 +65,6 @@ PENDING_FIXES: dict[str, str] = {
     "none_output": "outputs containing None crash (KeyError: 'output_1')",
     "functional_dropout": "pipe.eval() ignores self.training (functional dropout stays on)",
     "export_dropout": "pipe.eval() does not turn off dropout in a torch.export graph",
-    # (a check, not generated: when enabled, such a parameter must be in named_parameters())
-    "unread_parameters": "pipe.named_parameters() omits parameters forward never reads",
 }
 
 ENABLED = frozenset(FEATURES) - frozenset(PENDING_FIXES)
@@ -78,7 +76,7 @@ INPLACE = frozenset({"inplace", "inplace_module", "iadd", "inplace_statement"})
 WIDTH = 8       # the width of the inputs and of every Linear's output
 MAX_WIDTH = 16  # concat never makes a value wider
 BATCH = 8
-SCHEDULES = ("gpipe", "1f1b", "varuna")
+SCHEDULES = ("gpipe", "1f1b", "varuna", "gpipe-zb", "1f1b-zb", "varuna-zb")
 
 
 @dataclass
