@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import schedule as schedules
+from .arguments import check_compile_arguments, check_devices, check_global_batch
 from .capture import TRACERS, BoundInputs, Captured, bind_inputs, capture
 from .cluster import Cluster
 from .codegen import build_stage
@@ -53,11 +54,17 @@ def compile(  # noqa: A001 - the public name in API.md
     a ``varuna_fx.planner.Profile`` uses those measurements.
     """
     _check_arguments(model, example_inputs, schedule, tracer, stages)
+    check_compile_arguments(stages=stages, data_parallel=data_parallel,
+                            micro_batch_size=micro_batch_size,
+                            global_batch_size=global_batch_size, recompute=recompute,
+                            offload_stash=offload_stash, timeout=timeout)
     cluster = cluster or Cluster.local()
 
     # 1. capture: model -> one flat fx graph over tensor inputs, original FQNs kept
     # 2. annotate: shapes and costs as functions of the micro-batch size b
     bound = bind_inputs(model, example_inputs)
+    check_devices(model, bound.tensors)
+    check_global_batch(global_batch_size, bound.batch_size)
     canonical = canonical_names(model)
     captured = _captured_and_annotated(model, bound, tracer, canonical)
     gm = captured.gm
@@ -157,5 +164,6 @@ def _check_arguments(model: Any, example_inputs: Any, schedule: str, tracer: str
         )
     if tracer not in TRACERS:
         raise VarunaFxError(f"tracer={tracer!r} is unknown; choose one of {TRACERS}")
-    if stages is not None and (not isinstance(stages, int) or stages < 1):
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
+                               or stages < 1):
         raise VarunaFxError(f"stages={stages!r}: give a positive number of pipeline stages")

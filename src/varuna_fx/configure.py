@@ -10,7 +10,6 @@ cannot match the running ranks (the runtime then says what to launch instead).
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import torch.fx as fx
 
 from .cluster import Cluster
 from .costmodel import DeviceSpec, NodeTimes
-from .errors import PlanError
+from .errors import PlanError, env_int
 from .ir import info
 from .passes.assign_stages import compute_nodes
 from .plan import Alternative, Plan
@@ -160,7 +159,7 @@ def _running_world() -> int | None:
         return None
     import torch.distributed as dist
 
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    return dist.get_world_size() if dist.is_initialized() else env_int("WORLD_SIZE", 1, minimum=1)
 
 
 def _predict(planner: Planner, gm: fx.GraphModule, plan: Plan) -> float:

@@ -37,3 +37,23 @@ class DistributedError(VarunaFxError):
 
 class PeerTimeoutError(DistributedError):
     """A peer rank did not answer within the timeout."""
+
+
+def env_int(name: str, default: int, minimum: int = 0) -> int:
+    """An integer from the launcher's environment (WORLD_SIZE, RANK, ...), or a
+    :class:`DistributedError` naming the variable when it is not one."""
+    import os
+
+    text = os.environ.get(name)
+    if text is None or text.strip() == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise DistributedError(
+            f"environment variable {name}={text!r} is not an integer >= {minimum}: launch with "
+            "torchrun or `varuna-fx run`, or set it to a number (or unset it for one process)"
+        )
+    return value

@@ -12,7 +12,7 @@ from torch import nn
 
 from .capture import Captured, bind_inputs
 from .codegen import Stage
-from .errors import InputError
+from .errors import InputError, VarunaFxError
 from .ir import info
 from .passes.split_stages import output_key
 from .plan import Plan
@@ -66,10 +66,23 @@ class Pipeline:
 
     def step(self, *inputs: Any, target: Any = None, **kw_inputs: Any) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the mean loss."""
+        self._check_runnable()
         return self.runtime.step(self._bind(inputs, kw_inputs), target)
 
     def __call__(self, *inputs: Any, **kw_inputs: Any) -> Any:
+        self._check_runnable()
         return self.runtime.forward(self._bind(inputs, kw_inputs))
+
+    def _check_runnable(self) -> None:
+        if getattr(self, "_closed", False):
+            raise VarunaFxError("the pipeline was closed (pipe.close() released its process "
+                                "groups): call vf.compile again to run the model")
+        if any(t.is_meta for s in self.local_stages for t in self.stages[s].module.parameters()):
+            raise InputError(
+                "the model's parameters are on the meta device: a pipeline compiled from a meta "
+                "model only plans. Build the model with real parameters (or "
+                "model.to_empty(device=...) and initialise them) and call vf.compile again"
+            )
 
     # -- parameters ----------------------------------------------------------------------------
 
@@ -133,6 +146,7 @@ class Pipeline:
         close = getattr(self.runtime, "close", None)
         if close is not None:
             close()
+        self._closed = True
 
     def train(self, mode: bool = True) -> Pipeline:
         self.model.train(mode)

@@ -28,20 +28,20 @@ BUCKET_BYTES = 25 * 2**20  # all-reduce bucket size, as DDP
 
 def resolve_timeout(timeout: float | None) -> float:
     """The ``timeout=`` keyword, else ``$VARUNA_FX_TIMEOUT``, else 300 s."""
-    source = "timeout"
+    from ..arguments import check_seconds
+
     if timeout is None and os.environ.get(TIMEOUT_ENV):
-        source = TIMEOUT_ENV
+        text = os.environ[TIMEOUT_ENV]
         try:
-            timeout = float(os.environ[TIMEOUT_ENV])
+            value = float(text)
         except ValueError:
             raise VarunaFxError(
-                f"{TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r} is not a number of seconds"
+                f"{TIMEOUT_ENV}={text!r} is not a number of seconds; set it to e.g. 60"
             ) from None
+        return check_seconds(TIMEOUT_ENV, value)
     if timeout is None:
         return DEFAULT_TIMEOUT
-    if timeout <= 0:
-        raise VarunaFxError(f"{source}={timeout}: give a positive number of seconds")
-    return float(timeout)
+    return check_seconds("timeout", timeout)
 
 
 def wait(work: Any, timeout: float, who: str, what: str | Callable[[], str]) -> None:

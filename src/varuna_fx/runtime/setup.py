@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..codegen import Stage
-from ..errors import DistributedError, PeerTimeoutError
+from ..errors import DistributedError, PeerTimeoutError, env_int
 from ..plan import Plan
 from ..schedule import build_schedule
 from .comm import wait
@@ -31,7 +31,7 @@ def launched_distributed() -> bool:
         return False
     if dist.is_initialized():
         return dist.get_world_size() > 1
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return env_int("WORLD_SIZE", 1, minimum=1) > 1
 
 
 def init_process_group(timeout: float) -> None:
@@ -41,7 +41,7 @@ def init_process_group(timeout: float) -> None:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(env_int("LOCAL_RANK", 0))
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     except (RuntimeError, dist.DistError) as exc:

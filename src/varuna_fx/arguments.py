@@ -1,0 +1,73 @@
+"""Checking ``vf.compile``'s scalar arguments before any work is done.
+
+Each check says which argument is wrong and what to pass instead. ``bool`` is refused where a
+count is expected: ``True`` is an ``int`` in Python, and ``stages=True`` meaning one stage is
+never what the user meant.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import InputError, VarunaFxError
+
+
+def check_count(name: str, value: Any, what: str) -> None:
+    """``value`` is None (the planner chooses) or a positive int."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise VarunaFxError(f"{name}={value!r}: give a positive number of {what}, or None to let "
+                            "the planner choose")
+
+
+def check_flag(name: str, value: Any, allowed: tuple[Any, ...] = (True, False)) -> None:
+    if not any(value is a or (isinstance(a, str) and value == a) for a in allowed):
+        raise VarunaFxError(f"{name}={value!r}: use one of {list(allowed)}")
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """A positive, finite number of seconds (NaN would make every deadline pass or none)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise VarunaFxError(f"{name}={value!r}: give a number of seconds, e.g. 60")
+    if not math.isfinite(value) or value <= 0:
+        raise VarunaFxError(f"{name}={value!r}: give a positive, finite number of seconds "
+                            "(e.g. 60); to wait long, give a large number")
+    return float(value)
+
+
+def check_compile_arguments(*, stages: Any, data_parallel: Any, micro_batch_size: Any,
+                            global_batch_size: Any, recompute: Any, offload_stash: Any,
+                            timeout: Any) -> None:
+    from .runtime.comm import resolve_timeout
+
+    check_count("stages", stages, "pipeline stages")
+    check_count("data_parallel", data_parallel, "data-parallel replicas")
+    check_count("micro_batch_size", micro_batch_size, "samples per micro-batch")
+    check_count("global_batch_size", global_batch_size, "samples per optimizer step")
+    check_flag("recompute", recompute, (True, False, "auto"))
+    check_flag("offload_stash", offload_stash)
+    resolve_timeout(timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
+
+
+def check_devices(model: Any, tensors: dict[str, Any]) -> None:
+    """The example inputs must be on the device of the parameters (meta with meta: planning)."""
+    params = {str(t.device) for t in [*model.parameters(), *model.buffers()]}
+    inputs = {str(t.device) for t in tensors.values()}
+    if params and params != inputs and len(params) == 1:
+        raise InputError(
+            f"example_inputs are on {sorted(inputs)} but the model's parameters are on "
+            f"{sorted(params)}: move both to one device (meta with meta only plans; a pipeline "
+            "that runs needs real parameters and inputs)"
+        )
+
+
+def check_global_batch(global_batch_size: int | None, example_batch: int) -> None:
+    """An example larger than the whole global batch cannot be one replica's share of it."""
+    if global_batch_size is not None and example_batch > global_batch_size:
+        raise InputError(
+            f"example_inputs hold {example_batch} samples but global_batch_size="
+            f"{global_batch_size}: a replica's batch is a share of the global batch; give an "
+            f"example of at most {global_batch_size} samples or a larger global_batch_size"
+        )
