@@ -74,7 +74,8 @@ def compile(  # noqa: A001 - the public name in API.md
     config: Configuration = choose_configuration(
         gm, cluster, example_batch=bound.batch_size, global_batch_size=global_batch_size,
         stages=stages, data_parallel=data_parallel, micro_batch_size=micro_batch_size,
-        schedule=schedule, recompute=recompute, profile=resolve_profile(gm, bound, profile),
+        schedule=schedule, recompute=recompute,
+        profile=resolve_profile(gm, bound, profile, timeout=timeout),
     )
 
     # 4. partition: a stage for every operation, balanced by cost

@@ -60,12 +60,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Wrap torch.distributed.run: standalone on one machine, multi-node flags pass through."""
+    from contextlib import nullcontext
+
     from torch.distributed.run import main as torchrun
 
+    from varuna_fx.runtime.standalone import loopback_stores, standalone_args
+
     argv = list(args.torchrun_args)
-    if not any(a.startswith("--nnodes") or a.startswith("--rdzv") for a in argv):
-        argv = ["--standalone", *argv]
-    torchrun([f"--nproc-per-node={args.nproc}", *argv, args.script, *args.script_args])
+    one_machine = not any(a.startswith(("--nnodes", "--rdzv", "--standalone")) for a in argv)
+    if one_machine:  # as --standalone, but reachable from this machine only
+        argv = [*standalone_args(), *argv]
+    with loopback_stores() if one_machine else nullcontext():
+        torchrun([f"--nproc-per-node={args.nproc}", *argv, args.script, *args.script_args])
     return 0
 
 

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from .cluster import Cluster
 from .costmodel import DeviceSpec, NodeTimes
-from .errors import PlanError, env_int
+from .errors import PartitionError, PlanError, env_int
 from .ir import info
 from .passes.assign_stages import compute_nodes
 from .plan import Alternative, Plan
@@ -100,6 +100,11 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
     from .planner.explain import explain_nothing_fits
     from .planner.search import Space
 
+    if stages is not None:  # before any schedule is built: 10**6 stages would take minutes
+        operations = len(compute_nodes(gm))
+        if stages > operations:
+            raise PartitionError(f"stages={stages} is more than the {operations} operations of "
+                                 f"the model: use at most {operations} stages")
     planner = _planner(gm, cluster, schedule, recompute, profile)
     alternatives: list[Alternative] = []
     world = _running_world()

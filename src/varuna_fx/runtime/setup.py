@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -43,14 +45,51 @@ def init_process_group(timeout: float) -> None:
     if backend == "nccl":
         torch.cuda.set_device(env_int("LOCAL_RANK", 0))
     try:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        _with_deadline(lambda: dist.init_process_group(backend, timeout=timedelta(seconds=timeout)),
+                       timeout)
+    except TimeoutError:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise PeerTimeoutError(
+            f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')} could "
+            f"not join the rendezvous at {where} within {timeout:.1f} s: nothing there answered "
+            "as torch.distributed's store. Another program may hold that port (choose a free "
+            "one: --master-port / MASTER_PORT), or rank 0 did not start"
+        ) from None
     except (RuntimeError, dist.DistError) as exc:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+            raise DistributedError(
+                f"rank {os.environ.get('RANK', '?')} could not listen on {where}: another "
+                "program holds that port; choose a free one (--master-port / MASTER_PORT)"
+            ) from exc
         raise PeerTimeoutError(
             f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')} could "
             f"not form the process group at {where} within {timeout:.1f} s: some rank did not "
             f"start or crashed before vf.compile; see its log ({str(exc).splitlines()[0]})"
         ) from exc
+
+
+def _with_deadline(join: Callable[[], None], timeout: float) -> None:
+    """Run ``join`` but give up after ``timeout`` (+ a little): the store client's own timeout
+    does not cover a peer that accepts the connection and never answers (another program on
+    the master port), where it would block for minutes. The call runs in a daemon thread that
+    is abandoned on timeout; the process is expected to exit on the error."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            join()
+            outcome.append(None)
+        except BaseException as exc:  # handed to the caller's thread below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="varuna_fx-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout + 1.0)
+    if not outcome:
+        raise TimeoutError
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 def plan_summary(plan: Plan) -> str:
