@@ -115,8 +115,11 @@ def compile(  # noqa: A001 - the public name in API.md
     plan.predicted_step_time = config.predict(plan)
     from .runtime.launch import make_runtime  # the runtime depends on how we were launched
 
-    return make_runtime(model, captured, built, plan, canonical, loss_fn=loss_fn,
+    pipe = make_runtime(model, captured, built, plan, canonical, loss_fn=loss_fn,
                         offload_stash=offload_stash, precision=precision, timeout=timeout)
+    if global_batch_size is not None:
+        pipe.replica_batch = global_batch_size // config.data_parallel
+    return pipe
 
 
 # Re-compiling the same model (another P, schedule or micro-batch size, as one does while

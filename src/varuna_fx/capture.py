@@ -127,10 +127,10 @@ def capture(model: nn.Module, bound: BoundInputs, tracer: str = "auto") -> Captu
     if tracer == "export":
         return _check_output(model, _capture_export(model, bound))
     try:
-        captured = _capture_fx(model, bound)
+        captured = _capture_fx(model, bound, alone=False)
     except CaptureError as fx_error:
         try:
-            captured = _capture_export(model, bound)
+            captured = _capture_export(model, bound, alone=False)
         except CaptureError as export_error:
             raise CaptureError(
                 f"neither tracer could capture {type(model).__name__}.\n"
@@ -163,7 +163,7 @@ class _Tracer(fx.Tracer):
     proxy_buffer_attributes = True
 
 
-def _capture_fx(model: nn.Module, bound: BoundInputs) -> Captured:
+def _capture_fx(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Captured:
     signature = inspect.signature(model.forward)
     concrete = dict(bound.constants)
     for name, param in signature.parameters.items():
@@ -177,7 +177,7 @@ def _capture_fx(model: nn.Module, bound: BoundInputs) -> Captured:
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as exc:  # fx raises many kinds: TraceError, TypeError, AttributeError...
-        raise CaptureError(_describe_failure("torch.fx", exc, model)) from None
+        raise CaptureError(_describe_failure("torch.fx", exc, model, alone)) from None
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _drop_concrete_placeholders(gm, bound)
     gm.graph.eliminate_dead_code()
@@ -235,7 +235,7 @@ def _flatten_output(gm: fx.GraphModule) -> pytree.TreeSpec:
 # -- torch.export --------------------------------------------------------------------------------
 
 
-def _capture_export(model: nn.Module, bound: BoundInputs) -> Captured:
+def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Captured:
     signature = inspect.signature(model.forward)
     kwargs = {**bound.tensors, **bound.constants}
     # dim 0 of every tensor input is the one batch dimension: export it symbolically, so the
@@ -247,7 +247,7 @@ def _capture_export(model: nn.Module, bound: BoundInputs) -> Captured:
             model, args=(), kwargs=kwargs, dynamic_shapes=dynamic, strict=False
         )
     except Exception as exc:
-        raise CaptureError(_describe_failure("torch.export", exc, model)) from None
+        raise CaptureError(_describe_failure("torch.export", exc, model, alone)) from None
     gm = program.module()
     info = gm.graph._codegen.pytree_info
     leaves = pytree.tree_leaves(((), kwargs))
@@ -340,7 +340,9 @@ def _defined_at(model: nn.Module) -> str:
     return f" ({type(model).__name__}.forward at {path}:{line})"
 
 
-def _describe_failure(tracer: str, exc: BaseException, model: nn.Module) -> str:
+def _describe_failure(tracer: str, exc: BaseException, model: nn.Module,
+                      alone: bool = True) -> str:
+    """``alone``: the user chose this tracer (so the other one is worth suggesting)."""
     frame = _user_frame(exc)
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if len(reason) > 300:
@@ -361,7 +363,8 @@ def _describe_failure(tracer: str, exc: BaseException, model: nn.Module) -> str:
         )
     else:
         other = "'export'" if tracer == "torch.fx" else "'fx'"
-        hint = f"this operation cannot be traced by {tracer}: try tracer={other} or 'auto'"
+        hint = f"this operation cannot be traced by {tracer}" + (
+            f": try tracer={other} or 'auto'" if alone else "")
     return f"{tracer} failed{where} ({type(exc).__name__}: {reason}). {hint}"
 
 

@@ -20,6 +20,10 @@ from .runtime.batching import check_sample_shapes
 
 
 class Pipeline:
+    # the samples each replica must pass to step when compile was given global_batch_size
+    # (global / D); None: any batch the micro-batch size divides
+    replica_batch: int | None = None
+
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                  canonical: dict[str, str], runtime: Any, *, stage_index: int = 0,
                  replica_index: int = 0, local_stages: list[int] | None = None) -> None:
@@ -67,7 +71,16 @@ class Pipeline:
     def step(self, *inputs: Any, target: Any = None, **kw_inputs: Any) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the mean loss."""
         self._check_runnable()
-        return self.runtime.step(self._bind(inputs, kw_inputs), target)
+        tensors = self._bind(inputs, kw_inputs)
+        batch = next(iter(tensors.values())).shape[0]
+        if self.replica_batch is not None and batch != self.replica_batch:
+            raise InputError(
+                f"step got a batch of {batch} samples, but the pipeline was compiled for "
+                f"global_batch_size={self.replica_batch * self.plan.data_parallel} over "
+                f"{self.plan.data_parallel} replica(s): pass {self.replica_batch} samples per "
+                "replica, or compile again with the global batch you train with"
+            )
+        return self.runtime.step(tensors, target)
 
     def __call__(self, *inputs: Any, **kw_inputs: Any) -> Any:
         self._check_runnable()
