@@ -57,7 +57,8 @@ def compile(  # noqa: A001 - the public name in API.md
     check_compile_arguments(stages=stages, data_parallel=data_parallel,
                             micro_batch_size=micro_batch_size,
                             global_batch_size=global_batch_size, recompute=recompute,
-                            offload_stash=offload_stash, timeout=timeout)
+                            offload_stash=offload_stash, timeout=timeout,
+                            precision=precision)
     cluster = cluster or Cluster.local()
 
     # 1. capture: model -> one flat fx graph over tensor inputs, original FQNs kept

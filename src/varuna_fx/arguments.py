@@ -39,8 +39,9 @@ def check_seconds(name: str, value: Any) -> float:
 
 def check_compile_arguments(*, stages: Any, data_parallel: Any, micro_batch_size: Any,
                             global_batch_size: Any, recompute: Any, offload_stash: Any,
-                            timeout: Any) -> None:
+                            timeout: Any, precision: Any = "fp32") -> None:
     from .runtime.comm import resolve_timeout
+    from .runtime.precision import check_precision
 
     check_count("stages", stages, "pipeline stages")
     check_count("data_parallel", data_parallel, "data-parallel replicas")
@@ -49,6 +50,7 @@ def check_compile_arguments(*, stages: Any, data_parallel: Any, micro_batch_size
     check_flag("recompute", recompute, (True, False, "auto"))
     check_flag("offload_stash", offload_stash)
     resolve_timeout(timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
+    check_precision(precision)  # before capture and planning, not after
 
 
 def check_devices(model: Any, tensors: dict[str, Any]) -> None:

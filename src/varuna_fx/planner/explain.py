@@ -69,4 +69,8 @@ def explain_nothing_fits(planner: Planner, space: Space) -> PlanError:
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    """Readable at every scale: "0.00 GiB" would hide a tiny memory (a typo in gpu_memory)."""
+    for unit, size, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 1)):
+        if nbytes >= size:
+            return f"{nbytes / size:.{digits}f} {unit}"
+    return f"{nbytes:.0f} bytes"
