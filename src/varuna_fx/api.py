@@ -53,12 +53,13 @@ def compile(  # noqa: A001 - the public name in API.md
     ``profile``: False plans with FLOP estimates; True measures this device (cached on disk);
     a ``varuna_fx.planner.Profile`` uses those measurements.
     """
-    _check_arguments(model, example_inputs, schedule, tracer, stages)
     check_compile_arguments(stages=stages, data_parallel=data_parallel,
                             micro_batch_size=micro_batch_size,
                             global_batch_size=global_batch_size, recompute=recompute,
                             offload_stash=offload_stash, timeout=timeout,
-                            precision=precision)
+                            precision=precision, cluster=cluster, loss_fn=loss_fn,
+                            schedule=schedule, tracer=tracer)
+    _check_arguments(model, example_inputs, schedule, tracer, stages)
     cluster = cluster or Cluster.local()
 
     # 1. capture: model -> one flat fx graph over tensor inputs, original FQNs kept

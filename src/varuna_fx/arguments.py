@@ -39,9 +39,27 @@ def check_seconds(name: str, value: Any) -> float:
 
 def check_compile_arguments(*, stages: Any, data_parallel: Any, micro_batch_size: Any,
                             global_batch_size: Any, recompute: Any, offload_stash: Any,
-                            timeout: Any, precision: Any = "fp32") -> None:
+                            timeout: Any, precision: Any = "fp32", cluster: Any = None,
+                            loss_fn: Any = None, schedule: Any = "varuna",
+                            tracer: Any = "auto") -> None:
+    from .cluster import Cluster
     from .runtime.comm import resolve_timeout
     from .runtime.precision import check_precision
+
+    if cluster is not None and not isinstance(cluster, Cluster):
+        raise VarunaFxError(
+            f"cluster={_short(cluster)} is not a vf.Cluster: the second positional argument of "
+            "vf.compile is the cluster; pass the inputs as example_inputs=(...)"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise VarunaFxError(f"loss_fn={_short(loss_fn)} is not callable: pass a function "
+                            "loss_fn(output, target) -> 0-d tensor, or None")
+    named = (("schedule", schedule, "varuna"), ("tracer", tracer, "auto"),
+             ("precision", precision, "fp32"))
+    for name, value, default in named:
+        if not isinstance(value, str):
+            raise VarunaFxError(f"{name}={_short(value)}: give its name as a string, e.g. "
+                                f"{name}={default!r}")
 
     check_count("stages", stages, "pipeline stages")
     check_count("data_parallel", data_parallel, "data-parallel replicas")
@@ -73,3 +91,8 @@ def check_global_batch(global_batch_size: int | None, example_batch: int) -> Non
             f"{global_batch_size}: a replica's batch is a share of the global batch; give an "
             f"example of at most {global_batch_size} samples or a larger global_batch_size"
         )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"<{type(value).__name__}>"
