@@ -42,11 +42,17 @@ def init_process_group(timeout: float) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = env_int("LOCAL_RANK", 0)
+
+    def join() -> None:
+        if backend == "nccl":  # the current device is per thread: set it where NCCL starts too
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+
     if backend == "nccl":
-        torch.cuda.set_device(env_int("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
     try:
-        _with_deadline(lambda: dist.init_process_group(backend, timeout=timedelta(seconds=timeout)),
-                       timeout)
+        _with_deadline(join, timeout)
     except TimeoutError:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise PeerTimeoutError(
