@@ -66,6 +66,17 @@ class VarKwargs(nn.Module):
         return self.lin(kwargs["x"])
 
 
+class OwnLoss(nn.Module):
+    """Computes its loss itself from a forward parameter named like step's ``target=``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.b(torch.relu(self.a(x))), target)
+
+
 def tiny_mixtral() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """Mixtral with transformers' eager experts (a loop over the experts that were hit)."""
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -232,6 +243,9 @@ CATALOGUE = [
         stages=1, inputs=(torch.empty(8, 32, device="meta"),)), Inp, "meta", "cpu"),
     row("forward(**kwargs)", lambda _: compile_module(VarKwargs(), {"x": torch.randn(2, 4)}),
         Inp, "*args/**kwargs"),
+    row("forward's target and a loss_fn", lambda _: compile_module(
+        OwnLoss(), (torch.randn(8, 8), torch.randint(0, 4, (8,))), loss_fn=MLP.loss_fn), E,
+        "parameter named 'target'", "loss_fn=None"),
     # -- capture --------------------------------------------------------------------------
     row("data-dependent control flow", lambda _: compile_module(
         DataDependent(), (torch.randn(2, 4),), stages=1, tracer="fx"), Cap,
@@ -315,3 +329,19 @@ def test_error_catalogue(entry: Row, monkeypatch: pytest.MonkeyPatch) -> None:
         assert word in message, f"{word!r} not in: {message}"
     for word in entry.absent:
         assert word not in message, f"{word!r} should not be in: {message}"
+
+
+def test_a_forward_parameter_named_target_is_fed_by_steps_target_keyword() -> None:
+    """Without a loss_fn, ``pipe.step(x, target=y)`` is the model's own ``target`` input."""
+    torch.manual_seed(0)
+    model = OwnLoss()
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    pipe = compile_module(model, (x, y), stages=2)
+    loss = pipe.step(x, target=y)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    eager = model(x, y)
+    eager.backward()
+    torch.testing.assert_close(torch.as_tensor(loss).detach(), eager.detach())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad)

@@ -10,7 +10,12 @@ import torch
 from torch import nn
 
 from . import schedule as schedules
-from .arguments import check_compile_arguments, check_devices, check_global_batch
+from .arguments import (
+    check_compile_arguments,
+    check_devices,
+    check_global_batch,
+    check_target_parameter,
+)
 from .capture import TRACERS, BoundInputs, Captured, bind_inputs, capture
 from .cluster import Cluster
 from .codegen import build_stage
@@ -60,6 +65,7 @@ def compile(  # noqa: A001 - the public name in API.md
                             precision=precision, cluster=cluster, loss_fn=loss_fn,
                             schedule=schedule, tracer=tracer)
     _check_arguments(model, example_inputs, schedule, tracer, stages)
+    check_target_parameter(model, loss_fn)
     cluster = cluster or Cluster.local()
 
     # 1. capture: model -> one flat fx graph over tensor inputs, original FQNs kept

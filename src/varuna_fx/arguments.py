@@ -96,3 +96,22 @@ def check_global_batch(global_batch_size: int | None, example_batch: int) -> Non
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else f"<{type(value).__name__}>"
+
+
+def check_target_parameter(model: Any, loss_fn: Any) -> None:
+    """``pipe.step(..., target=y)`` hands ``y`` to ``loss_fn``. A forward that itself takes a
+    parameter named ``target`` gets it from that keyword when there is no loss_fn (the model
+    computes its loss); with a loss_fn the two meanings would be confused, so refuse."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if loss_fn is not None and "target" in parameters:
+        raise VarunaFxError(
+            f"{type(model).__name__}.forward takes a parameter named 'target', but with a "
+            "loss_fn, pipe.step(..., target=...) is the loss_fn's target: compute the loss in "
+            "the model and pass loss_fn=None (then pipe.step(x, target=y) feeds forward's "
+            "target), or wrap the model so that parameter has another name"
+        )

@@ -71,6 +71,9 @@ class Pipeline:
     def step(self, *inputs: Any, target: Any = None, **kw_inputs: Any) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the mean loss."""
         self._check_runnable()
+        if target is not None and "target" in self.captured.signature.parameters:
+            # forward's own `target` (compile refused it alongside a loss_fn): feed the model
+            kw_inputs, target = {**kw_inputs, "target": target}, None
         tensors = self._bind(inputs, kw_inputs)
         batch = next(iter(tensors.values())).shape[0]
         if self.replica_batch is not None and batch != self.replica_batch:
