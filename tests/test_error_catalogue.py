@@ -250,6 +250,9 @@ CATALOGUE = [
     row("data-dependent control flow", lambda _: compile_module(
         DataDependent(), (torch.randn(2, 4),), stages=1, tracer="fx"), Cap,
         "if h.sum() > 0", "test_error_catalogue.py", "torch.where"),
+    row("untraceable by both tracers", lambda _: compile_module(
+        DataDependent(), (torch.randn(2, 4),), stages=1), Cap, "fx:", "export:",
+        "if h.sum() > 0", absent=("try tracer=",)),  # auto already tried both
     row("forward returns None", lambda _: compile_module(Returns(None), (torch.randn(2, 4),)),
         Cap, "returned None", "no tensor", "test_error_catalogue.py"),
     row("forward returns an int", lambda _: compile_module(Returns(0), (torch.randn(2, 4),)),
