@@ -31,7 +31,7 @@ def test_a_huge_stage_count_fails_before_any_schedule_is_built() -> None:
 
 def test_profile_joins_the_process_group_with_the_users_timeout(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from varuna_fx.runtime import setup
+    from varuna_fx.planner import resolve
 
     class Joined(Exception):
         pass
@@ -43,8 +43,8 @@ def test_profile_joins_the_process_group_with_the_users_timeout(
         raise Joined
 
     monkeypatch.setenv("VARUNA_FX_CACHE", str(tmp_path))
-    monkeypatch.setattr(setup, "launched_distributed", lambda: True)
-    monkeypatch.setattr(setup, "init_process_group", join)
+    monkeypatch.setattr(resolve, "launched_distributed", lambda: True)
+    monkeypatch.setattr(resolve, "init_process_group", join)
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(Joined):
         vf.compile(model, vf.Cluster(gpus=1, device="cpu"), example_inputs=(torch.randn(4, 4),),

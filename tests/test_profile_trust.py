@@ -17,15 +17,27 @@ from varuna_fx.ir import Affine
 from varuna_fx.passes.assign_stages import compute_nodes
 from varuna_fx.planner import analyze
 from varuna_fx.planner.costs import CostTable
-from varuna_fx.planner.measure import COUNTER, ProfileSettings
+from varuna_fx.planner.measure import ProfileSettings
 from varuna_fx.planner.profile import Profile, cache_dir, load_cached, save_cached
 from varuna_fx.planner.resolve import resolve_profile
 
 QUICK = ProfileSettings(sizes=(1, 2), repeats=1, warmup=0, max_chunks=2)
 
 
+COUNTER = {"measurements": 0}
+
+
 @pytest.fixture
 def tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    import varuna_fx.planner.resolve as resolving
+
+    measure = resolving.measure
+
+    def counted(*args: object, **kw: object) -> object:
+        COUNTER["measurements"] += 1
+        return measure(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(resolving, "measure", counted)
     monkeypatch.setenv("VARUNA_FX_CACHE", str(tmp_path))
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=8, vocab_size=64))

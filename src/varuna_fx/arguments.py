@@ -7,10 +7,12 @@ never what the user meant.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from .cluster import Cluster
 from .errors import InputError, VarunaFxError
+from .runtime.precision import check_precision
+from .where import resolve_timeout
 
 
 def check_count(name: str, value: Any, what: str) -> None:
@@ -27,25 +29,11 @@ def check_flag(name: str, value: Any, allowed: tuple[Any, ...] = (True, False)) 
         raise VarunaFxError(f"{name}={value!r}: use one of {list(allowed)}")
 
 
-def check_seconds(name: str, value: Any) -> float:
-    """A positive, finite number of seconds (NaN would make every deadline pass or none)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise VarunaFxError(f"{name}={value!r}: give a number of seconds, e.g. 60")
-    if not math.isfinite(value) or value <= 0:
-        raise VarunaFxError(f"{name}={value!r}: give a positive, finite number of seconds "
-                            "(e.g. 60); to wait long, give a large number")
-    return float(value)
-
-
 def check_compile_arguments(*, stages: Any, data_parallel: Any, micro_batch_size: Any,
                             global_batch_size: Any, recompute: Any, offload_stash: Any,
                             timeout: Any, precision: Any = "fp32", cluster: Any = None,
                             loss_fn: Any = None, schedule: Any = "varuna",
                             tracer: Any = "auto") -> None:
-    from .cluster import Cluster
-    from .runtime.comm import resolve_timeout
-    from .runtime.precision import check_precision
-
     if cluster is not None and not isinstance(cluster, Cluster):
         raise VarunaFxError(
             f"cluster={_short(cluster)} is not a vf.Cluster: the second positional argument of "

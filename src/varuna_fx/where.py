@@ -1,0 +1,156 @@
+"""Where am I running: the one place that answers "launched as one rank of several?", the world
+size and this process's rank, and that joins the process group torchrun described.
+
+Everything else (planning, the runtimes, ``Cluster.local``, profiling) asks here, so the answer
+cannot drift between them. Bottom layer: imports nothing from the package but ``errors``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import DistributedError, PeerTimeoutError, VarunaFxError, env_int
+
+DEFAULT_TIMEOUT = 300.0  # seconds; generous: a slow first step (allocator, lazy init) is fine
+TIMEOUT_ENV = "VARUNA_FX_TIMEOUT"
+
+
+def check_seconds(name: str, value: object) -> float:
+    """A positive, finite number of seconds (NaN would make every deadline pass or none)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise VarunaFxError(f"{name}={value!r}: give a number of seconds, e.g. 60")
+    if not math.isfinite(value) or value <= 0:
+        raise VarunaFxError(f"{name}={value!r}: give a positive, finite number of seconds "
+                            "(e.g. 60); to wait long, give a large number")
+    return float(value)
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    """The ``timeout=`` keyword, else ``$VARUNA_FX_TIMEOUT``, else 300 s: every wait on a peer,
+    the rendezvous included."""
+    if timeout is None and os.environ.get(TIMEOUT_ENV):
+        text = os.environ[TIMEOUT_ENV]
+        try:
+            value = float(text)
+        except ValueError:
+            raise VarunaFxError(
+                f"{TIMEOUT_ENV}={text!r} is not a number of seconds; set it to e.g. 60"
+            ) from None
+        return check_seconds(TIMEOUT_ENV, value)
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    return check_seconds("timeout", timeout)
+
+
+def launched_distributed() -> bool:
+    """True when this process is one rank of several (initialised, or torchrun's env)."""
+    if not dist.is_available():
+        return False
+    if dist.is_initialized():
+        return dist.get_world_size() > 1
+    return env_int("WORLD_SIZE", 1, minimum=1) > 1
+
+
+def in_process_group() -> bool:
+    """A process group of more than one rank is formed (collectives can run now)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    """Ranks in the job: the process group's, else torchrun's ``WORLD_SIZE``, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return env_int("WORLD_SIZE", 1, minimum=1)
+
+
+def running_world() -> int | None:
+    """The world size of a distributed run (every rank needs a stage), None in one process."""
+    return world_size() if launched_distributed() else None
+
+
+def rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return env_int("RANK", 0)
+
+
+def local_world_size() -> int:
+    """Ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``), at most the world."""
+    world = world_size()
+    return max(1, min(env_int("LOCAL_WORLD_SIZE", world, minimum=1), world))
+
+
+def init_process_group(timeout: float) -> None:
+    """Join the job torchrun described (env://) unless the user already did: gloo on CPU,
+    NCCL on GPU. The rendezvous waits at most ``timeout`` for the other ranks."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = env_int("LOCAL_RANK", 0)
+
+    def join() -> None:
+        if backend == "nccl":  # the current device is per thread: set it where NCCL starts too
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    try:
+        _with_deadline(join, timeout)
+    except TimeoutError:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise PeerTimeoutError(
+            f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')} could "
+            f"not join the rendezvous at {where} within {timeout:.1f} s: nothing there answered "
+            "as torch.distributed's store. Another program may hold that port (choose a free "
+            "one: --master-port / MASTER_PORT), or rank 0 did not start"
+        ) from None
+    except (RuntimeError, dist.DistError) as exc:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+            raise DistributedError(
+                f"rank {os.environ.get('RANK', '?')} could not listen on {where}: another "
+                "program holds that port; choose a free one (--master-port / MASTER_PORT)"
+            ) from exc
+        raise PeerTimeoutError(
+            f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')} could "
+            f"not form the process group at {where} within {timeout:.1f} s: some rank did not "
+            f"start or crashed before vf.compile; see its log ({str(exc).splitlines()[0]})"
+        ) from exc
+
+
+def _with_deadline(join: Callable[[], None], timeout: float) -> None:
+    """Run ``join`` but give up after ``timeout`` (+ a little): the store client's own timeout
+    does not cover a peer that accepts the connection and never answers (another program on
+    the master port), where it would block for minutes. The call runs in a daemon thread that
+    is abandoned on timeout; the process is expected to exit on the error."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            join()
+            outcome.append(None)
+        except BaseException as exc:  # handed to the caller's thread below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="varuna_fx-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout + 1.0)
+    if not outcome:
+        raise TimeoutError
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def comm_device() -> torch.device:
+    """Where collectives' tensors live: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
