@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("codegen", ["codegen", "plan_costs"]),
     ("runtime", ["runtime"]),
     ("pipeline", ["pipeline"]),
-    ("api", ["api", "__init__"]),
+    ("api", ["api", "arguments", "__init__"]),
     ("cli", ["cli"]),
 ]
 MAX_FUNCTION_IMPORTS = 5

@@ -9,6 +9,12 @@ import torch
 from torch import nn
 
 from . import schedule as schedules
+from .arguments import (
+    check_compile_arguments,
+    check_devices,
+    check_global_batch,
+    check_target_parameter,
+)
 from .capture import TRACERS, bind_inputs
 from .cluster import Cluster
 from .codegen import build_stage
@@ -61,7 +67,14 @@ def compile(  # noqa: A001 - the public name in API.md
     ``recompute``: True / False force it on every stage but the last; "auto" recomputes only
     on the stages whose activations would not fit otherwise (``plan.recompute`` says which).
     """
+    check_compile_arguments(stages=stages, data_parallel=data_parallel,
+                            micro_batch_size=micro_batch_size,
+                            global_batch_size=global_batch_size, recompute=recompute,
+                            offload_stash=offload_stash, timeout=timeout,
+                            precision=precision, cluster=cluster, loss_fn=loss_fn,
+                            schedule=schedule, tracer=tracer)
     _check_arguments(model, example_inputs, schedule, tracer, stages)
+    check_target_parameter(model, loss_fn)
     if recompute not in (True, False, "auto") or not isinstance(recompute, (bool, str)):
         raise VarunaFxError(f"recompute={recompute!r}: choose True, False or 'auto'")
     cluster = cluster or Cluster.local(timeout=resolve_timeout(timeout))
@@ -69,6 +82,8 @@ def compile(  # noqa: A001 - the public name in API.md
 
     # capture + annotate (FRONT_PASSES, cached per model): shapes and costs as functions of b
     bound = bind_inputs(model, example_inputs)
+    check_devices(model, bound.tensors)
+    check_global_batch(global_batch_size, bound.batch_size)
     canonical = canonical_names(model)
     captured = captured_and_annotated(model, bound, tracer, canonical, where_to)
 
@@ -79,7 +94,7 @@ def compile(  # noqa: A001 - the public name in API.md
             captured.gm, cluster, example_batch=bound.batch_size,
             global_batch_size=global_batch_size, stages=stages, data_parallel=data_parallel,
             micro_batch_size=micro_batch_size, schedule=schedule, recompute=rc,
-            profile=resolve_profile(captured.gm, bound, profile),
+            profile=resolve_profile(captured.gm, bound, profile, timeout=timeout),
         )
 
     if recompute == "auto":
@@ -126,8 +141,11 @@ def compile(  # noqa: A001 - the public name in API.md
         predicted_step_time=priced.step_time, tracer=captured.tracer,
         model_name=type(model).__name__, alternatives=priced.alternatives,
     )
-    return make_pipeline(model, captured, built, plan, canonical, loss_fn=loss_fn,
+    pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=loss_fn,
                          offload_stash=offload_stash, precision=precision, timeout=timeout)
+    if global_batch_size is not None:
+        pipe.replica_batch = global_batch_size // config.data_parallel
+    return pipe
 
 
 # -- the back passes, as data ------------------------------------------------------------------
@@ -183,5 +201,6 @@ def _check_arguments(model: Any, example_inputs: Any, schedule: str, tracer: str
         )
     if tracer not in TRACERS:
         raise VarunaFxError(f"tracer={tracer!r} is unknown; choose one of {TRACERS}")
-    if stages is not None and (not isinstance(stages, int) or stages < 1):
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
+                               or stages < 1):
         raise VarunaFxError(f"stages={stages!r}: give a positive number of pipeline stages")

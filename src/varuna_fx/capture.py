@@ -112,6 +112,10 @@ def bind_inputs(model: nn.Module, inputs: Any, kw_inputs: dict[str, Any] | None 
             f"{what}: tensors disagree on the batch size (dim 0): {sizes}; dim 0 of every "
             "tensor input must be the batch"
         )
+    if 0 in batch.values():
+        raise InputError(
+            f"{what}: the batch (dim 0) is empty; give at least one sample"
+        )
     return BoundInputs(tensors, constants)
 
 
@@ -119,19 +123,33 @@ def capture(model: nn.Module, bound: BoundInputs, tracer: str = "auto") -> Captu
     if tracer not in TRACERS:
         raise CaptureError(f"tracer={tracer!r} is unknown; use one of {TRACERS}")
     if tracer == "fx":
-        return _capture_fx(model, bound)
+        return _check_output(model, _capture_fx(model, bound))
     if tracer == "export":
-        return _capture_export(model, bound)
+        return _check_output(model, _capture_export(model, bound))
     try:
-        return _capture_fx(model, bound)
+        captured = _capture_fx(model, bound, alone=False)
     except CaptureError as fx_error:
         try:
-            return _capture_export(model, bound)
+            captured = _capture_export(model, bound, alone=False)
         except CaptureError as export_error:
             raise CaptureError(
                 f"neither tracer could capture {type(model).__name__}.\n"
                 f"  fx: {fx_error}\n  export: {export_error}"
             ) from None
+    return _check_output(model, captured)
+
+
+def _check_output(model: nn.Module, captured: Captured) -> Captured:
+    """A forward whose output holds no tensor computed from the inputs has nothing to train."""
+    output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
+    if not any(isinstance(leaf, fx.Node) for leaf in output.args[0]):
+        values = pytree.tree_unflatten(list(output.args[0]), captured.out_spec)
+        raise CaptureError(
+            f"{type(model).__name__}.forward returned {values!r}, which holds no tensor computed "
+            f"from the inputs{_defined_at(model)}: return the loss, or the output that loss_fn "
+            "takes (a tensor, or a tuple/dict/dataclass of tensors)"
+        )
+    return captured
 
 
 # -- fx ------------------------------------------------------------------------------------------
@@ -145,7 +163,7 @@ class _Tracer(fx.Tracer):
     proxy_buffer_attributes = True
 
 
-def _capture_fx(model: nn.Module, bound: BoundInputs) -> Captured:
+def _capture_fx(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Captured:
     signature = inspect.signature(model.forward)
     concrete = dict(bound.constants)
     for name, param in signature.parameters.items():
@@ -159,7 +177,7 @@ def _capture_fx(model: nn.Module, bound: BoundInputs) -> Captured:
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as exc:  # fx raises many kinds: TraceError, TypeError, AttributeError...
-        raise CaptureError(_describe_failure("torch.fx", exc)) from None
+        raise CaptureError(_describe_failure("torch.fx", exc, model, alone)) from None
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _drop_concrete_placeholders(gm, bound)
     gm.graph.eliminate_dead_code()
@@ -217,7 +235,7 @@ def _flatten_output(gm: fx.GraphModule) -> pytree.TreeSpec:
 # -- torch.export --------------------------------------------------------------------------------
 
 
-def _capture_export(model: nn.Module, bound: BoundInputs) -> Captured:
+def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Captured:
     signature = inspect.signature(model.forward)
     kwargs = {**bound.tensors, **bound.constants}
     # dim 0 of every tensor input is the one batch dimension: export it symbolically, so the
@@ -229,7 +247,7 @@ def _capture_export(model: nn.Module, bound: BoundInputs) -> Captured:
             model, args=(), kwargs=kwargs, dynamic_shapes=dynamic, strict=False
         )
     except Exception as exc:
-        raise CaptureError(_describe_failure("torch.export", exc)) from None
+        raise CaptureError(_describe_failure("torch.export", exc, model, alone)) from None
     gm = program.module()
     info = gm.graph._codegen.pytree_info
     leaves = pytree.tree_leaves(((), kwargs))
@@ -295,17 +313,36 @@ _LIBRARY_PATHS = (
 )
 
 
+# Never the model's code: the tracers, this package and generated code ("<string>", "<eval>").
+_OUR_PATHS = ("/torch/", "/varuna_fx/", "/contextlib.py", "/functools.py", "/sympy/")
+
+
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if not any(p in f.filename for p in _LIBRARY_PATHS)]
+    user = [f for f in frames if not any(p in f.filename for p in _LIBRARY_PATHS)
+            and not f.filename.startswith("<")]
     if not user:
         # A model defined inside a library (e.g. transformers) still has a best guess: the last
-        # frame outside torch.
-        user = [f for f in frames if "/torch/" not in f.filename]
+        # frame of that library, never a tracer's or varuna_fx's own line.
+        user = [f for f in frames if not any(p in f.filename for p in _OUR_PATHS)
+                and not f.filename.startswith("<")]
     return user[-1] if user else None
 
 
-def _describe_failure(tracer: str, exc: BaseException) -> str:
+def _defined_at(model: nn.Module) -> str:
+    """' (forward at file:line)' for the model's forward, or '' when its source is unknown."""
+    try:
+        forward = inspect.unwrap(type(model).forward)
+        path = inspect.getsourcefile(forward)
+        line = inspect.getsourcelines(forward)[1]
+    except (TypeError, OSError, AttributeError):
+        return ""
+    return f" ({type(model).__name__}.forward at {path}:{line})"
+
+
+def _describe_failure(tracer: str, exc: BaseException, model: nn.Module,
+                      alone: bool = True) -> str:
+    """``alone``: the user chose this tracer (so the other one is worth suggesting)."""
     frame = _user_frame(exc)
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if len(reason) > 300:
@@ -314,6 +351,8 @@ def _describe_failure(tracer: str, exc: BaseException) -> str:
     if frame is not None:
         line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
         where = f" at {frame.filename}:{frame.lineno} in {frame.name}: `{line}`"
+    else:  # the tracer failed before running any of the model's code: name its forward
+        where = _defined_at(model).replace(" (", " in ", 1).rstrip(")")
     data_dependent = any(key in f"{type(exc).__name__} {reason}" for key in (
         "control flow", "DataDependent", "data-dependent", "__bool__"))
     if data_dependent:
@@ -324,7 +363,8 @@ def _describe_failure(tracer: str, exc: BaseException) -> str:
         )
     else:
         other = "'export'" if tracer == "torch.fx" else "'fx'"
-        hint = f"this operation cannot be traced by {tracer}: try tracer={other} or 'auto'"
+        hint = f"this operation cannot be traced by {tracer}" + (
+            f": try tracer={other} or 'auto'" if alone else "")
     return f"{tracer} failed{where} ({type(exc).__name__}: {reason}). {hint}"
 
 

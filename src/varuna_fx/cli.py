@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from rich.console import Console
 from rich.syntax import Syntax
@@ -12,6 +13,7 @@ import varuna_fx as vf
 from varuna_fx.examples import demo_gpt, lm_loss
 from varuna_fx.factory import load_factory
 from varuna_fx.planner.report import plan_command
+from varuna_fx.runtime.standalone import loopback_stores, standalone_args
 
 _load_factory = load_factory  # its home is factory.py (planner/report.py uses it too)
 
@@ -51,9 +53,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from torch.distributed.run import main as torchrun
 
     argv = list(args.torchrun_args)
-    if not any(a.startswith("--nnodes") or a.startswith("--rdzv") for a in argv):
-        argv = ["--standalone", *argv]
-    torchrun([f"--nproc-per-node={args.nproc}", *argv, args.script, *args.script_args])
+    one_machine = not any(a.startswith(("--nnodes", "--rdzv", "--standalone")) for a in argv)
+    if one_machine:  # as --standalone, but reachable from this machine only
+        argv = [*standalone_args(), *argv]
+    with loopback_stores() if one_machine else nullcontext():
+        torchrun([f"--nproc-per-node={args.nproc}", *argv, args.script, *args.script_args])
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)
 def parse_bytes(value: int | float | str) -> int:
     """"16GiB" / "32GB" / "512MiB" / 1024 -> bytes."""
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise VarunaFxError(f"cannot read memory size {value!r}: give a finite number of "
+                                "bytes or e.g. '16GiB'")
         return int(value)
     match = _QUANTITY.match(value)
     unit = match.group(2).lower() if match else None
@@ -104,9 +108,10 @@ class Cluster:
     network: NetworkProfile | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.gpus, int) or self.gpus < 1:
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
             raise VarunaFxError(f"Cluster(gpus={self.gpus!r}): gpus must be a positive integer")
-        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) \
+                or self.gpus_per_node < 1:
             raise VarunaFxError(
                 f"Cluster(gpus_per_node={self.gpus_per_node!r}): must be a positive integer"
             )
@@ -126,6 +131,20 @@ class Cluster:
         object.__setattr__(self, "gpu_memory", parse_bytes(self.gpu_memory))
         object.__setattr__(self, "intra_node_bandwidth", parse_bandwidth(self.intra_node_bandwidth))
         object.__setattr__(self, "inter_node_bandwidth", parse_bandwidth(self.inter_node_bandwidth))
+        self._check_positive()
+
+    def _check_positive(self) -> None:
+        """Zero, negative or NaN sizes and rates would divide by zero or make every plan fit."""
+        examples = {"gpu_memory": "'16GiB'", "intra_node_bandwidth": "'100GB/s'",
+                    "inter_node_bandwidth": "'10Gbit/s'", "flops": "'150TFLOP/s'"}
+        for name, example in examples.items():
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise VarunaFxError(f"Cluster({name}={value!r}): must be positive and finite, "
+                                    f"e.g. {example}")
+        if not (math.isfinite(self.latency) and self.latency >= 0):  # type: ignore[arg-type]
+            raise VarunaFxError(f"Cluster(latency={self.latency!r}): must be zero or a positive, "
+                                "finite time, e.g. '5us'")
 
     @property
     def nodes(self) -> int:

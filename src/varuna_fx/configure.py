@@ -20,7 +20,8 @@ import torch.fx as fx
 
 from .cluster import Cluster
 from .costmodel import DeviceSpec, NodeTimes
-from .errors import PlanError
+from .errors import PartitionError, PlanError
+from .passes.assign_stages import compute_nodes
 from .plan import Alternative
 from .planner.costs import CostTable
 from .planner.explain import explain_nothing_fits
@@ -83,6 +84,11 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
                          schedule: str, recompute: bool, profile: Profile | None = None
                          ) -> Configuration:
     """``profile``: measured costs (``varuna_fx.planner.Profile``), or None for estimates."""
+    if stages is not None:  # before any schedule is built: 10**6 stages would take minutes
+        operations = len(compute_nodes(gm))
+        if stages > operations:
+            raise PartitionError(f"stages={stages} is more than the {operations} operations of "
+                                 f"the model: use at most {operations} stages")
     planner = _planner(gm, cluster, schedule, recompute, profile)
     alternatives: list[Alternative] = []
     world = running_world()

@@ -41,3 +41,23 @@ class PeerTimeoutError(DistributedError):
 
 class CheckpointError(VarunaFxError):
     """A checkpoint cannot be written or does not fit this model or optimizer."""
+
+
+def env_int(name: str, default: int, minimum: int = 0) -> int:
+    """An integer from the launcher's environment (WORLD_SIZE, RANK, ...), or a
+    :class:`DistributedError` naming the variable when it is not one."""
+    import os
+
+    text = os.environ.get(name)
+    if text is None or text.strip() == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise DistributedError(
+            f"environment variable {name}={text!r} is not an integer >= {minimum}: launch with "
+            "torchrun or `varuna-fx run`, or set it to a number (or unset it for one process)"
+        )
+    return value

@@ -14,7 +14,7 @@ from torch import nn
 
 from .capture import Captured, bind_inputs
 from .codegen import Stage
-from .errors import InputError
+from .errors import InputError, VarunaFxError
 from .ir import info
 from .plan import Plan
 from .runtime import preemption
@@ -50,6 +50,10 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
 
 
 class Pipeline:
+    # the samples each replica must pass to step when compile was given global_batch_size
+    # (global / D); None: any batch the micro-batch size divides
+    replica_batch: int | None = None
+
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                  canonical: dict[str, str], runtime: Runtime,
                  assemble: OutputAssembler | None = None,
@@ -96,12 +100,36 @@ class Pipeline:
 
     def step(self, *inputs: Any, target: Any = None, **kw_inputs: Any) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the mean loss."""
+        self._check_runnable()
+        if target is not None and "target" in self.captured.signature.parameters:
+            # forward's own `target` (compile refused it alongside a loss_fn): feed the model
+            kw_inputs, target = {**kw_inputs, "target": target}, None
+        tensors = self._bind(inputs, kw_inputs)
+        batch = next(iter(tensors.values())).shape[0]
+        if self.replica_batch is not None and batch != self.replica_batch:
+            raise InputError(
+                f"step got a batch of {batch} samples, but the pipeline was compiled for "
+                f"global_batch_size={self.replica_batch * self.plan.data_parallel} over "
+                f"{self.plan.data_parallel} replica(s): pass {self.replica_batch} samples per "
+                "replica, or compile again with the global batch you train with"
+            )
         # this process's preemption signal rides on the step's world all-reduce
-        return self.runtime.step(self._bind(inputs, kw_inputs), target,
-                                 flags=(preemption.requested(),))
+        return self.runtime.step(tensors, target, flags=(preemption.requested(),))
 
     def __call__(self, *inputs: Any, **kw_inputs: Any) -> Any:
+        self._check_runnable()
         return self.runtime.forward(self._bind(inputs, kw_inputs))
+
+    def _check_runnable(self) -> None:
+        if getattr(self, "_closed", False):
+            raise VarunaFxError("the pipeline was closed (pipe.close() released its process "
+                                "groups): call vf.compile again to run the model")
+        if any(t.is_meta for s in self.local_stages for t in self.stages[s].module.parameters()):
+            raise InputError(
+                "the model's parameters are on the meta device: a pipeline compiled from a meta "
+                "model only plans. Build the model with real parameters (or "
+                "model.to_empty(device=...) and initialise them) and call vf.compile again"
+            )
 
     # -- parameters ----------------------------------------------------------------------------
 
@@ -156,6 +184,7 @@ class Pipeline:
         """Release what the runtime holds (process groups); the pipeline is unusable after."""
         wait_for_saves(self)  # an async checkpoint still being written completes first
         self.runtime.close()
+        self._closed = True
 
     def train(self, mode: bool = True) -> Pipeline:
         self.model.train(mode)

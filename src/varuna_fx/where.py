@@ -7,9 +7,12 @@ cannot drift between them. Bottom layer: imports nothing from the package but ``
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -17,7 +20,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import PeerTimeoutError
+from .errors import DistributedError, PeerTimeoutError, VarunaFxError, env_int
+
+DEFAULT_TIMEOUT = 300.0  # seconds; generous: a slow first step (allocator, lazy init) is fine
+TIMEOUT_ENV = "VARUNA_FX_TIMEOUT"
+
+
+def check_seconds(name: str, value: object) -> float:
+    """A positive, finite number of seconds (NaN would make every deadline pass or none)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise VarunaFxError(f"{name}={value!r}: give a number of seconds, e.g. 60")
+    if not math.isfinite(value) or value <= 0:
+        raise VarunaFxError(f"{name}={value!r}: give a positive, finite number of seconds "
+                            "(e.g. 60); to wait long, give a large number")
+    return float(value)
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    """The ``timeout=`` keyword, else ``$VARUNA_FX_TIMEOUT``, else 300 s: every wait on a peer,
+    the rendezvous included."""
+    if timeout is None and os.environ.get(TIMEOUT_ENV):
+        text = os.environ[TIMEOUT_ENV]
+        try:
+            value = float(text)
+        except ValueError:
+            raise VarunaFxError(
+                f"{TIMEOUT_ENV}={text!r} is not a number of seconds; set it to e.g. 60"
+            ) from None
+        return check_seconds(TIMEOUT_ENV, value)
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    return check_seconds("timeout", timeout)
 
 
 def launched_distributed() -> bool:
@@ -26,7 +59,7 @@ def launched_distributed() -> bool:
         return False
     if dist.is_initialized():
         return dist.get_world_size() > 1
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return env_int("WORLD_SIZE", 1, minimum=1) > 1
 
 
 def in_process_group() -> bool:
@@ -38,7 +71,7 @@ def world_size() -> int:
     """Ranks in the job: the process group's, else torchrun's ``WORLD_SIZE``, else 1."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return env_int("WORLD_SIZE", 1, minimum=1)
 
 
 def running_world() -> int | None:
@@ -49,13 +82,13 @@ def running_world() -> int | None:
 def rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return env_int("RANK", 0)
 
 
 def local_world_size() -> int:
     """Ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``), at most the world."""
     world = world_size()
-    return max(1, min(int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), world))
+    return max(1, min(env_int("LOCAL_WORLD_SIZE", world, minimum=1), world))
 
 
 def init_process_group(timeout: float) -> None:
@@ -64,17 +97,60 @@ def init_process_group(timeout: float) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    try:
+    local_rank = env_int("LOCAL_RANK", 0)
+
+    def join() -> None:
+        if backend == "nccl":  # the current device is per thread: set it where NCCL starts too
+            torch.cuda.set_device(local_rank)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    try:
+        _with_deadline(join, timeout)
+    except TimeoutError:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise PeerTimeoutError(
+            f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')} could "
+            f"not join the rendezvous at {where} within {timeout:.1f} s: nothing there answered "
+            "as torch.distributed's store. Another program may hold that port (choose a free "
+            "one: --master-port / MASTER_PORT), or rank 0 did not start"
+        ) from None
     except (RuntimeError, dist.DistError) as exc:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+            raise DistributedError(
+                f"rank {os.environ.get('RANK', '?')} could not listen on {where}: another "
+                "program holds that port; choose a free one (--master-port / MASTER_PORT)"
+            ) from exc
         raise PeerTimeoutError(
             f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')} could "
             f"not form the process group at {where} within {timeout:.1f} s: some rank did not "
             f"start or crashed before vf.compile; see its log ({str(exc).splitlines()[0]})"
         ) from exc
+
+
+def _with_deadline(join: Callable[[], None], timeout: float) -> None:
+    """Run ``join`` but give up after ``timeout`` (+ a little): the store client's own timeout
+    does not cover a peer that accepts the connection and never answers (another program on
+    the master port), where it would block for minutes. The call runs in a daemon thread that
+    is abandoned on timeout; the process is expected to exit on the error."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            join()
+            outcome.append(None)
+        except BaseException as exc:  # handed to the caller's thread below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="varuna_fx-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout + 1.0)
+    if not outcome:
+        raise TimeoutError
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 def comm_device() -> torch.device:

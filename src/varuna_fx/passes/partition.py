@@ -242,9 +242,17 @@ def _explain_infeasible(costs: PartitionCosts, num_stages: int, cost: np.ndarray
     raise PartitionError(
         f"no partition into {num_stages} stages fits in {_gib(costs.memory_cap)} per device: "
         f"the best balanced one needs {_gib(loose.stage_memory[worst])} on stage {worst}. "
-        "Use more stages, a smaller micro-batch, recomputation, or devices with more memory"
+        "Use more stages, a smaller micro-batch, "
+        + ("" if costs.recompute else "recomputation, ")  # only what is not on already
+        + "or devices with more memory"
     )
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+    """Readable at every scale: "0.00 GiB" would hide a tiny memory (a typo in gpu_memory)."""
+    if nbytes >= 2**24:
+        return f"{nbytes / 2**30:.2f} GiB"
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes:.0f} bytes"

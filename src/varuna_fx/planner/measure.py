@@ -148,7 +148,8 @@ def _inputs(bound: BoundInputs, b: int, device: torch.device) -> dict[str, torch
     out = {}
     for name, t in bound.tensors.items():
         reps = -(-b // t.shape[0])
-        out[name] = t.repeat(reps, *([1] * (t.dim() - 1)))[:b].to(device)
+        # a copy, not a slice: a slice would keep (and the memory count charge) all samples
+        out[name] = t.repeat(reps, *([1] * (t.dim() - 1)))[:b].to(device).clone()
     return out
 
 
@@ -242,14 +243,24 @@ def _time_all(chunks: list[_Chunk], bound: BoundInputs, sizes: list[int], device
 
 
 def _chunk_args(chunks: list[_Chunk], inputs: dict[str, torch.Tensor]) -> list[list[Any]]:
-    """Run the chunks in order once, collecting each one's arguments."""
+    """Run the chunks in order once, collecting each one's arguments.
+
+    A value crossing a chunk boundary is copied into a tensor of its own, as a stage receives
+    it: a view would share its producer's storage (q, k, v slice one qkv tensor; at batch 1 a
+    reshape is a view, at larger batches a copy), and the saved-tensor count would charge that
+    whole storage at some batch sizes only, which no const + per_sample * b can fit."""
     values: dict[str, Any] = dict(inputs)
     args = []
     with torch.no_grad():
         for chunk in chunks:
-            args.append([values[n] for n in (*chunk.inputs, *chunk.received)])
+            args.append([_own(values[n]) for n in (*chunk.inputs, *chunk.received)])
             values.update(chunk.module(*args[-1]))
     return args
+
+
+def _own(value: Any) -> Any:
+    return value.clone(memory_format=torch.contiguous_format) \
+        if isinstance(value, torch.Tensor) else value
 
 
 def _leaves(chunk: _Chunk, args: list[Any]) -> list[Any]:
@@ -298,13 +309,18 @@ def _memory(chunk: _Chunk, args: list[Any], device: torch.device) -> float:
             torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
         _sync(device)
         return float(torch.cuda.max_memory_allocated(device) - base)
+    # Bytes of the saved tensors themselves (each distinct view once), not of the storages
+    # they view: whether a reshape returns a view of a larger storage or a copy depends on the
+    # batch size (at batch 1 most reshapes are views), so storage bytes are not affine in b and
+    # the fit misses them by up to tens of percent on small chunks.
     weights = {p.untyped_storage().data_ptr() for p in chunk.module.parameters()}
-    saved: dict[int, int] = {}
+    saved: dict[tuple, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
+            view = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            saved[view] = t.numel() * t.element_size()
         return t
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

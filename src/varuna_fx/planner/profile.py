@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,7 +34,8 @@ from ..ir import Affine, info
 from .costs import CostTable, MeasuredTimes
 from .network import NetworkProfile
 
-FORMAT = 2  # bump when the JSON layout or the measuring method changes
+FORMAT = 3  # bump when the JSON layout or the measuring method changes (3: memory counts
+# the saved tensors' own bytes, see measure._memory)
 
 
 @dataclass
@@ -140,22 +143,81 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "varuna_fx" / "profiles"
 
 
-def load_cached(key: str) -> Profile | None:
+def load_cached(key: str, graph: str | None = None) -> Profile | None:
+    """The cached profile for ``key``, or None (then the caller measures again).
+
+    The cache is a directory anyone with write access may have put files in, or an older
+    version of this code wrote: a file is used only when its stored key and graph hash are
+    the ones asked for and every time and byte count in it is a finite, non-negative number;
+    otherwise it is ignored with a warning."""
     path = cache_dir() / f"{key}.json"
     try:
-        profile = Profile.from_json(path.read_text())
-    except (OSError, ValueError, KeyError, TypeError):
+        text = path.read_text()
+    except OSError:
         return None
+    try:
+        profile = Profile.from_json(text)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return _ignored(path, f"it cannot be read ({exc})")
+    problem = profile_problem(profile, key, graph)
+    if problem:
+        return _ignored(path, problem)
     profile.from_cache = True
     return profile
+
+
+def profile_problem(profile: Profile, key: str, graph: str | None) -> str | None:
+    """Why ``profile`` must not be used for ``key``/``graph``, or None."""
+    if profile.key != key:
+        return f"it holds the profile {profile.key!r}"
+    if graph is not None and profile.graph != graph:
+        return "it was measured for another graph"
+    if not profile.chunks or not profile.sizes or any(
+            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in profile.sizes):
+        return "it has no chunks or invalid batch sizes"
+    fits = [fit for chunk in profile.chunks
+            for fit in (chunk.forward, chunk.recompute, chunk.backward, chunk.memory)]
+    numbers = [profile.reseed, *(v for fit in fits for v in (fit.const, fit.per_sample)),
+               *(v for chunk in profile.chunks for sample in chunk.samples.values()
+                 for v in sample)]
+    bad = [v for v in numbers if isinstance(v, bool) or not isinstance(v, (int, float))
+           or not math.isfinite(v)]
+    if bad:
+        return f"it holds a value that is not a finite number ({bad[0]!r})"
+    # times and bytes are never negative, measured or fitted (a fit may dip a little below a
+    # tiny measurement, not below zero by more than that)
+    low = min([profile.reseed, *(v for chunk in profile.chunks
+                                 for sample in chunk.samples.values() for v in sample)])
+    for chunk in profile.chunks:
+        kinds = (chunk.forward, chunk.recompute, chunk.backward, chunk.memory)
+        for b in profile.sizes:
+            sample = chunk.samples.get(b, (0.0,) * 4)
+            for fit, measured in zip(kinds, sample):
+                if fit(b) < -0.01 * abs(measured) - 1e-9:
+                    low = min(low, fit(b))
+    if low < 0:
+        return f"it holds a negative time or memory ({low:g})"
+    return None
+
+
+def _ignored(path: Path, why: str) -> None:
+    warnings.warn(f"ignoring the cached profile {path}: {why}; measuring again", stacklevel=3)
+    return None
 
 
 def save_cached(profile: Profile) -> None:
     directory = cache_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{profile.key}.{os.getpid()}.tmp"
-        tmp.write_text(profile.to_json())
-        tmp.replace(directory / f"{profile.key}.json")  # atomic: ranks may race
+        # a name no other writer uses (ranks, threads, machines sharing a home directory),
+        # then an atomic rename: a reader sees the old file or the whole new one
+        fd, tmp = tempfile.mkstemp(prefix=f".{profile.key}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as out:
+                out.write(profile.to_json())
+            os.replace(tmp, directory / f"{profile.key}.json")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     except OSError as exc:
         warnings.warn(f"could not cache the profile in {directory}: {exc}", stacklevel=2)

@@ -11,16 +11,30 @@ import torch.fx as fx
 from ..capture import BoundInputs
 from ..cluster import local_device_type
 from ..errors import VarunaFxError
-from ..where import in_process_group, init_process_group, launched_distributed
+from ..where import (
+    in_process_group,
+    init_process_group,
+    launched_distributed,
+    resolve_timeout,
+)
 from .measure import ProfileSettings, measure
 from .network import quick_network
-from .profile import Profile, graph_hash, load_cached, profile_key, save_cached
+from .profile import (
+    Profile,
+    graph_hash,
+    load_cached,
+    profile_key,
+    profile_problem,
+    save_cached,
+)
 
 
 def resolve_profile(gm: fx.GraphModule, bound: BoundInputs, profile: Any,
-                    settings: ProfileSettings | None = None) -> Profile | None:
+                    settings: ProfileSettings | None = None,
+                    timeout: float | None = None) -> Profile | None:
     """False/None: no profile. A Profile: checked against the graph. True: this device's
-    profile from the cache, measured (and cached) when there is none."""
+    profile from the cache, measured (and cached) when there is none. ``timeout``: the
+    user's, for joining the other ranks (None: $VARUNA_FX_TIMEOUT or the default)."""
     if profile is None or profile is False:
         return None
     if isinstance(profile, Profile):
@@ -29,6 +43,10 @@ def resolve_profile(gm: fx.GraphModule, bound: BoundInputs, profile: Any,
                 "profile= was measured for a different graph (another model, or other example "
                 "input shapes); pass profile=True to measure this one"
             )
+        problem = profile_problem(profile, profile.key, None)
+        if problem:
+            raise VarunaFxError(f"profile= cannot be used: {problem}; pass profile=True to "
+                                "measure this device")
         return profile
     if profile is not True:
         raise VarunaFxError(
@@ -40,10 +58,11 @@ def resolve_profile(gm: fx.GraphModule, bound: BoundInputs, profile: Any,
             "profile=True runs the model, but its parameters are on the meta device: build it "
             "with real parameters to profile, or plan with FLOP estimates (profile=False)"
         )
-    return profile_here(gm, bound, settings or ProfileSettings())
+    return profile_here(gm, bound, settings or ProfileSettings(), timeout)
 
 
-def profile_here(gm: fx.GraphModule, bound: BoundInputs, settings: ProfileSettings) -> Profile:
+def profile_here(gm: fx.GraphModule, bound: BoundInputs, settings: ProfileSettings,
+                 timeout: float | None = None) -> Profile:
     """This device's profile, cached by graph, dtype, device and threads. In a distributed run
     every rank measures at once -- each device busy as during training, which matters where
     devices share memory bandwidth or cores -- and rank 0's profile is broadcast, so every
@@ -51,9 +70,9 @@ def profile_here(gm: fx.GraphModule, bound: BoundInputs, settings: ProfileSettin
     dtype = str(next((p.dtype for p in gm.parameters()), torch.float32))
     key = profile_key(gm, local_device_type(), dtype, torch.get_num_threads(), settings.key())
     if launched_distributed():  # join early: ranks measuring apart would plan apart
-        init_process_group(timeout=600.0)
+        init_process_group(timeout=resolve_timeout(timeout))
     group = in_process_group()
-    found: list[Profile | None] = [load_cached(key)]
+    found: list[Profile | None] = [load_cached(key, graph_hash(gm))]
     if group:  # measure on every rank at once (the conditions of the run), if any must
         missing = torch.tensor([float(found[0] is None)])
         dist.all_reduce(missing)

@@ -9,7 +9,6 @@ posting order, which both sides derive from the same schedule (NCCL matches by o
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,29 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import PeerTimeoutError, VarunaFxError
+from ..errors import PeerTimeoutError
 
-DEFAULT_TIMEOUT = 300.0  # seconds; generous: a slow first step (allocator, lazy init) is fine
-TIMEOUT_ENV = "VARUNA_FX_TIMEOUT"
+# resolve_timeout's home is where.py (the planner needs it too, below the runtime)
+from ..where import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from ..where import TIMEOUT_ENV
+from ..where import resolve_timeout as resolve_timeout
+
 BUCKET_BYTES = 25 * 2**20  # all-reduce bucket size, as DDP
-
-
-def resolve_timeout(timeout: float | None) -> float:
-    """The ``timeout=`` keyword, else ``$VARUNA_FX_TIMEOUT``, else 300 s."""
-    source = "timeout"
-    if timeout is None and os.environ.get(TIMEOUT_ENV):
-        source = TIMEOUT_ENV
-        try:
-            timeout = float(os.environ[TIMEOUT_ENV])
-        except ValueError:
-            raise VarunaFxError(
-                f"{TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r} is not a number of seconds"
-            ) from None
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    if timeout <= 0:
-        raise VarunaFxError(f"{source}={timeout}: give a positive number of seconds")
-    return float(timeout)
 
 
 def wait(work: Any, timeout: float, who: str, what: str | Callable[[], str]) -> None:
