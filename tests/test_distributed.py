@@ -30,6 +30,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
             for p, d in ((2, 1), (1, 2)) for s in SCHEDULES]
     jobs.append({"name": "bf16", "kind": "train", "P": 2, "D": 1, "precision": "bf16"})
     jobs.append({"name": "fp16", "kind": "fp16", "P": 2, "D": 1})
+    jobs.append({"name": "float64", "kind": "train", "P": 2, "D": 1, "dtype": "float64"})
     jobs.append({"name": "accumulate", "kind": "accumulate", "P": 2, "D": 1})
     jobs.append({"name": "bad_batch", "kind": "bad_batch", "P": 2, "D": 1})
     jobs.append({"name": "mismatch", "kind": "mismatch", "P": 2, "D": 1,
@@ -127,6 +128,14 @@ def test_bf16_matches_eager_autocast(two_ranks: dict) -> None:
     eager = eager_training(precision="bf16")
     check_against_eager(two_ranks["bf16"], eager, 2, 1, tol={"rtol": 2e-2, "atol": 2e-2},
                         autocast=torch.bfloat16)
+
+
+def test_float64_model_matches_eager(two_ranks: dict) -> None:
+    """Only the last stage has a loss: every rank must still all-reduce one dtype (gloo
+    aborted on float32 from stage 0 against float64 from stage 1)."""
+    eager = eager_training(dtype=torch.float64)
+    check_against_eager(two_ranks["float64"], eager, 2, 1, tol={"rtol": 1e-7, "atol": 1e-9})
+    assert all(r["params"]["wte.weight"].dtype == torch.float64 for r in two_ranks["float64"])
 
 
 def test_fp16_overflow_skips_the_step_on_every_rank(two_ranks: dict) -> None:

@@ -18,6 +18,8 @@ from .passes.split_stages import output_key
 from .plan import Plan
 from .runtime.batching import check_sample_shapes
 
+_FROM_STAGE = object()  # an output leaf computed by the last stage (not a constant)
+
 
 class Pipeline:
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
@@ -36,7 +38,9 @@ class Pipeline:
         self._input_infos = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
                              if n.op == "placeholder" and info(n).outputs}
         output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
-        self._output_template = [None if isinstance(leaf, fx.Node) else leaf
+        # constant leaves (None in nanoGPT's ``(logits, None)``) are kept; nodes come from the
+        # last stage as ``output_<i>``
+        self._output_template = [_FROM_STAGE if isinstance(leaf, fx.Node) else leaf
                                  for leaf in output.args[0]]
 
     # -- running -------------------------------------------------------------------------------
@@ -60,7 +64,7 @@ class Pipeline:
 
     def assemble(self, outputs: dict[str, Any]) -> Any:
         """The last stage's result dict -> the model's output structure."""
-        leaves = [outputs[output_key(i)] if const is None else const
+        leaves = [outputs[output_key(i)] if const is _FROM_STAGE else const
                   for i, const in enumerate(self._output_template)]
         return pytree.tree_unflatten(leaves, self.captured.out_spec)
 
