@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from ..buffers import buffers_kept
 from ..capture import BoundInputs
 from ..errors import CaptureError
 from ..ir import Affine, TensorInfo, b, info
@@ -135,8 +136,9 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
     """Write outputs/bytes/FLOPs (affine in the micro-batch size ``b``) into node.meta."""
     b1 = bound.batch_size
     b2 = 2 * b1 + 1
-    first = _run_fake(gm, bound, b1)
-    second = _run_fake(gm, bound, b2)
+    with buffers_kept(gm):  # the fake runs must not count as BatchNorm updates
+        first = _run_fake(gm, bound, b1)
+        second = _run_fake(gm, bound, b2)
     for node in gm.graph.nodes:
         meta = info(node)
         frames = node.meta.get("stack_trace", "")

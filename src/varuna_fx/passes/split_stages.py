@@ -101,6 +101,14 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
         # shapes and source for the generated code, but not the producer's parameters
         env[src].meta = {**src.meta, "varuna": replace(info(src), params={})}
     members = replicated | set(owned)
+    if any(info(n).mutates for n in members):
+        # An in-place op may write into what arrives (a received activation is an autograd
+        # leaf, which cannot be written; a recompute replays from it): work on a copy.
+        for src, placeholder in list(env.items()):
+            copy = graph.call_method("clone", (placeholder,))
+            copy.meta = {**placeholder.meta,
+                         "varuna": replace(info(placeholder), params={}, replicable=True)}
+            env[src] = copy
     for n in nodes:
         if n in members:
             if info(n).random:  # dropout & co: masks from (step seed, node, micro-batch)
