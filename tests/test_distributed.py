@@ -7,12 +7,14 @@ size and a stalled peer; 4 ranks run (2, 2) under both schedules and lose a rank
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from dist_common import eager_training, make_model_and_data
+from dist_common import CONFIG, eager_training, make_model_and_data
 from dist_utils import run_jobs
-from varuna_fx.examples import lm_loss
+from varuna_fx.examples import GPT, lm_loss
 
 pytestmark = pytest.mark.distributed
 
@@ -31,6 +33,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     jobs.append({"name": "bf16", "kind": "train", "P": 2, "D": 1, "precision": "bf16"})
     jobs.append({"name": "fp16", "kind": "fp16", "P": 2, "D": 1})
     jobs.append({"name": "float64", "kind": "train", "P": 2, "D": 1, "dtype": "float64"})
+    jobs.append({"name": "eval_modes", "kind": "eval_modes", "P": 2})
     jobs.append({"name": "accumulate", "kind": "accumulate", "P": 2, "D": 1})
     jobs.append({"name": "bad_batch", "kind": "bad_batch", "P": 2, "D": 1})
     jobs.append({"name": "mismatch", "kind": "mismatch", "P": 2, "D": 1,
@@ -136,6 +139,19 @@ def test_float64_model_matches_eager(two_ranks: dict) -> None:
     eager = eager_training(dtype=torch.float64)
     check_against_eager(two_ranks["float64"], eager, 2, 1, tol={"rtol": 1e-7, "atol": 1e-9})
     assert all(r["params"]["wte.weight"].dtype == torch.float64 for r in two_ranks["float64"])
+
+
+def test_eval_mode_of_an_exported_model_matches_eager(two_ranks: dict) -> None:
+    """The eval graph is cut where each rank holds its parameters, at compile."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(CONFIG, dropout=0.5)).eval()
+    _, tokens = make_model_and_data()
+    with torch.no_grad():
+        want = model(tokens[0, :, :-1])
+    for r in two_ranks["eval_modes"]:
+        assert "error" not in r, r
+        torch.testing.assert_close(r["eval"], want, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(r["train"], want, atol=1e-3)  # train mode: dropout again
 
 
 def test_fp16_overflow_skips_the_step_on_every_rank(two_ranks: dict) -> None:

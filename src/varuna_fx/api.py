@@ -114,28 +114,51 @@ def compile(  # noqa: A001 - the public name in API.md
 
 
 # Re-compiling the same model (another P, schedule or micro-batch size, as one does while
-# exploring in a notebook) reuses its annotated graph. The key covers everything capture
-# depends on, so a changed model or input signature is captured afresh.
+# exploring in a notebook) reuses its annotated graph. The model is captured afresh every time
+# and the key is what that capture produced (the graph's code, with attributes such as
+# ``self.alpha`` baked in as constants; the type and settings of every module it calls; the
+# identity of every parameter and buffer; tensor constants; modes), so a hit is exactly what a
+# fresh compile would annotate. It skips the fake-tensor runs and cost passes (~75% of a
+# compile: bench/RESULTS.md, "Capture cache").
 _CAPTURES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Captured]] = \
     weakref.WeakKeyDictionary()
 
 
-def _fingerprint(model: nn.Module, bound: BoundInputs, tracer: str) -> tuple:
+def _fingerprint(model: nn.Module, captured: Captured, bound: BoundInputs) -> tuple:
+    gm = captured.gm
     tensors = tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in bound.tensors.items())
     state = tuple((n, id(t), tuple(t.shape), t.dtype) for n, t in
                   [*model.named_parameters(remove_duplicate=False),
                    *model.named_buffers(remove_duplicate=False)])
+    owned = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    constants = tuple((n, t.dtype, tuple(t.shape), _content(t))
+                      for n, t in [*gm.named_parameters(), *gm.named_buffers()]
+                      if id(t) not in owned)
+    called = tuple((str(n.target), _module_settings(gm.get_submodule(str(n.target))))
+                   for n in gm.graph.nodes if n.op == "call_module")
     modes = tuple(m.training for m in model.modules())
-    return (tracer, tensors, tuple(sorted(bound.constants.items(), key=str)), state, modes)
+    return (captured.tracer, gm.code, tensors, tuple(sorted(bound.constants.items(), key=str)),
+            state, constants, called, modes)
+
+
+def _content(t: torch.Tensor) -> int:
+    return hash(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _module_settings(module: nn.Module) -> tuple:
+    """A called module's type and plain settings (``p`` of Dropout, ``eps`` of LayerNorm...)."""
+    plain = (bool, int, float, str, type(None), tuple)
+    return (type(module), tuple(sorted((k, repr(v)) for k, v in vars(module).items()
+                                       if isinstance(v, plain))))
 
 
 def _captured_and_annotated(model: nn.Module, bound: BoundInputs, tracer: str,
                             canonical: dict[str, str]) -> Captured:
-    key = _fingerprint(model, bound, tracer)
+    captured = capture(model, bound, tracer)
+    key = _fingerprint(model, captured, bound)
     cached = _CAPTURES.get(model)
     if cached is not None and cached[0] == key:
         return cached[1]
-    captured = capture(model, bound, tracer)
     annotate_shapes(captured.gm, bound)
     specialize_sizes(captured.gm)
     annotate_costs(captured.gm, canonical)

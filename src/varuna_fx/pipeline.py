@@ -10,15 +10,27 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .capture import Captured, bind_inputs
+from .capture import BoundInputs, Captured, bind_inputs
 from .codegen import Stage
-from .errors import InputError
+from .errors import InputError, VarunaFxError
 from .ir import info
+from .modes import Modes, capture_if_changed, evaluation_stages, module_modes
 from .passes.split_stages import output_key
 from .plan import Plan
 from .runtime.batching import check_sample_shapes
 
 _FROM_STAGE = object()  # an output leaf computed by the last stage (not a constant)
+
+
+def _output_template(captured: Captured) -> list[Any]:
+    output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
+    return [_FROM_STAGE if isinstance(leaf, fx.Node) else leaf for leaf in output.args[0]]
+
+
+def _assemble(outputs: dict[str, Any], template: list[Any], spec: pytree.TreeSpec) -> Any:
+    leaves = [outputs[output_key(i)] if const is _FROM_STAGE else const
+              for i, const in enumerate(template)]
+    return pytree.tree_unflatten(leaves, spec)
 
 
 class Pipeline:
@@ -37,11 +49,13 @@ class Pipeline:
         self.local_stages = local_stages if local_stages is not None else list(range(len(stages)))
         self._input_infos = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
                              if n.op == "placeholder" and info(n).outputs}
-        output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
         # constant leaves (None in nanoGPT's ``(logits, None)``) are kept; nodes come from the
         # last stage as ``output_<i>``
-        self._output_template = [_FROM_STAGE if isinstance(leaf, fx.Node) else leaf
-                                 for leaf in output.args[0]]
+        self._output_template = _output_template(captured)
+        # The graph serves the modules' modes at compile; other modes get their own capture
+        # (modes.py): None where it equals the compiled graph, else its evaluation stages.
+        self.compiled_modes = module_modes(model)
+        self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
 
     # -- running -------------------------------------------------------------------------------
 
@@ -64,16 +78,51 @@ class Pipeline:
 
     def assemble(self, outputs: dict[str, Any]) -> Any:
         """The last stage's result dict -> the model's output structure."""
-        leaves = [outputs[output_key(i)] if const is _FROM_STAGE else const
-                  for i, const in enumerate(self._output_template)]
-        return pytree.tree_unflatten(leaves, self.captured.out_spec)
+        return _assemble(outputs, self._output_template, self.captured.out_spec)
 
     def step(self, *inputs: Any, target: Any = None, **kw_inputs: Any) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the mean loss."""
-        return self.runtime.step(self._bind(inputs, kw_inputs), target)
+        tensors = self._bind(inputs, kw_inputs)
+        if self._mode_graph(tensors) is not None:
+            raise InputError(
+                f"{type(self.model).__name__} is in another train/eval mode than when it was "
+                "compiled, and its graph differs in this mode: call pipe.train() (or put the "
+                "modules back in their modes at compile) before step, or compile the model "
+                "again in the mode to train in"
+            )
+        return self.runtime.step(tensors, target)
 
     def __call__(self, *inputs: Any, **kw_inputs: Any) -> Any:
-        return self.runtime.forward(self._bind(inputs, kw_inputs))
+        tensors = self._bind(inputs, kw_inputs)
+        other = self._mode_graph(tensors)
+        if other is None:
+            return self.runtime.forward(tensors)
+        captured, stages = other
+        template = _output_template(captured)
+        return self.runtime.forward(
+            tensors, stages=stages,
+            assemble=lambda out: _assemble(out, template, captured.out_spec))
+
+    def _mode_graph(self, tensors: dict[str, torch.Tensor]) -> tuple[Captured, list[Stage]] | None:
+        """None when the compiled stages are the model in its current modes."""
+        modes = module_modes(self.model)
+        if modes == self.compiled_modes:
+            return None
+        if modes not in self.other_modes:  # one process: every parameter is here
+            bound = BoundInputs(dict(tensors), dict(self.captured.constants))
+            fresh = capture_if_changed(self.model, self.captured, bound)
+            if fresh is None:
+                self.other_modes[modes] = None
+            else:
+                try:
+                    self.other_modes[modes] = evaluation_stages(
+                        self.model, fresh, bound, self.stages, self.canonical, len(self.stages))
+                except VarunaFxError:  # no cut fits the compiled stages: one stage will do
+                    fresh = capture_if_changed(self.model, self.captured, bound)
+                    assert fresh is not None
+                    self.other_modes[modes] = evaluation_stages(
+                        self.model, fresh, bound, [], self.canonical, 1)
+        return self.other_modes[modes]
 
     # -- parameters ----------------------------------------------------------------------------
 

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..capture import Captured
+from ..capture import BoundInputs, Captured
 from ..codegen import Stage
 from ..ir import info
+from ..modes import Modes, capture_if_changed, evaluation_stages, modes_set, module_modes
 from ..pipeline import Pipeline
 from ..plan import Plan
 from ..schedule import build_schedule, validate
@@ -62,6 +63,7 @@ class DistributedRuntime:
                                plan.recompute)
         validate(sched)
         self.per_stage = sched.per_stage
+        self._other: tuple[list[Stage], StageExecutor] | None = None  # another mode's stages
 
     # -- training ------------------------------------------------------------------------------
 
@@ -119,13 +121,16 @@ class DistributedRuntime:
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def forward(self, inputs: dict[str, torch.Tensor]) -> Any:
-        """The whole batch as one micro-batch (no autograd); every rank returns the output."""
+    def forward(self, inputs: dict[str, torch.Tensor], stages: list[Stage] | None = None,
+                assemble: Any = None) -> Any:
+        """The whole batch as one micro-batch (no autograd); every rank returns the output.
+        ``stages``/``assemble``: another mode's graph (``modes.py``)."""
         batch = next(iter(inputs.values())).shape[0]
         check_batch_shapes(inputs, self.input_shapes, batch)
         moved = {k: v.to(self.device) for k, v in inputs.items()}
-        outputs = self.executor.evaluate(moved, batch, self.autocast)
-        result = [self.assemble(outputs) if self.is_last else None]
+        executor = self.executor if stages is None else self._executor_for(stages)
+        outputs = executor.evaluate(moved, batch, self.autocast)
+        result = [(assemble or self.assemble)(outputs) if self.is_last else None]
         if self.groups.pipeline is not None:
             src = self.placement.rank(self.plan.stages - 1, self.replica)
             try:
@@ -134,6 +139,15 @@ class DistributedRuntime:
                 raise peer_error(exc, self.timeout, self.who, "the output from the last "
                                  "stage") from exc
         return result[0]
+
+    def _executor_for(self, stages: list[Stage]) -> StageExecutor:
+        if self._other is None or self._other[0] is not stages:
+            worker = StageWorker(stages[self.stage], recompute=False, is_last=self.is_last,
+                                 autocast=self.autocast)
+            self._other = (stages, StageExecutor(worker, stages, self.placement, self.replica,
+                                                 self.plan.micro_batch_size, self.device,
+                                                 self.timeout, self.who))
+        return self._other[1]
 
     def close(self) -> None:
         """Release the process groups (lets one process build several pipelines in turn)."""
@@ -167,10 +181,13 @@ def make_distributed_pipeline(model: nn.Module, captured: Captured, stages: list
     device = _comm_device() if torch.cuda.is_available() else torch.device("cpu")
     tied = tied_sets(plan, model, canonical)
     groups = build_groups(placement, tied, stage, replica, seconds)
+    # eval mode's graph, cut now: a rank holds only its own stage's parameters after this
+    eval_mode = _eval_mode_stages(model, captured, stages, canonical, plan)
     release_unheld(model, stages[stage], device)
 
     pipe = Pipeline(model, captured, stages, plan, canonical, runtime=None, stage_index=stage,
                     replica_index=replica, local_stages=[stage])
+    pipe.other_modes[eval_mode[0]] = eval_mode[1]
     held = dict(pipe.named_parameters())
     who = f"stage {stage} (rank {rank})"
     broadcast_initial({**held, **dict(pipe.named_buffers())}, groups, placement, stage,
@@ -184,3 +201,22 @@ def make_distributed_pipeline(model: nn.Module, captured: Captured, stages: list
         offload_stash=offload_stash,
     )
     return pipe
+
+
+def _eval_mode_stages(model: nn.Module, captured: Captured, stages: list[Stage],
+                      canonical: dict[str, str], plan: Plan) -> tuple[Modes, Any]:
+    """(the modes of ``model.eval()``, its stages or None when the compiled graph serves)."""
+    compiled = module_modes(model)
+    with modes_set(model, False):
+        modes = module_modes(model)
+        if modes == compiled:
+            return modes, None
+        shapes = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
+                  if n.op == "placeholder" and info(n).outputs}
+        example = {name: torch.zeros(t.concrete_shape(plan.micro_batch_size), dtype=t.dtype)
+                   for name, t in shapes.items()}
+        bound = BoundInputs(example, dict(captured.constants))
+        fresh = capture_if_changed(model, captured, bound)
+        if fresh is None:
+            return modes, None
+        return modes, evaluation_stages(model, fresh, bound, stages, canonical, plan.stages)
