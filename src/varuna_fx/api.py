@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from . import schedule as schedules
-from .buffers import warn_batchnorm
+from .buffers import warn_micro_batch_state
 from .capture import TRACERS, BoundInputs, Captured, bind_inputs, capture
 from .cluster import Cluster
 from .codegen import build_stage
@@ -106,7 +106,7 @@ def compile(  # noqa: A001 - the public name in API.md
         tracer=captured.tracer, model_name=name, alternatives=config.alternatives,
     )
     plan.predicted_step_time = config.predict(plan)
-    warn_batchnorm(model, plan.num_micro_batches)
+    warn_micro_batch_state(model, gm, plan.num_micro_batches)
     from .runtime.launch import make_runtime  # the runtime depends on how we were launched
 
     return make_runtime(model, captured, built, plan, canonical, loss_fn=loss_fn,

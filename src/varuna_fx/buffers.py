@@ -13,7 +13,10 @@ import warnings
 from collections.abc import Iterator
 
 import torch
+import torch.fx as fx
 from torch import nn
+
+from .ir import info
 
 
 @contextlib.contextmanager
@@ -22,29 +25,55 @@ def buffers_kept(module: nn.Module) -> Iterator[None]:
     saved = []
     with torch.no_grad():
         for buffer in {id(b): b for b in module.buffers()}.values():
-            saved.append((buffer, buffer._version, buffer.clone()))
+            saved.append((buffer, buffer.clone()))
     try:
         yield
     finally:
         with torch.no_grad():
-            for buffer, version, value in saved:
-                if buffer._version != version:  # mutated: restore (untouched ones cost nothing)
-                    buffer.copy_(value)
+            for buffer, value in saved:  # all: BatchNorm's kernel writes without a version bump
+                buffer.copy_(value)
 
 
-class BatchNormMicroBatchWarning(UserWarning):
-    """BatchNorm normalises each micro-batch by its own statistics, not the whole batch's."""
+class MicroBatchStateWarning(UserWarning):
+    """Module state updated per micro-batch (BatchNorm statistics, in-place buffer writes)
+    cannot follow eager on the whole batch."""
 
 
-def warn_batchnorm(model: nn.Module, num_micro_batches: int) -> None:
-    """Warn (at compile) when BatchNorm in training mode meets more than one micro-batch."""
+def mutated_buffers(gm: fx.GraphModule) -> list[str]:
+    """Buffers the graph writes in place (``self.calls.add_(1)``), by the attribute path."""
+    found = []
+    for node in gm.graph.nodes:
+        if not info(node).mutates:
+            continue
+        base = node.args[0] if node.args else None
+        while isinstance(base, fx.Node) and base.op in ("call_method", "call_function") \
+                and base.args:
+            base = base.args[0]  # views and earlier writes of the same tensor
+        if isinstance(base, fx.Node) and base.op == "get_attr":
+            found.append(str(base.target))
+    return list(dict.fromkeys(found))
+
+
+def warn_micro_batch_state(model: nn.Module, gm: fx.GraphModule,
+                           num_micro_batches: int) -> None:
+    """Warn (at compile) when state updated per forward meets more than one micro-batch."""
+    if num_micro_batches <= 1:
+        return
     norms = [name for name, m in model.named_modules()
              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
-    if norms and num_micro_batches > 1:
+    if norms:
         warnings.warn(
             f"{type(model).__name__} has BatchNorm ({', '.join(norms[:3])}"
             f"{', ...' if len(norms) > 3 else ''}) and the plan splits each batch into "
             f"{num_micro_batches} micro-batches: BatchNorm normalises and updates its running "
             "statistics per micro-batch, so training differs from eager on the whole batch. "
             "Compile with micro_batch_size equal to the batch for eager's numbers, or use "
-            "GroupNorm/LayerNorm", BatchNormMicroBatchWarning, stacklevel=3)
+            "GroupNorm/LayerNorm", MicroBatchStateWarning, stacklevel=3)
+    written = mutated_buffers(gm)
+    if written:
+        warnings.warn(
+            f"{type(model).__name__} writes buffers in place ({', '.join(written[:3])}) and the "
+            f"plan splits each batch into {num_micro_batches} micro-batches: they are written "
+            "once per micro-batch, where eager writes once per batch. Compile with "
+            "micro_batch_size equal to the batch for eager's numbers",
+            MicroBatchStateWarning, stacklevel=3)

@@ -100,7 +100,9 @@ class StageWorker:
             with torch.no_grad():
                 outputs = self._run(mb, inputs)
             if self._mutated is None:
-                self._mutated = [n for n, b in watched.items() if b._version != before[n][0]]
+                # by value too: BatchNorm's kernel updates its statistics without a version bump
+                self._mutated = [n for n, b in watched.items() if b._version != before[n][0]
+                                 or not torch.equal(b, before[n][1])]
             saved = {n: before[n][1] for n in self._mutated}
             stashed = {k: (v.detach().to("cpu", non_blocking=True) if self.offload else v)
                        for k, v in inputs.items()}
