@@ -43,9 +43,10 @@ class WithBatchNorm(nn.Module):
         return self.out(torch.relu(self.bn2(h))).pow(2).mean()
 
 
-@pytest.mark.parametrize("stages,recompute", [(1, True), (2, True), (2, False), (3, True)])
-def test_batchnorm_statistics_follow_eager_with_one_micro_batch(stages: int,
-                                                               recompute: bool) -> None:
+@pytest.mark.parametrize("stages,recompute,tracer", [
+    (1, True, "fx"), (2, True, "fx"), (2, False, "fx"), (3, True, "fx"), (2, True, "export")])
+def test_batchnorm_statistics_follow_eager_with_one_micro_batch(stages: int, recompute: bool,
+                                                               tracer: str) -> None:
     torch.manual_seed(0)
     model, x = WithBatchNorm(), torch.randn(8, 8)
     eager = copy.deepcopy(model)
@@ -53,7 +54,7 @@ def test_batchnorm_statistics_follow_eager_with_one_micro_batch(stages: int,
     with warnings.catch_warnings():
         warnings.simplefilter("error", MicroBatchStateWarning)  # one micro-batch: no warning
         pipe = vf.compile(model, example_inputs=(x,), stages=stages, micro_batch_size=8,
-                          recompute=recompute)
+                          recompute=recompute, tracer=tracer)
     for name, b in model.named_buffers():  # compile's fake runs touch nothing
         torch.testing.assert_close(b, before[name])
     for _ in range(2):  # two steps: num_batches_tracked counts 2 as in eager
@@ -69,10 +70,12 @@ def test_batchnorm_statistics_follow_eager_with_one_micro_batch(stages: int,
     torch.testing.assert_close(pipe(x), eager(x))  # running statistics in eval
 
 
-def test_batchnorm_with_micro_batches_warns_once_at_compile() -> None:
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_batchnorm_with_micro_batches_warns_once_at_compile(tracer: str) -> None:
     model, x = WithBatchNorm(), torch.randn(8, 8)
     with pytest.warns(MicroBatchStateWarning, match="BatchNorm.*4 micro-batches") as caught:
-        pipe = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=2)
+        pipe = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=2,
+                          tracer=tracer)
     assert len([w for w in caught if w.category is MicroBatchStateWarning]) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error", MicroBatchStateWarning)

@@ -69,7 +69,8 @@ def warn_micro_batch_state(model: nn.Module, gm: fx.GraphModule,
             "statistics per micro-batch, so training differs from eager on the whole batch. "
             "Compile with micro_batch_size equal to the batch for eager's numbers, or use "
             "GroupNorm/LayerNorm", MicroBatchStateWarning, stacklevel=3)
-    written = mutated_buffers(gm)
+    written = [b for b in mutated_buffers(gm)  # torch.export: BatchNorm's own counter
+               if b.rpartition(".")[0] not in norms]
     if written:
         warnings.warn(
             f"{type(model).__name__} writes buffers in place ({', '.join(written[:3])}) and the "

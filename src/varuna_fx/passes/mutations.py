@@ -61,6 +61,19 @@ def is_mutating(node: fx.Node, root: torch.nn.Module) -> bool:
     return False
 
 
+def _returns_its_first_input(node: fx.Node) -> bool:
+    """``x.relu_()`` returns ``x`` written; aten's ``_native_batch_norm_legit`` writes its
+    running statistics but returns new tensors, so reads of its input are not rewired."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        schema = target._schema
+        first = schema.arguments[0].alias_info if schema.arguments else None
+        back = schema.returns[0].alias_info if schema.returns else None
+        return bool(first and first.is_write and back and back.is_write
+                    and first.before_set == back.before_set)
+    return True
+
+
 def keep_mutations(gm: fx.GraphModule) -> None:
     """Dead-code elimination that keeps mutations, with reads after a mutation rewired."""
     graph = gm.graph
@@ -76,7 +89,7 @@ def keep_mutations(gm: fx.GraphModule) -> None:
             continue  # writes only its own state (BatchNorm): the output is a new tensor
         info(node).mutates = True
         base = node.args[0] if node.args else None
-        if not isinstance(base, fx.Node):
+        if not isinstance(base, fx.Node) or not _returns_its_first_input(node):
             continue
         for user in list(base.users):
             if user is not node and position[user] > position[node]:
