@@ -108,7 +108,13 @@ class Pipeline:
         modes = module_modes(self.model)
         if modes == self.compiled_modes:
             return None
-        if modes not in self.other_modes:  # one process: every parameter is here
+        if modes not in self.other_modes and len(self.local_stages) < len(self.stages):
+            raise InputError(
+                "the model's modules are in train/eval modes other than at compile and "
+                "pipe.eval(): a distributed rank holds only its stage and cannot capture the "
+                "model again; use pipe.train() or pipe.eval(), or compile in these modes"
+            )
+        if modes not in self.other_modes:  # every parameter is here
             bound = BoundInputs(dict(tensors), dict(self.captured.constants))
             fresh = capture_if_changed(self.model, self.captured, bound)
             if fresh is None:
