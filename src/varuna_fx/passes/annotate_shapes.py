@@ -10,7 +10,9 @@ other non-view aten op, and notices random ops (``Tag.nondeterministic_seeded``:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +79,8 @@ class _FakeRun(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         self.recorder.reset()
         try:
-            value = super().run_node(n)
+            with _shape_only_momentum(self.module, n):
+                value = super().run_node(n)
         except Exception as exc:
             where = n.meta.get("stack_trace", "").strip().splitlines()[-2:]
             raise CaptureError(
@@ -97,6 +100,22 @@ class _FakeRun(fx.Interpreter):
             random=random,
         )
         return value
+
+
+@contextlib.contextmanager
+def _shape_only_momentum(root: torch.nn.Module, n: fx.Node) -> Iterator[None]:
+    """``BatchNorm(momentum=None)`` divides by ``float(num_batches_tracked)``, a value a fake
+    tensor does not have; any momentum gives the same shapes (and buffers are restored)."""
+    module = root.get_submodule(str(n.target)) if n.op == "call_module" else None
+    if not isinstance(module, torch.nn.modules.batchnorm._BatchNorm) or \
+            module.momentum is not None:
+        yield
+        return
+    module.momentum = 0.1
+    try:
+        yield
+    finally:
+        module.momentum = None
 
 
 def _is_inactive_dropout(root: torch.nn.Module, n: fx.Node) -> bool:
