@@ -172,6 +172,9 @@ def make_distributed_pipeline(model: nn.Module, captured: Captured, stages: list
                               offload_stash: bool, precision: str,
                               timeout: float | None) -> Pipeline:
     seconds = resolve_timeout(timeout)
+    # eval mode's graph, cut now (a rank keeps only its stage's parameters), and before the
+    # first collective, so peers never wait on it
+    eval_mode = _eval_mode_stages(model, captured, stages, canonical, plan)
     init_process_group(seconds)
     rank, world = dist.get_rank(), dist.get_world_size()
     verify_same_plan(plan, plan_fingerprint(plan, stages, precision), seconds)
@@ -181,8 +184,6 @@ def make_distributed_pipeline(model: nn.Module, captured: Captured, stages: list
     device = _comm_device() if torch.cuda.is_available() else torch.device("cpu")
     tied = tied_sets(plan, model, canonical)
     groups = build_groups(placement, tied, stage, replica, seconds)
-    # eval mode's graph, cut now: a rank holds only its own stage's parameters after this
-    eval_mode = _eval_mode_stages(model, captured, stages, canonical, plan)
     release_unheld(model, stages[stage], device)
 
     pipe = Pipeline(model, captured, stages, plan, canonical, runtime=None, stage_index=stage,
