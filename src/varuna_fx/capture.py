@@ -30,7 +30,7 @@ from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from .errors import CaptureError, InputError
-from .passes.mutations import keep_mutations
+from .mutations import keep_mutations
 
 TRACERS = ("fx", "export", "auto")
 

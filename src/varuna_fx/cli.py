@@ -3,28 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 from collections.abc import Sequence
-from typing import Any
 
 from rich.console import Console
 from rich.syntax import Syntax
 
+import varuna_fx as vf
+from varuna_fx.examples import demo_gpt, lm_loss
+from varuna_fx.factory import load_factory
+from varuna_fx.planner.report import plan_command
 
-def _load_factory(spec: str) -> Any:
-    """'package.module:function' -> function() (returns model, example inputs[, ...])."""
-    module_name, _, attr = spec.partition(":")
-    if not attr:
-        raise SystemExit(f"--model {spec!r}: write module:function, e.g. mypkg.models:make_gpt")
-    sys.path.insert(0, ".")
-    return getattr(importlib.import_module(module_name), attr)
+_load_factory = load_factory  # its home is factory.py (planner/report.py uses it too)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    import varuna_fx as vf
-    from varuna_fx.examples import demo_gpt, lm_loss
-
     console = Console()
     model, tokens, targets = demo_gpt(n_layer=args.layers)
     pipe = vf.compile(model, example_inputs=(tokens,), loss_fn=lm_loss, stages=args.stages,
@@ -39,8 +31,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    import varuna_fx as vf
-
     console = Console()
     made = _load_factory(args.model)()
     model, inputs = made[0], made[1]
@@ -53,8 +43,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from varuna_fx.planner.report import plan_command
-
     return plan_command(args)
 
 

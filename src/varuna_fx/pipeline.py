@@ -1,4 +1,8 @@
-"""Pipeline: what ``vf.compile`` returns -- the stages, the plan and a runtime to drive them."""
+"""Pipeline: what ``vf.compile`` returns -- the stages, the plan and a runtime to drive them.
+
+Layer: above the runtimes. :func:`make_pipeline` picks the runtime for where this process runs
+(``where.py``): all stages here, or this rank's stage of a distributed job.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
 from .capture import BoundInputs, Captured, bind_inputs
@@ -15,47 +17,57 @@ from .codegen import Stage
 from .errors import InputError, VarunaFxError
 from .ir import info
 from .modes import Modes, capture_if_changed, evaluation_stages, module_modes
-from .passes.split_stages import output_key
 from .plan import Plan
 from .runtime.batching import check_sample_shapes
+from .runtime.distributed import make_distributed_runtime
+from .runtime.local import LocalRuntime
+from .runtime.outputs import OutputAssembler
+from .runtime.precision import check_precision, optimizer_step
+from .runtime.setup import held_names, held_tensors
+from .runtime.step import Runtime
+from .where import launched_distributed
 
-_FROM_STAGE = object()  # an output leaf computed by the last stage (not a constant)
 
-
-def _output_template(captured: Captured) -> list[Any]:
-    output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
-    return [_FROM_STAGE if isinstance(leaf, fx.Node) else leaf for leaf in output.args[0]]
-
-
-def _assemble(outputs: dict[str, Any], template: list[Any], spec: pytree.TreeSpec) -> Any:
-    leaves = [outputs[output_key(i)] if const is _FROM_STAGE else const
-              for i, const in enumerate(template)]
-    return pytree.tree_unflatten(leaves, spec)
+def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
+                  canonical: dict[str, str], *, loss_fn: Any, offload_stash: bool,
+                  precision: str = "fp32", timeout: float | None = None) -> Pipeline:
+    """The distributed runtime under torchrun (world size > 1), else the one-process one."""
+    check_precision(precision)
+    assemble = OutputAssembler(captured)
+    runtime: Runtime
+    if launched_distributed():
+        runtime = make_distributed_runtime(
+            model, captured, stages, plan, canonical, assemble=assemble, loss_fn=loss_fn,
+            offload_stash=offload_stash, precision=precision, timeout=timeout)
+    else:
+        runtime = LocalRuntime(stages, plan, assemble=assemble, loss_fn=loss_fn,
+                               offload_stash=offload_stash, precision=precision)
+    return Pipeline(model, captured, stages, plan, canonical, runtime, assemble)
 
 
 class Pipeline:
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
-                 canonical: dict[str, str], runtime: Any, *, stage_index: int = 0,
-                 replica_index: int = 0, local_stages: list[int] | None = None) -> None:
+                 canonical: dict[str, str], runtime: Runtime,
+                 assemble: OutputAssembler | None = None) -> None:
         self.model = model
         self.captured = captured
         self.stages = stages
         self.plan = plan
         self.canonical = canonical
         self.runtime = runtime
-        self.stage_index = stage_index
-        self.replica_index = replica_index
+        self.stage_index = runtime.stage_index
+        self.replica_index = runtime.replica_index
         # stages whose parameters live in this process (all of them in one process)
-        self.local_stages = local_stages if local_stages is not None else list(range(len(stages)))
+        self.local_stages = runtime.local_stages
         self._input_infos = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
                              if n.op == "placeholder" and info(n).outputs}
-        # constant leaves (None in nanoGPT's ``(logits, None)``) are kept; nodes come from the
-        # last stage as ``output_<i>``
-        self._output_template = _output_template(captured)
+        self._assemble = assemble or OutputAssembler(captured)
         # The graph serves the modules' modes at compile; other modes get their own capture
-        # (modes.py): None where it equals the compiled graph, else its evaluation stages.
+        # (modes.py): None where it equals the compiled graph, else its evaluation stages
+        # (a distributed runtime made eval mode's at compile, while it held every parameter).
         self.compiled_modes = module_modes(model)
-        self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
+        self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = \
+            dict(getattr(runtime, "other_modes", {}))
 
     # -- running -------------------------------------------------------------------------------
 
@@ -78,7 +90,7 @@ class Pipeline:
 
     def assemble(self, outputs: dict[str, Any]) -> Any:
         """The last stage's result dict -> the model's output structure."""
-        return _assemble(outputs, self._output_template, self.captured.out_spec)
+        return self._assemble(outputs)
 
     def step(self, *inputs: Any, target: Any = None, **kw_inputs: Any) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the mean loss."""
@@ -98,10 +110,7 @@ class Pipeline:
         if other is None:
             return self.runtime.forward(tensors)
         captured, stages = other
-        template = _output_template(captured)
-        return self.runtime.forward(
-            tensors, stages=stages,
-            assemble=lambda out: _assemble(out, template, captured.out_spec))
+        return self.runtime.forward(tensors, stages=stages, assemble=OutputAssembler(captured))
 
     def _mode_graph(self, tensors: dict[str, torch.Tensor]) -> tuple[Captured, list[Stage]] | None:
         """None when the compiled stages are the model in its current modes."""
@@ -133,25 +142,17 @@ class Pipeline:
     # -- parameters ----------------------------------------------------------------------------
 
     def _held_names(self) -> list[str]:
-        held = {n for s in self.local_stages
-                for n in [*self.stages[s].parameter_names, *self.stages[s].spec.buffer_names]}
-        return [n for n in dict.fromkeys(self.canonical.values()) if n in held]
+        return held_names(self.canonical, self.stages, self.local_stages)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        for name in self._held_names():
-            if name in params:
-                yield name, params[name]
+        yield from held_tensors(self.model, self._held_names())[0].items()
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        buffers = dict(self.model.named_buffers(remove_duplicate=False))
-        for name in self._held_names():
-            if name in buffers:
-                yield name, buffers[name]
+        yield from held_tensors(self.model, self._held_names())[1].items()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.parameters():
@@ -183,15 +184,11 @@ class Pipeline:
         """``optimizer.step()`` unless the last step overflowed (fp16), then update the loss
         scale. Returns whether it stepped. Works for every precision, so scripts can always
         call it instead of ``optimizer.step()``."""
-        from .runtime.precision import optimizer_step
-
         return optimizer_step(self.runtime.scaler, optimizer)
 
     def close(self) -> None:
         """Release what the runtime holds (process groups); the pipeline is unusable after."""
-        close = getattr(self.runtime, "close", None)
-        if close is not None:
-            close()
+        self.runtime.close()
 
     def train(self, mode: bool = True) -> Pipeline:
         self.model.train(mode)
