@@ -65,6 +65,7 @@ class DistributedRuntime(StepLoop):
         self.executor = StageExecutor(self.worker, stages, placement, self.replica,
                                       plan.micro_batch_size, device, timeout, self.who)
         validate(plan.schedule)
+        self.executor.split = plan.schedule.split_backward
         self.per_stage = plan.schedule.per_stage
         self._other: tuple[list[Stage], StageExecutor] | None = None  # another mode's stages
         # eval mode's stages, made at compile while this rank held every parameter (modes.py)
