@@ -17,17 +17,19 @@ STEPS = 3
 CONFIG = GPTConfig(vocab_size=96, block_size=12, n_layer=2, n_head=2, n_embd=32)
 
 
-def make_model_and_data(seed: int = 0, dropout: float = 0.0) -> tuple[GPT, torch.Tensor]:
+def make_model_and_data(seed: int = 0, dropout: float = 0.0,
+                        dtype: torch.dtype = torch.float32) -> tuple[GPT, torch.Tensor]:
     """A tiny GPT with tied embedding/LM head, and STEPS global batches of tokens."""
     torch.manual_seed(seed)
-    model = GPT(dataclasses.replace(CONFIG, dropout=dropout))
+    model = GPT(dataclasses.replace(CONFIG, dropout=dropout)).to(dtype)
     tokens = torch.randint(0, CONFIG.vocab_size, (STEPS, GLOBAL_BATCH, CONFIG.block_size + 1))
     return model, tokens
 
 
-def eager_training(max_norm: float = 0.5, precision: str = "fp32") -> dict:
+def eager_training(max_norm: float = 0.5, precision: str = "fp32",
+                   model_dtype: torch.dtype = torch.float32) -> dict:
     """What every layout must reproduce: plain training on the whole global batch."""
-    model, tokens = make_model_and_data()
+    model, tokens = make_model_and_data(dtype=model_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     losses, norms = [], []

@@ -59,13 +59,7 @@ FEATURES = (
 # Features that hit bugs being fixed on other branches (issue 9). A pending feature is never
 # generated (for "inplace_received": programs with in-place ops run at P = 1 only). Enabling a
 # fix is deleting its line here.
-PENDING_FIXES: dict[str, str] = {
-    "inplace_statement": "in-place statements whose result is unused vanish from fx graphs",
-    "inplace_received": "in-place ops on a received activation crash at P>1 (leaf Variable)",
-    "none_output": "outputs containing None crash (KeyError: 'output_1')",
-    "functional_dropout": "pipe.eval() ignores self.training (functional dropout stays on)",
-    "export_dropout": "pipe.eval() does not turn off dropout in a torch.export graph",
-}
+PENDING_FIXES: dict[str, str] = {}
 
 ENABLED = frozenset(FEATURES) - frozenset(PENDING_FIXES)
 OBSERVED = frozenset({"unread_parameters"})  # known only once a case ran

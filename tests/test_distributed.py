@@ -7,13 +7,15 @@ size and a stalled peer; 4 ranks run (2, 2) under both schedules and lose a rank
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import varuna_fx as vf
-from dist_common import ADAM_EPS, eager_training, make_model_and_data
+from dist_common import ADAM_EPS, CONFIG, eager_training, make_model_and_data
 from dist_utils import run_jobs
-from varuna_fx.examples import lm_loss
+from varuna_fx.examples import GPT, lm_loss
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -34,6 +36,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     jobs.append({"name": "bf16", "kind": "train", "P": 2, "D": 1, "precision": "bf16"})
     jobs.append({"name": "dropout", "kind": "train", "P": 2, "D": 1, "dropout": 0.3})
     jobs.append({"name": "fp16", "kind": "fp16", "P": 2, "D": 1})
+    jobs.append({"name": "float64", "kind": "train", "P": 2, "D": 1, "dtype": "float64"})
+    jobs.append({"name": "eval_modes", "kind": "eval_modes", "P": 2})
     jobs.append({"name": "accumulate", "kind": "accumulate", "P": 2, "D": 1})
     jobs.append({"name": "bad_batch", "kind": "bad_batch", "P": 2, "D": 1})
     jobs.append({"name": "mismatch", "kind": "mismatch", "P": 2, "D": 1,
@@ -41,7 +45,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     jobs.append({"name": "bad_world", "kind": "bad_world", "P": 3})  # P x D = 3 x 1 != 2
     jobs.append({"name": "stall", "kind": "peer_loss", "P": 2, "D": 1, "timeout": 3.0,
                  "stalls": 1, "ranks": [0]})
-    return run_jobs(tmp_path_factory.mktemp("two"), 2, jobs)
+    # a deadline for hangs, not a time budget: a shared 2-core machine runs these slowly
+    return run_jobs(tmp_path_factory.mktemp("two"), 2, jobs, timeout=300.0)
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +165,27 @@ def test_bf16_matches_eager_autocast(two_ranks: dict) -> None:
     eager = eager_training(precision="bf16")
     check_against_eager(two_ranks["bf16"], eager, 2, 1, tol={"rtol": 2e-2, "atol": 2e-2},
                         autocast=torch.bfloat16)
+
+
+def test_float64_model_matches_eager(two_ranks: dict) -> None:
+    """Only the last stage has a loss: every rank must still all-reduce one dtype (gloo
+    aborted on float32 from stage 0 against float64 from stage 1)."""
+    eager = eager_training(model_dtype=torch.float64)
+    check_against_eager(two_ranks["float64"], eager, 2, 1, tol={"rtol": 1e-7, "atol": 1e-9})
+    assert all(r["params"]["wte.weight"].dtype == torch.float64 for r in two_ranks["float64"])
+
+
+def test_eval_mode_of_an_exported_model_matches_eager(two_ranks: dict) -> None:
+    """The eval graph is cut where each rank holds its parameters, at compile."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(CONFIG, dropout=0.5)).eval()
+    _, tokens = make_model_and_data()
+    with torch.no_grad():
+        want = model(tokens[0, :, :-1])
+    for r in two_ranks["eval_modes"]:
+        assert "error" not in r, r
+        torch.testing.assert_close(r["eval"], want, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(r["train"], want, atol=1e-3)  # train mode: dropout again
 
 
 def test_fp16_overflow_skips_the_step_on_every_rank(two_ranks: dict) -> None:

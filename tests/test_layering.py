@@ -12,13 +12,13 @@ PACKAGE = Path(__file__).parent.parent / "src" / "varuna_fx"
 # Lowest first. A module may import its own layer and the ones before it, never a later one.
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["errors", "ir", "rng", "where", "placement", "costmodel", "cluster", "factory",
-              "examples", "schedule"]),
+              "examples", "schedule", "buffers", "mutations"]),
     ("capture", ["capture"]),
     ("passes", ["passes"]),
     ("plan", ["plan", "frontend"]),
     ("planner", ["planner"]),
     ("configure", ["configure"]),
-    ("codegen", ["codegen", "plan_costs"]),
+    ("codegen", ["codegen", "plan_costs", "modes"]),
     ("runtime", ["runtime"]),
     ("pipeline", ["pipeline"]),
     ("api", ["api", "arguments", "__init__"]),

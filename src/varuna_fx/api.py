@@ -15,6 +15,7 @@ from .arguments import (
     check_global_batch,
     check_target_parameter,
 )
+from .buffers import warn_micro_batch_state
 from .capture import TRACERS, bind_inputs
 from .cluster import Cluster
 from .codegen import build_stage
@@ -141,6 +142,7 @@ def compile(  # noqa: A001 - the public name in API.md
         predicted_step_time=priced.step_time, tracer=captured.tracer,
         model_name=type(model).__name__, alternatives=priced.alternatives,
     )
+    warn_micro_batch_state(model, captured.gm, plan.num_micro_batches)
     pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=loss_fn,
                          offload_stash=offload_stash, precision=precision, timeout=timeout)
     if global_batch_size is not None:

@@ -30,6 +30,7 @@ from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from .errors import CaptureError, InputError
+from .mutations import keep_mutations
 
 TRACERS = ("fx", "export", "auto")
 
@@ -180,7 +181,7 @@ def _capture_fx(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Cap
         raise CaptureError(_describe_failure("torch.fx", exc, model, alone)) from None
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _drop_concrete_placeholders(gm, bound)
-    gm.graph.eliminate_dead_code()
+    keep_mutations(gm)  # dead-code elimination that keeps `y.relu_()` statements
     out_spec = _flatten_output(gm)
     return Captured(gm, list(bound.tensors), out_spec, "fx", signature, bound.constants)
 
@@ -267,7 +268,7 @@ def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) ->
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
     gm.graph._codegen = fx.graph.CodeGen()
-    gm.graph.eliminate_dead_code()
+    keep_mutations(gm)
     _name_after_modules(gm)
     # A fresh GraphModule: the unlifted one carries pre-hooks that check the pytree input spec.
     gm = fx.GraphModule(gm, gm.graph, type(model).__name__)

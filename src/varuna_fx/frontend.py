@@ -14,6 +14,7 @@ from __future__ import annotations
 import weakref
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from .capture import BoundInputs, Captured, capture
@@ -43,30 +44,61 @@ FRONT_PASSES: tuple[Pass, ...] = (
          "that needs them, never sent", lambda s: mark_replicable(s.gm)),
 )
 
+# The model is captured afresh on every compile and the cache key is what that capture produced
+# (the graph's code, with attributes such as ``self.alpha`` baked in as constants; the type and
+# settings of every module it calls; the identity of every parameter and buffer; tensor
+# constants; modes), so a hit is exactly what a fresh compile would annotate. It skips the
+# fake-tensor runs and cost passes (~75% of a compile: bench/RESULTS.md, "Capture cache").
 _CAPTURES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Captured]] = \
     weakref.WeakKeyDictionary()
 
 
-def _fingerprint(model: nn.Module, bound: BoundInputs, tracer: str) -> tuple:
+def _fingerprint(model: nn.Module, captured: Captured, bound: BoundInputs) -> tuple:
+    gm = captured.gm
     tensors = tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in bound.tensors.items())
     state = tuple((n, id(t), tuple(t.shape), t.dtype) for n, t in
                   [*model.named_parameters(remove_duplicate=False),
                    *model.named_buffers(remove_duplicate=False)])
+    owned = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    constants = tuple((n, t.dtype, tuple(t.shape), _content(t))
+                      for n, t in [*gm.named_parameters(), *gm.named_buffers()]
+                      if id(t) not in owned)
+    called = tuple((str(n.target), _module_settings(gm.get_submodule(str(n.target))))
+                   for n in gm.graph.nodes if n.op == "call_module")
     modes = tuple(m.training for m in model.modules())
-    return (tracer, tensors, tuple(sorted(bound.constants.items(), key=str)), state, modes)
+    return (captured.tracer, gm.code, tensors, tuple(sorted(bound.constants.items(), key=str)),
+            state, constants, called, modes)
+
+
+def _content(t: torch.Tensor) -> int:
+    return hash(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _module_settings(module: nn.Module) -> tuple:
+    """A called module's type and plain settings (``p`` of Dropout, ``eps`` of LayerNorm...)."""
+    plain = (bool, int, float, str, type(None), tuple)
+    return (type(module), tuple(sorted((k, repr(v)) for k, v in vars(module).items()
+                                       if isinstance(v, plain))))
 
 
 def captured_and_annotated(model: nn.Module, bound: BoundInputs, tracer: str,
-                            canonical: dict[str, str], dump: Path | None = None) -> Captured:
-    """The front passes' result, from the cache when the model is unchanged. With ``dump``
-    the passes run afresh (so each one's graph can be written) and the result is cached."""
-    key = _fingerprint(model, bound, tracer)
-    cached = _CAPTURES.get(model)
-    if dump is None and cached is not None and cached[0] == key:
-        return cached[1]
+                           canonical: dict[str, str], dump: Path | None = None) -> Captured:
+    """The front passes' result, from the cache when a fresh capture equals the cached one.
+    With ``dump`` the passes run afresh (so each one's graph can be written) and the result is
+    cached."""
     state = CompileState(model, values={"bound": bound, "tracer": tracer,
                                         "canonical": canonical})
-    run_passes(FRONT_PASSES, state, dump=dump)
-    captured: Captured = state["captured"]
+    if dump is not None:
+        run_passes(FRONT_PASSES, state, dump=dump)
+        captured: Captured = state["captured"]
+        _CAPTURES[model] = (_fingerprint(model, captured, bound), captured)
+        return captured
+    run_passes(FRONT_PASSES[:1], state)  # capture: cheap, and what the key is made of
+    captured = state["captured"]
+    key = _fingerprint(model, captured, bound)
+    cached = _CAPTURES.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    run_passes(FRONT_PASSES[1:], state)
     _CAPTURES[model] = (key, captured)
     return captured

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture import Captured, bind_inputs
+from .capture import BoundInputs, Captured, bind_inputs
 from .codegen import Stage
 from .errors import InputError, VarunaFxError
 from .ir import info
+from .modes import Modes, capture_if_changed, evaluation_stages, module_modes
 from .plan import Plan
 from .runtime import preemption
 from .runtime.batching import check_sample_shapes
@@ -74,6 +75,12 @@ class Pipeline:
         self._input_infos = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
                              if n.op == "placeholder" and info(n).outputs}
         self._assemble = assemble or OutputAssembler(captured)
+        # The graph serves the modules' modes at compile; other modes get their own capture
+        # (modes.py): None where it equals the compiled graph, else its evaluation stages
+        # (a distributed runtime made eval mode's at compile, while it held every parameter).
+        self.compiled_modes = module_modes(model)
+        self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = \
+            dict(getattr(runtime, "other_modes", {}))
 
     # -- running -------------------------------------------------------------------------------
 
@@ -105,6 +112,13 @@ class Pipeline:
             # forward's own `target` (compile refused it alongside a loss_fn): feed the model
             kw_inputs, target = {**kw_inputs, "target": target}, None
         tensors = self._bind(inputs, kw_inputs)
+        if self._mode_graph(tensors) is not None:
+            raise InputError(
+                f"{type(self.model).__name__} is in another train/eval mode than when it was "
+                "compiled, and its graph differs in this mode: call pipe.train() (or put the "
+                "modules back in their modes at compile) before step, or compile the model "
+                "again in the mode to train in"
+            )
         batch = next(iter(tensors.values())).shape[0]
         if self.replica_batch is not None and batch != self.replica_batch:
             raise InputError(
@@ -118,7 +132,39 @@ class Pipeline:
 
     def __call__(self, *inputs: Any, **kw_inputs: Any) -> Any:
         self._check_runnable()
-        return self.runtime.forward(self._bind(inputs, kw_inputs))
+        tensors = self._bind(inputs, kw_inputs)
+        other = self._mode_graph(tensors)
+        if other is None:
+            return self.runtime.forward(tensors)
+        captured, stages = other
+        return self.runtime.forward(tensors, stages=stages, assemble=OutputAssembler(captured))
+
+    def _mode_graph(self, tensors: dict[str, torch.Tensor]) -> tuple[Captured, list[Stage]] | None:
+        """None when the compiled stages are the model in its current modes."""
+        modes = module_modes(self.model)
+        if modes == self.compiled_modes:
+            return None
+        if modes not in self.other_modes and len(self.local_stages) < len(self.stages):
+            raise InputError(
+                "the model's modules are in train/eval modes other than at compile and "
+                "pipe.eval(): a distributed rank holds only its stage and cannot capture the "
+                "model again; use pipe.train() or pipe.eval(), or compile in these modes"
+            )
+        if modes not in self.other_modes:  # every parameter is here
+            bound = BoundInputs(dict(tensors), dict(self.captured.constants))
+            fresh = capture_if_changed(self.model, self.captured, bound)
+            if fresh is None:
+                self.other_modes[modes] = None
+            else:
+                try:
+                    self.other_modes[modes] = evaluation_stages(
+                        self.model, fresh, bound, self.stages, self.canonical, len(self.stages))
+                except VarunaFxError:  # no cut fits the compiled stages: one stage will do
+                    fresh = capture_if_changed(self.model, self.captured, bound)
+                    assert fresh is not None
+                    self.other_modes[modes] = evaluation_stages(
+                        self.model, fresh, bound, [], self.canonical, 1)
+        return self.other_modes[modes]
 
     def _check_runnable(self) -> None:
         if getattr(self, "_closed", False):

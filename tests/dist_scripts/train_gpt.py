@@ -11,6 +11,7 @@ that stops the process must be the last one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -22,14 +23,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import varuna_fx as vf  # noqa: E402
-from dist_common import ADAM_EPS, GLOBAL_BATCH, make_model_and_data  # noqa: E402
-from varuna_fx.examples import lm_loss  # noqa: E402
+from dist_common import ADAM_EPS, CONFIG, GLOBAL_BATCH, make_model_and_data  # noqa: E402
+from varuna_fx.examples import (
+    GPT,  # noqa: E402
+    lm_loss,  # noqa: E402
+)
 
 RANK = int(os.environ["RANK"])
 
 
 def compile_job(job: dict[str, Any], share: int) -> vf.Pipeline:
-    model, tokens = make_model_and_data(dropout=job.get("dropout", 0.0))
+    model, tokens = make_model_and_data(dropout=job.get("dropout", 0.0),
+                                        dtype=getattr(torch, job.get("dtype", "float32")))
     micro = job.get("micro_batch_size", {}).get(str(RANK), 2)  # per rank: to disagree
     return vf.compile(model, example_inputs=(tokens[0, :share, :-1],), loss_fn=lm_loss,
                       stages=job["P"], data_parallel=job.get("D"), micro_batch_size=micro,
@@ -140,11 +145,27 @@ def save(job: dict[str, Any], result: dict[str, Any]) -> None:
     torch.save(result, Path(sys.argv[1]) / f"{job['name']}_rank{RANK}.pt")
 
 
+def eval_modes(job: dict[str, Any]) -> dict[str, Any]:
+    """torch.export bakes dropout into the graph: eval, then train again, on every rank."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(CONFIG, dropout=0.5))
+    _, tokens = make_model_and_data()
+    batch = tokens[0, :, :-1]
+    pipe = vf.compile(model, example_inputs=(batch,), loss_fn=lm_loss, stages=job["P"],
+                      micro_batch_size=2, tracer="export")
+    pipe.eval()
+    evaluated = pipe(batch)
+    pipe.train()
+    trained = pipe(batch)  # dropout on again: differs from the eval output
+    pipe.close()
+    return {"eval": evaluated, "train": trained}
+
+
 def main() -> None:
     for job in json.loads(sys.argv[2]):
         try:
             result = {"train": train, "bad_batch": bad_batch, "peer_loss": peer_loss, "fp16": fp16,
-                      "accumulate": accumulate,
+                      "accumulate": accumulate, "eval_modes": eval_modes,
                       "bad_world": lambda j: {"pipe": compile_job(j, GLOBAL_BATCH)},
                       "mismatch": lambda j: {"pipe": compile_job(j, GLOBAL_BATCH)},
                       }[job["kind"]](job)

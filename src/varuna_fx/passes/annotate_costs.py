@@ -52,8 +52,11 @@ def _params_read(gm: fx.GraphModule, node: fx.Node,
             tensors[canonical.get(prefix + name, prefix + name)] = t
     elif node.op == "get_attr":
         value = _get_attr(gm, str(node.target))
-        if isinstance(value, torch.Tensor):
-            tensors[canonical.get(str(node.target), str(node.target))] = value
+        # A tensor the tracer lifted out of forward (``torch.tensor(0)`` in T5's
+        # ``_shift_right``) is a constant of the graph, not model state: each stage module
+        # reading it keeps its own reference, so no stage needs to own it.
+        if isinstance(value, torch.Tensor) and str(node.target) in canonical:
+            tensors[canonical[str(node.target)]] = value
     return {name: t.numel() * t.element_size() for name, t in tensors.items()}
 
 

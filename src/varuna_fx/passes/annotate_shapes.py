@@ -10,7 +10,9 @@ other non-view aten op, and notices random ops (``Tag.nondeterministic_seeded``:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from ..buffers import buffers_kept
 from ..capture import BoundInputs
 from ..errors import CaptureError
 from ..ir import Affine, TensorInfo, b, info
@@ -76,7 +79,8 @@ class _FakeRun(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         self.recorder.reset()
         try:
-            value = super().run_node(n)
+            with _shape_only_momentum(self.module, n):
+                value = super().run_node(n)
         except Exception as exc:
             where = n.meta.get("stack_trace", "").strip().splitlines()[-2:]
             raise CaptureError(
@@ -96,6 +100,22 @@ class _FakeRun(fx.Interpreter):
             random=random,
         )
         return value
+
+
+@contextlib.contextmanager
+def _shape_only_momentum(root: torch.nn.Module, n: fx.Node) -> Iterator[None]:
+    """``BatchNorm(momentum=None)`` divides by ``float(num_batches_tracked)``, a value a fake
+    tensor does not have; any momentum gives the same shapes (and buffers are restored)."""
+    module = root.get_submodule(str(n.target)) if n.op == "call_module" else None
+    if not isinstance(module, torch.nn.modules.batchnorm._BatchNorm) or \
+            module.momentum is not None:
+        yield
+        return
+    module.momentum = 0.1
+    try:
+        yield
+    finally:
+        module.momentum = None
 
 
 def _is_inactive_dropout(root: torch.nn.Module, n: fx.Node) -> bool:
@@ -135,8 +155,9 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
     """Write outputs/bytes/FLOPs (affine in the micro-batch size ``b``) into node.meta."""
     b1 = bound.batch_size
     b2 = 2 * b1 + 1
-    first = _run_fake(gm, bound, b1)
-    second = _run_fake(gm, bound, b2)
+    with buffers_kept(gm):  # the fake runs must not count as BatchNorm updates
+        first = _run_fake(gm, bound, b1)
+        second = _run_fake(gm, bound, b2)
     for node in gm.graph.nodes:
         meta = info(node)
         frames = node.meta.get("stack_trace", "")

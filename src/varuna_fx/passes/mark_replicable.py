@@ -36,6 +36,7 @@ def mark_replicable(gm: fx.GraphModule) -> None:
             meta.replicable = (
                 all(info(i).replicable for i in inputs)
                 and not meta.random
+                and not meta.mutates  # a side effect happens once, on one stage
                 and meta.matmul_flops.const == 0 and meta.matmul_flops.per_sample == 0
                 and not _stateful_module(gm, node)
                 and (not reads_weight[node] or _is_free(meta))

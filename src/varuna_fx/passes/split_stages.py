@@ -105,6 +105,16 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
         # shapes and source for the generated code, but not the producer's parameters
         env[src].meta = {**src.meta, "varuna": replace(copy_info(info(src)), params={})}
     members = replicated | set(owned)
+    # A stage that writes in place works on copies of what arrives (a received activation is
+    # an autograd leaf, which cannot be written, and a recompute replays from it) and sends
+    # copies taken where a value is made (a later write in the stage, or to the buffer a value
+    # is, must not reach a consumer that read it before).
+    writes = any(info(n).mutates for n in members)
+    if writes:
+        for src, placeholder in list(env.items()):
+            env[src] = _copy(graph, placeholder)
+    sent = {t.name for t in sends}
+    results: dict[str, fx.Node] = {}
     for n in nodes:
         if n in members:
             if info(n).random:  # dropout & co: masks from (step seed, node, micro-batch)
@@ -112,7 +122,9 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
                 seeding.meta["varuna"] = NodeInfo(is_tensor=False, replicable=True)
             env[n] = graph.node_copy(n, env.__getitem__)
             env[n].meta = copied_meta(n.meta)
-    results = {name: env[by_name[name]] for name in dict.fromkeys(t.name for t in sends)}
+            if n.name in sent:
+                results[n.name] = _copy(graph, env[n]) if writes else env[n]
+    results = {name: results[name] for name in dict.fromkeys(t.name for t in sends)}
     outputs = []
     if s == last:
         for i, leaf in enumerate(output.args[0]):
@@ -127,6 +139,13 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
         parameter_names=[],  # filled in by codegen, which knows the model's order
     )
     return StageGraph(spec, graph)
+
+
+def _copy(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    copy = graph.call_method("clone", (node,))
+    copy.meta = {**copied_meta(node.meta),
+                 "varuna": replace(copy_info(info(node)), params={}, replicable=True)}
+    return copy
 
 
 def _tensor(n: fx.Node) -> TensorInfo:

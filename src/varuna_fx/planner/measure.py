@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 from rich.progress import Progress
 
+from ..buffers import buffers_kept
 from ..capture import BoundInputs
 from ..cluster import local_device_type
 from ..ir import Affine
@@ -76,7 +77,8 @@ def measure(gm: fx.GraphModule, bound: BoundInputs, key: str,
     saved_grads = {p: p.grad for p in gm.parameters()}
     devices = [device] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=devices):
+        # timing runs are not training: BatchNorm statistics stay as the user left them
+        with torch.random.fork_rng(devices=devices), buffers_kept(gm):
             torch.manual_seed(0)
             bounds = _boundaries(gm, bound, table, sizes[0], device, settings)
             chunks = _build_chunks(gm, bounds)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +53,7 @@ def extract_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None,
                  target: Any) -> torch.Tensor:
     """The scalar loss of one micro-batch: ``loss_fn(output, target)`` or the model's own."""
     if loss_fn is not None:
-        loss = loss_fn(output, target) if target is not None else loss_fn(output)
+        loss = call_loss_fn(loss_fn, output, target)
     elif isinstance(output, torch.Tensor):
         loss = output
     elif hasattr(output, "loss") and output.loss is not None:
@@ -73,6 +74,37 @@ def extract_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None,
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise InputError(f"the loss must be a 0-d tensor, got {shape}: reduce it (e.g. .mean())")
     return loss
+
+
+def _takes_target(loss_fn: Callable[..., Any]) -> bool:
+    """Whether ``loss_fn`` accepts a second positional argument (the target)."""
+    try:
+        params = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: assume (output, target)
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def call_loss_fn(loss_fn: Callable[..., Any], output: Any, target: Any) -> Any:
+    """The contract: ``loss_fn(output, target)``, with ``target=None`` when ``step`` got none;
+    a ``loss_fn`` of one parameter is called ``loss_fn(output)`` (then no target is allowed)."""
+    if not _takes_target(loss_fn):
+        if target is not None:
+            raise InputError(
+                "pipe.step got a target but loss_fn takes only the output: define "
+                "loss_fn(output, target), or call step without target="
+            )
+        return loss_fn(output)
+    if target is not None:
+        return loss_fn(output, target)
+    try:
+        return loss_fn(output, None)
+    except (TypeError, AttributeError) as exc:
+        raise InputError(
+            f"loss_fn(output, None) failed ({type(exc).__name__}: {exc}): pipe.step got no "
+            "target; pass target=... to pipe.step, or make loss_fn handle target=None"
+        ) from exc
 
 
 def check_batch_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, TensorInfo],

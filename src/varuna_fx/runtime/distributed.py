@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..capture import Captured
+from ..capture import BoundInputs, Captured
 from ..codegen import Stage
 from ..ir import info
+from ..modes import Modes, capture_if_changed, evaluation_stages, modes_set, module_modes
 from ..placement import Placement, check_world_size
 from ..plan import Plan
 from ..schedule import validate
@@ -67,6 +68,9 @@ class DistributedRuntime(StepLoop):
         validate(plan.schedule)
         self.executor.split = plan.schedule.split_backward
         self.per_stage = plan.schedule.per_stage
+        self._other: tuple[list[Stage], StageExecutor] | None = None  # another mode's stages
+        # eval mode's stages, made at compile while this rank held every parameter (modes.py)
+        self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
 
     # -- step-loop hooks -----------------------------------------------------------------------
 
@@ -118,13 +122,16 @@ class DistributedRuntime(StepLoop):
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def forward(self, inputs: dict[str, torch.Tensor]) -> Any:
-        """The whole batch as one micro-batch (no autograd); every rank returns the output."""
+    def forward(self, inputs: dict[str, torch.Tensor], stages: list[Stage] | None = None,
+                assemble: Any = None) -> Any:
+        """The whole batch as one micro-batch (no autograd); every rank returns the output.
+        ``stages``/``assemble``: another mode's graph (``modes.py``)."""
         batch = next(iter(inputs.values())).shape[0]
         check_batch_shapes(inputs, self.input_shapes, batch)
         moved = {k: v.to(self.device) for k, v in inputs.items()}
-        outputs = self.executor.evaluate(moved, batch, self.autocast)
-        result = [self.assemble(outputs) if self.is_last else None]
+        executor = self.executor if stages is None else self._executor_for(stages)
+        outputs = executor.evaluate(moved, batch, self.autocast)
+        result = [(assemble or self.assemble)(outputs) if self.is_last else None]
         if self.groups.pipeline is not None:
             src = self.placement.rank(self.plan.stages - 1, self.replica)
             try:
@@ -133,6 +140,15 @@ class DistributedRuntime(StepLoop):
                 raise peer_error(exc, self.timeout, self.who, "the output from the last "
                                  "stage") from exc
         return result[0]
+
+    def _executor_for(self, stages: list[Stage]) -> StageExecutor:
+        if self._other is None or self._other[0] is not stages:
+            worker = StageWorker(stages[self.stage], recompute=False, is_last=self.is_last,
+                                 autocast=self.autocast)
+            self._other = (stages, StageExecutor(worker, stages, self.placement, self.replica,
+                                                 self.plan.micro_batch_size, self.device,
+                                                 self.timeout, self.who))
+        return self._other[1]
 
     def close(self) -> None:
         """Release the process groups (lets one process build several pipelines in turn)."""
@@ -151,6 +167,9 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     ``layout``: the model's state, recorded before this rank empties what it does not hold."""
     layout = layout or StateLayout.of(model, canonical, stages)
     seconds = resolve_timeout(timeout)
+    # eval mode's graph, cut now (a rank keeps only its stage's parameters), and before the
+    # first collective, so peers never wait on it
+    eval_mode = _eval_mode_stages(model, captured, stages, canonical, plan)
     init_process_group(seconds)
     rank, world = dist.get_rank(), dist.get_world_size()
     verify_same_plan(plan, plan_fingerprint(plan, stages, precision), seconds)
@@ -172,8 +191,29 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     sync = GradSync(trained, groups, plan.tied_parameters, stage, plan.data_parallel, seconds, who)
     shapes = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
               if n.op == "placeholder" and info(n).outputs}
-    return DistributedRuntime(
+    runtime = DistributedRuntime(
         stages, plan, placement, rank, groups, sync, assemble=assemble, loss_fn=loss_fn,
         precision=precision, timeout=seconds, device=device, input_shapes=shapes,
         offload_stash=offload_stash,
     )
+    runtime.other_modes[eval_mode[0]] = eval_mode[1]
+    return runtime
+
+
+def _eval_mode_stages(model: nn.Module, captured: Captured, stages: list[Stage],
+                      canonical: dict[str, str], plan: Plan) -> tuple[Modes, Any]:
+    """(the modes of ``model.eval()``, its stages or None when the compiled graph serves)."""
+    compiled = module_modes(model)
+    with modes_set(model, False):
+        modes = module_modes(model)
+        if modes == compiled:
+            return modes, None
+        shapes = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
+                  if n.op == "placeholder" and info(n).outputs}
+        example = {name: torch.zeros(t.concrete_shape(plan.micro_batch_size), dtype=t.dtype)
+                   for name, t in shapes.items()}
+        bound = BoundInputs(example, dict(captured.constants))
+        fresh = capture_if_changed(model, captured, bound)
+        if fresh is None:
+            return modes, None
+        return modes, evaluation_stages(model, fresh, bound, stages, canonical, plan.stages)

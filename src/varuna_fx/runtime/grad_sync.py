@@ -67,19 +67,24 @@ class GradSync:
         device = grads[0].device if grads else torch.device("cpu")
         if dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
-        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+        # float64 on every rank: the all-reduce needs one dtype whatever each stage's
+        # parameters are (a float64 model, or float32 next to float64 stages)
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
+        result_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) \
+            else torch.float32
         if math.isinf(norm_type):
             local = torch.stack(norms).max() if norms else torch.zeros(())
             op = dist.ReduceOp.MAX
         else:
             local = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros(())
             op = dist.ReduceOp.SUM
-        total = local.to(device, torch.float32).reshape(1)
+        total = local.to(device, torch.float64).reshape(1)
         if self.groups.pipeline is not None:
             work = dist.all_reduce(total, op=op, group=self.groups.pipeline, async_op=True)
             wait(work, self.timeout, self.who,
                  f"the gradient-norm sum over the pipeline {_ranks(self.groups.pipeline)}")
         total = total[0] if math.isinf(norm_type) else total[0].pow(1.0 / norm_type)
+        total = total.to(result_dtype)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         every = [p.grad for p in self.held.values() if p.grad is not None]
         if every:

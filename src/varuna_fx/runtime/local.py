@@ -92,15 +92,17 @@ class LocalRuntime(StepLoop):
         # one process holds each parameter once (tied ones are one object): torch's own
         return torch.nn.utils.clip_grad_norm_(list(params), max_norm, norm_type)
 
-    def forward(self, inputs: dict[str, torch.Tensor]) -> Any:
-        """The whole batch as one micro-batch, stage after stage (autograd as the caller's)."""
+    def forward(self, inputs: dict[str, torch.Tensor], stages: list[Stage] | None = None,
+                assemble: Any = None) -> Any:
+        """The whole batch as one micro-batch, stage after stage (autograd as the caller's);
+        ``stages``/``assemble``: another mode's graph (``modes.py``)."""
         values: dict[str, torch.Tensor] = {}
         outputs: dict[str, Any] = {}
         with self.autocast():
-            for stage in self.stages:
+            for stage in stages or self.stages:
                 outputs = stage({**inputs, **values})
                 values.update(outputs)
-        return self.assemble(outputs)
+        return (assemble or self.assemble)(outputs)
 
     def close(self) -> None:
         """Nothing to release in one process."""

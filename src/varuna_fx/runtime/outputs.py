@@ -11,15 +11,19 @@ import torch.utils._pytree as pytree
 from ..capture import Captured
 from ..passes.split_stages import output_key
 
+_FROM_STAGE = object()  # an output leaf computed by the last stage (not a constant)
+
 
 class OutputAssembler:
     def __init__(self, captured: Captured) -> None:
         self.out_spec = captured.out_spec
         output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
-        # constants the model returns are kept; tensors come from the last stage
-        self.template = [None if isinstance(leaf, fx.Node) else leaf for leaf in output.args[0]]
+        # constants the model returns (None in nanoGPT's ``(logits, None)``) are kept; tensors
+        # come from the last stage
+        self.template = [_FROM_STAGE if isinstance(leaf, fx.Node) else leaf
+                         for leaf in output.args[0]]
 
     def __call__(self, outputs: dict[str, Any]) -> Any:
-        leaves = [outputs[output_key(i)] if const is None else const
+        leaves = [outputs[output_key(i)] if const is _FROM_STAGE else const
                   for i, const in enumerate(self.template)]
         return pytree.tree_unflatten(leaves, self.out_spec)

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..codegen import Stage
 from .rng import rng_context
@@ -37,6 +38,7 @@ class _Stash:
     inputs: dict[str, torch.Tensor]  # model-input slices and received values (leaves)
     outputs: dict[str, torch.Tensor] | None = None  # with autograd graph, after F or R
     nbytes: int = 0
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # mutated ones, as before F
 
 
 def _leaf(value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -64,6 +66,11 @@ class StageWorker:
         self._devices: dict[int, dict[str, torch.device]] = {}  # of offloaded stashes
         self.stash_bytes = 0
         self.peak_stash_bytes = 0
+        # Buffers the stage updates in place (BatchNorm statistics, a call counter): the
+        # forward updates them once per micro-batch, as eager does; the recompute replays on
+        # copies of their values before that forward, so it neither counts twice nor sees a
+        # later micro-batch's state. None until the first forward has shown which they are.
+        self._mutated: list[str] | None = None
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -91,13 +98,21 @@ class StageWorker:
         for name, value in received.items():
             inputs[name] = _leaf(value, needs[name] and torch.is_grad_enabled())
         if self.recompute:
+            every = dict(self.stage.module.named_buffers())  # looked up: may be reassigned
+            watched = every if self._mutated is None else {n: every[n] for n in self._mutated}
+            before = {n: (b._version, b.clone()) for n, b in watched.items()}
             with torch.no_grad():
                 outputs = self._run(mb, inputs)
+            if self._mutated is None:
+                # by value too: BatchNorm's kernel updates its statistics without a version bump
+                self._mutated = [n for n, b in watched.items() if b._version != before[n][0]
+                                 or not torch.equal(b, before[n][1])]
+            saved = {n: before[n][1] for n in self._mutated}
             stashed = {k: (v.detach().to("cpu", non_blocking=True) if self.offload else v)
                        for k, v in inputs.items()}
             self._devices[mb] = {k: v.device for k, v in inputs.items()}
             nbytes = sum(v.numel() * v.element_size() for v in stashed.values())
-            self._stash[mb] = _Stash(stashed, None, nbytes)
+            self._stash[mb] = _Stash(stashed, None, nbytes, saved)
         else:
             outputs = self._run(mb, inputs)
             nbytes = _graph_bytes(outputs, inputs)
@@ -114,7 +129,7 @@ class StageWorker:
             if self.offload:  # back from host memory to where the stage runs
                 value = value.to(device or devices.get(name, value.device), non_blocking=True)
             inputs[name] = _leaf(value, needs.get(name, False))
-        with torch.enable_grad():
+        with torch.enable_grad(), _swapped(self.stage.module, stash.buffers):
             stash.inputs = inputs
             stash.outputs = self._run(mb, inputs)
 
@@ -162,6 +177,23 @@ class StageWorker:
         stash = self._stash[mb]
         assert stash.outputs is not None
         return stash.outputs
+
+
+@contextlib.contextmanager
+def _swapped(module: nn.Module, buffers: dict[str, torch.Tensor]) -> Any:
+    """Temporarily make ``buffers`` (by FQN) the module's buffers; the originals come back
+    untouched, whatever the body did to the substitutes."""
+    originals = {}
+    for name, value in buffers.items():
+        prefix, _, attr = name.rpartition(".")
+        owner = module.get_submodule(prefix)
+        originals[name] = (owner, attr, getattr(owner, attr))
+        setattr(owner, attr, value)
+    try:
+        yield
+    finally:
+        for owner, attr, original in originals.values():
+            setattr(owner, attr, original)
 
 
 def _graph_bytes(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> int:

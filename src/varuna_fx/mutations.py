@@ -1,0 +1,98 @@
+"""In-place operations: keep every side effect eager performs, and make its order explicit.
+
+A statement such as ``y.relu_()``, ``mask.masked_fill_(m, 0)`` or ``self.calls.add_(1)``
+has no user in an fx graph: dead-code elimination would drop it, and even when kept, nothing
+orders it before the later reads of ``y``, so a stage split could run them in either order or
+on different stages. Capture therefore
+
+* keeps every mutating node (``is_mutating``) through dead-code elimination;
+* rewrites later reads of the mutated value to read the mutating node instead (as
+  torch.export's graphs already do), so the dependency is a graph edge the partitioner sees.
+  ``x[i] = v`` (``operator.setitem``, which returns None) becomes ``setitem_value`` returning
+  ``x`` for this purpose;
+* marks the node (``NodeInfo.mutates``): ``mark_replicable`` never copies it into several
+  stages, and a stage that mutates clones what it receives (``split_stages``), since a received
+  activation is an autograd leaf and the recompute stash must stay as it arrived.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .ir import info
+
+_INPLACE_OPERATORS = {
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+    operator.ilshift, operator.irshift, operator.imatmul, operator.setitem,
+}
+
+
+def setitem_value(base: Any, index: Any, value: Any) -> Any:
+    """``base[index] = value``, returning ``base`` so later reads can depend on the write."""
+    base[index] = value
+    return base
+
+
+def is_mutating(node: fx.Node, root: torch.nn.Module) -> bool:
+    """Whether the node writes into one of its inputs (or a module's state)."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_function":
+        target = node.target
+        if target in _INPLACE_OPERATORS or target is setitem_value:
+            return True
+        if isinstance(target, torch._ops.OpOverload):
+            return target._schema.is_mutable
+        if node.kwargs.get("inplace") is True:  # F.relu(x, inplace=True)
+            return True
+        name = getattr(target, "__name__", "")
+        return name.endswith("_") and not name.endswith("__") and \
+            getattr(target, "__module__", "") in ("torch", "torch._C._VariableFunctions")
+    if node.op == "call_module":
+        module = root.get_submodule(str(node.target))
+        return getattr(module, "inplace", False) is True or \
+            any(True for _ in module.buffers(recurse=True))
+    return False
+
+
+def _returns_its_first_input(node: fx.Node) -> bool:
+    """``x.relu_()`` returns ``x`` written; aten's ``_native_batch_norm_legit`` writes its
+    running statistics but returns new tensors, so reads of its input are not rewired."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        schema = target._schema
+        first = schema.arguments[0].alias_info if schema.arguments else None
+        back = schema.returns[0].alias_info if schema.returns else None
+        return bool(first and first.is_write and back and back.is_write
+                    and first.before_set == back.before_set)
+    return True
+
+
+def keep_mutations(gm: fx.GraphModule) -> None:
+    """Dead-code elimination that keeps mutations, with reads after a mutation rewired."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is operator.setitem:
+            node.target = setitem_value
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if not is_mutating(node, gm):
+            continue
+        if node.op == "call_module" and not getattr(gm.get_submodule(str(node.target)),
+                                                    "inplace", False):
+            continue  # writes only its own state (BatchNorm): the output is a new tensor
+        info(node).mutates = True
+        base = node.args[0] if node.args else None
+        if not isinstance(base, fx.Node) or not _returns_its_first_input(node):
+            continue
+        for user in list(base.users):
+            if user is not node and position[user] > position[node]:
+                user.replace_input_with(base, node)
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_mutating(n, gm))
+    gm.recompile()
