@@ -7,6 +7,7 @@ from .api import compile
 from .cluster import Cluster
 from .errors import (
     CaptureError,
+    CheckpointError,
     DistributedError,
     InputError,
     PartitionError,
@@ -17,9 +18,11 @@ from .errors import (
 )
 from .pipeline import Pipeline
 from .plan import Plan, StageCost
+from .runtime.checkpoint import latest_checkpoint
 
 __all__ = [
     "CaptureError",
+    "CheckpointError",
     "Cluster",
     "DistributedError",
     "InputError",
@@ -32,5 +35,6 @@ __all__ = [
     "StageCost",
     "VarunaFxError",
     "compile",
+    "latest_checkpoint",
 ]
 __version__ = "0.1.0"

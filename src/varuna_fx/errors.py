@@ -37,3 +37,7 @@ class DistributedError(VarunaFxError):
 
 class PeerTimeoutError(DistributedError):
     """A peer rank did not answer within the timeout."""
+
+
+class CheckpointError(VarunaFxError):
+    """A checkpoint cannot be written or does not fit this model or optimizer."""

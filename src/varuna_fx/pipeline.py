@@ -17,6 +17,7 @@ from .ir import info
 from .passes.split_stages import output_key
 from .plan import Plan
 from .runtime.batching import check_sample_shapes
+from .runtime.model_state import StateLayout, check_state_dict
 
 
 class Pipeline:
@@ -33,6 +34,9 @@ class Pipeline:
         self.replica_index = replica_index
         # stages whose parameters live in this process (all of them in one process)
         self.local_stages = local_stages if local_stages is not None else list(range(len(stages)))
+        # every parameter and persistent buffer with its full shape (before a distributed rank
+        # empties what it does not hold), and which ones no stage reads
+        self.state_layout = StateLayout.of(model, canonical, stages)
         self._input_infos = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
                              if n.op == "placeholder" and info(n).outputs}
         output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
@@ -74,9 +78,12 @@ class Pipeline:
     # -- parameters ----------------------------------------------------------------------------
 
     def _held_names(self) -> list[str]:
-        held = {n for s in self.local_stages
-                for n in [*self.stages[s].parameter_names, *self.stages[s].spec.buffer_names]}
-        return [n for n in dict.fromkeys(self.canonical.values()) if n in held]
+        """Canonical names this process holds: its stages' tensors, plus on stage 0 the ones
+        forward never reads (so they are saved and kept, not lost)."""
+        held = self.state_layout.held_by(self.stages, self.local_stages)
+        buffers = {n for s in self.local_stages for n in self.stages[s].spec.buffer_names}
+        return [n for n in dict.fromkeys(self.canonical.values())
+                if n in held or n in buffers]
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -130,6 +137,9 @@ class Pipeline:
 
     def close(self) -> None:
         """Release what the runtime holds (process groups); the pipeline is unusable after."""
+        from .runtime.checkpoint import wait_for_saves
+
+        wait_for_saves(self)  # an async checkpoint still being written completes first
         close = getattr(self.runtime, "close", None)
         if close is not None:
             close()
@@ -146,21 +156,54 @@ class Pipeline:
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters and buffers held here, keyed by the original (canonical) FQNs."""
-        persistent = set(self.model.state_dict().keys())
+        """Every parameter and persistent buffer held here, keyed by the original (canonical)
+        FQNs: in one process the whole model (tied weights once, tensors forward never reads
+        included); in a distributed run the tensors this rank holds."""
+        persistent = set(self.state_layout.names)
         state = {n: p for n, p in self.named_parameters()}
         state.update({n: b for n, b in self.named_buffers() if n in persistent})
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy ``state`` into the tensors held here. Keys may be any FQN of the model (a tied
+        weight under either name); the shapes must match. ``strict``: every held tensor must
+        be given, and keys the model does not have are refused."""
         mine = self.state_dict()
-        missing = [k for k in mine if k not in state]
-        if strict and missing:
-            raise InputError(f"state dict lacks {len(missing)} entries, e.g. {missing[:3]}")
-        with torch.no_grad():
-            for name, tensor in mine.items():
-                if name in state:
-                    tensor.copy_(state[name])
+        for name, value in check_state_dict(state, self.state_layout, list(mine), strict).items():
+            with torch.no_grad():
+                mine[name].copy_(value)
+
+    # -- checkpoints (runtime/checkpoint.py) and preemption (runtime/preemption.py) ----------
+
+    def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None,
+                        extra: dict[str, Any] | None = None, *,
+                        async_save: bool = False) -> Any:
+        """Write a checkpoint directory (torch.distributed.checkpoint; every rank its shard).
+        ``async_save=True`` returns once the state is copied to host memory and writes in the
+        background: the returned handle's ``.result()`` waits until the checkpoint is
+        complete. See docs/checkpoints.md."""
+        from .runtime.checkpoint import checkpointer
+
+        return checkpointer(self).save(str(path), optimizer, extra, async_save=async_save)
+
+    def load_checkpoint(self, path: str,
+                        optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """Load a checkpoint saved under any layout; returns the ``extra`` dict it was saved
+        with."""
+        from .runtime.checkpoint import checkpointer
+
+        return checkpointer(self).load(str(path), optimizer)
+
+    @property
+    def preempted(self) -> bool:
+        """True on every rank after the step during which any rank got SIGTERM or SIGUSR1."""
+        return bool(getattr(self.runtime, "preempted", False))
+
+    def install_preemption_handlers(self) -> None:
+        """Catch SIGTERM and SIGUSR1 in this process (done automatically under torchrun)."""
+        from .runtime.preemption import install_handlers
+
+        install_handlers()
 
     def __repr__(self) -> str:
         return f"Pipeline(\n{self.plan})"

@@ -20,10 +20,12 @@ from ..ir import info
 from ..pipeline import Pipeline
 from ..plan import Plan
 from ..schedule import build_schedule, validate
+from . import preemption
 from .batching import check_batch_shapes, micro_batch_loss, split_batch, split_target
 from .comm import launch, peer_error, resolve_timeout, wait
 from .executor import StageExecutor
 from .grad_sync import GradSync
+from .model_state import unread_tensors
 from .placement import Placement, check_world_size
 from .precision import LossScaler, autocast_factory
 from .setup import (
@@ -62,6 +64,7 @@ class DistributedRuntime:
                                plan.recompute)
         validate(sched)
         self.per_stage = sched.per_stage
+        self.preempted = False  # a rank got SIGTERM/SIGUSR1 (set after a step, on every rank)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -94,21 +97,24 @@ class DistributedRuntime:
         return self._finish_step(losses)
 
     def _finish_step(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """One world all-reduce: the replicas' mean loss (from each last stage) and the fp16
-        overflow flag (from every stage), so every rank returns and decides the same."""
+        """One world all-reduce: the replicas' mean loss (from each last stage), the fp16
+        overflow flag and the preemption flag (from every stage), so every rank returns and
+        decides the same."""
         local_inf = False
         if self.scaler.enabled:
             local_inf = self.scaler.unscale_(self.grad_sync.held.values())
         loss = torch.stack(losses).mean() / self.plan.data_parallel if losses else \
             torch.zeros(())
         dtype = torch.promote_types(loss.dtype, torch.float32)  # float64 models keep float64
-        packed = torch.tensor([float(loss), float(local_inf)], dtype=dtype,
-                              device=_comm_device())
+        # the preemption flag rides along: every rank learns after the same step
+        packed = torch.tensor([float(loss), float(local_inf), float(preemption.requested())],
+                              dtype=dtype, device=_comm_device())
         work = launch(lambda: dist.all_reduce(packed, async_op=True), self.who, "the loss")
         wait(work, self.timeout, self.who, "the loss all-reduce over all "
              f"{dist.get_world_size()} ranks")
         total = packed.cpu()
         self.scaler.found_inf = bool(total[1] > 0)
+        self.preempted = self.preempted or bool(total[2] > 0)
         return total[0]
 
     def clip_grad_norm_(self, params: Iterable[nn.Parameter], max_norm: float,
@@ -166,11 +172,14 @@ def make_distributed_pipeline(model: nn.Module, captured: Captured, stages: list
     device = _comm_device() if torch.cuda.is_available() else torch.device("cpu")
     tied = tied_sets(plan, model, canonical)
     groups = build_groups(placement, tied, stage, replica, seconds)
-    release_unheld(model, stages[stage], device)
-
     pipe = Pipeline(model, captured, stages, plan, canonical, runtime=None, stage_index=stage,
                     replica_index=replica, local_stages=[stage])
-    held = dict(pipe.named_parameters())
+    # stage 0 also keeps what forward never reads, so no rank loses those weights
+    keep = unread_tensors(model, pipe.state_layout) if stage == 0 else []
+    release_unheld(model, stages[stage], device, keep=keep)
+    preemption.install_handlers()  # under torchrun: SIGTERM/SIGUSR1 -> pipe.preempted
+    unread = pipe.state_layout.unread
+    held = {n: p for n, p in pipe.named_parameters() if n not in unread}  # those get no grad
     who = f"stage {stage} (rank {rank})"
     broadcast_initial({**held, **dict(pipe.named_buffers())}, groups, placement, stage,
                       seconds, who)

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..codegen import Stage
 from ..schedule import Kind, build_schedule, execution_order, validate
+from . import preemption
 from .batching import micro_batch_loss, split_batch, split_target
 from .precision import LossScaler, autocast_factory
 from .worker import StageWorker
@@ -38,6 +39,7 @@ class LocalRuntime:
                                     offload_stash=offload_stash, autocast=self.autocast)
                         for s in stages]
         self._orders: dict[int, list] = {}
+        self.preempted = False
 
     def order(self, num_micro_batches: int) -> list:
         if num_micro_batches not in self._orders:
@@ -82,6 +84,7 @@ class LocalRuntime:
                             else grads[t.name]
         if self.scaler.enabled:
             self.scaler.unscale_(_unique_params(self.stages))
+        self.preempted = preemption.requested()  # handlers: pipe.install_preemption_handlers()
         return torch.stack(losses).mean()
 
     def clip_grad_norm_(self, params: Iterable[nn.Parameter], max_norm: float,

@@ -162,12 +162,13 @@ def tied_sets(plan: Plan, model: nn.Module, canonical: dict[str, str]) -> dict[t
     return sets
 
 
-def release_unheld(model: nn.Module, stage: Stage, device: torch.device) -> None:
+def release_unheld(model: nn.Module, stage: Stage, device: torch.device,
+                   keep: list[torch.Tensor] | None = None) -> None:
     """Keep (and move to ``device``) the tensors this stage's module uses; empty every other
     parameter and buffer of the model in place, so the memory is released while the module
     objects stay intact. Decided by identity with what the stage module holds, which is exactly
-    what its code can reach."""
-    used = {id(t) for t in [*stage.module.parameters(), *stage.module.buffers()]}
+    what its code can reach, plus ``keep``."""
+    used = {id(t) for t in [*stage.module.parameters(), *stage.module.buffers(), *(keep or [])]}
     seen: set[int] = set()
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) in seen:

@@ -1,0 +1,385 @@
+"""Layout-independent checkpoints on torch.distributed.checkpoint (DCP).
+
+A checkpoint is a directory DCP wrote, plus a marker file. Every key is named by the original
+model's FQNs, never by stage or rank, so it loads under any (P, D, micro-batch size, schedule):
+
+* ``model/<fqn>``: every parameter and persistent buffer (tied ones once, ones forward never
+  reads included). Each rank passes only the tensors it holds; DCP writes a tensor several ranks
+  hold (replicas, tied copies) once. No rank gathers the model.
+* ``optim/<fqn>/<key>`` and ``obj/optim/<fqn>``: optimizer state (``optimizer_state.py``).
+* ``obj/meta`` (rank 0): loss scale, the RNG state the step seeds are drawn from, the user's
+  ``extra`` dict.
+
+Atomic: DCP writes into ``<path>.partial``; when every rank is done, rank 0 writes the marker and
+renames the directory to ``<path>``. A kill at any moment leaves at most a ``.partial``
+directory, which :func:`latest_checkpoint` skips with a warning, and every earlier checkpoint
+untouched. ``async_save=True`` copies the state to host memory, returns a
+:class:`SaveHandle` and writes (and renames) in a background thread on its own process group,
+so training continues meanwhile; the next save, a load or ``pipe.close()`` waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+from ..errors import CheckpointError
+from .comm import resolve_timeout
+from .optimizer_state import (
+    decode,
+    encode,
+    optimizer_entries,
+    parameter_fqns,
+    restore_optimizer,
+    wanted_keys,
+)
+from .setup import launched_distributed
+
+FORMAT = 1
+MARKER = "varuna_fx_checkpoint.json"
+PARTIAL = ".partial"
+MODEL = "model/"
+META = "obj/meta"
+
+
+class SaveHandle:
+    """An asynchronous save in flight: ``result()`` waits until the checkpoint is complete
+    (renamed into place on every rank) and returns its path, or raises what went wrong."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._future: Future[str] = Future()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> str:
+        return self._future.result(timeout)
+
+
+class Checkpointer:
+    """Per pipeline: the process group checkpoints use (separate from training's, so an
+    asynchronous save's collectives never interleave with a step's) and the save in flight."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+        self.distributed = launched_distributed() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.timeout = getattr(pipe.runtime, "timeout", None) or resolve_timeout(None)
+        self.group = None
+        if self.distributed:  # collective: every rank's first save/load gets here together
+            from datetime import timedelta
+
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        self.pending: SaveHandle | None = None
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(self, path: str, optimizer: torch.optim.Optimizer | None,
+             extra: dict[str, Any] | None, *, async_save: bool = False) -> SaveHandle | None:
+        self.wait()
+        path = os.path.normpath(path)
+        state = self._state(optimizer, extra)
+        marker = {"format": FORMAT, "model": self.pipe.plan.model_name,
+                  "optimizer": _class_name(optimizer) if optimizer is not None else None,
+                  "plan": _layout_summary(self.pipe), "world": self.world}
+        self._agree(_try(lambda: _prepare(path)) if self.rank == 0 else None,
+                    f"preparing {path}")
+        kwargs = dict(checkpoint_id=path + PARTIAL, process_group=self.group,
+                      no_dist=not self.distributed,
+                      planner=DefaultSavePlanner(flatten_state_dict=False))
+        if not async_save:
+            with _quiet():
+                dcp.save(state, **kwargs)
+            self._finish(path, marker)
+            return None
+        handle = SaveHandle(path)
+        with _quiet():  # returns once `state` is copied to host memory
+            written = dcp.async_save(state, **kwargs)
+
+        def finish(done: Future) -> None:  # on DCP's writer thread
+            try:
+                done.result()
+                self._finish(path, marker)
+                handle._future.set_result(path)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                handle._future.set_exception(exc)
+
+        written.add_done_callback(finish)
+        self.pending = handle
+        return handle
+
+    def _state(self, optimizer: torch.optim.Optimizer | None,
+               extra: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+        state = {MODEL + n: t.detach() for n, t in self.pipe.state_dict().items()}
+        if optimizer is not None:
+            state.update(optimizer_entries(optimizer, self._names()))
+        if extra is not None and not isinstance(extra, dict):
+            raise CheckpointError(f"extra must be a dict, got {type(extra).__name__}")
+        if self.rank == 0:
+            scaler = self.pipe.runtime.scaler
+            meta = {"extra": extra or {}, "loss_scale": scaler.scale,
+                    "clean_steps": scaler._clean_steps, "rng": _rng_state()}
+            state[META] = encode(meta)
+            try:
+                decode(state[META])
+            except Exception as exc:
+                raise CheckpointError(
+                    "extra must hold plain data (numbers, strings, lists, dicts, tensors) so a "
+                    f"checkpoint never runs code when loaded: {str(exc).splitlines()[0]}"
+                ) from exc
+        return state
+
+    def _finish(self, path: str, marker: dict[str, Any]) -> None:
+        """Every rank has written its shard (DCP's save returned): mark complete, rename."""
+        error = None
+        if self.rank == 0:
+            error = _try(lambda: _commit(path, {**marker, "saved_at_ns": time.time_ns()}))
+        self._agree(error, f"completing {path}")
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight, if any (raises its error)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def load(self, path: str, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        self.wait()
+        path = os.path.normpath(path)
+        marker = read_marker(path)
+        try:
+            metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+        except Exception as exc:
+            raise CheckpointError(f"{path}: DCP metadata unreadable ({exc})") from exc
+        _check_model(self.pipe.state_layout, metadata, path)
+        held = self.pipe.state_dict()
+        keys = [MODEL + n for n in held] + [META]
+        if optimizer is not None:
+            if marker.get("optimizer") is None:
+                raise CheckpointError(
+                    f"{path} holds no optimizer state, but an optimizer was passed: load "
+                    "without optimizer=, or from a checkpoint saved with one"
+                )
+            if marker["optimizer"] != _class_name(optimizer):
+                raise CheckpointError(
+                    f"{path} holds state of a {marker['optimizer']}, not of the "
+                    f"{_class_name(optimizer)} passed: use the same optimizer class"
+                )
+            keys += wanted_keys(parameter_fqns(optimizer, self._names()), list(metadata))
+        elif marker.get("optimizer") is not None:
+            warnings.warn(f"{path} holds {marker['optimizer']} state but no optimizer was "
+                          "passed to load_checkpoint: the optimizer starts fresh", stacklevel=3)
+        dest = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype)
+                for k in keys}
+        with _quiet():
+            dcp.load(dest, checkpoint_id=path, process_group=self.group,
+                     no_dist=not self.distributed,
+                     planner=DefaultLoadPlanner(flatten_state_dict=False,
+                                                allow_partial_load=True))
+        with torch.no_grad():
+            for name, tensor in held.items():
+                tensor.copy_(dest[MODEL + name])
+        if optimizer is not None:
+            restore_optimizer(optimizer, self._names(), dest)
+        meta = decode(dest[META])
+        scaler = self.pipe.runtime.scaler
+        scaler.scale, scaler._clean_steps = meta["loss_scale"], meta["clean_steps"]
+        _set_rng_state(meta["rng"])
+        return meta["extra"]
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.pipe.named_parameters()}
+
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """A barrier that also tells every rank whether any rank failed (and raises there)."""
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return
+        messages: list[Any] = [None] * self.world
+        dist.all_gather_object(messages, None if error is None else str(error), self.group)
+        if error is not None:
+            raise error
+        failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+        if failed:
+            rank, message = failed[0]
+            raise CheckpointError(f"rank {rank} failed {what}: {message}")
+
+    def close(self) -> None:
+        self.wait()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def checkpointer(pipe: Any) -> Checkpointer:
+    found = getattr(pipe, "_checkpointer", None)
+    if found is None:
+        found = pipe._checkpointer = Checkpointer(pipe)
+    return found
+
+
+def wait_for_saves(pipe: Any) -> None:
+    """Complete an asynchronous save in flight and release the checkpoint process group."""
+    found = getattr(pipe, "_checkpointer", None)
+    if found is not None:
+        found.close()
+        pipe._checkpointer = None
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint directly under ``directory`` (by the time it completed),
+    or None. Directories a killed save left behind are skipped with a warning."""
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    complete: list[tuple[int, str]] = []
+    for entry in sorted(root.iterdir()):
+        if not entry.is_dir():
+            continue
+        if entry.name.endswith(PARTIAL) or (
+                not (entry / MARKER).exists() and (entry / ".metadata").exists()):
+            warnings.warn(f"skipping incomplete checkpoint {entry} (its save was interrupted)",
+                          stacklevel=2)
+            continue
+        try:
+            marker = json.loads((entry / MARKER).read_text())
+        except (OSError, ValueError):
+            continue  # not a checkpoint
+        complete.append((int(marker.get("saved_at_ns", 0)), str(entry)))
+    return max(complete)[1] if complete else None
+
+
+def read_marker(path: str) -> dict[str, Any]:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is not a checkpoint: no such directory")
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path} is not a complete varuna_fx checkpoint (no valid {MARKER}): pass a "
+            "directory pipe.save_checkpoint wrote, e.g. vf.latest_checkpoint(dir)"
+        ) from exc
+    if marker.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has checkpoint format {marker.get('format')}; this "
+                              f"varuna_fx reads format {FORMAT}")
+    return marker
+
+
+def _check_model(layout: Any, metadata: dict[str, Any], path: str) -> None:
+    """Refuse a checkpoint of another model, naming what differs."""
+    saved = {k[len(MODEL):]: tuple(v.size) for k, v in metadata.items() if k.startswith(MODEL)}
+    missing = [n for n in layout.names if n not in saved]
+    unexpected = [n for n in saved if n not in layout.shapes]
+    shapes = [f"{n} {saved[n]} saved, {layout.shapes[n]} now" for n in layout.names
+              if n in saved and saved[n] != layout.shapes[n]]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)}: {_few(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)}: {_few(unexpected)}")
+        if shapes:
+            parts.append(f"shape mismatches: {_few(shapes)}")
+        raise CheckpointError(f"{path} is a checkpoint of another model ({'; '.join(parts)})")
+
+
+def _prepare(path: str) -> None:
+    """Rank 0, before a save: a stale ``.partial`` (a killed save) goes; the destination must
+    be free or a checkpoint (which the new one replaces)."""
+    if os.path.exists(path) and not os.path.exists(os.path.join(path, MARKER)):
+        raise CheckpointError(f"{path} exists and is not a checkpoint: refusing to overwrite it")
+    if os.path.exists(path + PARTIAL):
+        shutil.rmtree(path + PARTIAL)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def _commit(path: str, marker: dict[str, Any]) -> None:
+    partial = path + PARTIAL
+    with open(os.path.join(partial, MARKER), "w") as f:
+        json.dump(marker, f)
+        f.flush()
+        os.fsync(f.fileno())
+    old = None
+    if os.path.exists(path):  # replacing a checkpoint: never leave neither in place
+        old = f"{path}.old-{os.getpid()}"
+        os.rename(path, old)
+    os.rename(partial, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _try(fn: Any) -> BaseException | None:
+    try:
+        fn()
+    except (OSError, CheckpointError) as exc:
+        return exc if isinstance(exc, CheckpointError) else CheckpointError(str(exc))
+    return None
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns that it "assumes a single process" on every call in one process: we know."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+def _rng_state() -> dict[str, Any]:
+    """The generators step seeds (dropout) are drawn from: rank 0's, restored on every rank."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available() and \
+            len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _class_name(optimizer: torch.optim.Optimizer) -> str:
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _layout_summary(pipe: Any) -> dict[str, Any]:
+    plan = pipe.plan
+    return {"stages": plan.stages, "data_parallel": plan.data_parallel,
+            "micro_batch_size": plan.micro_batch_size, "schedule": plan.schedule}
+
+
+def _few(items: list[str], limit: int = 5) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
