@@ -35,6 +35,7 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -192,6 +193,8 @@ class NetNS:
                 except subprocess.TimeoutExpired:
                     pass
         self._procs.clear()
+        for i in range(len(self.nodes)):  # anything else still running inside a node
+            self.kill(i, signal.SIGKILL)
         for ns in reversed(self._namespaces):
             _ip("netns", "del", ns, check=False)
         self._namespaces.clear()
@@ -270,6 +273,31 @@ class NetNS:
         """Take node i's interface down or up (a node dropping off the network)."""
         nd = self.nodes[i]
         _sh(["ip", "-n", nd.ns, "link", "set", nd.iface, "up" if up else "down"])
+
+    def pids(self, i: int) -> list[int]:
+        """Every process running inside node i's namespace (``ip netns pids``)."""
+        out = _ip("netns", "pids", self.nodes[i].ns, check=False).stdout
+        return [int(t) for t in out.split()]
+
+    def kill(self, i: int, sig: int = signal.SIGKILL, *, timeout: float = 10.0) -> None:
+        """Send ``sig`` to every process in node i (a machine vanishing: the launcher and the
+        workers it started in their own sessions alike); with SIGKILL wait until all are gone."""
+        for pid in self.pids(i):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if sig != signal.SIGKILL:
+            return
+        deadline = time.monotonic() + timeout
+        while self.pids(i) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for p in self._procs:  # reap our own children so they do not linger as zombies
+            if p.args[3:4] and p.args[3] == self.nodes[i].ns:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
 
     # -- running things ----------------------------------------------------------------------
     def addr(self, i: int) -> str:
