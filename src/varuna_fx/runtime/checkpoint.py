@@ -20,13 +20,11 @@ so training continues meanwhile; the next save, a load or ``pipe.close()`` waits
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -50,6 +48,9 @@ from .optimizer_state import (
 from .setup import launched_distributed
 
 FORMAT = 1
+# DCP warns on every call in one process that it assumes one process (also on async_save's
+# writer thread, where a catch_warnings block cannot reach): that is what we ask for.
+warnings.filterwarnings("ignore", message=".*uninitialized, assuming the intent is to")
 MARKER = "varuna_fx_checkpoint.json"
 PARTIAL = ".partial"
 MODEL = "model/"
@@ -104,13 +105,11 @@ class Checkpointer:
                       no_dist=not self.distributed,
                       planner=DefaultSavePlanner(flatten_state_dict=False))
         if not async_save:
-            with _quiet():
-                dcp.save(state, **kwargs)
+            dcp.save(state, **kwargs)
             self._finish(path, marker)
             return None
         handle = SaveHandle(path)
-        with _quiet():  # returns once `state` is copied to host memory
-            written = dcp.async_save(state, **kwargs)
+        written = dcp.async_save(state, **kwargs)  # returns once `state` is copied to host
 
         def finish(done: Future) -> None:  # on DCP's writer thread
             try:
@@ -188,11 +187,9 @@ class Checkpointer:
                           "passed to load_checkpoint: the optimizer starts fresh", stacklevel=3)
         dest = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype)
                 for k in keys}
-        with _quiet():
-            dcp.load(dest, checkpoint_id=path, process_group=self.group,
-                     no_dist=not self.distributed,
-                     planner=DefaultLoadPlanner(flatten_state_dict=False,
-                                                allow_partial_load=True))
+        dcp.load(dest, checkpoint_id=path, process_group=self.group,
+                 no_dist=not self.distributed,
+                 planner=DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True))
         with torch.no_grad():
             for name, tensor in held.items():
                 tensor.copy_(dest[MODEL + name])
@@ -344,14 +341,6 @@ def _try(fn: Any) -> BaseException | None:
     except (OSError, CheckpointError) as exc:
         return exc if isinstance(exc, CheckpointError) else CheckpointError(str(exc))
     return None
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """DCP warns that it "assumes a single process" on every call in one process: we know."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        yield
 
 
 def _rng_state() -> dict[str, Any]:

@@ -105,17 +105,18 @@ class DistributedRuntime:
             local_inf = self.scaler.unscale_(self.grad_sync.held.values())
         loss = torch.stack(losses).mean() / self.plan.data_parallel if losses else \
             torch.zeros(())
-        dtype = torch.promote_types(loss.dtype, torch.float32)  # float64 models keep float64
-        # the preemption flag rides along: every rank learns after the same step
+        # Every rank must all-reduce the same dtype (gloo aborts on a mix): float64 on all,
+        # whatever the model's dtype (ranks without a loss would pack float32 otherwise).
+        # The preemption flag rides along: every rank learns after the same step.
         packed = torch.tensor([float(loss), float(local_inf), float(preemption.requested())],
-                              dtype=dtype, device=_comm_device())
+                              dtype=torch.float64, device=_comm_device())
         work = launch(lambda: dist.all_reduce(packed, async_op=True), self.who, "the loss")
         wait(work, self.timeout, self.who, "the loss all-reduce over all "
              f"{dist.get_world_size()} ranks")
         total = packed.cpu()
         self.scaler.found_inf = bool(total[1] > 0)
         self.preempted = self.preempted or bool(total[2] > 0)
-        return total[0]
+        return total[0].to(torch.promote_types(loss.dtype, torch.float32))
 
     def clip_grad_norm_(self, params: Iterable[nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""One rank of a checkpoint test (float64 GPT of tests/ckpt_common.py).
+
+Usage: ``checkpoint_jobs.py OUT_DIR JOBS_JSON`` (under tests/dist_utils.launch or torchrun).
+Each job writes ``OUT_DIR/<name>_rank<r>.pt``. Kinds:
+
+* ``save``: SPLIT steps from scratch at (P, D), then save to ``path`` (``async``: while one more
+  step runs; that step is not saved).
+* ``resume``: load ``path`` at (P, D, micro-batch size, schedule), train to STEPS; reports the
+  state this rank holds and how many parameters have optimizer state.
+* ``preempt``: the preemption-safe loop of shared/API.md (save every ``every`` steps and on
+  preemption); writes its pid and progress so the test can signal it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import varuna_fx as vf  # noqa: E402
+from ckpt_common import BATCH, SPLIT, STEPS, make_model, optimizer, tokens  # noqa: E402
+from varuna_fx.examples import lm_loss  # noqa: E402
+
+RANK = int(os.environ["RANK"])
+OUT = Path(sys.argv[1])
+
+
+def compile_job(job: dict[str, Any]) -> vf.Pipeline:
+    share = BATCH // job["D"]
+    return vf.compile(make_model(seed=job.get("seed", 0)),
+                      example_inputs=(tokens()[0, :share, :-1],), loss_fn=lm_loss,
+                      stages=job["P"], data_parallel=job["D"],
+                      micro_batch_size=job.get("micro", 2),
+                      schedule=job.get("schedule", "varuna"))
+
+
+def run_steps(pipe: vf.Pipeline, opt: torch.optim.Optimizer, steps: range) -> None:
+    data = tokens()
+    share = BATCH // pipe.plan.data_parallel
+    lo = pipe.replica_index * share
+    for step in steps:
+        batch = data[step % STEPS, lo:lo + share]
+        pipe.zero_grad()
+        pipe.step(batch[:, :-1], target=batch[:, 1:])
+        opt.step()
+
+
+def save(job: dict[str, Any]) -> dict[str, Any]:
+    pipe = compile_job(job)
+    opt = optimizer(pipe.parameters())
+    run_steps(pipe, opt, range(SPLIT))
+    if job.get("async"):
+        handle = pipe.save_checkpoint(job["path"], optimizer=opt, extra={"step": SPLIT},
+                                      async_save=True)
+        run_steps(pipe, opt, range(SPLIT, SPLIT + 1))  # while the shards are written
+        handle.result()
+    else:
+        pipe.save_checkpoint(job["path"], optimizer=opt, extra={"step": SPLIT})
+    pipe.close()
+    return {"stage": pipe.stage_index}
+
+
+def resume(job: dict[str, Any]) -> dict[str, Any]:
+    pipe = compile_job({**job, "seed": 7})  # another init: all must come from the checkpoint
+    opt = optimizer(pipe.parameters())
+    extra = pipe.load_checkpoint(job["path"], optimizer=opt)
+    with_state = sum(1 for p in pipe.parameters() if p in opt.state)
+    run_steps(pipe, opt, range(extra["step"], STEPS))
+    state = {n: t.detach().clone() for n, t in pipe.state_dict().items()}
+    pipe.close()
+    return {"state": state, "stage": pipe.stage_index, "replica": pipe.replica_index,
+            "with_state": with_state, "extra": extra}
+
+
+def preempt(job: dict[str, Any]) -> dict[str, Any]:
+    pipe = compile_job(job)
+    opt = optimizer(pipe.parameters())
+    (OUT / f"pid{RANK}").write_text(str(os.getpid()))
+    start = vf.latest_checkpoint(job["dir"])
+    step = pipe.load_checkpoint(start, optimizer=opt)["step"] if start else 0
+    while step < job["total"]:
+        run_steps(pipe, opt, range(step, step + 1))
+        step += 1
+        (OUT / f"progress{RANK}").write_text(str(step))
+        if pipe.preempted or step % job["every"] == 0:
+            pipe.save_checkpoint(f"{job['dir']}/step{step:08d}", optimizer=opt,
+                                 extra={"step": step})
+        if pipe.preempted:
+            break
+    return {"stopped_at": step, "preempted": pipe.preempted, "time": time.time()}
+
+
+def main() -> None:
+    for job in json.loads(sys.argv[2]):
+        try:
+            result = {"save": save, "resume": resume, "preempt": preempt}[job["kind"]](job)
+        except vf.VarunaFxError as exc:
+            result = {"error": type(exc).__name__, "message": str(exc)}
+        torch.save(result, OUT / f"{job['name']}_rank{RANK}.pt")
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: results are saved
+
+
+if __name__ == "__main__":
+    main()
