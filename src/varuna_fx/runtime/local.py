@@ -7,6 +7,7 @@ a distributed run's, which makes this the runtime for notebooks, exploration and
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -40,6 +41,10 @@ class LocalRuntime:
                         for s in stages]
         self._orders: dict[int, list] = {}
         self.preempted = False
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            # one rank under torchrun (an elastic job shrunk to one machine): its agent stops
+            # workers with SIGTERM on a membership change, which must save, not kill
+            preemption.install_handlers()
 
     def order(self, num_micro_batches: int) -> list:
         if num_micro_batches not in self._orders:
