@@ -124,3 +124,10 @@ def test_shrink_and_grow_two_nodes(tmp_path: Path) -> None:
     torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]),
                                torch.tensor([reference[s] for s in sorted(got)]),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_run_refuses_elastic_flags_without_elastic() -> None:
+    from varuna_fx.cli import main
+
+    with pytest.raises(SystemExit, match="--elastic"):
+        main(["run", "--nproc", "1", "--nnodes", "1:2", "train.py"])
