@@ -67,9 +67,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pipe, opt = one_process(2, None, range(SPLIT))
     pipe.save_checkpoint(str(local), optimizer=opt, extra={"step": SPLIT})
     two = run(out, 2, [
-        {"name": "save", "kind": "save", "P": 2, "D": 1, "path": str(out / "dist")},
-        {"name": "save_async", "kind": "save", "P": 2, "D": 1, "async": True,
-         "path": str(out / "dist_async")},
+        # async: the next step runs while the shards are written (the SIGTERM test below
+        # covers synchronous saves on ranks)
+        {"name": "save", "kind": "save", "P": 2, "D": 1, "async": True,
+         "path": str(out / "dist")},
         {"name": "resume_1x2", "kind": "resume", "P": 1, "D": 2, "path": str(local)},
         {"name": "resume_2x1", "kind": "resume", "P": 2, "D": 1, "micro": 4,
          "schedule": "1f1b", "path": str(local)},
@@ -104,11 +105,9 @@ def test_resume_on_ranks_equals_uninterrupted(runs: dict, eager: dict, name: str
     assert all({"aux_head.weight", "version"} <= set(r["state"]) for r in stage0)
 
 
-@pytest.mark.parametrize("saved", ["dist", "dist_async"])
-def test_checkpoint_saved_on_ranks_resumes_in_one_process(runs: dict, eager: dict,
-                                                          saved: str) -> None:
-    pipe, _ = one_process(3, runs["out"] / saved, range(SPLIT, STEPS), micro=4)
-    check({n: t.detach() for n, t in pipe.state_dict().items()}, eager, f"P=3 from {saved}")
+def test_checkpoint_saved_on_ranks_resumes_in_one_process(runs: dict, eager: dict) -> None:
+    pipe, _ = one_process(3, runs["out"] / "dist", range(SPLIT, STEPS), micro=4)
+    check({n: t.detach() for n, t in pipe.state_dict().items()}, eager, "P=3 from 2 ranks")
 
 
 def test_sigterm_to_one_rank_under_torchrun_stops_all_at_one_step(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from ..errors import CheckpointError
@@ -52,6 +52,7 @@ FORMAT = 1
 # writer thread, where a catch_warnings block cannot reach): that is what we ask for.
 warnings.filterwarnings("ignore", message=".*uninitialized, assuming the intent is to")
 MARKER = "varuna_fx_checkpoint.json"
+WRITE_THREADS = 4
 PARTIAL = ".partial"
 MODEL = "model/"
 META = "obj/meta"
@@ -101,7 +102,10 @@ class Checkpointer:
                   "plan": _layout_summary(self.pipe), "world": self.world}
         self._agree(_try(lambda: _prepare(path)) if self.rank == 0 else None,
                     f"preparing {path}")
-        kwargs = dict(checkpoint_id=path + PARTIAL, process_group=self.group,
+        # several writer threads: writing is I/O-bound, and one thread leaves the disk idle
+        # while it serialises the next tensor
+        writer = FileSystemWriter(path + PARTIAL, thread_count=WRITE_THREADS)
+        kwargs = dict(storage_writer=writer, process_group=self.group,
                       no_dist=not self.distributed,
                       planner=DefaultSavePlanner(flatten_state_dict=False))
         if not async_save:
@@ -185,14 +189,14 @@ class Checkpointer:
         elif marker.get("optimizer") is not None:
             warnings.warn(f"{path} holds {marker['optimizer']} state but no optimizer was "
                           "passed to load_checkpoint: the optimizer starts fresh", stacklevel=3)
+        # the model's own tensors are the destinations (DCP copies into them, casting as
+        # needed): no second copy of the model in memory
         dest = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype)
-                for k in keys}
+                for k in keys if not k.startswith(MODEL)}
+        dest.update({MODEL + n: t.detach() for n, t in held.items()})
         dcp.load(dest, checkpoint_id=path, process_group=self.group,
                  no_dist=not self.distributed,
                  planner=DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True))
-        with torch.no_grad():
-            for name, tensor in held.items():
-                tensor.copy_(dest[MODEL + name])
         if optimizer is not None:
             restore_optimizer(optimizer, self._names(), dest)
         meta = decode(dest[META])

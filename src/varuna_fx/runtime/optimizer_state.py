@@ -2,15 +2,21 @@
 
 ``torch.optim.Optimizer.state_dict()`` names parameters by their position in the optimizer,
 which depends on the stage a rank runs. Here every parameter's state is stored under its
-canonical FQN: tensors as ``optim/<fqn>/<key>`` (written by DCP as tensors), and everything
-else about it -- non-tensor state and the hyperparameters of its param group (lr, betas, weight
-decay, ...) -- as one small object ``obj/optim/<fqn>``. Loading rebuilds a positional state dict
-for whatever parameters the new optimizer holds and hands it to ``optimizer.load_state_dict``,
-so every optimizer class's own checks and casts apply.
+canonical FQN, as DCP entries:
+
+* ``optim/<fqn>/<key>``: its tensor state (``exp_avg``, ``step``, ...);
+* ``optim_group/<fqn>``: the id of its param group's hyperparameters (an int64 tensor), and
+  ``obj/optim_group/<id>``: those hyperparameters (lr, betas, weight decay, ...), once per
+  distinct group -- a few small objects, not one per parameter;
+* ``obj/optim/<fqn>``: non-tensor state, for the optimizers that keep any.
+
+Loading rebuilds a positional state dict for whatever parameters the new optimizer holds and
+hands it to ``optimizer.load_state_dict``, so every optimizer class's own checks and casts apply.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 from typing import Any
 
@@ -19,7 +25,9 @@ import torch
 from ..errors import CheckpointError
 
 TENSOR_PREFIX = "optim/"
+GROUP_PREFIX = "optim_group/"
 OBJECT_PREFIX = "obj/optim/"
+GROUP_OBJECT_PREFIX = "obj/optim_group/"
 
 
 def encode(obj: Any) -> torch.Tensor:
@@ -60,43 +68,51 @@ def optimizer_entries(optimizer: torch.optim.Optimizer,
     index = 0
     for group in state["param_groups"]:
         hyper = {k: v for k, v in group.items() if k != "params"}
+        group_id = _group_id(hyper)
+        entries[f"{GROUP_OBJECT_PREFIX}{group_id}"] = encode(hyper)
         for i in group["params"]:
             fqn = fqns[index]
             index += 1
+            entries[f"{GROUP_PREFIX}{fqn}"] = torch.tensor([group_id], dtype=torch.int64)
             other = {}
             for key, value in state["state"].get(i, {}).items():
                 if isinstance(value, torch.Tensor):
                     entries[f"{TENSOR_PREFIX}{fqn}/{key}"] = value.detach()
                 else:
                     other[key] = value
-            entries[f"{OBJECT_PREFIX}{fqn}"] = encode({"group": hyper, "state": other})
+            if other:
+                entries[f"{OBJECT_PREFIX}{fqn}"] = encode(other)
     return entries
 
 
 def wanted_keys(fqns: list[str], available: list[str]) -> list[str]:
     """The checkpoint keys holding these parameters' optimizer state."""
     mine = {f"{TENSOR_PREFIX}{f}/" for f in fqns}
-    wanted = [k for k in available if k.startswith(TENSOR_PREFIX)
-              and k[:k.rindex("/") + 1] in mine]
-    missing = [f for f in fqns if f"{OBJECT_PREFIX}{f}" not in available]
+    missing = [f for f in fqns if f"{GROUP_PREFIX}{f}" not in available]
     if missing:
         raise CheckpointError(
             f"the checkpoint has no optimizer state for {len(missing)} parameters the optimizer "
             f"holds, e.g. {missing[:5]}: it was saved with an optimizer over other parameters"
         )
-    return wanted + [f"{OBJECT_PREFIX}{f}" for f in fqns]
+    objects = {f"{OBJECT_PREFIX}{f}" for f in fqns} | {f"{GROUP_PREFIX}{f}" for f in fqns}
+    return [k for k in available
+            if (k.startswith(TENSOR_PREFIX) and k[:k.rindex("/") + 1] in mine)
+            or k in objects or k.startswith(GROUP_OBJECT_PREFIX)]
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
                       loaded: dict[str, torch.Tensor]) -> None:
     """Rebuild ``optimizer``'s positional state dict from the FQN-keyed ``loaded`` entries."""
     fqns = parameter_fqns(optimizer, names)
-    objects = {f: decode(loaded[f"{OBJECT_PREFIX}{f}"]) for f in fqns}
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    hypers = {int(k[len(GROUP_OBJECT_PREFIX):]): decode(v) for k, v in loaded.items()
+              if k.startswith(GROUP_OBJECT_PREFIX)}
+    tensors: dict[str, dict[str, Any]] = {}
     for key, value in loaded.items():
         if key.startswith(TENSOR_PREFIX):
             fqn, name = key[len(TENSOR_PREFIX):].rsplit("/", 1)
             tensors.setdefault(fqn, {})[name] = value
+        elif key.startswith(OBJECT_PREFIX):
+            tensors.setdefault(key[len(OBJECT_PREFIX):], {}).update(decode(value))
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
@@ -104,30 +120,22 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
         indices = list(range(index, index + len(group["params"])))
         members = fqns[index:index + len(indices)]
         index += len(indices)
-        saved = [objects[f]["group"] for f in members]
-        if any(not _same(s, saved[0]) for s in saved[1:]):
+        ids = {int(loaded[f"{GROUP_PREFIX}{f}"][0]) for f in members}
+        if len(ids) > 1:
             raise CheckpointError(
                 f"parameters {members[:5]} share a param group now but had different "
                 "hyperparameters when saved: build the optimizer's param groups as they were"
             )
-        hyper = saved[0] if saved else {k: v for k, v in group.items() if k != "params"}
+        hyper = hypers[ids.pop()] if ids else {k: v for k, v in group.items() if k != "params"}
         groups.append({**hyper, "params": indices})
         for i, fqn in zip(indices, members):
-            entry = {**objects[fqn]["state"], **tensors.get(fqn, {})}
-            if entry:
-                state[i] = entry
+            if fqn in tensors:
+                state[i] = tensors[fqn]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for k in a:
-        x, y = a[k], b[k]
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
-                    and torch.equal(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
+def _group_id(hyper: dict[str, Any]) -> int:
+    """The same hyperparameters give the same id on every rank (ids name DCP keys)."""
+    text = repr(sorted((k, v.tolist() if isinstance(v, torch.Tensor) else v)
+                       for k, v in hyper.items()))
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)

@@ -1,0 +1,137 @@
+"""Checkpoint throughput against plain torch.save / torch.load, and the cost of an async save.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_checkpoint.py            # ~100M GPT
+    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_checkpoint.py --small    # smoke test
+
+One process, one GPT (fp32) after one AdamW step, so the state is model + two moments (~3x
+the parameters). Rows of one run compare side by side:
+
+* ``torch.save`` / ``torch.load``: one file holding ``{"model": sd, "optim": opt.state_dict()}``
+  (the same tensors), then ``os.fsync`` (a checkpoint that is not on disk does not survive a
+  crash; DCP fsyncs too). ``pipe.save_checkpoint`` / ``load_checkpoint``: DCP, keyed by FQN,
+  atomic rename. The ratio is torch's time / ours (>= 0.8 is the target).
+* async save: mean step time without a save, the time ``save_checkpoint(async_save=True)``
+  blocks (copy to host memory), and the mean step time while the background write runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import varuna_fx as vf
+from varuna_fx.examples import GPT, GPTConfig, lm_loss
+
+
+def build(small: bool) -> tuple[vf.Pipeline, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    cfg = (GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=64) if small
+           else GPTConfig(vocab_size=50304, block_size=128, n_layer=8, n_head=8, n_embd=768))
+    model = GPT(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.block_size + 1))
+    pipe = vf.compile(model, example_inputs=(tokens[:, :-1],), loss_fn=lm_loss, stages=2,
+                      micro_batch_size=2)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+    step(pipe, opt, tokens)
+    return pipe, opt, tokens
+
+
+def step(pipe: vf.Pipeline, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
+    pipe.zero_grad()
+    pipe.step(tokens[:, :-1], target=tokens[:, 1:])
+    opt.step()
+
+
+def timed(fn, repeats: int) -> float:  # noqa: ANN001
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def torch_save(obj: dict, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="a tiny model (smoke test)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    args = parser.parse_args()
+    pipe, opt, tokens = build(args.small)
+    state = {n: t.detach() for n, t in pipe.state_dict().items()}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    nbytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor))
+    root = Path(tempfile.mkdtemp(prefix="vf_bench_ckpt_", dir=args.dir))
+    try:
+        # interleaved, so both see the same load from other jobs on a shared machine; every
+        # save goes to a fresh path (deleting the previous one is not timed)
+        times: dict[str, list[float]] = {"t_save": [], "t_load": [], "v_save": [], "v_load": []}
+        for i in range(args.repeats):
+            plain, ours = root / f"plain{i}.pt", root / f"ckpt{i}"
+            times["t_save"].append(timed(lambda p=plain: torch_save(
+                {"model": state, "optim": opt.state_dict()}, p), 1))
+            times["v_save"].append(timed(lambda p=ours: pipe.save_checkpoint(
+                str(p), optimizer=opt, extra={"step": 1}), 1))
+            times["t_load"].append(timed(lambda p=plain: torch.load(p, weights_only=True), 1))
+            times["v_load"].append(timed(lambda p=ours: pipe.load_checkpoint(str(p),
+                                                                             optimizer=opt), 1))
+            plain.unlink()
+            shutil.rmtree(ours)
+        t_save, v_save, t_load, v_load = (statistics.median(times[k]) for k in
+                                          ("t_save", "v_save", "t_load", "v_load"))
+
+        steps = 3 if args.small else 5
+        base = timed(lambda: step(pipe, opt, tokens), steps)
+        block, during = [], []
+        for i in range(args.repeats):
+            start = time.perf_counter()
+            handle = pipe.save_checkpoint(str(root / f"async{i}"), optimizer=opt,
+                                          async_save=True)
+            block.append(time.perf_counter() - start)
+            while not handle.done():
+                start = time.perf_counter()
+                step(pipe, opt, tokens)
+                during.append(time.perf_counter() - start)
+            handle.result()
+            shutil.rmtree(root / f"async{i}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    gb = nbytes / 1e9
+    table = Table(title=f"checkpoint of a {sum(t.numel() for t in state.values()) / 1e6:.1f}M-"
+                  f"parameter GPT + AdamW state ({gb:.2f} GB), median of {args.repeats}")
+    for col in ("operation", "torch s", "varuna_fx s", "torch GB/s", "varuna_fx GB/s",
+                "ratio (>= 0.8)"):
+        table.add_column(col, justify="right")
+    for what, t, v in (("save", t_save, v_save), ("load", t_load, v_load)):
+        table.add_row(what, f"{t:.3f}", f"{v:.3f}", f"{gb / t:.2f}", f"{gb / v:.2f}",
+                      f"{t / v:.2f}")
+    console = Console()
+    console.print(table)
+    mean_during = statistics.mean(during) if during else float("nan")
+    console.print(
+        f"async save: step {base:.3f} s without a save; save_checkpoint(async_save=True) "
+        f"blocks {statistics.median(block):.3f} s (sync save {v_save:.3f} s); steps while it "
+        f"writes {mean_during:.3f} s ({len(during)} steps, "
+        f"{(mean_during / base - 1) * 100:+.0f}% step time)")
+
+
+if __name__ == "__main__":
+    main()
