@@ -35,8 +35,8 @@ from varuna_fx.morphing import (
     young_daly_interval,
 )
 
-MORPH_S = 8.0  # signal -> first step on the new layout (bench_morph.py, quiet-machine estimate)
-SAVE_S = 1.5  # blocking checkpoint save of model + AdamW state
+MORPH_S = 12.0  # signal -> first step on the new layout (bench_morph.py, CPU-time estimate)
+SAVE_S = 1.6  # blocking checkpoint save of model + AdamW state (1.2 GB)
 print(f"morph {MORPH_S} s, checkpoint {SAVE_S} s")
 
 # %% [markdown]
