@@ -29,12 +29,12 @@ from rich.console import Console
 from rich.table import Table
 
 import varuna_fx as vf
-from varuna_fx.configure import in_flight, pipeline_bandwidth
 from varuna_fx.costmodel import device_spec, step_time
 from varuna_fx.examples import GPT, GPTConfig
 from varuna_fx.ir import info
 from varuna_fx.passes.assign_stages import CostSetting, compute_nodes, partition_costs
 from varuna_fx.passes.partition import PartitionCosts, partition
+from varuna_fx.schedule import build_schedule, peak_stash_counts
 
 CFG = GPTConfig(n_layer=48, n_embd=1024, n_head=16, vocab_size=50257, block_size=1024)
 MB = 1
@@ -123,8 +123,11 @@ def main() -> None:
                                   tracer=tracer)
                 gm = pipe.captured.gm
                 m = pipe.plan.num_micro_batches
-                setting = CostSetting(MB, device_spec(cluster.device), pipeline_bandwidth(cluster),
-                                      cluster.gpu_memory, in_flight("varuna", p, m), True)
+                in_flight = max(peak_stash_counts(build_schedule("varuna", p, m)))
+                bandwidth = cluster.intra_node_bandwidth if cluster.gpus_per_node > 1 else \
+                    cluster.inter_node_bandwidth  # a replica's neighbouring stages
+                setting = CostSetting(MB, device_spec(cluster.device), bandwidth,
+                                      cluster.gpu_memory, in_flight, True)
                 costs: PartitionCosts = partition_costs(gm, setting)
                 nodes = compute_nodes(gm)
                 send = costs.cut_bytes / setting.bandwidth

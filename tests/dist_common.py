@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
@@ -15,10 +17,10 @@ STEPS = 3
 CONFIG = GPTConfig(vocab_size=96, block_size=12, n_layer=2, n_head=2, n_embd=32)
 
 
-def make_model_and_data(seed: int = 0) -> tuple[GPT, torch.Tensor]:
+def make_model_and_data(seed: int = 0, dropout: float = 0.0) -> tuple[GPT, torch.Tensor]:
     """A tiny GPT with tied embedding/LM head, and STEPS global batches of tokens."""
     torch.manual_seed(seed)
-    model = GPT(CONFIG)
+    model = GPT(dataclasses.replace(CONFIG, dropout=dropout))
     tokens = torch.randint(0, CONFIG.vocab_size, (STEPS, GLOBAL_BATCH, CONFIG.block_size + 1))
     return model, tokens
 

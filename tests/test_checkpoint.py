@@ -226,9 +226,11 @@ def test_param_groups_and_loss_scale_survive(tmp_path: Path) -> None:
                           lr=0.5, momentum=0.9)
     train(pipe, opt, range(1))
     opt.param_groups[0]["lr"] = 0.25  # as a scheduler would
-    pipe.runtime.scaler.scale, pipe.runtime.scaler._clean_steps = 1024.0, 7
+    scaler = pipe.runtime.scaler
+    scaler.enabled, scaler.scale, scaler._clean_steps = True, 1024.0, 7  # as fp16 would have it
     pipe.save_checkpoint(str(tmp_path / "g"), optimizer=opt)
     other = compile_at(3)
+    other.runtime.scaler.enabled = True
     named = dict(other.named_parameters())
     opt2 = torch.optim.SGD([{"params": [p for n, p in named.items() if n.endswith("weight")]},
                             {"params": [p for n, p in named.items()

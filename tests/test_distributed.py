@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_common import eager_training, make_model_and_data
+import varuna_fx as vf
+from dist_common import ADAM_EPS, eager_training, make_model_and_data
 from dist_utils import run_jobs
 from varuna_fx.examples import lm_loss
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 SCHEDULES = ("varuna", "1f1b")
 
@@ -29,6 +30,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     jobs = [{"name": f"P{p}D{d}_{s}", "kind": "train", "P": p, "D": d, "schedule": s}
             for p, d in ((2, 1), (1, 2)) for s in SCHEDULES]
     jobs.append({"name": "bf16", "kind": "train", "P": 2, "D": 1, "precision": "bf16"})
+    jobs.append({"name": "dropout", "kind": "train", "P": 2, "D": 1, "dropout": 0.3})
     jobs.append({"name": "fp16", "kind": "fp16", "P": 2, "D": 1})
     jobs.append({"name": "accumulate", "kind": "accumulate", "P": 2, "D": 1})
     jobs.append({"name": "bad_batch", "kind": "bad_batch", "P": 2, "D": 1})
@@ -85,6 +87,31 @@ def test_two_ranks_match_eager(two_ranks: dict, eager: dict, P: int, D: int,
 def test_pipeline_times_data_parallel_matches_eager(four_ranks: dict, eager: dict,
                                                     schedule: str) -> None:
     check_against_eager(four_ranks[f"P2D2_{schedule}"], eager, 2, 2)
+
+
+def test_one_replica_with_dropout_equals_the_one_process_run(two_ranks: dict) -> None:
+    """The one step loop: a one-replica torchrun run draws the same dropout masks as the
+    one-process runtime, so losses, norms, parameters and outputs agree."""
+    model, tokens = make_model_and_data(dropout=0.3)
+    pipe = vf.compile(model, example_inputs=(tokens[0, :, :-1],), loss_fn=lm_loss, stages=2,
+                      data_parallel=1, micro_batch_size=2)
+    _, tokens = make_model_and_data()  # as the rank script does: the same generator state
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, eps=ADAM_EPS)
+    losses, norms = [], []
+    for step in range(tokens.shape[0]):
+        batch = tokens[step]
+        pipe.zero_grad()
+        losses.append(float(pipe.step(batch[:, :-1], target=batch[:, 1:])))
+        norms.append(float(pipe.clip_grad_norm_(0.5)))
+        pipe.optimizer_step(opt)
+    no_dropout = two_ranks["P2D1_varuna"][0]["losses"]
+    assert losses != pytest.approx(no_dropout, rel=1e-3), "dropout had no effect"
+    for r in two_ranks["dropout"]:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses))
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(norms))
+        held = dict(pipe.named_parameters())
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, held[name].detach())
 
 
 def test_rank_layout_is_replica_major(four_ranks: dict) -> None:

@@ -18,9 +18,9 @@ from dist_common import make_model_and_data
 from dist_utils import SCRIPTS
 from varuna_fx.examples import lm_loss
 from varuna_fx.ir import Affine, StageSpec, TensorInfo, Transfer, b
+from varuna_fx.placement import Placement, check_world_size
 from varuna_fx.runtime.acks import release_keys
 from varuna_fx.runtime.comm import _buckets, resolve_timeout
-from varuna_fx.runtime.placement import Placement, check_world_size, cross_node_links
 from varuna_fx.runtime.precision import LossScaler
 from varuna_fx.schedule import Action, Kind, build_schedule
 
@@ -36,18 +36,6 @@ def test_placement_is_replica_major_and_invertible(P: int, D: int) -> None:
         assert place.rank(stage, replica) == rank == replica * P + stage
     assert place.pipeline_ranks(1 % D) == list(range((1 % D) * P, (1 % D) * P + P))
     assert place.replica_ranks(0) == [r * P for r in range(D)]
-
-
-@pytest.mark.parametrize("P,D,per_node,links", [
-    (2, 4, 4, 0),  # two whole pipelines per node: pipeline traffic never leaves a node
-    (4, 2, 4, 0),
-    (4, 2, 2, 2),  # a pipeline needs two nodes: one crossing per replica, the minimum
-    (8, 2, 4, 2),
-])
-def test_pipelines_cross_nodes_only_when_they_must(P: int, D: int, per_node: int,
-                                                   links: int) -> None:
-    assert cross_node_links(Placement(P, D), per_node) == links
-    assert links == D * (math.ceil(P / per_node) - 1)
 
 
 def test_world_size_error_says_both_numbers_and_the_fix() -> None:
@@ -203,6 +191,7 @@ def test_unknown_precision_is_rejected() -> None:
 # -- launching -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_varuna_fx_run_launches_ranks(tmp_path: Path) -> None:
     """`varuna-fx run --nproc 2 script` (torchrun underneath) gives each rank its stage."""
@@ -217,3 +206,17 @@ def test_varuna_fx_run_launches_ranks(tmp_path: Path) -> None:
     assert [line.split(" loss ")[0] for line in lines] == \
         ["rank 0 stage 0 replica 0", "rank 1 stage 1 replica 0"]
     assert len({line.split(" loss ")[1] for line in lines}) == 1  # every rank: the same loss
+
+
+def test_step_loop_returns_the_flags_it_was_given_in_one_process() -> None:
+    """The hook for flags that ride the step's world all-reduce (one process: nothing to OR)."""
+    model, tokens = make_model_and_data()
+    pipe = vf.compile(model, example_inputs=(tokens[0, :, :-1],), loss_fn=lm_loss, stages=2)
+    batch = tokens[0]
+    inputs = pipe._bind((batch[:, :-1],), {})
+    loss = pipe.runtime.step(inputs, batch[:, 1:], flags=(True, False))
+    assert pipe.runtime.flags == (True, False)
+    pipe.zero_grad()
+    torch.testing.assert_close(torch.as_tensor(loss),
+                               torch.as_tensor(pipe.step(batch[:, :-1], target=batch[:, 1:])))
+    assert pipe.runtime.flags == (False,)  # pipe.step carries the preemption flag

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_two_ranks_plan_the_same_configuration_from_one_profile(tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -10,23 +9,28 @@ import torch
 from torch import nn
 
 from . import schedule as schedules
-from .capture import TRACERS, BoundInputs, Captured, bind_inputs, capture
+from .capture import TRACERS, bind_inputs
 from .cluster import Cluster
 from .codegen import build_stage
-from .configure import Configuration, choose_configuration
+from .configure import Configuration, choose_configuration, price
 from .costmodel import device_spec
 from .errors import VarunaFxError
-from .passes.annotate_costs import annotate_costs, canonical_names
-from .passes.annotate_shapes import annotate_shapes
+from .frontend import _CAPTURES, FRONT_PASSES, _fingerprint, captured_and_annotated
+from .ir import copy_graph_module
+from .passes.annotate_costs import canonical_names
 from .passes.assign_stages import CostSetting, assign_stages
 from .passes.check import check_assignment, check_parameters, check_split
-from .passes.mark_replicable import mark_replicable
-from .passes.specialize_sizes import specialize_sizes
+from .passes.manager import CompileState, Pass, dump_dir, run_passes
 from .passes.split_stages import split_stages
-from .pipeline import Pipeline
+from .pipeline import Pipeline, make_pipeline
+from .placement import Placement
 from .plan import Plan
 from .plan_costs import stage_costs
 from .planner.resolve import resolve_profile
+
+# the front end's cache lives in frontend.py (the planner shares it); these names stay here
+_captured_and_annotated = captured_and_annotated
+__all__ = ["BACK_PASSES", "PASSES", "compile", "_CAPTURES", "_fingerprint"]
 
 
 def compile(  # noqa: A001 - the public name in API.md
@@ -46,53 +50,48 @@ def compile(  # noqa: A001 - the public name in API.md
     precision: str = "fp32",
     timeout: float | None = None,
     profile: Any = False,
+    dump: str | None = None,
 ) -> Pipeline:
     """Trace ``model``, cut it into balanced stages and return a runnable :class:`Pipeline`.
 
     ``profile``: False plans with FLOP estimates; True measures this device (cached on disk);
-    a ``varuna_fx.planner.Profile`` uses those measurements.
+    a ``varuna_fx.planner.Profile`` uses those measurements. ``dump``: a directory to write
+    every pass's graph to (default ``$VARUNA_FX_DUMP``; see ``passes/manager.py``).
     """
     _check_arguments(model, example_inputs, schedule, tracer, stages)
     cluster = cluster or Cluster.local()
+    where_to = dump_dir(dump)
 
-    # 1. capture: model -> one flat fx graph over tensor inputs, original FQNs kept
-    # 2. annotate: shapes and costs as functions of the micro-batch size b
+    # capture + annotate (FRONT_PASSES, cached per model): shapes and costs as functions of b
     bound = bind_inputs(model, example_inputs)
     canonical = canonical_names(model)
-    captured = _captured_and_annotated(model, bound, tracer, canonical)
-    gm = captured.gm
+    captured = captured_and_annotated(model, bound, tracer, canonical, where_to)
 
-    # 3. configure: P, D and the micro-batch size (given, or chosen from measured or
-    #    estimated costs)
+    # configure: P, D and the micro-batch size (given, or chosen from measured or estimated
+    # costs); the planner also builds the schedule object the plan will carry
     config: Configuration = choose_configuration(
-        gm, cluster, example_batch=bound.batch_size, global_batch_size=global_batch_size,
-        stages=stages, data_parallel=data_parallel, micro_batch_size=micro_batch_size,
-        schedule=schedule, recompute=recompute, profile=resolve_profile(gm, bound, profile),
+        captured.gm, cluster, example_batch=bound.batch_size,
+        global_batch_size=global_batch_size, stages=stages, data_parallel=data_parallel,
+        micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute,
+        profile=resolve_profile(captured.gm, bound, profile),
     )
 
-    # 4. partition: a stage for every operation, balanced by cost
-    setting = CostSetting(
-        micro_batch_size=config.micro_batch_size,
-        device=config.device or device_spec(cluster.device),
-        bandwidth=config.pipeline_bandwidth, memory_cap=cluster.gpu_memory,
-        in_flight=config.in_flight, recompute=recompute, node_times=config.node_times,
-    )
-    partition = assign_stages(gm, config.stages, setting)
-    check_assignment(gm, config.stages)
+    # partition, split, codegen (BACK_PASSES) on this compile's own copy of the graph
+    state = CompileState(model, copy_graph_module(captured.gm), values={
+        "config": config, "canonical": canonical, "model_name": type(model).__name__,
+        "setting": CostSetting(
+            micro_batch_size=config.micro_batch_size,
+            device=config.device or device_spec(cluster.device),
+            bandwidth=config.pipeline_bandwidth, memory_cap=cluster.gpu_memory,
+            in_flight=config.in_flight, recompute=recompute, node_times=config.node_times,
+        ),
+    })
+    run_passes(BACK_PASSES, state, dump=where_to, done=FRONT_PASSES)
+    built = state["built"]
 
-    # 5. split + codegen: one readable GraphModule per stage, explicit boundaries
-    trainable = {canonical[n] for n, p in model.named_parameters(remove_duplicate=False)
-                 if p.requires_grad}
-    stage_graphs = split_stages(gm, config.stages, trainable)
-    check_split(gm, stage_graphs)
-    order = list(dict.fromkeys(canonical.values()))
-    name = type(model).__name__
-    params = {canonical[n] for n, _ in model.named_parameters(remove_duplicate=False)}
-    built = [build_stage(gm, sg, config.stages, order, name, params) for sg in stage_graphs]
-    check_parameters(gm, [s.parameter_names + s.spec.buffer_names for s in built], canonical)
-
-    # 6. plan + runtime
-    costs = stage_costs(gm, built, partition, setting)
+    # the plan: everything decided, priced by one model, frozen
+    bounds = tuple(int(x) for x in state["partition"].bounds)
+    priced = price(config, bounds)
     holders: dict[str, list[int]] = {}
     for s in built:
         for p in s.parameter_names:
@@ -100,46 +99,55 @@ def compile(  # noqa: A001 - the public name in API.md
     plan = Plan(
         stages=config.stages, data_parallel=config.data_parallel,
         micro_batch_size=config.micro_batch_size,
-        num_micro_batches=config.num_micro_batches, schedule=schedule, recompute=recompute,
-        stage_costs=costs, tied_parameters={k: v for k, v in holders.items() if len(v) > 1},
-        tracer=captured.tracer, model_name=name, alternatives=config.alternatives,
+        num_micro_batches=config.num_micro_batches, schedule=config.schedule,
+        recompute=(bool(recompute),) * config.stages,
+        stage_costs=tuple(stage_costs(state.gm, built, state["partition"], state["setting"],
+                                      priced.stage_memory)),
+        bounds=bounds, placement=Placement(config.stages, config.data_parallel),
+        tied_parameters={k: v for k, v in holders.items() if len(v) > 1},
+        predicted_step_time=priced.step_time, tracer=captured.tracer,
+        model_name=type(model).__name__, alternatives=priced.alternatives,
     )
-    plan.predicted_step_time = config.predict(plan)
-    from .runtime.launch import make_runtime  # the runtime depends on how we were launched
-
-    return make_runtime(model, captured, built, plan, canonical, loss_fn=loss_fn,
-                        offload_stash=offload_stash, precision=precision, timeout=timeout)
+    return make_pipeline(model, captured, built, plan, canonical, loss_fn=loss_fn,
+                         offload_stash=offload_stash, precision=precision, timeout=timeout)
 
 
-# Re-compiling the same model (another P, schedule or micro-batch size, as one does while
-# exploring in a notebook) reuses its annotated graph. The key covers everything capture
-# depends on, so a changed model or input signature is captured afresh.
-_CAPTURES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Captured]] = \
-    weakref.WeakKeyDictionary()
+# -- the back passes, as data ------------------------------------------------------------------
 
 
-def _fingerprint(model: nn.Module, bound: BoundInputs, tracer: str) -> tuple:
-    tensors = tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in bound.tensors.items())
-    state = tuple((n, id(t), tuple(t.shape), t.dtype) for n, t in
-                  [*model.named_parameters(remove_duplicate=False),
-                   *model.named_buffers(remove_duplicate=False)])
-    modes = tuple(m.training for m in model.modules())
-    return (tracer, tensors, tuple(sorted(bound.constants.items(), key=str)), state, modes)
+def _assign(state: CompileState) -> None:
+    state["partition"] = assign_stages(state.gm, state["config"].stages, state["setting"])
 
 
-def _captured_and_annotated(model: nn.Module, bound: BoundInputs, tracer: str,
-                            canonical: dict[str, str]) -> Captured:
-    key = _fingerprint(model, bound, tracer)
-    cached = _CAPTURES.get(model)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    captured = capture(model, bound, tracer)
-    annotate_shapes(captured.gm, bound)
-    specialize_sizes(captured.gm)
-    annotate_costs(captured.gm, canonical)
-    mark_replicable(captured.gm)
-    _CAPTURES[model] = (key, captured)
-    return captured
+def _split(state: CompileState) -> None:
+    model, canonical = state.model, state["canonical"]
+    trainable = {canonical[n] for n, p in model.named_parameters(remove_duplicate=False)
+                 if p.requires_grad}
+    state["stage_graphs"] = split_stages(state.gm, state["config"].stages, trainable)
+
+
+def _codegen(state: CompileState) -> None:
+    model, canonical = state.model, state["canonical"]
+    order = list(dict.fromkeys(canonical.values()))
+    params = {canonical[n] for n, _ in model.named_parameters(remove_duplicate=False)}
+    state["built"] = [build_stage(state.gm, sg, state["config"].stages, order,
+                                  state["model_name"], params, [p.name for p in PASSES])
+                      for sg in state["stage_graphs"]]
+
+
+BACK_PASSES: tuple[Pass, ...] = (
+    Pass("assign_stages", "every compute node has a stage; stages are contiguous in "
+         "topological order (exact DP on the bottleneck under the memory cap)", _assign,
+         lambda s: check_assignment(s.gm, s["config"].stages)),
+    Pass("split_stages", "one fx.Graph per stage with explicit receives (placeholders) and "
+         "sends (output dict); gradient-carrying transfers decided statically", _split,
+         lambda s: check_split(s.gm, s["stage_graphs"])),
+    Pass("codegen", "a GraphModule per stage holding exactly its parameters under original "
+         "FQNs, and its readable source", _codegen,
+         lambda s: check_parameters(s.gm, [b.parameter_names + b.spec.buffer_names
+                                           for b in s["built"]], s["canonical"])),
+)
+PASSES: tuple[Pass, ...] = FRONT_PASSES + BACK_PASSES  # the whole list, in order
 
 
 def _check_arguments(model: Any, example_inputs: Any, schedule: str, tracer: str,

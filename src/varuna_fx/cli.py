@@ -3,28 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
+import os
 from collections.abc import Sequence
-from typing import Any
 
 from rich.console import Console
 from rich.syntax import Syntax
 
+import varuna_fx as vf
+from varuna_fx.elastic import elastic_launch
+from varuna_fx.examples import demo_gpt, lm_loss
+from varuna_fx.factory import load_factory
+from varuna_fx.planner.report import plan_command
 
-def _load_factory(spec: str) -> Any:
-    """'package.module:function' -> function() (returns model, example inputs[, ...])."""
-    module_name, _, attr = spec.partition(":")
-    if not attr:
-        raise SystemExit(f"--model {spec!r}: write module:function, e.g. mypkg.models:make_gpt")
-    sys.path.insert(0, ".")
-    return getattr(importlib.import_module(module_name), attr)
+_load_factory = load_factory  # its home is factory.py (planner/report.py uses it too)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    import varuna_fx as vf
-    from varuna_fx.examples import demo_gpt, lm_loss
-
     console = Console()
     model, tokens, targets = demo_gpt(n_layer=args.layers)
     pipe = vf.compile(model, example_inputs=(tokens,), loss_fn=lm_loss, stages=args.stages,
@@ -39,8 +33,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    import varuna_fx as vf
-
     console = Console()
     made = _load_factory(args.model)()
     model, inputs = made[0], made[1]
@@ -53,22 +45,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from varuna_fx.planner.report import plan_command
-
     return plan_command(args)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Wrap torch.distributed.run: standalone on one machine, multi-node flags pass through;
     ``--elastic``: torchrun's elastic agent set up for morphing (varuna_fx.elastic)."""
-    import os
-
     from torch.distributed.run import main as torchrun
 
     argv = list(args.torchrun_args)
     if args.elastic:
-        from .elastic import elastic_launch
-
         launch = elastic_launch(
             nproc=args.nproc, nnodes=args.nnodes or "1:1", rdzv_endpoint=args.rdzv_endpoint,
             rdzv_id=args.rdzv_id, local_addr=args.local_addr, max_restarts=args.max_restarts,

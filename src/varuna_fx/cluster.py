@@ -6,6 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from . import where
 from .costmodel import DEVICES, DeviceSpec, device_spec
 from .errors import VarunaFxError
 
@@ -140,13 +141,8 @@ class Cluster:
     def local(cls) -> Cluster:
         """The job we are running in: world size from torch.distributed or torchrun's env."""
         import torch
-        import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            world = dist.get_world_size()
-        else:
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        world = where.world_size()
         if torch.cuda.is_available():
             memory = torch.cuda.get_device_properties(0).total_memory
             device = "cuda"
@@ -155,7 +151,7 @@ class Cluster:
             device = "cpu"
         return cls(
             gpus=world,
-            gpus_per_node=max(1, min(per_node, world)),
+            gpus_per_node=where.local_world_size(),
             gpu_memory=memory,
             device=device,
             device_type=local_device_type(),

@@ -8,11 +8,12 @@ without re-tracing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import sympy
 import torch
+import torch.fx as fx
 
 b = sympy.Symbol("b", positive=True, integer=True)  # the micro-batch size
 
@@ -101,6 +102,35 @@ class NodeInfo:
     @property
     def flops(self) -> Affine:
         return self.fwd_flops + self.bwd_flops
+
+
+def copy_info(meta: NodeInfo) -> NodeInfo:
+    """An independent copy: a pass writing into a copied node's annotations (its stage, ...)
+    must not change the node it was copied from, which another pipeline may hold."""
+    return replace(meta, outputs=list(meta.outputs), params=dict(meta.params))
+
+
+def copied_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """``node.meta`` for a copy of the node: its own NodeInfo (fx's node_copy shares it)."""
+    out = dict(meta)
+    if isinstance(out.get("varuna"), NodeInfo):
+        out["varuna"] = copy_info(out["varuna"])
+    return out
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule over the same modules and parameters whose nodes carry copies of the
+    annotations: the passes of one compile annotate it without touching the cached graph
+    that other pipelines hold."""
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen  # export's graphs bind inputs with pytree codegen
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        env[node] = graph.node_copy(node, env.__getitem__)
+        env[node].meta = copied_meta(node.meta)
+    copy = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    copy.meta = dict(getattr(gm, "meta", {}))
+    return copy
 
 
 def info(node: Any) -> NodeInfo:

@@ -1,4 +1,8 @@
-"""Pipeline: what ``vf.compile`` returns -- the stages, the plan and a runtime to drive them."""
+"""Pipeline: what ``vf.compile`` returns -- the stages, the plan and a runtime to drive them.
+
+Layer: above the runtimes. :func:`make_pipeline` picks the runtime for where this process runs
+(``where.py``): all stages here, or this rank's stage of a distributed job.
+"""
 
 from __future__ import annotations
 
@@ -6,42 +10,66 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
 from .capture import Captured, bind_inputs
 from .codegen import Stage
 from .errors import InputError
 from .ir import info
-from .passes.split_stages import output_key
 from .plan import Plan
+from .runtime import preemption
 from .runtime.batching import check_sample_shapes
+from .runtime.checkpoint import checkpointer, wait_for_saves
+from .runtime.distributed import make_distributed_runtime
+from .runtime.local import LocalRuntime
 from .runtime.model_state import StateLayout, check_state_dict
+from .runtime.outputs import OutputAssembler
+from .runtime.precision import check_precision, optimizer_step
+from .runtime.setup import held_tensors
+from .runtime.step import Runtime
+from .where import launched_distributed
+
+
+def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
+                  canonical: dict[str, str], *, loss_fn: Any, offload_stash: bool,
+                  precision: str = "fp32", timeout: float | None = None) -> Pipeline:
+    """The distributed runtime under torchrun (world size > 1), else the one-process one."""
+    check_precision(precision)
+    assemble = OutputAssembler(captured)
+    # the model's whole state, before a distributed rank empties what it does not hold
+    layout = StateLayout.of(model, canonical, stages)
+    runtime: Runtime
+    if launched_distributed():
+        runtime = make_distributed_runtime(
+            model, captured, stages, plan, canonical, assemble=assemble, loss_fn=loss_fn,
+            offload_stash=offload_stash, precision=precision, timeout=timeout, layout=layout)
+    else:
+        runtime = LocalRuntime(stages, plan, assemble=assemble, loss_fn=loss_fn,
+                               offload_stash=offload_stash, precision=precision)
+    return Pipeline(model, captured, stages, plan, canonical, runtime, assemble, layout)
 
 
 class Pipeline:
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
-                 canonical: dict[str, str], runtime: Any, *, stage_index: int = 0,
-                 replica_index: int = 0, local_stages: list[int] | None = None) -> None:
+                 canonical: dict[str, str], runtime: Runtime,
+                 assemble: OutputAssembler | None = None,
+                 state_layout: StateLayout | None = None) -> None:
         self.model = model
         self.captured = captured
         self.stages = stages
         self.plan = plan
         self.canonical = canonical
         self.runtime = runtime
-        self.stage_index = stage_index
-        self.replica_index = replica_index
+        self.stage_index = runtime.stage_index
+        self.replica_index = runtime.replica_index
         # stages whose parameters live in this process (all of them in one process)
-        self.local_stages = local_stages if local_stages is not None else list(range(len(stages)))
-        # every parameter and persistent buffer with its full shape (before a distributed rank
-        # empties what it does not hold), and which ones no stage reads
-        self.state_layout = StateLayout.of(model, canonical, stages)
+        self.local_stages = runtime.local_stages
+        # every parameter and persistent buffer with its full shape, and which ones no stage
+        # reads (stage 0 holds those)
+        self.state_layout = state_layout or StateLayout.of(model, canonical, stages)
         self._input_infos = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
                              if n.op == "placeholder" and info(n).outputs}
-        output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
-        self._output_template = [None if isinstance(leaf, fx.Node) else leaf
-                                 for leaf in output.args[0]]
+        self._assemble = assemble or OutputAssembler(captured)
 
     # -- running -------------------------------------------------------------------------------
 
@@ -64,13 +92,13 @@ class Pipeline:
 
     def assemble(self, outputs: dict[str, Any]) -> Any:
         """The last stage's result dict -> the model's output structure."""
-        leaves = [outputs[output_key(i)] if const is None else const
-                  for i, const in enumerate(self._output_template)]
-        return pytree.tree_unflatten(leaves, self.captured.out_spec)
+        return self._assemble(outputs)
 
     def step(self, *inputs: Any, target: Any = None, **kw_inputs: Any) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the mean loss."""
-        return self.runtime.step(self._bind(inputs, kw_inputs), target)
+        # this process's preemption signal rides on the step's world all-reduce
+        return self.runtime.step(self._bind(inputs, kw_inputs), target,
+                                 flags=(preemption.requested(),))
 
     def __call__(self, *inputs: Any, **kw_inputs: Any) -> Any:
         return self.runtime.forward(self._bind(inputs, kw_inputs))
@@ -80,26 +108,17 @@ class Pipeline:
     def _held_names(self) -> list[str]:
         """Canonical names this process holds: its stages' tensors, plus on stage 0 the ones
         forward never reads (so they are saved and kept, not lost)."""
-        held = self.state_layout.held_by(self.stages, self.local_stages)
-        buffers = {n for s in self.local_stages for n in self.stages[s].spec.buffer_names}
-        return [n for n in dict.fromkeys(self.canonical.values())
-                if n in held or n in buffers]
+        return self.state_layout.held_names(self.canonical, self.stages, self.local_stages)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        for name in self._held_names():
-            if name in params:
-                yield name, params[name]
+        yield from held_tensors(self.model, self._held_names())[0].items()
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        buffers = dict(self.model.named_buffers(remove_duplicate=False))
-        for name in self._held_names():
-            if name in buffers:
-                yield name, buffers[name]
+        yield from held_tensors(self.model, self._held_names())[1].items()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.parameters():
@@ -131,18 +150,12 @@ class Pipeline:
         """``optimizer.step()`` unless the last step overflowed (fp16), then update the loss
         scale. Returns whether it stepped. Works for every precision, so scripts can always
         call it instead of ``optimizer.step()``."""
-        from .runtime.precision import optimizer_step
-
         return optimizer_step(self.runtime.scaler, optimizer)
 
     def close(self) -> None:
         """Release what the runtime holds (process groups); the pipeline is unusable after."""
-        from .runtime.checkpoint import wait_for_saves
-
         wait_for_saves(self)  # an async checkpoint still being written completes first
-        close = getattr(self.runtime, "close", None)
-        if close is not None:
-            close()
+        self.runtime.close()
 
     def train(self, mode: bool = True) -> Pipeline:
         self.model.train(mode)
@@ -182,28 +195,23 @@ class Pipeline:
         ``async_save=True`` returns once the state is copied to host memory and writes in the
         background: the returned handle's ``.result()`` waits until the checkpoint is
         complete. See docs/checkpoints.md."""
-        from .runtime.checkpoint import checkpointer
-
         return checkpointer(self).save(str(path), optimizer, extra, async_save=async_save)
 
     def load_checkpoint(self, path: str,
                         optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Load a checkpoint saved under any layout; returns the ``extra`` dict it was saved
         with."""
-        from .runtime.checkpoint import checkpointer
-
         return checkpointer(self).load(str(path), optimizer)
 
     @property
     def preempted(self) -> bool:
         """True on every rank after the step during which any rank got SIGTERM or SIGUSR1."""
-        return bool(getattr(self.runtime, "preempted", False))
+        flags = getattr(self.runtime, "flags", ())
+        return bool(flags and flags[0])
 
     def install_preemption_handlers(self) -> None:
         """Catch SIGTERM and SIGUSR1 in this process (done automatically under torchrun)."""
-        from .runtime.preemption import install_handlers
-
-        install_handlers()
+        preemption.install_handlers()
 
     def __repr__(self) -> str:
         return f"Pipeline(\n{self.plan})"

@@ -1,12 +1,21 @@
-"""Plan: what the compiler decided, printable as a table."""
+"""Plan: the complete, frozen result of planning, printable as a table.
+
+Everything downstream reads it and nothing rebuilds any part of it: the runtimes run
+``plan.schedule`` (the very Schedule object the planner simulated), the fingerprint ranks agree
+on is made from it, and each stage's recompute flag comes from ``plan.recompute``.
+"""
 
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rich.console import Console, Group
 from rich.table import Table
+
+from .placement import Placement
+from .schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -52,20 +61,22 @@ class Alternative:
         return self.samples / self.step_time if self.step_time > 0 else float("inf")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     stages: int
     data_parallel: int
     micro_batch_size: int
     num_micro_batches: int
-    schedule: str
-    recompute: bool
-    stage_costs: list[StageCost]
+    schedule: Schedule  # the schedule that was simulated and that the runtimes run
+    recompute: tuple[bool, ...]  # per stage: whether it recomputes its forward
+    stage_costs: tuple[StageCost, ...]
+    bounds: tuple[int, ...] = ()  # P + 1 positions among the compute nodes (assign_stages)
+    placement: Placement | None = None  # which rank runs which (stage, replica)
     tied_parameters: dict[str, list[int]] = field(default_factory=dict)
     predicted_step_time: float | None = None
     tracer: str = "fx"
     model_name: str = "model"
-    alternatives: list[Alternative] = field(default_factory=list)  # best first
+    alternatives: tuple[Alternative, ...] = ()  # best first
 
     @property
     def global_batch_size(self) -> int:
@@ -82,8 +93,8 @@ class Plan:
                 if self.predicted_step_time is not None else "")
         table = Table(title=(
             f"{self.model_name}: P={self.stages} x D={self.data_parallel}, micro-batch "
-            f"{self.micro_batch_size} x {self.num_micro_batches}, schedule {self.schedule}"
-            f"{' + recompute' if self.recompute else ''}{step}"
+            f"{self.micro_batch_size} x {self.num_micro_batches}, schedule {self.schedule.name}"
+            f"{' + recompute' if any(self.recompute) else ''}{step}"
         ))
         for name in ("stage", "nodes", "parameters", "FLOPs/mb", "activations/mb",
                      "boundary/mb", "time/mb", "memory"):
@@ -114,7 +125,7 @@ class Plan:
         return buffer.getvalue().rstrip() + "\n"
 
 
-def alternatives_table(rows: list[Alternative], title: str) -> Table:
+def alternatives_table(rows: Sequence[Alternative], title: str) -> Table:
     table = Table(title=title)
     for name in ("", "P", "D", "b x m", "step", "samples/s", "bubble", "all-reduce",
                  "memory"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch.fx as fx
 
 from .codegen import Stage
@@ -13,7 +15,9 @@ from .plan import StageCost
 
 
 def stage_costs(gm: fx.GraphModule, stages: list[Stage], partition: Partition,
-                setting: CostSetting) -> list[StageCost]:
+                setting: CostSetting, memory: Sequence[float]) -> list[StageCost]:
+    """``memory``: bytes per stage by the planner's memory model (``configure.price``), the one
+    the alternatives were weighed with, so the table and its alternatives row agree."""
     b = setting.micro_batch_size
     by_name = {n.name: n for n in gm.graph.nodes}
     sizes = {name: p.numel() for name, p in gm.named_parameters(remove_duplicate=False)}
@@ -36,7 +40,7 @@ def stage_costs(gm: fx.GraphModule, stages: list[Stage], partition: Partition,
                                  if info(n).fwd_flops(b) > 0),
             boundary_bytes=sum(t.nbytes(b) for t in stage.spec.sends),
             time=partition.stage_costs[stage.index],
-            memory=partition.stage_memory[stage.index],
+            memory=float(memory[stage.index]),
             forward_time=fwd,
             backward_time=bwd,
         ))

@@ -55,6 +55,11 @@ def save(job: dict[str, Any]) -> dict[str, Any]:
     pipe = compile_job(job)
     opt = optimizer(pipe.parameters())
     run_steps(pipe, opt, range(SPLIT))
+    try:  # a bad extra is seen on rank 0 only: every rank must raise, none may hang
+        pipe.save_checkpoint(job["path"] + "_bad", extra={"f": object()})
+        bad = None
+    except vf.VarunaFxError as exc:
+        bad = (type(exc).__name__, str(exc))
     if job.get("async"):
         handle = pipe.save_checkpoint(job["path"], optimizer=opt, extra={"step": SPLIT},
                                       async_save=True)
@@ -63,7 +68,7 @@ def save(job: dict[str, Any]) -> dict[str, Any]:
     else:
         pipe.save_checkpoint(job["path"], optimizer=opt, extra={"step": SPLIT})
     pipe.close()
-    return {"stage": pipe.stage_index}
+    return {"stage": pipe.stage_index, "bad_extra": bad}
 
 
 def resume(job: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ RANK = int(os.environ["RANK"])
 
 
 def compile_job(job: dict[str, Any], share: int) -> vf.Pipeline:
-    model, tokens = make_model_and_data()
+    model, tokens = make_model_and_data(dropout=job.get("dropout", 0.0))
     micro = job.get("micro_batch_size", {}).get(str(RANK), 2)  # per rank: to disagree
     return vf.compile(model, example_inputs=(tokens[0, :share, :-1],), loss_fn=lm_loss,
                       stages=job["P"], data_parallel=job.get("D"), micro_batch_size=micro,

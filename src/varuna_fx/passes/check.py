@@ -63,3 +63,17 @@ def check_parameters(gm: fx.GraphModule, held: list[list[str]], canonical: dict[
     missing = read - owned
     if missing:
         raise InvariantError(f"parameters read but owned by no stage: {sorted(missing)[:5]}")
+
+
+def check_graph(gm: fx.GraphModule) -> None:
+    """After every pass: the graph is well formed (fx's lint: defined before use, one output)
+    and every annotated node's NodeInfo is its own (node copies copy their annotations)."""
+    gm.graph.lint()
+    seen: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        meta = node.meta.get("varuna")
+        if meta is None:
+            continue
+        if id(meta) in seen:
+            raise InvariantError(f"nodes {seen[id(meta)]} and {node.name} share one NodeInfo")
+        seen[id(meta)] = node.name

@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
-from ..ir import NodeInfo, StageSpec, TensorInfo, Transfer, info
-from ..runtime.rng import seed_node
+from ..ir import NodeInfo, StageSpec, TensorInfo, Transfer, copied_meta, copy_info, info
+from ..rng import seed_node
 
 
 @dataclass
@@ -49,8 +49,12 @@ def requiring_grad(gm: fx.GraphModule, trainable: set[str]) -> set[fx.Node]:
     return found
 
 
-def split_stages(gm: fx.GraphModule, num_stages: int,
-                 trainable: set[str]) -> list[StageGraph]:
+def split_stages(gm: fx.GraphModule, num_stages: int, trainable: set[str],
+                 stage_of_node: dict[fx.Node, int] | None = None) -> list[StageGraph]:
+    """``stage_of_node``: the stage of each compute node, when not the one assign_stages wrote
+    into its annotations (the profiler cuts chunks of its own without touching the graph)."""
+    assigned = stage_of_node if stage_of_node is not None else \
+        {n: info(n).stage for n in gm.graph.nodes}
     grad_nodes = requiring_grad(gm, trainable)
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -58,12 +62,12 @@ def split_stages(gm: fx.GraphModule, num_stages: int,
     last = num_stages - 1
 
     def stage_of(n: fx.Node) -> int:
-        return last if n.op == "output" else info(n).stage  # type: ignore[return-value]
+        return last if n.op == "output" else assigned[n]  # type: ignore[return-value]
 
     owned: list[list[fx.Node]] = [[] for _ in range(num_stages)]
     for n in nodes:
         if n.op not in ("placeholder", "get_attr", "output") and not info(n).replicable:
-            owned[info(n).stage].append(n)  # type: ignore[index]
+            owned[assigned[n]].append(n)  # type: ignore[index]
     # Who needs which computed value: consumer stages of every non-replicable node.
     consumers: dict[fx.Node, set[int]] = {n: set() for s in owned for n in s}
     for n in [*[x for s in owned for x in s], output]:
@@ -94,12 +98,12 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
     inputs = [p for p in nodes if p in placeholders]
     for p in inputs:
         env[p] = graph.placeholder(p.name)
-        env[p].meta = dict(p.meta)
+        env[p].meta = copied_meta(p.meta)
     for t in {t.name: t for t in recvs}.values():  # one placeholder per value
         src = by_name[t.name]
         env[src] = graph.placeholder(t.name)
         # shapes and source for the generated code, but not the producer's parameters
-        env[src].meta = {**src.meta, "varuna": replace(info(src), params={})}
+        env[src].meta = {**src.meta, "varuna": replace(copy_info(info(src)), params={})}
     members = replicated | set(owned)
     for n in nodes:
         if n in members:
@@ -107,6 +111,7 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
                 seeding = graph.call_function(seed_node, (n.name,))
                 seeding.meta["varuna"] = NodeInfo(is_tensor=False, replicable=True)
             env[n] = graph.node_copy(n, env.__getitem__)
+            env[n].meta = copied_meta(n.meta)
     results = {name: env[by_name[name]] for name in dict.fromkeys(t.name for t in sends)}
     outputs = []
     if s == last:

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..capture import BoundInputs, bind_inputs
 from ..cluster import Cluster
+from ..frontend import captured_and_annotated
 from ..passes.annotate_costs import canonical_names
 from .costs import CostTable
 from .explain import explain_nothing_fits
@@ -50,11 +51,9 @@ class Analyzed:
 def analyze(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Analyzed:
     """Capture and annotate ``model`` exactly as ``vf.compile`` does (the same passes, and the
     same per-model cache, so a compile afterwards does not capture again)."""
-    from ..api import _captured_and_annotated
-
     start = time.perf_counter()
     bound = bind_inputs(model, example_inputs)
-    captured = _captured_and_annotated(model, bound, tracer, canonical_names(model))
+    captured = captured_and_annotated(model, bound, tracer, canonical_names(model))
     return Analyzed(captured.gm, bound, type(model).__name__, captured.tracer,
                     {"capture+annotate": time.perf_counter() - start})
 

@@ -30,13 +30,11 @@ from rich.progress import Progress
 
 from ..capture import BoundInputs
 from ..cluster import local_device_type
-from ..ir import Affine, info
+from ..ir import Affine
 from ..passes.assign_stages import compute_nodes, trainable_names
 from ..passes.split_stages import split_stages
 from .costs import CostTable
 from .profile import ChunkProfile, Profile, graph_hash
-
-COUNTER = {"measurements": 0}  # profiles measured in this process (tests check cache hits)
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,6 @@ class _Chunk:
 
 def measure(gm: fx.GraphModule, bound: BoundInputs, key: str,
             settings: ProfileSettings = ProfileSettings()) -> Profile:
-    COUNTER["measurements"] += 1
     device = _device_of(gm)
     sizes = sorted({min(s, bound.batch_size) for s in settings.sizes})
     table = CostTable.build(gm)
@@ -206,17 +203,11 @@ def _boundaries(gm: fx.GraphModule, bound: BoundInputs, table: CostTable, b: int
 
 
 def _build_chunks(gm: fx.GraphModule, bounds: list[int]) -> list[_Chunk]:
-    """One GraphModule per chunk, made by the stage splitter (stages set temporarily)."""
+    """One GraphModule per chunk, made by the stage splitter (chunks given as a map, so the
+    shared annotated graph is not touched)."""
     nodes = compute_nodes(gm)
-    before = {n: info(n).stage for n in gm.graph.nodes}
-    try:
-        for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-            for n in nodes[lo:hi]:
-                info(n).stage = k
-        graphs = split_stages(gm, len(bounds) - 1, trainable_names(gm))
-    finally:
-        for n, stage in before.items():
-            info(n).stage = stage
+    chunk_of = {n: k for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])) for n in nodes[lo:hi]}
+    graphs = split_stages(gm, len(bounds) - 1, trainable_names(gm), chunk_of)
     chunks = []
     for sg in graphs:
         recvs = {t.name: t.requires_grad for t in sg.spec.recvs}

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..cluster import Cluster
+from ..where import in_process_group
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def measure_network(sizes: tuple[int, ...] = (2**18, 2**22, 2**24),
     import torch
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not in_process_group():
         return None
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) \

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from ..cluster import Cluster
 from ..errors import VarunaFxError
+from ..factory import load_factory
 from ..plan import _bytes, _seconds, alternatives_table
 from .analyze import analyze, plan_for
 from .search import Candidate, SearchResult
@@ -26,10 +27,8 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from ..cli import _load_factory
-
     console = Console()
-    made = _load_factory(args.model)()
+    made = load_factory(args.model)()
     model, inputs = made[0], made[1]
     try:
         cluster = cluster_from_args(args)

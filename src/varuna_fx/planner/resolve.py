@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from ..capture import BoundInputs
 from ..cluster import local_device_type
 from ..errors import VarunaFxError
+from ..where import in_process_group, init_process_group, launched_distributed
 from .measure import ProfileSettings, measure
 from .network import measure_network
 from .profile import Profile, graph_hash, load_cached, profile_key, save_cached
@@ -46,15 +48,11 @@ def profile_here(gm: fx.GraphModule, bound: BoundInputs, settings: ProfileSettin
     every rank measures at once -- each device busy as during training, which matters where
     devices share memory bandwidth or cores -- and rank 0's profile is broadcast, so every
     rank plans the same configuration."""
-    import torch.distributed as dist
-
-    from ..runtime.setup import init_process_group, launched_distributed
-
     dtype = str(next((p.dtype for p in gm.parameters()), torch.float32))
     key = profile_key(gm, local_device_type(), dtype, torch.get_num_threads(), settings.key())
     if launched_distributed():  # join early: ranks measuring apart would plan apart
         init_process_group(timeout=600.0)
-    group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    group = in_process_group()
     found: list[Profile | None] = [load_cached(key)]
     if group:  # measure on every rank at once (the conditions of the run), if any must
         missing = torch.tensor([float(found[0] is None)])

@@ -36,9 +36,9 @@ from ..cluster import Cluster
 from ..costmodel import DeviceSpec
 from ..errors import PartitionError
 from ..plan import Alternative
-from ..schedule import Schedule, build_schedule, simulate
+from ..schedule import Schedule, build_schedule, peak_stash_counts, simulate
 from .balance import Balancer, StagePlan
-from .costs import CostTable
+from .costs import CostTable, UnitArrays
 from .network import Links, NetworkProfile, links
 
 
@@ -132,6 +132,11 @@ class Planner:
             self._balancers[b] = Balancer(units, self.table.shared, bw, self.recompute)
         return self._balancers[b]
 
+    def balancer_for(self, units: UnitArrays, stages: int) -> Balancer:
+        """A balancer over given unit arrays (one unit per stage of a made partition)."""
+        bw = self.links(stages, 1).partition_bandwidth
+        return Balancer(units, self.table.shared, bw, self.recompute)
+
     def partition(self, b: int, stages: int, in_flight: int,
                   budget: float | None = None) -> StagePlan | None:
         """Fastest partition whose stages fit ``budget`` (default: the device memory) by the
@@ -147,7 +152,7 @@ class Planner:
         key = (stages, micro_batches)
         if key not in self._schedules:
             sched = build_schedule(self.schedule, stages, micro_batches, self.recompute)
-            self._schedules[key] = (sched, stash_counts(sched))
+            self._schedules[key] = (sched, peak_stash_counts(sched))
         return self._schedules[key]
 
     def links(self, stages: int, replicas: int) -> Links:
@@ -344,9 +349,3 @@ class Planner:
         c.plan = self.partition(c.micro_batch_size, c.stages, c.in_flight, cap - extra)
         return c.plan is not None and self._fits(c, counts, cap)
 
-
-def stash_counts(schedule: Schedule) -> list[int]:
-    """Most micro-batches each stage holds at once (see ``schedule.peak_stash_counts``)."""
-    from ..schedule import peak_stash_counts
-
-    return peak_stash_counts(schedule)

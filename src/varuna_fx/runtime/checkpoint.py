@@ -36,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from ..errors import CheckpointError
+from ..where import launched_distributed
 from .comm import resolve_timeout
 from .optimizer_state import (
     decode,
@@ -45,7 +46,6 @@ from .optimizer_state import (
     restore_optimizer,
     wanted_keys,
 )
-from .setup import launched_distributed
 
 FORMAT = 1
 # DCP warns on every call in one process that it assumes one process (also on async_save's
@@ -96,12 +96,20 @@ class Checkpointer:
              extra: dict[str, Any] | None, *, async_save: bool = False) -> SaveHandle | None:
         self.wait()
         path = os.path.normpath(path)
-        state = self._state(optimizer, extra)
         marker = {"format": FORMAT, "model": self.pipe.plan.model_name,
                   "optimizer": _class_name(optimizer) if optimizer is not None else None,
                   "plan": _layout_summary(self.pipe), "world": self.world}
-        self._agree(_try(lambda: _prepare(path)) if self.rank == 0 else None,
-                    f"preparing {path}")
+        # a bad argument may show on one rank only (extra is rank 0's): every rank must learn
+        # of it before the collective save, or the others would wait for that rank in vain
+        state: dict[str, torch.Tensor] = {}
+        error: BaseException | None = None
+        try:
+            state = self._state(optimizer, extra)
+        except CheckpointError as exc:
+            error = exc
+        if error is None and self.rank == 0:
+            error = _try(lambda: _prepare(path))
+        self._agree(error, f"preparing {path}")
         # several writer threads: writing is I/O-bound, and one thread leaves the disk idle
         # while it serialises the next tensor
         writer = FileSystemWriter(path + PARTIAL, thread_count=WRITE_THREADS)
@@ -136,7 +144,7 @@ class Checkpointer:
             raise CheckpointError(f"extra must be a dict, got {type(extra).__name__}")
         if self.rank == 0:
             scaler = self.pipe.runtime.scaler
-            meta = {"extra": extra or {}, "loss_scale": scaler.scale,
+            meta = {"extra": extra or {}, "loss_scale": scaler.scale if scaler.enabled else None,
                     "clean_steps": scaler._clean_steps, "rng": _rng_state()}
             state[META] = encode(meta)
             try:
@@ -166,6 +174,30 @@ class Checkpointer:
     def load(self, path: str, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         self.wait()
         path = os.path.normpath(path)
+        dest: dict[str, torch.Tensor] = {}
+        error: BaseException | None = None
+        try:  # every rank checks; one rank's failure stops all before the collective load
+            dest = self._destinations(path, optimizer)
+        except CheckpointError as exc:
+            error = exc
+        self._agree(error, f"checking {path}")
+        dcp.load(dest, checkpoint_id=path, process_group=self.group,
+                 no_dist=not self.distributed,
+                 planner=DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True))
+        if optimizer is not None:
+            restore_optimizer(optimizer, self._names(), dest)
+        meta = decode(dest[META])
+        scaler = self.pipe.runtime.scaler
+        if scaler.enabled and meta["loss_scale"] is not None:  # fp16 saved and fp16 now
+            scaler.scale, scaler._clean_steps = meta["loss_scale"], meta["clean_steps"]
+        _set_rng_state(meta["rng"])
+        return meta["extra"]
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _destinations(self, path: str, optimizer: torch.optim.Optimizer | None
+                      ) -> dict[str, torch.Tensor]:
+        """Check ``path`` against this model and optimizer; the tensors to load into."""
         marker = read_marker(path)
         try:
             metadata = FileSystemReader(path).read_metadata().state_dict_metadata
@@ -188,24 +220,13 @@ class Checkpointer:
             keys += wanted_keys(parameter_fqns(optimizer, self._names()), list(metadata))
         elif marker.get("optimizer") is not None:
             warnings.warn(f"{path} holds {marker['optimizer']} state but no optimizer was "
-                          "passed to load_checkpoint: the optimizer starts fresh", stacklevel=3)
+                          "passed to load_checkpoint: the optimizer starts fresh", stacklevel=4)
         # the model's own tensors are the destinations (DCP copies into them, casting as
         # needed): no second copy of the model in memory
         dest = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype)
                 for k in keys if not k.startswith(MODEL)}
         dest.update({MODEL + n: t.detach() for n, t in held.items()})
-        dcp.load(dest, checkpoint_id=path, process_group=self.group,
-                 no_dist=not self.distributed,
-                 planner=DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True))
-        if optimizer is not None:
-            restore_optimizer(optimizer, self._names(), dest)
-        meta = decode(dest[META])
-        scaler = self.pipe.runtime.scaler
-        scaler.scale, scaler._clean_steps = meta["loss_scale"], meta["clean_steps"]
-        _set_rng_state(meta["rng"])
-        return meta["extra"]
-
-    # -- helpers -------------------------------------------------------------------------------
+        return dest
 
     def _names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.pipe.named_parameters()}
@@ -370,7 +391,7 @@ def _class_name(optimizer: torch.optim.Optimizer) -> str:
 def _layout_summary(pipe: Any) -> dict[str, Any]:
     plan = pipe.plan
     return {"stages": plan.stages, "data_parallel": plan.data_parallel,
-            "micro_batch_size": plan.micro_batch_size, "schedule": plan.schedule}
+            "micro_batch_size": plan.micro_batch_size, "schedule": plan.schedule.name}
 
 
 def _few(items: list[str], limit: int = 5) -> str:

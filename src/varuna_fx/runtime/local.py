@@ -1,72 +1,70 @@
-"""One-process runtime: all P stages in this process, under the compiled schedule.
+"""One-process runtime: all P stages in this process, under the plan's schedule.
 
 Actions run in ``execution_order(schedule)``: a global order that respects every stage's list
-and every data dependency; Python dicts stand in for the network. The numbers are the same as
-a distributed run's, which makes this the runtime for notebooks, exploration and tests.
+and every data dependency; Python dicts stand in for the network. The step loop is the shared
+one (``step.py``), so the numbers are the same as a distributed run's, which makes this the
+runtime for notebooks, exploration and tests.
 """
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..codegen import Stage
-from ..schedule import Kind, build_schedule, execution_order, validate
+from ..plan import Plan
+from ..schedule import Action, Kind, execution_order, validate, with_micro_batches
 from . import preemption
-from .batching import micro_batch_loss, split_batch, split_target
 from .precision import LossScaler, autocast_factory
+from .step import LossOf, StepLoop
 from .worker import StageWorker
 
 
-class LocalRuntime:
-    def __init__(self, stages: list[Stage], *, assemble: Any, loss_fn: Any,
-                 schedule: str, recompute: bool, micro_batch_size: int,
-                 offload_stash: bool = False, precision: str = "fp32") -> None:
+class LocalRuntime(StepLoop):
+    def __init__(self, stages: list[Stage], plan: Plan, *, assemble: Callable[[dict], Any],
+                 loss_fn: Any, offload_stash: bool = False, precision: str = "fp32") -> None:
         self.stages = stages
-        self.assemble = assemble  # last stage's outputs dict -> the model's output structure
+        self.plan = plan
+        self.assemble = assemble
         self.loss_fn = loss_fn
-        self.schedule_name = schedule
-        self.recompute = recompute
-        self.micro_batch_size = micro_batch_size
+        self.local_stages = list(range(len(stages)))
         self.autocast = autocast_factory(precision, "cuda" if _on_cuda(stages) else "cpu")
         self.scaler = LossScaler(enabled=precision == "fp16")
         last = len(stages) - 1
-        self.workers = [StageWorker(s, recompute=recompute, is_last=s.index == last,
-                                    offload_stash=offload_stash, autocast=self.autocast)
+        self.workers = [StageWorker(s, recompute=plan.recompute[s.index],
+                                    is_last=s.index == last, offload_stash=offload_stash,
+                                    autocast=self.autocast)
                         for s in stages]
-        self._orders: dict[int, list] = {}
-        self.preempted = False
+        self._orders: dict[int, list[Action]] = {}
         if "TORCHELASTIC_RUN_ID" in os.environ:
             # one rank under torchrun (an elastic job shrunk to one machine): its agent stops
             # workers with SIGTERM on a membership change, which must save, not kill
             preemption.install_handlers()
 
-    def order(self, num_micro_batches: int) -> list:
+    def order(self, num_micro_batches: int) -> list[Action]:
         if num_micro_batches not in self._orders:
-            sched = build_schedule(self.schedule_name, len(self.stages), num_micro_batches,
-                                   self.recompute)
+            sched = with_micro_batches(self.plan.schedule, num_micro_batches)
             validate(sched)
             self._orders[num_micro_batches] = execution_order(sched)
         return self._orders[num_micro_batches]
 
-    def step(self, inputs: dict[str, torch.Tensor], target: Any = None) -> torch.Tensor:
-        micro = split_batch(inputs, self.micro_batch_size)
-        m = len(micro)
-        targets = split_target(target, self.micro_batch_size, m)
-        seed = int(torch.randint(0, 2**62, ())) if any(w.random for w in self.workers) else 0
+    # -- step-loop hooks -----------------------------------------------------------------------
+
+    def set_seed(self, seed: int) -> None:
         for w in self.workers:
             w.seed = seed
+
+    def run_actions(self, micro: list[dict[str, torch.Tensor]], loss_of: LossOf) -> None:
         # values in flight: (dst stage, mb) -> {name: tensor}; gradients: (src, mb) -> {name}
         inbox: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
         grad_box: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
-        losses: list[torch.Tensor] = [torch.zeros(())] * m
         last = len(self.stages) - 1
-        for action in self.order(m):
+        for action in self.order(len(micro)):
             s, i = action.stage, action.mb
             worker = self.workers[s]
             if action.kind is Kind.F:
@@ -76,21 +74,21 @@ class LocalRuntime:
             elif action.kind is Kind.R:
                 worker.recompute_mb(i)
             else:
-                loss = None
-                if s == last:
-                    output = self.assemble(worker.outputs_of(i))
-                    losses[i], loss = micro_batch_loss(output, self.loss_fn, targets[i], m,
-                                                       self.autocast, self.scaler.scale)
+                loss = loss_of(i, worker.outputs_of(i)) if s == last else None
                 grads = worker.backward(i, grad_box.pop((s, i), {}), loss)
                 for t in worker.spec.recvs:
                     if t.requires_grad:
                         box = grad_box[(t.src, i)]
                         box[t.name] = box[t.name] + grads[t.name] if t.name in box \
                             else grads[t.name]
+
+    def finish(self, losses: list[torch.Tensor], flags: Sequence[bool]
+               ) -> tuple[torch.Tensor, tuple[bool, ...]]:
         if self.scaler.enabled:
             self.scaler.unscale_(_unique_params(self.stages))
-        self.preempted = preemption.requested()  # handlers: pipe.install_preemption_handlers()
-        return torch.stack(losses).mean()
+        return torch.stack(losses).mean(), tuple(bool(f) for f in flags)
+
+    # -- the rest of the Runtime protocol ------------------------------------------------------
 
     def clip_grad_norm_(self, params: Iterable[nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
@@ -106,6 +104,9 @@ class LocalRuntime:
                 outputs = stage({**inputs, **values})
                 values.update(outputs)
         return self.assemble(outputs)
+
+    def close(self) -> None:
+        """Nothing to release in one process."""
 
 
 def _on_cuda(stages: list[Stage]) -> bool:

@@ -49,13 +49,15 @@ class StateLayout:
                    dtypes={n: tensors[n].dtype for n in names},
                    unread={n for n in names if n not in held}, aliases=aliases)
 
-    def held_by(self, stages: list[Stage], local: list[int]) -> list[str]:
-        """Canonical names of the state the processes running ``local`` stages hold."""
+    def held_names(self, canonical: dict[str, str], stages: list[Stage],
+                   local: list[int]) -> list[str]:
+        """Canonical FQNs of the parameters and buffers the processes running the ``local``
+        stages hold (model order): their stages' tensors, and on stage 0 the unread ones."""
         held = {n for s in local
                 for n in [*stages[s].parameter_names, *stages[s].spec.buffer_names]}
         if 0 in local:
             held |= self.unread
-        return [n for n in self.names if n in held]
+        return [n for n in dict.fromkeys(canonical.values()) if n in held]
 
 
 def unread_tensors(model: nn.Module, layout: StateLayout) -> list[torch.Tensor]:

@@ -59,13 +59,9 @@ class LossScaler:
         self.found_inf = False
         self._clean_steps = 0
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale if self.enabled else loss
-
-    def unscale_(self, params: Iterable[torch.nn.Parameter],
-                 any_rank: Callable[[bool], bool] = bool) -> bool:
-        """Divide the gradients by the scale; ``any_rank`` ORs the overflow flag over every
-        rank (identity in one process). Sets and returns :attr:`found_inf`."""
+    def unscale_(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """Divide the gradients by the scale; sets and returns :attr:`found_inf` for this
+        process's gradients (a distributed runtime ORs it over every rank afterwards)."""
         if not self.enabled:
             self.found_inf = False
             return False
@@ -75,7 +71,7 @@ class LossScaler:
             torch._foreach_mul_(grads, 1.0 / self.scale)
             norms = torch.stack(torch._foreach_norm(grads))
             local = not bool(torch.isfinite(norms).all())
-        self.found_inf = any_rank(local)
+        self.found_inf = local
         return self.found_inf
 
     def update(self) -> None:

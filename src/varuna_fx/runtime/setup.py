@@ -8,7 +8,6 @@ instead of deadlocking or exchanging tensors of the wrong size later.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -18,45 +17,20 @@ import torch.distributed as dist
 from torch import nn
 
 from ..codegen import Stage
-from ..errors import DistributedError, PeerTimeoutError
+from ..errors import DistributedError
+from ..placement import Placement
 from ..plan import Plan
-from ..schedule import build_schedule
+from ..where import comm_device, init_process_group, launched_distributed
 from .comm import wait
-from .placement import Placement
 
-
-def launched_distributed() -> bool:
-    """True when this process is one rank of several (initialised, or torchrun's env)."""
-    if not dist.is_available():
-        return False
-    if dist.is_initialized():
-        return dist.get_world_size() > 1
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def init_process_group(timeout: float) -> None:
-    """Join the job torchrun described (env://) unless the user already did: gloo on CPU,
-    NCCL on GPU. The rendezvous waits at most ``timeout`` for the other ranks."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    try:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-    except (RuntimeError, dist.DistError) as exc:
-        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        raise PeerTimeoutError(
-            f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')} could "
-            f"not form the process group at {where} within {timeout:.1f} s: some rank did not "
-            f"start or crashed before vf.compile; see its log ({str(exc).splitlines()[0]})"
-        ) from exc
+__all__ = ["init_process_group", "launched_distributed"]  # their home is where.py
 
 
 def plan_summary(plan: Plan) -> str:
     sizes = [c.nodes for c in plan.stage_costs]
     return (f"P={plan.stages} D={plan.data_parallel} micro-batch {plan.micro_batch_size} x "
-            f"{plan.num_micro_batches} schedule {plan.schedule} recompute={plan.recompute} "
+            f"{plan.num_micro_batches} schedule {plan.schedule.name} "
+            f"recompute={list(plan.recompute)} "
             f"nodes per stage {sizes}")
 
 
@@ -69,8 +43,7 @@ def plan_fingerprint(plan: Plan, stages: list[Stage], precision: str) -> str:
                      f"{' '.join(spec.parameter_names)} | inputs {spec.inputs}")
         for t in spec.sends:
             parts.append(f"  {t.name} {t.src}->{t.dst} {t.tensor} grad={t.requires_grad}")
-    parts.append(str(build_schedule(plan.schedule, plan.stages, plan.num_micro_batches,
-                                    plan.recompute)))
+    parts.append(str(plan.schedule))
     return "\n".join(parts)
 
 
@@ -78,7 +51,7 @@ def verify_same_plan(plan: Plan, fingerprint: str, timeout: float) -> None:
     """All-gather a hash of the plan; every rank raises if any two differ."""
     rank, world = dist.get_rank(), dist.get_world_size()
     digest = int(hashlib.sha256(fingerprint.encode()).hexdigest()[:15], 16)
-    mine = torch.tensor([digest], dtype=torch.int64, device=_comm_device())
+    mine = torch.tensor([digest], dtype=torch.int64, device=comm_device())
     every = [torch.empty_like(mine) for _ in range(world)]
     work = dist.all_gather(every, mine, async_op=True)
     wait(work, timeout, f"rank {rank}", "every rank's plan fingerprint (all ranks must call "
@@ -99,12 +72,6 @@ def verify_same_plan(plan: Plan, fingerprint: str, timeout: float) -> None:
         "Every rank must call vf.compile with the same model (same seed), example inputs and "
         "arguments, and the same Cluster"
     )
-
-
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 @dataclass
@@ -202,3 +169,18 @@ def broadcast_initial(named: dict[str, torch.Tensor], groups: Groups, placement:
                                                 group=groups.data_parallel, async_op=True))
     for w in works:
         wait(w, timeout, who, "the initial parameters from replica 0")
+
+
+def held_names(canonical: dict[str, str], stages: list[Stage], local: list[int]) -> list[str]:
+    """Canonical FQNs of the parameters and buffers the ``local`` stages hold, model order."""
+    held = {n for s in local for n in [*stages[s].parameter_names, *stages[s].spec.buffer_names]}
+    return [n for n in dict.fromkeys(canonical.values()) if n in held]
+
+
+def held_tensors(model: nn.Module, names: list[str]
+                 ) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor]]:
+    """(parameters, buffers) of ``model`` among ``names`` (from :func:`held_names`)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    return ({n: params[n] for n in names if n in params},
+            {n: buffers[n] for n in names if n in buffers})

@@ -7,7 +7,7 @@
 """
 
 from varuna_fx.schedule.actions import Action, Kind, Schedule
-from varuna_fx.schedule.generators import SCHEDULES, build_schedule
+from varuna_fx.schedule.generators import SCHEDULES, build_schedule, with_micro_batches
 from varuna_fx.schedule.render import gantt, text_grid
 from varuna_fx.schedule.simulate import SimResult, analytic_bubble, peak_stash_counts, simulate
 from varuna_fx.schedule.validate import execution_order, validate
@@ -26,4 +26,5 @@ __all__ = [
     "simulate",
     "text_grid",
     "validate",
+    "with_micro_batches",
 ]

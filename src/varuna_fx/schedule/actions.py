@@ -70,6 +70,11 @@ class Schedule:
         """All actions, stage by stage (not an execution order; see ``execution_order``)."""
         return [a for stage in self.per_stage for a in stage]
 
+    def __repr__(self) -> str:
+        # compact: a Plan's repr shows its schedule; str() gives the full action lists
+        return (f"Schedule({self.name!r}, P={self.num_stages}, m={self.num_micro_batches}, "
+                f"recompute={self.recompute})")
+
     def __str__(self) -> str:
         lines = [
             f"# {self.name} P={self.num_stages} m={self.num_micro_batches} "

@@ -84,3 +84,13 @@ def build_schedule(
         raise ScheduleError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
     per_stage = SCHEDULES[name](num_stages, num_micro_batches, recompute)
     return Schedule(name, num_stages, num_micro_batches, recompute, per_stage)
+
+
+def with_micro_batches(schedule: Schedule, num_micro_batches: int) -> Schedule:
+    """``schedule`` itself when it has ``num_micro_batches``, else the same kind of schedule
+    (same generator, stages and recompute) for that many: a one-process pipeline accepts any
+    batch the micro-batch size divides."""
+    if schedule.num_micro_batches == num_micro_batches:
+        return schedule
+    return build_schedule(schedule.name, schedule.num_stages, num_micro_batches,
+                          schedule.recompute)

@@ -1,0 +1,123 @@
+"""The pass list as data: named passes, a checker after every one, and dumps of each graph.
+
+``vf.compile`` is an ordered list of :class:`Pass` objects (``frontend.FRONT_PASSES``, then
+``api.BACK_PASSES``). :func:`run_passes` runs them over one mutable :class:`CompileState`; after
+every pass it runs the generic graph check plus the pass's own checker, and, when
+``VARUNA_FX_DUMP=<dir>`` is set (or ``dump=`` is given), writes the graph the pass left as
+readable code, headed by its provenance (every pass run so far and what each guarantees), the
+way lightning-thunder writes its traces. The stage code header names the same list.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.fx as fx
+
+from ..ir import info
+from .check import check_graph
+
+
+@dataclass
+class CompileState:
+    """Everything one compile knows; each pass reads some fields and fills others."""
+
+    model: Any
+    gm: fx.GraphModule | None = None  # the graph the passes annotate
+    values: dict[str, Any] = field(default_factory=dict)  # pass results by name
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.values[key] = value
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    guarantees: str  # what holds afterwards (the dump header and ARCHITECTURE.md say it)
+    run: Callable[[CompileState], None]
+    check: Callable[[CompileState], None] | None = None  # invariants after this pass
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def dump_dir(dump: str | os.PathLike[str] | None = None) -> Path | None:
+    """Where to write pass dumps: ``dump``, else ``$VARUNA_FX_DUMP``, else nowhere."""
+    target = dump if dump is not None else os.environ.get("VARUNA_FX_DUMP") or None
+    return Path(target) if target is not None else None
+
+
+def run_passes(passes: Sequence[Pass], state: CompileState, *, dump: Path | None = None,
+               done: Sequence[Pass] = ()) -> None:
+    """Run ``passes`` in order over ``state``, checking after each; ``done``: passes already
+    applied to ``state.gm`` (the cached front end), for the provenance of the dumps."""
+    history = list(done)
+    for p in passes:
+        p.run(state)
+        if state.gm is not None:
+            check_graph(state.gm)
+        if p.check is not None:
+            p.check(state)
+        history.append(p)
+        if dump is not None:
+            write_dump(dump, history, state)
+
+
+def write_dump(directory: Path, history: Sequence[Pass], state: CompileState) -> Path:
+    """``<dir>/<NN>_<pass>.py``: provenance, then the graph (each stage's after split_stages)
+    with one comment per node giving its annotations."""
+    directory.mkdir(parents=True, exist_ok=True)
+    last = history[-1]
+    lines = [f"# varuna_fx pass dump: after {last.name} (pass {len(history)} of the list)",
+             "# provenance -- passes applied, in order:"]
+    lines += [f"#   {k + 1}. {p.name}: {p.guarantees}" for k, p in enumerate(history)]
+    graphs: list[tuple[str, fx.Graph]] = []
+    stage_graphs = state.values.get("stage_graphs")
+    if stage_graphs is not None:
+        graphs = [(f"stage {sg.spec.index}", sg.graph) for sg in stage_graphs]
+    elif state.gm is not None:
+        graphs = [("whole model", state.gm.graph)]
+    for title, graph in graphs:
+        lines += ["", f"# ---- {title} ----", describe_graph(graph)]
+    path = directory / f"{len(history):02d}_{last.name}.py"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def describe_graph(graph: fx.Graph) -> str:
+    """The graph's Python source with a comment above each node: its annotations."""
+    notes = {n.name: _note(n) for n in graph.nodes}
+    out = []
+    for line in graph.python_code(root_module="self").src.splitlines():
+        name = line.strip().split(" ", 1)[0].split(":", 1)[0]
+        note = notes.get(name)
+        if note and " = " in line:
+            out.append(f"    # {note}")
+        out.append(line)
+    return "\n".join(out).strip("\n")
+
+
+def _note(node: fx.Node) -> str:
+    meta = node.meta.get("varuna")
+    if meta is None:
+        return ""
+    meta = info(node)
+    parts = [str(t) for t in meta.outputs[:1]]
+    if meta.fwd_flops.per_sample or meta.fwd_flops.const:
+        parts.append(f"fwd {meta.fwd_flops.expr} FLOP")
+    if meta.params:
+        parts.append(f"reads {', '.join(meta.params)}")
+    if meta.replicable:
+        parts.append("replicable")
+    if meta.stage is not None:
+        parts.append(f"stage {meta.stage}")
+    if meta.random:
+        parts.append("random")
+    return "  ".join(parts)

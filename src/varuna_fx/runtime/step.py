@@ -1,0 +1,123 @@
+"""The one step loop, shared by the one-process and the distributed runtime.
+
+``StepLoop.step`` is the whole of ``pipe.step`` after the inputs are bound: split the batch into
+micro-batches, draw the step's dropout seed, run this process's share of the schedule (every
+stage in one process; one stage per rank), then ``finish``: the loss and flags every rank must
+agree on. A runtime supplies the four hooks of :class:`Runtime`; the loop owns everything else,
+so the two runtimes cannot drift apart (they once drew dropout seeds differently).
+
+Hooking a flag into the step's world all-reduce (e.g. "a rank was preempted"): pass it in
+``flags`` to ``finish`` -- the distributed runtime packs every flag into the same all-reduce as
+the loss and the fp16 overflow, and returns them ORed over all ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..codegen import Stage
+from ..plan import Plan
+from .batching import micro_batch_loss, split_batch, split_target
+from .precision import LossScaler
+
+# (micro-batch, the last stage's outputs for it) -> the scaled loss to back-propagate
+LossOf = Callable[[int, dict[str, torch.Tensor]], torch.Tensor]
+
+
+class Runtime(Protocol):
+    """What a pipeline needs from a runtime; ``StepLoop`` implements ``step`` on top of the
+    ``prepare`` / ``run_actions`` / ``finish`` hooks."""
+
+    plan: Plan
+    scaler: LossScaler
+    stage_index: int  # the stage this process runs (0 in one process)
+    replica_index: int
+    local_stages: list[int]  # stages whose parameters live in this process
+
+    def step(self, inputs: dict[str, torch.Tensor], target: Any = None,
+             flags: Sequence[bool] = ()) -> torch.Tensor: ...
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> Any: ...
+
+    def clip_grad_norm_(self, params: Iterable[nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+def step_seed(replica: int) -> int:
+    """The step's dropout seed: one draw from the global generator (the same draw in every
+    process of a replica, as every rank seeds alike), mixed with the replica index so replicas
+    use distinct masks. Replica 0 keeps the draw itself, so a one-replica distributed run and
+    the one-process run use the same masks."""
+    drawn = int(torch.randint(0, 2**62, ()))
+    return drawn if replica == 0 else hash((drawn, replica))
+
+
+class StepLoop:
+    """Base of both runtimes: the step loop. Subclasses set the attributes below in their
+    ``__init__`` and implement ``prepare``, ``run_actions`` and ``finish``."""
+
+    plan: Plan
+    stages: list[Stage]
+    scaler: LossScaler
+    autocast: Callable[[], Any]
+    assemble: Callable[[dict[str, Any]], Any]  # last stage's outputs -> the model's output
+    loss_fn: Any
+    device: torch.device | None = None  # where targets go (None: leave them where they are)
+    stage_index: int = 0
+    replica_index: int = 0
+    local_stages: list[int]
+
+    @property
+    def random(self) -> bool:
+        """Whether any stage draws random numbers (every process knows every stage, so all
+        draw the step seed alike and the global generators stay in step)."""
+        return any(s.random for s in self.stages)
+
+    flags: tuple[bool, ...] = ()  # the last step's ``flags``, ORed over every rank
+
+    def step(self, inputs: dict[str, torch.Tensor], target: Any = None,
+             flags: Sequence[bool] = ()) -> torch.Tensor:
+        b = self.plan.micro_batch_size
+        inputs = self.prepare(inputs)
+        micro = split_batch(inputs, b)
+        m = len(micro)
+        targets = split_target(target, b, m)
+        self.set_seed(step_seed(self.replica_index) if self.random else 0)
+        losses: dict[int, torch.Tensor] = {}
+
+        def loss_of(i: int, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+            target_i = targets[i]
+            if self.device is not None and isinstance(target_i, torch.Tensor):
+                target_i = target_i.to(self.device)
+            losses[i], scaled = micro_batch_loss(self.assemble(outputs), self.loss_fn,
+                                                 target_i, m, self.autocast, self.scaler.scale)
+            return scaled
+
+        self.run_actions(micro, loss_of)
+        loss, self.flags = self.finish([losses[i] for i in sorted(losses)], flags)
+        return loss
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def prepare(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Check the batch and move it where the stages run."""
+        return inputs
+
+    def set_seed(self, seed: int) -> None:
+        raise NotImplementedError
+
+    def run_actions(self, micro: list[dict[str, torch.Tensor]], loss_of: LossOf) -> None:
+        """This process's actions of the schedule, and the gradient reductions they start."""
+        raise NotImplementedError
+
+    def finish(self, losses: list[torch.Tensor], flags: Sequence[bool]
+               ) -> tuple[torch.Tensor, tuple[bool, ...]]:
+        """The mean loss (every rank the same), the fp16 overflow into ``scaler.found_inf``,
+        and ``flags`` ORed over every rank."""
+        raise NotImplementedError

@@ -1,0 +1,129 @@
+"""The package's imports go only downward through its layers, without cycles, and (almost)
+never hide inside functions. Parsed with ast: nothing is imported to check it."""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent.parent / "src" / "varuna_fx"
+
+# Lowest first. A module may import its own layer and the ones before it, never a later one.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("base", ["errors", "ir", "rng", "where", "placement", "costmodel", "cluster", "factory",
+              "examples", "schedule", "morphing"]),
+    ("capture", ["capture"]),
+    ("passes", ["passes"]),
+    ("plan", ["plan", "frontend"]),
+    ("planner", ["planner"]),
+    ("configure", ["configure"]),
+    ("codegen", ["codegen", "plan_costs"]),
+    ("runtime", ["runtime"]),
+    ("pipeline", ["pipeline"]),
+    ("api", ["api", "__init__"]),
+    ("cli", ["cli", "elastic"]),
+]
+MAX_FUNCTION_IMPORTS = 5
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int:
+    head = module.split(".")[0]
+    for k, (_, prefixes) in enumerate(LAYERS):
+        if head in prefixes:
+            return k
+    raise AssertionError(f"module {module!r} is in no layer: add it to LAYERS")
+
+
+def package_imports(path: Path) -> list[tuple[str, ast.AST, bool]]:
+    """(imported varuna_fx module, node, inside a function) for every import of the package."""
+    tree = ast.parse(path.read_text())
+    me = module_name(path)
+    package = me.split(".")[:-1] if path.name != "__init__.py" else me.split(".")
+    if me == "__init__":
+        package = []
+    found: list[tuple[str, ast.AST, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package[: len(package) - (child.level - 1)]
+                    target = ".".join([*base, *(child.module or "").split(".")]).strip(".")
+                elif (child.module or "").startswith("varuna_fx"):
+                    target = (child.module or "").removeprefix("varuna_fx").strip(".")
+                else:
+                    target = None
+                if target is not None:
+                    names = [target] if target else [a.name for a in child.names]
+                    found.extend((t or "__init__", child, in_function) for t in names)
+            elif isinstance(child, ast.Import):
+                for alias in child.names:
+                    if alias.name.startswith("varuna_fx"):
+                        target = alias.name.removeprefix("varuna_fx").strip(".") or "__init__"
+                        found.append((target, child, in_function))
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_import_goes_down_the_layers() -> None:
+    upward = []
+    for path in sources():
+        me = module_name(path)
+        for target, node, _ in package_imports(path):
+            if layer_of(target) > layer_of(me):
+                upward.append(f"{me} (layer {LAYERS[layer_of(me)][0]}) imports {target} "
+                              f"(layer {LAYERS[layer_of(target)][0]}) at line {node.lineno}")
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycles_between_modules() -> None:
+    graph: dict[str, set[str]] = {}
+    known = {module_name(p) for p in sources()}
+    for path in sources():
+        me = module_name(path)
+        deps = graph.setdefault(me, set())
+        for target, _, in_function in package_imports(path):
+            while target not in known and "." in target:  # `from .x import name`
+                target = target.rsplit(".", 1)[0]
+            if target != me and not in_function and target in known:
+                deps.add(target)
+    # a package's __init__ importing its own submodules is how packages work: not a cycle
+    for me, deps in graph.items():
+        graph[me] = {d for d in deps if not me.startswith(d + ".") and not d.startswith(me + ".")}
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
+
+
+def test_few_imports_inside_functions_each_with_a_reason() -> None:
+    hidden = []
+    for path in sources():
+        lines = path.read_text().splitlines()
+        for target, node, in_function in package_imports(path):
+            if in_function:
+                line = lines[node.lineno - 1]
+                above = lines[node.lineno - 2] if node.lineno > 1 else ""
+                assert "#" in line or above.strip().startswith("#"), \
+                    f"{path.name}:{node.lineno} imports {target} inside a function without a reason"
+                hidden.append(target)
+    assert len(hidden) <= MAX_FUNCTION_IMPORTS, hidden
+
+
+def test_the_checker_itself_sees_an_upward_import(tmp_path: Path) -> None:
+    """The parse must find relative imports, or the tests above would pass vacuously."""
+    found = {t for t, _, _ in package_imports(PACKAGE / "runtime" / "distributed.py")}
+    assert {"plan", "runtime.step", "where"} <= found
+    assert layer_of("pipeline") > layer_of("runtime.step") > layer_of("plan")
