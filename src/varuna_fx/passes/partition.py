@@ -5,7 +5,12 @@ The cost of a stage is its compute plus the time to send what crosses its right 
 partition minimises the largest stage cost (the pipeline's bottleneck) exactly, by dynamic
 programming over cut positions (vectorised with numpy, one pass per stage), subject to a
 per-stage memory cap. Among the partitions with the optimal bottleneck it picks the one that
-sends the fewest bytes in total ("prefer cuts where few, small values cross").
+sends the fewest bytes in total ("prefer cuts where few, small values cross"). And it never
+trades several times the bytes for a sliver of balance: on a finite-bandwidth link, a partition
+within ``byte_tolerance`` (2%) of the optimal bottleneck that sends at most half the bytes wins. The send term prices
+bytes only as well as the bandwidth is known (an assumed fast link makes a cut inside an MLP,
+sending 5x a block boundary's bytes, look free for 1% of balance), and on a measured fast link
+the send term is tiny, so the rule costs at most that sliver there.
 
 Nothing here knows about graphs: tests feed it synthetic arrays.
 """
@@ -20,6 +25,7 @@ import numpy as np
 from ..errors import PartitionError
 
 _REL_TOL = 1e-9
+_FEWER_BYTES = 0.5  # "several times fewer": the loose partition must send at most this share
 
 
 @dataclass(frozen=True)
@@ -31,9 +37,14 @@ class PartitionCosts:
     bandwidth: float = float("inf")  # bytes/s between neighbouring stages
     memory_cap: float = float("inf")  # bytes per stage
     in_flight: int = 1  # micro-batches whose stash a stage holds at once
-    recompute: bool = True  # stash only stage inputs (else all activations) per micro-batch
+    # stash only stage inputs (else all activations) per micro-batch; "auto": per stage, only
+    # where the stage does not fit otherwise (compute is then the recomputing time and
+    # last_stage_compute the plain one)
+    recompute: bool | str = True
     # [N] time of each node on the last stage, if different: the last stage never recomputes
     last_stage_compute: np.ndarray | None = None
+    # bottleneck (relative) given up for a partition sending at most half the bytes; 0: exact
+    byte_tolerance: float = 0.02
 
     def __post_init__(self) -> None:
         n = len(self.compute)
@@ -43,6 +54,8 @@ class PartitionCosts:
             raise ValueError("compute, weight_bytes and activation_bytes must have equal length")
         if len(self.cut_bytes) != n + 1:
             raise ValueError("cut_bytes must have one entry per cut position (N + 1)")
+        if self.recompute == "auto" and self.last_stage_compute is None:
+            raise ValueError("recompute='auto' needs last_stage_compute (the plain times)")
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,7 @@ class Partition:
     stage_costs: tuple[float, ...]  # compute + send time of each stage
     stage_memory: tuple[float, ...]  # estimated bytes of each stage
     bottleneck: float
+    recompute: tuple[bool, ...] = ()  # per stage: whether it recomputes (set by the partition)
 
     @property
     def num_stages(self) -> int:
@@ -60,8 +74,10 @@ class Partition:
         return int(np.searchsorted(self.bounds, position, side="right") - 1)
 
 
-def _matrices(costs: PartitionCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """cost[i, j] and memory[i, j] of a stage [i, j); inf where i >= j or the cut is forbidden."""
+def _matrices(costs: PartitionCosts
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """cost[i, j] and memory[i, j] of a stage [i, j); inf where i >= j or the cut is forbidden;
+    and whether that stage recomputes."""
     n = len(costs.compute)
     compute = np.concatenate([[0.0], np.cumsum(costs.compute, dtype=np.float64)])
     weights = np.concatenate([[0.0], np.cumsum(costs.weight_bytes, dtype=np.float64)])
@@ -74,20 +90,36 @@ def _matrices(costs: PartitionCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray
     idx = np.arange(n + 1)
     valid = idx[:, None] < idx[None, :]
     cost = np.where(valid, compute[None, :] - compute[:, None] + send[None, :], np.inf)
+    last = None
     if costs.last_stage_compute is not None:  # the stage ending at N is the last one
         last = np.concatenate([[0.0], np.cumsum(costs.last_stage_compute, dtype=np.float64)])
         cost[:, n] = np.where(idx < n, last[n] - last, np.inf)
     stage_acts = acts[None, :] - acts[:, None]
-    if costs.recompute:  # stash: the stage input per micro-batch, plus one replay in flight
-        stash = costs.in_flight * np.where(np.isfinite(cut), cut, 0.0)[:, None] + stage_acts
-    else:
-        stash = costs.in_flight * stage_acts
-    memory = np.where(valid, weights[None, :] - weights[:, None] + stash, np.inf)
+    # recomputing: the stage input per micro-batch, plus one replay in flight
+    replay = costs.in_flight * np.where(np.isfinite(cut), cut, 0.0)[:, None] + stage_acts
+    kept = costs.in_flight * stage_acts
+    held = weights[None, :] - weights[:, None]
+    recomputes = np.full(cost.shape, costs.recompute is True)
+    if costs.recompute == "auto":
+        # each stage recomputes only if it does not fit otherwise, and is priced by its choice
+        assert last is not None
+        plain = np.where(valid, last[None, :] - last[:, None] + send[None, :], np.inf)
+        recomputes = held + kept > costs.memory_cap
+        cost = np.where(recomputes, cost, plain)
+        cost[:, n] = np.where(idx < n, last[n] - last, np.inf)
+    recomputes[:, n] = False  # the last stage never recomputes
+    # ...but runs each backward right after its forward: it holds about one micro-batch's
+    # activations, which the replay formula prices (as it always did with recompute on)
+    priced_as_replay = recomputes | (costs.recompute is True)
+    if costs.recompute == "auto":
+        priced_as_replay[:, n] = True
+    stash = np.where(priced_as_replay, replay, kept)
+    memory = np.where(valid, held + stash, np.inf)
     forbidden = ~np.isfinite(cut)
     forbidden[0] = forbidden[n] = False
     cost[forbidden, :] = np.inf  # a stage may not start at a forbidden cut...
     cost[:, forbidden] = np.inf  # ...nor end at one
-    return cost, memory, cut
+    return cost, memory, cut, recomputes
 
 
 def partition(costs: PartitionCosts, num_stages: int) -> Partition:
@@ -106,7 +138,7 @@ def partition(costs: PartitionCosts, num_stages: int) -> Partition:
     if len(positions) - 1 < 4 * num_stages:
         positions = [0, *(j for j in range(1, n) if np.isfinite(costs.cut_bytes[j])), n]
     reduced = _reduce(costs, positions)
-    cost, memory, cut = _matrices(reduced)
+    cost, memory, cut, recomputes = _matrices(reduced)
     cost = np.where(memory <= costs.memory_cap, cost, np.inf)
     units = len(positions) - 1
     # best[k][j]: smallest bottleneck of splitting units [0, j) into k + 1 stages.
@@ -118,10 +150,20 @@ def partition(costs: PartitionCosts, num_stages: int) -> Partition:
     if not np.isfinite(bottleneck):
         _explain_infeasible(costs, num_stages, cost, memory)
     unit_bounds = _fewest_bytes(cost, cut, num_stages, bottleneck)
+    # an infinite bandwidth says the links are free (or the caller prices only compute)
+    if costs.byte_tolerance > 0 and num_stages > 1 and np.isfinite(costs.bandwidth):
+        loose = _fewest_bytes(cost, cut, num_stages, bottleneck * (1 + costs.byte_tolerance))
+        if _bytes_sent(cut, loose) <= _FEWER_BYTES * _bytes_sent(cut, unit_bounds):
+            unit_bounds = loose
     stage_costs = tuple(float(cost[i, j]) for i, j in zip(unit_bounds, unit_bounds[1:]))
     stage_memory = tuple(float(memory[i, j]) for i, j in zip(unit_bounds, unit_bounds[1:]))
+    flags = tuple(bool(recomputes[i, j]) for i, j in zip(unit_bounds, unit_bounds[1:]))
     bounds = tuple(positions[u] for u in unit_bounds)
-    return Partition(bounds, stage_costs, stage_memory, bottleneck)
+    return Partition(bounds, stage_costs, stage_memory, max(stage_costs), flags)
+
+
+def _bytes_sent(cut: np.ndarray, unit_bounds: list[int]) -> float:
+    return float(sum(cut[j] for j in unit_bounds[1:-1]))
 
 
 def _candidate_cuts(costs: PartitionCosts) -> list[int]:
@@ -161,7 +203,7 @@ def _reduce(costs: PartitionCosts, positions: list[int]) -> PartitionCosts:
         sums(costs.compute), sums(costs.weight_bytes), sums(costs.activation_bytes),
         np.asarray(costs.cut_bytes, dtype=np.float64)[positions], costs.bandwidth,
         costs.memory_cap, costs.in_flight, costs.recompute,
-        None if last is None else sums(last),
+        None if last is None else sums(last), costs.byte_tolerance,
     )
 
 
