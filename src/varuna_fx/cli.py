@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from contextlib import nullcontext
 
@@ -10,6 +11,7 @@ from rich.console import Console
 from rich.syntax import Syntax
 
 import varuna_fx as vf
+from varuna_fx.elastic import elastic_launch
 from varuna_fx.examples import demo_gpt, lm_loss
 from varuna_fx.factory import load_factory
 from varuna_fx.planner.report import plan_command
@@ -49,10 +51,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Wrap torch.distributed.run: standalone on one machine, multi-node flags pass through."""
+    """Wrap torch.distributed.run: standalone on one machine, multi-node flags pass through;
+    ``--elastic``: torchrun's elastic agent set up for morphing (varuna_fx.elastic)."""
     from torch.distributed.run import main as torchrun
 
     argv = list(args.torchrun_args)
+    if args.elastic:
+        launch = elastic_launch(
+            nproc=args.nproc, nnodes=args.nnodes or "1:1", rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id, local_addr=args.local_addr, max_restarts=args.max_restarts,
+            rdzv_conf=args.rdzv_conf)
+        os.environ.update(launch.env)  # read by torchrun's rendezvous and inherited by workers
+        torchrun([*launch.argv, *argv, args.script, *args.script_args])
+        return 0
+    if args.nnodes or args.rdzv_endpoint or args.local_addr:
+        raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for a "
+                         "fixed multi-machine job pass torchrun's flags in --torchrun-args")
     one_machine = not any(a.startswith(("--nnodes", "--rdzv", "--standalone")) for a in argv)
     if one_machine:  # as --standalone, but reachable from this machine only
         argv = [*standalone_args(), *argv]
@@ -109,6 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=int, required=True)
     run.add_argument("--torchrun-args", nargs="*", default=[],
                      help="extra torchrun flags, e.g. --nnodes=2 --rdzv-endpoint=host:29400")
+    run.add_argument("--elastic", action="store_true",
+                     help="machines may leave and join (torchrun's elastic agent, c10d "
+                          "rendezvous); the script resumes from vf.latest_checkpoint")
+    run.add_argument("--nnodes", default=None, help="with --elastic: MIN:MAX machines")
+    run.add_argument("--rdzv-endpoint", default=None,
+                     help="with --elastic: HOST:PORT of the machine hosting the rendezvous")
+    run.add_argument("--rdzv-id", default="varuna-fx", help="with --elastic: the job's name")
+    run.add_argument("--local-addr", default=None,
+                     help="with --elastic: this machine's address (the rendezvous host is the "
+                          "machine whose address is the endpoint's)")
+    run.add_argument("--max-restarts", type=int, default=100,
+                     help="with --elastic: restarts after worker failures (joins are free)")
+    run.add_argument("--rdzv-conf", default=None,
+                     help="with --elastic: extra rendezvous settings key=value[,key=value]")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(func=cmd_run)
