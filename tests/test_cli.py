@@ -105,6 +105,17 @@ def test_a_user_error_prints_what_to_change_without_a_traceback(
                  "--data-parallel", "4"])
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("error: ") and "Traceback" not in err
+    # it names the command's options, not compile()'s keyword arguments
+    assert "--global-batch-size=6" in err and "--data-parallel=4" in err
+    assert "global_batch_size" not in err and "data_parallel=" not in err
+
+
+def test_planner_messages_name_the_command_line_options() -> None:
+    from varuna_fx.planner.report import as_options
+
+    assert as_options("fixed stages=3, micro_batch_size=2; try recompute=True") == (
+        "fixed --stages=3, --micro-batch-size=2; try recompute (without --no-recompute)")
+    assert as_options("num_stages=3 stays") == "num_stages=3 stays"
 
 
 @pytest.mark.slow  # compiles the 1000-token demo GPT and runs a step (~5 s)
@@ -114,3 +125,15 @@ def test_demo_first_loss_is_about_ln_vocab(capsys: pytest.CaptureFixture[str]) -
     loss = float(re.search(r"loss (\d+\.\d+)", out).group(1))  # type: ignore[union-attr]
     assert abs(loss - math.log(1000)) < 0.1
     ast.parse(stage_sources(out)[0].split("\none training step")[0])
+
+
+def test_str_of_a_plan_is_the_table_even_inside_jupyter(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rich.console
+
+    import varuna_fx as vf
+    from varuna_fx.examples import lm_loss
+
+    model, (tokens,) = tiny()
+    plan = vf.compile(model, example_inputs=(tokens,), loss_fn=lm_loss, stages=2).plan
+    monkeypatch.setattr(rich.console, "_is_jupyter", lambda: True)  # as in a notebook kernel
+    assert "balance max/mean" in str(plan) and "activations/mb" in str(plan)

@@ -1,8 +1,8 @@
-"""``varuna-fx``: inspect a model's partition and stage code, plan for a cluster, launch, demo.
+"""varuna-fx: inspect a model's partition and stage code, plan for a cluster, launch, demo.
 
 Output is for people on a terminal and for logs elsewhere: when stdout is not a terminal nothing
 is wrapped or coloured, so table headers stay whole and stage code copied from a log is valid
-Python. ``plan --json`` and ``inspect --json`` print machine-readable results instead.
+Python. "plan --json" and "inspect --json" print machine-readable results instead.
 """
 
 from __future__ import annotations

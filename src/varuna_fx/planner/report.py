@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from typing import Any
 
@@ -41,7 +42,7 @@ def plan_command(args: argparse.Namespace, console: Console | None = None) -> in
         result = search(args, graph, cluster, profile)
         note = devices_note(args, graph, cluster, profile, result)
     except VarunaFxError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {as_options(str(exc))}", file=sys.stderr)
         return 1
     if getattr(args, "json", False):
         print(json.dumps(search_as_dict(cluster, graph.model_name, result, profile is not None,
@@ -55,6 +56,22 @@ def plan_command(args: argparse.Namespace, console: Console | None = None) -> in
                                      f" x {cluster.kind} ({args.schedule} schedule)"))
     console.print(stage_table(result.best))
     return 0
+
+
+# compile()'s keyword arguments in the planner's messages -> the options of `varuna-fx plan`
+_OPTIONS = [
+    (re.compile(r"\b(global_batch_size|micro_batch_size|data_parallel|stages)="),
+     lambda m: "--" + m.group(1).replace("_", "-") + "="),
+    (re.compile(r"\brecompute=True\b"), lambda m: "recompute (without --no-recompute)"),
+    (re.compile(r"\brecompute=False\b"), lambda m: "--no-recompute"),
+]
+
+
+def as_options(message: str) -> str:
+    """A planner error as a command-line user can act on it: the flags, not the keywords."""
+    for pattern, flag in _OPTIONS:
+        message = pattern.sub(flag, message)
+    return message
 
 
 def search(args: argparse.Namespace, graph: Analyzed, cluster: Cluster,
