@@ -21,7 +21,14 @@ except ImportError:  # running from a checkout without an install
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from varuna_fx.schedule import SimResult, build_schedule, gantt, simulate  # noqa: E402
+from varuna_fx.schedule import (  # noqa: E402
+    ScheduleCosts,
+    SimResult,
+    build_schedule,
+    gantt,
+    simulate,
+    simulate_costs,
+)
 
 NAMES = ["varuna", "1f1b", "gpipe"]
 FWD, REC, BWD = 1.0, 1.0, 2.0
@@ -89,9 +96,31 @@ def save_gantt(path: Path, p: int = 4, m: int = 8) -> None:
     fig.savefig(path, dpi=120)
 
 
+def cost_aware_table() -> Table:
+    """Varuna's cost-aware order and the split-backward schedules against 1F1B (P=4), each
+    generated from and simulated with the same costs (B = 2F, W = B/2; links in forwards)."""
+    table = Table(title="Step time / 1F1B's, P=4 (orders generated from these costs)")
+    for col in ["costs", "m", "recompute", "varuna", "1f1b-zb", "varuna-zb"]:
+        table.add_column(col, justify="left" if col == "costs" else "right")
+    cases = {"uniform": ([1.0] * 4, 0.0), "heavy head": ([1.0, 1.0, 1.0, 2.5], 0.0),
+             "uniform, link 0.5": ([1.0] * 4, 0.5),
+             "heavy head, link 0.5": ([1.0, 1.0, 1.0, 2.5], 0.5)}
+    for label, (fwd, link) in cases.items():
+        costs = ScheduleCosts.of(fwd, [2 * f for f in fwd], links=[link] * 3)
+        for m in (4, 8):
+            for rc in (True, False):
+                t = {n: simulate_costs(build_schedule(n, 4, m, rc, costs), costs).step_time
+                     for n in ("1f1b", "varuna", "1f1b-zb", "varuna-zb")}
+                table.add_row(label, str(m), str(rc),
+                              *(f"{t[n] / t['1f1b']:.3f}" for n in ("varuna", "1f1b-zb",
+                                                                     "varuna-zb")))
+    return table
+
+
 def main() -> None:
     console = Console()
     console.print(comparison_table())
+    console.print(cost_aware_table())
     for p, m in [(8, 32), (16, 64)]:
         rates = ", ".join(f"{name} {sims_per_second(name, p, m):,.0f}/s" for name in NAMES[:2])
         console.print(f"simulate() throughput at P={p}, m={m}: {rates}")

@@ -2,23 +2,24 @@
 # # 03 · Schedules: who runs what, when, and what it must keep
 #
 # A schedule is data: one action list per stage (`F3` = forward of micro-batch 3, `R` its
-# recomputation, `B` its backward). The simulator replays it with per-stage costs; here the
+# recomputation, `B` its backward, and in the split-backward `-zb` schedules `W` the weight
+# gradients, which fill idle time). The simulator replays it with per-stage costs; here the
 # textbook unit costs F = R = 1, B = 2 on P = 4 stages and m = 8 micro-batches. Every schedule
-# registered in `varuna_fx.schedule.SCHEDULES` appears below.
+# that `varuna_fx.schedule.schedule_names()` lists appears below.
 
 # %%
 import matplotlib.pyplot as plt
 
-from varuna_fx.schedule import SCHEDULES, build_schedule, gantt, simulate, text_grid
+from varuna_fx.schedule import build_schedule, gantt, schedule_names, simulate, text_grid
 
 P, M = 4, 8
 runs = {}
-for name in SCHEDULES:
+for name in schedule_names():
     sched = build_schedule(name, num_stages=P, num_micro_batches=M, recompute=True)
     runs[name] = simulate(sched, forward=[1.0] * P, backward=[2.0] * P)
 # deterministic
 for name, r in runs.items():
-    print(f"{name:8s} step {r.step_time:5.1f}  bubble {r.bubble_fraction:6.1%}  "
+    print(f"{name:9s} step {r.step_time:5.1f}  bubble {r.bubble_fraction:6.1%}  "
           f"peak stash per stage {r.peak_stash_count}")
 print(text_grid(runs["varuna"]))
 
@@ -28,7 +29,7 @@ print(text_grid(runs["varuna"]))
 # One row per stage, micro-batch numbers on the bars. GPipe runs all forwards, then all
 # backwards; 1F1B alternates one forward and one backward after a warm-up; Varuna's order runs
 # each recomputation just before its backward and fills idle slots with the forwards of later
-# micro-batches.
+# micro-batches; the `-zb` variants move each weight-gradient part `W` into idle time.
 
 # %%
 fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.2 * len(runs)), sharex=True,
@@ -45,7 +46,8 @@ plt.show()
 # With recomputation a stage keeps only each in-flight micro-batch's *input* until its
 # backward. The peak count of such stashes is the schedule's memory bill: GPipe keeps all m on
 # every stage, 1F1B P - s on stage s; Varuna's early forwards make its first stages hold more,
-# which is cheap because a recomputing stage stashes only its input.
+# which is cheap because a recomputing stage stashes only its input. A split backward keeps a
+# micro-batch's activations until its `W` has run.
 
 # %%
 fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8), layout="constrained")

@@ -29,6 +29,8 @@ def eager() -> dict:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     jobs = [{"name": f"P{p}D{d}_{s}", "kind": "train", "P": p, "D": d, "schedule": s}
             for p, d in ((2, 1), (1, 2)) for s in SCHEDULES]
+    jobs.append({"name": "P2D1_varuna-zb", "kind": "train", "P": 2, "D": 1,
+                 "schedule": "varuna-zb"})  # split backward: W actions send nothing
     jobs.append({"name": "bf16", "kind": "train", "P": 2, "D": 1, "precision": "bf16"})
     jobs.append({"name": "dropout", "kind": "train", "P": 2, "D": 1, "dropout": 0.3})
     jobs.append({"name": "fp16", "kind": "fp16", "P": 2, "D": 1})
@@ -81,6 +83,10 @@ def check_against_eager(per_rank: list[dict], eager: dict, P: int, D: int,
 def test_two_ranks_match_eager(two_ranks: dict, eager: dict, P: int, D: int,
                                schedule: str) -> None:
     check_against_eager(two_ranks[f"P{P}D{D}_{schedule}"], eager, P, D)
+
+
+def test_split_backward_matches_eager(two_ranks: dict, eager: dict) -> None:
+    check_against_eager(two_ranks["P2D1_varuna-zb"], eager, 2, 1)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -9,18 +9,21 @@ import pytest
 
 from varuna_fx.errors import ScheduleError, VarunaFxError
 from varuna_fx.schedule import (
-    SCHEDULES,
     Action,
     Kind,
     Schedule,
+    ScheduleCosts,
     build_schedule,
     execution_order,
+    is_split,
+    schedule_names,
+    simulate_costs,
     validate,
 )
 from varuna_fx.schedule.validate import dependencies
 
 GOLDEN = Path(__file__).parent / "golden" / "schedules"
-NAMES = sorted(SCHEDULES)
+NAMES = schedule_names()
 
 
 def test_action_round_trip() -> None:
@@ -37,7 +40,8 @@ def test_schedule_round_trip() -> None:
     for name in NAMES:
         sched = build_schedule(name, 3, 4)
         text = str(sched)
-        assert text.splitlines()[0] == f"# {name} P=3 m=4 recompute=True"
+        split = " split_backward" if is_split(name) else ""
+        assert text.splitlines()[0] == f"# {name} P=3 m=4 recompute=True{split}"
         assert text.splitlines()[1].startswith("stage 0: 0F0 ")
         assert Schedule.parse(text) == sched
 
@@ -50,7 +54,7 @@ def test_schedule_parse_errors() -> None:
 
 
 def test_build_schedule_errors() -> None:
-    with pytest.raises(ScheduleError, match="1f1b, gpipe, varuna"):
+    with pytest.raises(ScheduleError, match="1f1b, 1f1b-zb, gpipe, gpipe-zb, varuna, varuna-zb"):
         build_schedule("zero-bubble", 2, 2)
     with pytest.raises(VarunaFxError, match="num_stages"):
         build_schedule("varuna", 0, 2)
@@ -70,6 +74,7 @@ def test_generators_valid_for_all_sizes(name: str, recompute: bool) -> None:
                 assert n_r == (m if recompute and s < p - 1 else 0)
                 assert sum(a.kind is Kind.F for a in acts) == m
                 assert sum(a.kind is Kind.B for a in acts) == m
+                assert sum(a.kind is Kind.W for a in acts) == (m if is_split(name) else 0)
 
 
 def test_execution_order_respects_stages_and_dependencies() -> None:
@@ -100,12 +105,56 @@ def test_varuna_shape() -> None:
     last = [str(a) for a in sched.per_stage[3]]
     assert last == [f"3{k}{i}" for i in range(8) for k in "FB"]  # alternates F and B
     stage2 = " ".join(map(str, sched.per_stage[2]))
-    # R(2,0) overlaps stage 3's B0, and a forward fills the wait for the gradient.
-    assert stage2.startswith("2F0 2F1 2R0 2F2 2B0")
+    # Forwards fill the wait for the first gradient; the recompute comes just before it.
+    assert stage2.startswith("2F0 2F1 2F2 2F3 2R0 2B0")
+
+
+def test_split_shape() -> None:
+    sched = build_schedule("1f1b-zb", 4, 4, recompute=False)
+    # ZB-H1's shape: the last stage defers its weight gradients to the end, so the input
+    # gradients run back up the pipeline without waiting for them.
+    assert " ".join(map(str, sched.per_stage[3])) == (
+        "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3W0 3W1 3W2 3W3"
+    )
+    text = str(sched)
+    assert text.splitlines()[0] == "# 1f1b-zb P=4 m=4 recompute=False split_backward"
+    assert Schedule.parse(text) == sched
+
+
+def test_per_stage_recompute() -> None:
+    for name in NAMES:
+        sched = build_schedule(name, 4, 5, (True, False, True, True))
+        validate(sched)
+        assert sched.recompute_stages == (True, False, True, False)  # never the last stage
+        assert [sum(a.kind is Kind.R for a in acts) for acts in sched.per_stage] == [5, 0, 5, 0]
+        assert str(sched).splitlines()[0].split()[4] == "recompute=1010"
+        assert Schedule.parse(str(sched)) == sched
+    with pytest.raises(ScheduleError, match="one flag per stage"):
+        build_schedule("varuna", 3, 2, (True, False))
+
+
+def test_split_needs_weight_gradients() -> None:
+    text = "# 1f1b-zb P=1 m=1 recompute=False split_backward\nstage 0: 0F0 0B0\n"
+    with pytest.raises(ScheduleError, match="missing 0W0"):
+        validate(Schedule.parse(text))
+    text = "# x P=1 m=1 recompute=False split_backward\nstage 0: 0F0 0W0 0B0\n"
+    with pytest.raises(ScheduleError, match="0W0 comes before 0B0"):
+        validate(Schedule.parse(text))
+
+
+def test_costs_change_varuna_order_but_not_1f1b() -> None:
+    costs = ScheduleCosts.of([1.0, 1.0, 4.0], [2.0, 2.0, 8.0], links=[3.0, 3.0])
+    assert build_schedule("1f1b", 3, 6, costs=costs) == build_schedule("1f1b", 3, 6)
+    aware = build_schedule("varuna", 3, 6, costs=costs)
+    validate(aware)
+    assert simulate_costs(aware, costs).step_time <= \
+        simulate_costs(build_schedule("varuna", 3, 6), costs).step_time
+    with pytest.raises(ScheduleError, match="describe 3 stages"):
+        build_schedule("varuna", 4, 6, costs=costs)
 
 
 def _golden_cases() -> list[tuple[str, int, int, bool]]:
-    sizes = [(2, 4, True), (3, 5, True), (4, 8, True), (4, 8, False)]
+    sizes = [(2, 4, True), (3, 5, True), (4, 8, True), (4, 8, False), (4, 4, False)]
     return [(name, p, m, rc) for name in NAMES for p, m, rc in sizes]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -10,18 +11,22 @@ from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule import (
     Action,
     Kind,
+    Schedule,
+    ScheduleCosts,
     SimResult,
     analytic_bubble,
     build_schedule,
     gantt,
     simulate,
+    simulate_costs,
     text_grid,
 )
+from varuna_fx.schedule.varuna import _order
 
 SIZES = [(1, 1), (1, 4), (2, 1), (2, 5), (3, 3), (4, 2), (4, 8), (5, 9), (8, 32)]
 
 
-def _unit(name: str, p: int, m: int, recompute: bool = True, **kw: object) -> SimResult:
+def _unit(name: str, p: int, m: int, recompute: bool = True, **kw: Any) -> SimResult:
     sched = build_schedule(name, p, m, recompute)
     return simulate(sched, forward=[1.0] * p, backward=[2.0] * p, recompute=[1.0] * p, **kw)
 
@@ -82,43 +87,75 @@ def test_recompute_counts_as_busy() -> None:
     assert simulate(sched, [1.0] * 4, [2.0] * 4).busy == res.busy
 
 
-def _late_recomputes(res: SimResult) -> int:
-    """How many backwards waited for their own recompute rather than for the gradient."""
-    end = {a: e for a, _, e in res.timeline}
+def _late_recomputes(res: SimResult, idle_only: bool = False) -> int:
+    """How many backwards waited for their own recompute rather than for the gradient; with
+    ``idle_only``, only those whose stage sat idle after the gradient arrived (time the
+    recompute could have used)."""
+    rows = {a: (s, e) for a, s, e in res.timeline}
     p, m = res.schedule.num_stages, res.schedule.num_micro_batches
-    return sum(
-        end[Action(s, Kind.R, i)] > end[Action(s + 1, Kind.B, i)]
-        for s in range(p - 1)
-        for i in range(m)
-    )
+    late = 0
+    for s in range(p - 1):
+        acts = res.schedule.per_stage[s]
+        for i in range(m):
+            arrive = rows[Action(s + 1, Kind.B, i)][1]
+            k = acts.index(Action(s, Kind.R, i))
+            if rows[acts[k]][1] <= arrive:
+                continue
+            if not idle_only:
+                late += 1
+                continue
+            # a gap on the stage between the gradient's arrival and the recompute's end
+            while k > 0 and rows[acts[k]][0] > arrive:
+                if rows[acts[k - 1]][1] < rows[acts[k]][0]:
+                    late += 1
+                    break
+                k -= 1
+    return late
 
 
 def test_varuna_recompute_is_off_the_critical_path() -> None:
     # The defining property: R(s, i) overlaps stage s+1's B(s+1, i), so the rebuilt activations
     # are ready when the gradient arrives; 1F1B puts R right before B, where B waits for it.
+    # The paper's plain greedy rule is exactly on time; the chosen order may let a forward go
+    # first where that shortens the step, but a gradient then only ever waits while its stage
+    # is busy, never while it idles.
     for p, m in [(3, 5), (4, 8), (6, 12)]:
-        assert _late_recomputes(_unit("varuna", p, m)) == 0
+        plain = Schedule("varuna", p, m, True, _order(ScheduleCosts.unit(p), m,
+                                                      [s < p - 1 for s in range(p)],
+                                                      [m] * p))
+        assert _late_recomputes(simulate_costs(plain, ScheduleCosts.unit(p))) == 0
+        assert _late_recomputes(_unit("varuna", p, m), idle_only=True) == 0
         assert _late_recomputes(_unit("1f1b", p, m)) > 0
 
 
-def test_varuna_close_to_1f1b_and_never_worse_than_gpipe() -> None:
-    # Measured property (see the xfail below): at most one time unit behind 1F1B.
+@pytest.mark.parametrize("recompute", [True, False])
+def test_varuna_not_slower_than_1f1b_or_gpipe(recompute: bool) -> None:
+    # Varuna's order is generated from the costs and the faster of a few variants of its rules
+    # is kept, which removes the greedy order's one-unit loss on uniform stages (P=2, m=4 with
+    # recompute: 18 where 1F1B takes 17; now 16).
+    faster = 0
     for p in range(1, 9):
         for m in range(1, 17):
-            var = _unit("varuna", p, m).step_time
-            assert var <= _unit("gpipe", p, m).step_time
-            assert var <= _unit("1f1b", p, m).step_time + 1.0
+            var = _unit("varuna", p, m, recompute).step_time
+            one = _unit("1f1b", p, m, recompute).step_time
+            assert var <= one, (p, m)
+            assert var <= _unit("gpipe", p, m, recompute).step_time, (p, m)
+            faster += var < one
+    if recompute:  # without recompute, uniform stages leave nothing to gain: equal there
+        assert faster > 0
+        assert _unit("varuna", 2, 4).step_time == 16.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: Varuna's greedy B>R>F order is up to one unit "
-    "slower than 1F1B on uniform stages (e.g. P=2, m=4: 18 vs 17)",
-)
-def test_varuna_not_slower_than_1f1b() -> None:
-    for p in range(1, 9):
-        for m in range(1, 17):
-            assert _unit("varuna", p, m).step_time <= _unit("1f1b", p, m).step_time, (p, m)
+def test_varuna_uses_real_costs() -> None:
+    # A slow link makes waiting for a gradient long: the cost-aware order fills it differently
+    # from the unit-cost order, and is not slower than 1F1B with the same costs.
+    costs = ScheduleCosts.of([1.0, 1.0, 3.0], [2.0, 2.0, 6.0], links=[4.0, 0.5])
+    aware = build_schedule("varuna", 3, 6, True, costs)
+    blind = build_schedule("varuna", 3, 6, True)
+    assert aware.per_stage != blind.per_stage
+    t_aware = simulate_costs(aware, costs).step_time
+    assert t_aware <= simulate_costs(blind, costs).step_time
+    assert t_aware <= simulate_costs(build_schedule("1f1b", 3, 6, True, costs), costs).step_time
 
 
 def test_cache_follows_schedule_edits() -> None:
@@ -193,3 +230,31 @@ def test_gantt(tmp_path: Path) -> None:
     # simulate takes costs in any unit: the axis claims seconds only when told so
     assert gantt(res).axes[0].get_xlabel() == "time (in the units of the simulated costs)"
     assert gantt(res, time_unit="s").axes[0].get_xlabel() == "time (s)"
+
+
+@pytest.mark.parametrize("base", ["varuna", "1f1b", "gpipe"])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_split_backward_fills_bubbles(base: str, recompute: bool) -> None:
+    # B = I + W: W is placed where the stage would idle, so a split schedule is never slower
+    # than its base, is faster where bubbles dominate (m <= 2P), and holds no more
+    # micro-batches than its base at its peak (W keeps the activations alive until it runs).
+    for p in (2, 3, 4, 6):
+        for m in (1, 2, 3, 4, 5, 8, 12):
+            plain = _unit(base, p, m, recompute)
+            split = _unit(f"{base}-zb", p, m, recompute)
+            assert split.step_time <= plain.step_time, (p, m)
+            assert split.busy == pytest.approx(plain.busy)
+            if m <= 2 * p and min(plain.idle) > 0:  # every stage has a bubble to fill
+                assert split.step_time < plain.step_time, (p, m)
+            assert max(split.peak_stash_count) <= max(plain.peak_stash_count) + 0, (p, m)
+
+
+def test_split_backward_costs() -> None:
+    sched = build_schedule("1f1b-zb", 2, 2, recompute=False)
+    # stage 0 waits for its first gradient: W0 is deferred into the wait before B1
+    assert " ".join(map(str, sched.per_stage[0])) == "0F0 0F1 0B0 0W0 0B1 0W1"
+    # weight_grad is the W part of the backward: B costs the rest; default half. With free
+    # weight gradients the split schedule times exactly like 1F1B (9).
+    half = simulate(sched, [1.0, 1.0], [2.0, 2.0]).step_time
+    none = simulate(sched, [1.0, 1.0], [2.0, 2.0], weight_grad=[0.0, 0.0]).step_time
+    assert (half, none) == (7.0, 9.0)

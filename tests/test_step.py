@@ -12,7 +12,7 @@ from helpers import assert_grads_equal, call_args, eager_grads
 from registry import CASES
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 
-SCHEDULES = ["varuna", "1f1b", "gpipe"]
+SCHEDULES = ["varuna", "1f1b", "gpipe", "varuna-zb"]
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "stash"])
@@ -34,7 +34,7 @@ def test_step_matches_eager(name: str, stages: int, schedule: str, recompute: bo
     pipe.zero_grad()
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "1f1b-zb", "gpipe-zb"])
 def test_three_adamw_steps_match_eager(schedule: str) -> None:
     # float64: Adam divides by sqrt(v), which turns float32 rounding in near-zero gradients
     # into full-size update differences; in double precision only real differences remain.

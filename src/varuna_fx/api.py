@@ -14,7 +14,7 @@ from .cluster import Cluster
 from .codegen import build_stage
 from .configure import Configuration, choose_configuration, price
 from .costmodel import device_spec
-from .errors import VarunaFxError
+from .errors import PlanError, VarunaFxError
 from .frontend import _CAPTURES, FRONT_PASSES, _fingerprint, captured_and_annotated
 from .ir import copy_graph_module
 from .passes.annotate_costs import canonical_names
@@ -44,7 +44,7 @@ def compile(  # noqa: A001 - the public name in API.md
     data_parallel: int | None = None,
     micro_batch_size: int | None = None,
     schedule: str = "varuna",
-    recompute: bool = True,
+    recompute: bool | str = "auto",
     tracer: str = "auto",
     offload_stash: bool = False,
     precision: str = "fp32",
@@ -57,8 +57,12 @@ def compile(  # noqa: A001 - the public name in API.md
     ``profile``: False plans with FLOP estimates; True measures this device (cached on disk);
     a ``varuna_fx.planner.Profile`` uses those measurements. ``dump``: a directory to write
     every pass's graph to (default ``$VARUNA_FX_DUMP``; see ``passes/manager.py``).
+    ``recompute``: True / False force it on every stage but the last; "auto" recomputes only
+    on the stages whose activations would not fit otherwise (``plan.recompute`` says which).
     """
     _check_arguments(model, example_inputs, schedule, tracer, stages)
+    if recompute not in (True, False, "auto") or not isinstance(recompute, (bool, str)):
+        raise VarunaFxError(f"recompute={recompute!r}: choose True, False or 'auto'")
     cluster = cluster or Cluster.local()
     where_to = dump_dir(dump)
 
@@ -69,12 +73,24 @@ def compile(  # noqa: A001 - the public name in API.md
 
     # configure: P, D and the micro-batch size (given, or chosen from measured or estimated
     # costs); the planner also builds the schedule object the plan will carry
-    config: Configuration = choose_configuration(
-        captured.gm, cluster, example_batch=bound.batch_size,
-        global_batch_size=global_batch_size, stages=stages, data_parallel=data_parallel,
-        micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute,
-        profile=resolve_profile(captured.gm, bound, profile),
-    )
+    def configure(rc: bool) -> Configuration:
+        return choose_configuration(
+            captured.gm, cluster, example_batch=bound.batch_size,
+            global_batch_size=global_batch_size, stages=stages, data_parallel=data_parallel,
+            micro_batch_size=micro_batch_size, schedule=schedule, recompute=rc,
+            profile=resolve_profile(captured.gm, bound, profile),
+        )
+
+    if recompute == "auto":
+        # plan as if nothing recomputed (the fastest when memory allows); only if no
+        # configuration fits that way, as if every stage did. The partition pass then
+        # decides per stage.
+        try:
+            config = configure(False)
+        except PlanError:
+            config = configure(True)
+    else:
+        config = configure(bool(recompute))
 
     # partition, split, codegen (BACK_PASSES) on this compile's own copy of the graph
     state = CompileState(model, copy_graph_module(captured.gm), values={
@@ -91,7 +107,8 @@ def compile(  # noqa: A001 - the public name in API.md
 
     # the plan: everything decided, priced by one model, frozen
     bounds = tuple(int(x) for x in state["partition"].bounds)
-    priced = price(config, bounds)
+    flags = tuple(state["partition"].recompute) or (bool(recompute),) * config.stages
+    priced = price(config, bounds, flags)
     holders: dict[str, list[int]] = {}
     for s in built:
         for p in s.parameter_names:
@@ -99,8 +116,8 @@ def compile(  # noqa: A001 - the public name in API.md
     plan = Plan(
         stages=config.stages, data_parallel=config.data_parallel,
         micro_batch_size=config.micro_batch_size,
-        num_micro_batches=config.num_micro_batches, schedule=config.schedule,
-        recompute=(bool(recompute),) * config.stages,
+        num_micro_batches=config.num_micro_batches, schedule=priced.schedule,
+        recompute=flags,
         stage_costs=tuple(stage_costs(state.gm, built, state["partition"], state["setting"],
                                       priced.stage_memory)),
         bounds=bounds, placement=Placement(config.stages, config.data_parallel),
@@ -159,9 +176,9 @@ def _check_arguments(model: Any, example_inputs: Any, schedule: str, tracer: str
             "example_inputs is required: a tuple of positional args or a dict of keyword args "
             "for one sample batch (dim 0 of every tensor is the batch)"
         )
-    if schedule not in schedules.SCHEDULES:
+    if schedule not in schedules.schedule_names():
         raise VarunaFxError(
-            f"schedule={schedule!r} is unknown; choose one of {sorted(schedules.SCHEDULES)}"
+            f"schedule={schedule!r} is unknown; choose one of {schedules.schedule_names()}"
         )
     if tracer not in TRACERS:
         raise VarunaFxError(f"tracer={tracer!r} is unknown; choose one of {TRACERS}")

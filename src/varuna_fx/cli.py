@@ -21,7 +21,7 @@ import varuna_fx as vf
 from varuna_fx.examples import demo_gpt, lm_loss
 from varuna_fx.factory import load_factory
 from varuna_fx.planner.report import plan_as_dict, plan_command
-from varuna_fx.schedule import SCHEDULES
+from varuna_fx.schedule import schedule_names
 
 _load_factory = load_factory  # its home is factory.py (planner/report.py uses it too)
 
@@ -111,7 +111,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 _TRACER_HELP = ("how to capture the model: fx (torch.fx symbolic tracing), export "
                 "(torch.export), auto (fx, then export if fx fails; default)")
-_SCHEDULE_HELP = f"micro-batch schedule: {' | '.join(SCHEDULES)} (default: %(default)s)"
+_SCHEDULE_HELP = f"micro-batch schedule: {' | '.join(schedule_names())} (default: %(default)s)"
 _FACTORY_HELP = ("module:function that returns (model, example_inputs[, ...]), e.g. "
                  "mypkg.models:make_gpt; example_inputs is a tuple of positional or a dict of "
                  "keyword arguments, dim 0 the batch")
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="transformer blocks in the demo GPT (default: %(default)s)")
     demo.add_argument("--stages", type=int, default=4,
                       help="pipeline stages P to cut it into (default: %(default)s)")
-    demo.add_argument("--schedule", default="varuna", choices=list(SCHEDULES),
+    demo.add_argument("--schedule", default="varuna", choices=schedule_names(),
                       help=_SCHEDULE_HELP)
     demo.add_argument("--tracer", default="auto", choices=["auto", "fx", "export"],
                       help=_TRACER_HELP)
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--global-batch-size", type=int, default=None,
                       help="samples per optimizer step over all replicas (default: each replica "
                            "takes the factory's example batch, so the global batch grows with D)")
-    plan.add_argument("--schedule", default="varuna", choices=list(SCHEDULES),
+    plan.add_argument("--schedule", default="varuna", choices=schedule_names(),
                       help=_SCHEDULE_HELP)
     plan.add_argument("--device-type", default=None,
                       help="a100 | v100 | h100 | h200 | cpu: the device to time with FLOPs")

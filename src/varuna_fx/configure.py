@@ -26,7 +26,7 @@ from .planner.costs import CostTable
 from .planner.explain import explain_nothing_fits
 from .planner.profile import Profile
 from .planner.search import Candidate, Planner, Space
-from .schedule import Schedule
+from .schedule import Schedule, build_schedule, peak_stash_counts
 from .where import running_world
 
 
@@ -54,6 +54,7 @@ class Priced:
     step_time: float
     stage_memory: tuple[float, ...]
     alternatives: tuple[Alternative, ...]
+    schedule: Schedule  # generated from this partition's costs: what the runtimes run
 
 
 def replica_batch(example_batch: int, global_batch_size: int | None, data_parallel: int) -> int:
@@ -130,7 +131,8 @@ def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: str, recompute: boo
     return Planner(table, cluster, schedule=schedule, recompute=recompute, network=network)
 
 
-def price(config: Configuration, bounds: tuple[int, ...]) -> Priced:
+def price(config: Configuration, bounds: tuple[int, ...],
+          recompute: tuple[bool, ...] | None = None) -> Priced:
     """Simulate the partition the partition pass made (``bounds``: positions among the compute
     nodes, as ``assign_stages`` returned them) with the schedule object the plan will carry, and
     note the result on the chosen row of the alternatives."""
@@ -140,11 +142,17 @@ def price(config: Configuration, bounds: tuple[int, ...]) -> Priced:
     balancer = planner.balancer_for(units, p)
     c = Candidate(p, config.data_parallel, b, m)
     c.plan = balancer.stage_plan(list(range(p + 1)))
-    counts = planner.built(p, m)[1]
-    step = planner.simulated(c, config.schedule)
-    c.memory = tuple(float(x) for x in c.plan.memory(counts, planner.recompute))
+    # the search ordered schedules with unit costs (cached per P, m); the plan's schedule is
+    # generated from this partition's own times (Varuna's order, split backward's W placement)
+    # ``recompute``: the partition's per-stage choice (default: the planner's one setting)
+    base = config.schedule
+    rc = base.recompute if recompute is None else recompute
+    sched = build_schedule(base.name, p, m, rc, planner.schedule_costs(c, rc))
+    counts = peak_stash_counts(sched)
+    step = planner.simulated(c, sched, rc)
+    c.memory = tuple(float(x) for x in c.plan.memory(counts, rc))
     rows = tuple(c.alternative(True) if a.chosen else a for a in config.alternatives)
-    return Priced(step, c.memory, rows)
+    return Priced(step, c.memory, rows, sched)
 
 
 def check_micro_batch(batch: int, micro_batch_size: int) -> None:

@@ -94,15 +94,16 @@ class Plan:
         table = Table(title=(
             f"{self.model_name}: P={self.stages} x D={self.data_parallel}, micro-batch "
             f"{self.micro_batch_size} x {self.num_micro_batches}, schedule {self.schedule.name}"
-            f"{' + recompute' if any(self.recompute) else ''}{step}"
+            f"{_recompute_note(self.recompute)}{step}"
         ))
         for name in ("stage", "nodes", "parameters", "FLOPs/mb", "activations/mb",
-                     "boundary/mb", "time/mb", "memory"):
+                     "boundary/mb", "time/mb", "recompute", "memory"):
             table.add_column(name, justify="right")
         for s in self.stage_costs:
+            rc = self.recompute[s.index] if s.index < len(self.recompute) else False
             table.add_row(str(s.index), str(s.nodes), _count(s.parameters), _count(s.flops),
                           _bytes(s.activation_bytes), _bytes(s.boundary_bytes),
-                          f"{s.time * 1e3:.3f} ms", _bytes(s.memory))
+                          f"{s.time * 1e3:.3f} ms", "yes" if rc else "no", _bytes(s.memory))
         tied = ", ".join(f"{k} (stages {v})" for k, v in self.tied_parameters.items())
         table.caption = f"balance max/mean {self.balance:.3f}" + (f"; tied: {tied}" if tied else "")
         return table
@@ -126,6 +127,22 @@ class Plan:
         Console(file=buffer, width=120, force_terminal=False, force_jupyter=False,
                 color_system=None).print(self)
         return buffer.getvalue().rstrip() + "\n"
+
+
+def _recompute_note(flags: tuple[bool, ...]) -> str:
+    if not any(flags):
+        return ""
+    if all(flags[:-1]):
+        return " + recompute"
+    return f" + recompute on stages {', '.join(str(s) for s, f in enumerate(flags) if f)}"
+
+
+def _recompute_note(flags: tuple[bool, ...]) -> str:
+    if not any(flags):
+        return ""
+    if all(flags[:-1]):
+        return " + recompute"
+    return f" + recompute on stages {', '.join(str(s) for s, f in enumerate(flags) if f)}"
 
 
 def alternatives_table(rows: Sequence[Alternative], title: str) -> Table:

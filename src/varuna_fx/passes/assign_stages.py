@@ -29,7 +29,7 @@ class CostSetting:
     bandwidth: float  # bytes/s between neighbouring stages
     memory_cap: float  # bytes per device
     in_flight: int  # micro-batches stashed at once on a stage
-    recompute: bool
+    recompute: bool | str  # True | False | "auto": per stage, only where it must (partition)
     # Measured costs (a planner profile) replacing the FLOP-based estimates when given.
     node_times: NodeTimes | None = None
 
@@ -66,7 +66,7 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
             return np.asarray(setting.node_times.step_times(nodes, b, recompute), float)
         return np.array([step_time(info(x), b, setting.device, recompute) for x in nodes])
 
-    compute = times(setting.recompute)
+    compute = times(bool(setting.recompute))
     # the last stage never recomputes: its forward is followed directly by its backward
     last_compute = times(False) if setting.recompute else None
     weights = np.zeros(n)

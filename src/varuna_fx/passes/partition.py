@@ -31,7 +31,10 @@ class PartitionCosts:
     bandwidth: float = float("inf")  # bytes/s between neighbouring stages
     memory_cap: float = float("inf")  # bytes per stage
     in_flight: int = 1  # micro-batches whose stash a stage holds at once
-    recompute: bool = True  # stash only stage inputs (else all activations) per micro-batch
+    # stash only stage inputs (else all activations) per micro-batch; "auto": per stage, only
+    # where the stage does not fit otherwise (compute is then the recomputing time and
+    # last_stage_compute the plain one)
+    recompute: bool | str = True
     # [N] time of each node on the last stage, if different: the last stage never recomputes
     last_stage_compute: np.ndarray | None = None
 
@@ -43,6 +46,8 @@ class PartitionCosts:
             raise ValueError("compute, weight_bytes and activation_bytes must have equal length")
         if len(self.cut_bytes) != n + 1:
             raise ValueError("cut_bytes must have one entry per cut position (N + 1)")
+        if self.recompute == "auto" and self.last_stage_compute is None:
+            raise ValueError("recompute='auto' needs last_stage_compute (the plain times)")
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Partition:
     stage_costs: tuple[float, ...]  # compute + send time of each stage
     stage_memory: tuple[float, ...]  # estimated bytes of each stage
     bottleneck: float
+    recompute: tuple[bool, ...] = ()  # per stage: whether it recomputes (set by the partition)
 
     @property
     def num_stages(self) -> int:
@@ -60,8 +66,10 @@ class Partition:
         return int(np.searchsorted(self.bounds, position, side="right") - 1)
 
 
-def _matrices(costs: PartitionCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """cost[i, j] and memory[i, j] of a stage [i, j); inf where i >= j or the cut is forbidden."""
+def _matrices(costs: PartitionCosts
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """cost[i, j] and memory[i, j] of a stage [i, j); inf where i >= j or the cut is forbidden;
+    and whether that stage recomputes."""
     n = len(costs.compute)
     compute = np.concatenate([[0.0], np.cumsum(costs.compute, dtype=np.float64)])
     weights = np.concatenate([[0.0], np.cumsum(costs.weight_bytes, dtype=np.float64)])
@@ -74,20 +82,36 @@ def _matrices(costs: PartitionCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray
     idx = np.arange(n + 1)
     valid = idx[:, None] < idx[None, :]
     cost = np.where(valid, compute[None, :] - compute[:, None] + send[None, :], np.inf)
+    last = None
     if costs.last_stage_compute is not None:  # the stage ending at N is the last one
         last = np.concatenate([[0.0], np.cumsum(costs.last_stage_compute, dtype=np.float64)])
         cost[:, n] = np.where(idx < n, last[n] - last, np.inf)
     stage_acts = acts[None, :] - acts[:, None]
-    if costs.recompute:  # stash: the stage input per micro-batch, plus one replay in flight
-        stash = costs.in_flight * np.where(np.isfinite(cut), cut, 0.0)[:, None] + stage_acts
-    else:
-        stash = costs.in_flight * stage_acts
-    memory = np.where(valid, weights[None, :] - weights[:, None] + stash, np.inf)
+    # recomputing: the stage input per micro-batch, plus one replay in flight
+    replay = costs.in_flight * np.where(np.isfinite(cut), cut, 0.0)[:, None] + stage_acts
+    kept = costs.in_flight * stage_acts
+    held = weights[None, :] - weights[:, None]
+    recomputes = np.full(cost.shape, costs.recompute is True)
+    if costs.recompute == "auto":
+        # each stage recomputes only if it does not fit otherwise, and is priced by its choice
+        assert last is not None
+        plain = np.where(valid, last[None, :] - last[:, None] + send[None, :], np.inf)
+        recomputes = held + kept > costs.memory_cap
+        cost = np.where(recomputes, cost, plain)
+        cost[:, n] = np.where(idx < n, last[n] - last, np.inf)
+    recomputes[:, n] = False  # the last stage never recomputes
+    # ...but runs each backward right after its forward: it holds about one micro-batch's
+    # activations, which the replay formula prices (as it always did with recompute on)
+    priced_as_replay = recomputes | (costs.recompute is True)
+    if costs.recompute == "auto":
+        priced_as_replay[:, n] = True
+    stash = np.where(priced_as_replay, replay, kept)
+    memory = np.where(valid, held + stash, np.inf)
     forbidden = ~np.isfinite(cut)
     forbidden[0] = forbidden[n] = False
     cost[forbidden, :] = np.inf  # a stage may not start at a forbidden cut...
     cost[:, forbidden] = np.inf  # ...nor end at one
-    return cost, memory, cut
+    return cost, memory, cut, recomputes
 
 
 def partition(costs: PartitionCosts, num_stages: int) -> Partition:
@@ -106,7 +130,7 @@ def partition(costs: PartitionCosts, num_stages: int) -> Partition:
     if len(positions) - 1 < 4 * num_stages:
         positions = [0, *(j for j in range(1, n) if np.isfinite(costs.cut_bytes[j])), n]
     reduced = _reduce(costs, positions)
-    cost, memory, cut = _matrices(reduced)
+    cost, memory, cut, recomputes = _matrices(reduced)
     cost = np.where(memory <= costs.memory_cap, cost, np.inf)
     units = len(positions) - 1
     # best[k][j]: smallest bottleneck of splitting units [0, j) into k + 1 stages.
@@ -120,8 +144,9 @@ def partition(costs: PartitionCosts, num_stages: int) -> Partition:
     unit_bounds = _fewest_bytes(cost, cut, num_stages, bottleneck)
     stage_costs = tuple(float(cost[i, j]) for i, j in zip(unit_bounds, unit_bounds[1:]))
     stage_memory = tuple(float(memory[i, j]) for i, j in zip(unit_bounds, unit_bounds[1:]))
+    flags = tuple(bool(recomputes[i, j]) for i, j in zip(unit_bounds, unit_bounds[1:]))
     bounds = tuple(positions[u] for u in unit_bounds)
-    return Partition(bounds, stage_costs, stage_memory, bottleneck)
+    return Partition(bounds, stage_costs, stage_memory, bottleneck, flags)
 
 
 def _candidate_cuts(costs: PartitionCosts) -> list[int]:

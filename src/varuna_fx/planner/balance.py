@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,30 +45,29 @@ class StagePlan:
     def num_stages(self) -> int:
         return len(self.bounds) - 1
 
-    def compute(self, recompute: bool) -> np.ndarray:
+    def flags(self, recompute: bool | Sequence[bool]) -> np.ndarray:
+        """Per stage: whether it recomputes (never the last stage)."""
+        p = self.num_stages
+        flags = np.full(p, bool(recompute)) if isinstance(recompute, (bool, np.bool_)) \
+            else np.asarray([bool(r) for r in recompute], dtype=bool)
+        flags[-1] = False
+        return flags
+
+    def compute(self, recompute: bool | Sequence[bool]) -> np.ndarray:
         """Busy time per micro-batch; the last stage never recomputes (and its forward keeps the
-        autograd graph)."""
-        if not recompute:
-            return self.recompute + self.backward
-        busy = self.forward + self.recompute + self.backward
-        busy[-1] = self.recompute[-1] + self.backward[-1]
-        return busy
+        autograd graph). ``recompute``: one flag for all, or one per stage."""
+        return np.where(self.flags(recompute), self.forward + self.recompute + self.backward,
+                        self.recompute + self.backward)
 
-    def sim_forward(self, recompute: bool) -> np.ndarray:
-        if not recompute:
-            return self.recompute
-        fwd = self.forward.copy()
-        fwd[-1] = self.recompute[-1]
-        return fwd
+    def sim_forward(self, recompute: bool | Sequence[bool]) -> np.ndarray:
+        return np.where(self.flags(recompute), self.forward, self.recompute)
 
-    def memory(self, stash_counts: list[int], recompute: bool) -> np.ndarray:
+    def memory(self, stash_counts: list[int], recompute: bool | Sequence[bool]) -> np.ndarray:
         """Peak bytes per stage with ``stash_counts[s]`` micro-batches in flight on stage s."""
         stash = np.asarray(stash_counts, dtype=float)
-        replays = recompute and self.num_stages > 1
-        kept = np.where(np.arange(self.num_stages) < self.num_stages - 1,
-                        stash * self.input_bytes + self.activations,
-                        stash * (self.input_bytes + self.activations)) if replays else \
-            stash * (self.input_bytes + self.activations)
+        replays = self.flags(recompute) if self.num_stages > 1 else np.zeros(1, dtype=bool)
+        kept = np.where(replays, stash * self.input_bytes + self.activations,
+                        stash * (self.input_bytes + self.activations))
         return self.weights + kept + self.workspace
 
 

@@ -28,6 +28,7 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +37,7 @@ from ..cluster import Cluster
 from ..costmodel import DeviceSpec
 from ..errors import PartitionError
 from ..plan import Alternative
-from ..schedule import Schedule, build_schedule, peak_stash_counts, simulate
+from ..schedule import Schedule, ScheduleCosts, build_schedule, peak_stash_counts, simulate
 from .balance import Balancer, StagePlan
 from .costs import CostTable, UnitArrays
 from .network import Links, NetworkProfile, links
@@ -236,12 +237,28 @@ class Planner:
         tied = net.allreduce(c.plan.shared_grads, 2) if c.stages > 1 else 0.0
         return replicas + tied
 
-    def simulated(self, c: Candidate, sched: Schedule) -> float:
+    def schedule_costs(self, c: Candidate,
+                       recompute: bool | Sequence[bool] | None = None) -> ScheduleCosts:
+        """The candidate's per-stage F, R, B and link times, which cost-aware schedules (Varuna's
+        order, split backward's W placement) are generated from. ``recompute``: per-stage flags
+        (default: the planner's one setting)."""
+        rc = self.recompute if recompute is None else recompute
+        plan = c.plan
+        assert plan is not None
+        net = self.links(c.stages, c.data_parallel)
+        links = [net.latency + nb / bw for nb, bw in zip(plan.send_bytes, net.bandwidths)] \
+            if c.stages > 1 else []
+        return ScheduleCosts.of(plan.sim_forward(rc), plan.backward,
+                                recompute=plan.recompute, links=links)
+
+    def simulated(self, c: Candidate, sched: Schedule,
+                  recompute: bool | Sequence[bool] | None = None) -> float:
+        rc = self.recompute if recompute is None else recompute
         plan = c.plan
         assert plan is not None
         net = self.links(c.stages, c.data_parallel)
         sim = simulate(
-            sched, forward=plan.sim_forward(self.recompute), backward=plan.backward,
+            sched, forward=plan.sim_forward(rc), backward=plan.backward,
             recompute=plan.recompute, send_bytes=plan.send_bytes, latency=net.latency,
             bandwidth=net.bandwidths if c.stages > 1 else math.inf,
         )

@@ -64,6 +64,7 @@ class DistributedRuntime(StepLoop):
         self.executor = StageExecutor(self.worker, stages, placement, self.replica,
                                       plan.micro_batch_size, device, timeout, self.who)
         validate(plan.schedule)
+        self.executor.split = plan.schedule.split_backward
         self.per_stage = plan.schedule.per_stage
 
     # -- step-loop hooks -----------------------------------------------------------------------

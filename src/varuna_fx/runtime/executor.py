@@ -54,6 +54,7 @@ class StageExecutor:
         self._specs = [s.spec for s in stages]
         self._proof_cache: dict[int, dict[tuple, tuple | None]] = {}
         self.outbox = Outbox(timeout, who)
+        self.split = False  # split-backward schedule: B computes input gradients only
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -130,13 +131,15 @@ class StageExecutor:
                     self._send(outputs[t.name], msg, proofs[msg.key])
             elif action.kind is Kind.R:
                 worker.recompute_mb(i, self.device)
+            elif action.kind is Kind.W:  # weight gradients: no messages
+                worker.weight_grads(i)
             else:
                 loss = loss_of(i, worker.outputs_of(i)) if loss_of is not None else None
                 grads: dict[str, torch.Tensor] = {}
                 for t in self._grad_in:  # one per consumer stage: summed on the producer
                     g = take(("gradient", t.name, t.dst, i))
                     grads[t.name] = grads[t.name] + g if t.name in grads else g
-                back = worker.backward(i, grads, loss)
+                back = worker.backward(i, grads, loss, split=self.split)
                 for t in self._grad_out:
                     msg = self.message(t, i, GRADIENT)
                     self._send(back[t.name], msg, proofs[msg.key])

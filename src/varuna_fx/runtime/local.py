@@ -67,9 +67,12 @@ class LocalRuntime(StepLoop):
                     inbox[(t.dst, i)][t.name] = outputs[t.name].to(t.tensor.dtype)
             elif action.kind is Kind.R:
                 worker.recompute_mb(i)
+            elif action.kind is Kind.W:
+                worker.weight_grads(i)
             else:
                 loss = loss_of(i, worker.outputs_of(i)) if s == last else None
-                grads = worker.backward(i, grad_box.pop((s, i), {}), loss)
+                grads = worker.backward(i, grad_box.pop((s, i), {}), loss,
+                                        split=self.plan.schedule.split_backward)
                 for t in worker.spec.recvs:
                     if t.requires_grad:
                         box = grad_box[(t.src, i)]

@@ -7,7 +7,9 @@ Shared by the one-process and the distributed runtimes; they differ only in how 
   (optionally in host memory). Without it, it keeps the autograd graph until the backward.
 * **recompute** replays the forward with autograd on, from the stash.
 * **backward** back-propagates the gradients of the values the stage sent (summed over every
-  consumer stage) and returns the gradients of the values it received.
+  consumer stage) and returns the gradients of the values it received. With ``split=True``
+  (split-backward schedules) it computes only those input gradients, and **weight_grads**
+  later accumulates the parameters' gradients (``split_backward.py``).
 
 Random ops (dropout) are reseeded per (step seed, operation, micro-batch) (``rng.py``), so the
 replay reproduces the same masks, and recomputation, schedule and stage count do not change
@@ -25,6 +27,7 @@ import torch
 
 from ..codegen import Stage
 from .rng import rng_context
+from .split_backward import Deferred, input_grads
 
 LossFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
@@ -57,6 +60,7 @@ class StageWorker:
         self.seed = 0
         self.grad_recvs = [t for t in self.spec.recvs if t.requires_grad]
         self._stash: dict[int, _Stash] = {}
+        self._weights: dict[int, tuple[Deferred, int]] = {}  # split: W still to run, bytes
         self._devices: dict[int, dict[str, torch.device]] = {}  # of offloaded stashes
         self.stash_bytes = 0
         self.peak_stash_bytes = 0
@@ -115,9 +119,11 @@ class StageWorker:
             stash.outputs = self._run(mb, inputs)
 
     def backward(self, mb: int, grads: dict[str, torch.Tensor],
-                 loss: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                 loss: torch.Tensor | None = None,
+                 split: bool = False) -> dict[str, torch.Tensor]:
         """``grads``: summed gradients of the sent values; ``loss``: on the last stage, the
-        micro-batch's scaled loss. Returns the gradients of the received values."""
+        micro-batch's scaled loss. Returns the gradients of the received values. ``split``:
+        leave the weight gradients to :meth:`weight_grads`."""
         stash = self._stash.pop(mb)
         if stash.outputs is None:
             raise RuntimeError(f"stage {self.stage.index}: backward of micro-batch {mb} before "
@@ -132,14 +138,25 @@ class StageWorker:
                 tensors.append(value)
                 # under autocast the value may be bf16 while the gradient travelled as planned
                 seeds.append(grad if grad.dtype == value.dtype else grad.to(value.dtype))
-        if tensors:
-            torch.autograd.backward(tensors, seeds)
-        self._track(-stash.nbytes)
+        if split:
+            leaves = [stash.inputs[t.name] for t in self.grad_recvs]
+            params = list(self.stage.module.parameters())
+            self._weights[mb] = (input_grads(tensors, seeds, leaves, params), stash.nbytes)
+        else:
+            if tensors:
+                torch.autograd.backward(tensors, seeds)
+            self._track(-stash.nbytes)
         result = {}
         for t in self.grad_recvs:
             leaf = stash.inputs[t.name]
             result[t.name] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         return result
+
+    def weight_grads(self, mb: int) -> None:
+        """The weight-gradient part of micro-batch ``mb``'s split backward (into ``.grad``)."""
+        deferred, nbytes = self._weights.pop(mb)
+        deferred.run()
+        self._track(-nbytes)
 
     def outputs_of(self, mb: int) -> dict[str, torch.Tensor]:
         stash = self._stash[mb]

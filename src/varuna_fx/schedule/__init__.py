@@ -1,4 +1,4 @@
-"""Pipeline schedules: generate (Varuna, 1F1B, GPipe), validate, simulate and draw them.
+"""Pipeline schedules: generate (Varuna, 1F1B, GPipe, and their split-backward variants), validate, simulate and draw them.
 
 >>> from varuna_fx.schedule import build_schedule, simulate
 >>> sched = build_schedule("varuna", num_stages=4, num_micro_batches=8)
@@ -7,9 +7,24 @@
 """
 
 from varuna_fx.schedule.actions import Action, Kind, Schedule
-from varuna_fx.schedule.generators import SCHEDULES, build_schedule, with_micro_batches
+from varuna_fx.schedule.costs import ScheduleCosts
+from varuna_fx.schedule.generators import (
+    SCHEDULES,
+    build_schedule,
+    check_schedule_name,
+    is_split,
+    recompute_per_stage,
+    schedule_names,
+    with_micro_batches,
+)
 from varuna_fx.schedule.render import gantt, text_grid
-from varuna_fx.schedule.simulate import SimResult, analytic_bubble, peak_stash_counts, simulate
+from varuna_fx.schedule.simulate import (
+    SimResult,
+    analytic_bubble,
+    peak_stash_counts,
+    simulate,
+    simulate_costs,
+)
 from varuna_fx.schedule.validate import execution_order, validate
 
 __all__ = [
@@ -17,13 +32,19 @@ __all__ = [
     "Kind",
     "SCHEDULES",
     "Schedule",
+    "ScheduleCosts",
     "SimResult",
     "analytic_bubble",
     "build_schedule",
+    "check_schedule_name",
     "execution_order",
     "gantt",
+    "is_split",
     "peak_stash_counts",
+    "recompute_per_stage",
+    "schedule_names",
     "simulate",
+    "simulate_costs",
     "text_grid",
     "validate",
     "with_micro_batches",

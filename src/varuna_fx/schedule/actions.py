@@ -3,6 +3,15 @@
 An :class:`Action` is one unit of pipeline work, ``(stage, kind, micro_batch)``, printed compactly
 as ``2F5``. A :class:`Schedule` is one ordered action list per stage; its text form is the golden
 file format (a header line, then one line per stage) and :meth:`Schedule.parse` reads it back.
+
+Split backward (zero-bubble style, ``Schedule.split_backward``): the backward is cut in two. ``B``
+then computes only the gradients of the stage's *inputs* (what the upstream stage waits for) and
+``W`` later computes the gradients of the stage's *weights*, which nobody waits for, so a ``W``
+can fill time a stage would otherwise sit idle.
+
+Recompute may differ per stage: ``Schedule.recompute`` is one bool for all stages but the last
+(which never recomputes), or a tuple with one bool per stage; :meth:`Schedule.recomputes` answers
+for one stage.
 """
 
 from __future__ import annotations
@@ -14,17 +23,21 @@ from typing import Any
 
 from varuna_fx.errors import ScheduleError
 
-_ACTION_RE = re.compile(r"^(\d+)([FRB])(\d+)$")
-_HEADER_RE = re.compile(r"^#\s*(.+?)\s+P=(\d+)\s+m=(\d+)\s+recompute=(True|False)\s*$")
+_ACTION_RE = re.compile(r"^(\d+)([FRBW])(\d+)$")
+_HEADER_RE = re.compile(
+    r"^#\s*(.+?)\s+P=(\d+)\s+m=(\d+)\s+recompute=(True|False|[01]+)(\s+split_backward)?\s*$"
+)
 _STAGE_RE = re.compile(r"^stage\s+(\d+):(.*)$")
 
 
 class Kind(str, Enum):
-    """What an action does: forward, recompute (replay the forward from stashed inputs), backward."""
+    """What an action does: forward, recompute (replay the forward from stashed inputs), backward
+    (in a split-backward schedule: the input-gradient part only), weight-gradient part."""
 
     F = "F"
     R = "R"
     B = "B"
+    W = "W"
 
     def __str__(self) -> str:
         # (str, Enum) would print "Kind.F"; the compact action syntax needs the bare letter.
@@ -48,7 +61,7 @@ class Action:
         match = _ACTION_RE.match(text.strip())
         if match is None:
             raise ScheduleError(
-                f"cannot parse action {text!r}: expected <stage><F|R|B><micro-batch>, e.g. '2F5'"
+                f"cannot parse action {text!r}: expected <stage><F|R|B|W><micro-batch>, e.g. '2F5'"
             )
         return cls(int(match.group(1)), Kind(match.group(2)), int(match.group(3)))
 
@@ -60,10 +73,26 @@ class Schedule:
     name: str
     num_stages: int
     num_micro_batches: int
-    recompute: bool
+    recompute: bool | tuple[bool, ...]
     per_stage: list[list[Action]]
+    split_backward: bool = False
     # Compiled simulation data (see simulate.py); not part of the schedule's identity.
     _compiled: Any = field(default=None, init=False, repr=False, compare=False)
+    # The ScheduleCosts a cost-aware order was generated from (None: parsed or unit costs).
+    costs: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def recomputes(self, stage: int) -> bool:
+        """Whether ``stage`` replays its forward before each backward (never the last stage)."""
+        if stage >= self.num_stages - 1:
+            return False
+        if isinstance(self.recompute, bool):
+            return self.recompute
+        return bool(self.recompute[stage])
+
+    @property
+    def recompute_stages(self) -> tuple[bool, ...]:
+        """One bool per stage: :meth:`recomputes` for every stage."""
+        return tuple(self.recomputes(s) for s in range(self.num_stages))
 
     @property
     def actions(self) -> list[Action]:
@@ -76,10 +105,10 @@ class Schedule:
                 f"recompute={self.recompute})")
 
     def __str__(self) -> str:
-        lines = [
-            f"# {self.name} P={self.num_stages} m={self.num_micro_batches} "
-            f"recompute={self.recompute}"
-        ]
+        rc = self.recompute if isinstance(self.recompute, bool) else \
+            "".join(str(int(r)) for r in self.recompute)
+        split = " split_backward" if self.split_backward else ""
+        lines = [f"# {self.name} P={self.num_stages} m={self.num_micro_batches} recompute={rc}{split}"]
         for s, acts in enumerate(self.per_stage):
             body = " ".join(str(a) for a in acts)
             lines.append(f"stage {s}: {body}".rstrip())
@@ -95,9 +124,11 @@ class Schedule:
         if header is None:
             raise ScheduleError(
                 f"bad schedule header {lines[0]!r}: expected '# <name> P=<P> m=<m> "
-                "recompute=<True|False>'"
+                "recompute=<True|False|one 0/1 per stage> [split_backward]'"
             )
-        name, p, m, rc = header.groups()
+        name, p, m, rc_text, split = header.groups()
+        rc: bool | tuple[bool, ...] = rc_text == "True" if rc_text in ("True", "False") else \
+            tuple(c == "1" for c in rc_text)
         per_stage: list[list[Action]] = []
         for line in lines[1:]:
             match = _STAGE_RE.match(line)
@@ -108,4 +139,4 @@ class Schedule:
             per_stage.append([Action.parse(tok) for tok in match.group(2).split()])
         if len(per_stage) != int(p):
             raise ScheduleError(f"schedule header says P={p} but {len(per_stage)} stages follow")
-        return cls(name, int(p), int(m), rc == "True", per_stage)
+        return cls(name, int(p), int(m), rc, per_stage, split_backward=split is not None)

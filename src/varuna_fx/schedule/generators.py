@@ -1,21 +1,30 @@
 """Schedule generators: GPipe, 1F1B (PipeDream-flush) and Varuna, behind one registry.
 
-A generator is a function ``(num_stages, num_micro_batches, recompute) -> per-stage lists``;
-:func:`build_schedule` looks it up in :data:`SCHEDULES`, so a new policy is one function plus one
-registry entry. Recompute convention shared by all generators: every stage but the last has one
-``R`` per micro-batch before its ``B``; the last stage keeps its activations and never recomputes.
+A generator is a function ``(num_stages, num_micro_batches, recompute, costs) -> per-stage
+lists``, where ``recompute`` has one bool per stage and ``costs`` are the per-stage times
+(:class:`ScheduleCosts`) that cost-aware generators order by; :func:`build_schedule` looks it up
+in :data:`SCHEDULES`, so a new policy is one function plus one registry entry. Recompute
+convention shared by all generators: every stage that recomputes has one ``R`` per micro-batch
+before its ``B``; the last stage keeps its activations and never recomputes.
+
+Every base schedule has a split-backward variant named ``<base>-zb`` (``varuna-zb``,
+``1f1b-zb``, ``gpipe-zb``): the same order with each backward cut into its input-gradient part
+``B`` and a weight-gradient part ``W`` that fills idle time (``split.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind, Schedule
+from varuna_fx.schedule.costs import ScheduleCosts
+from varuna_fx.schedule.split import split_backward
 from varuna_fx.schedule.varuna import varuna_order
 
 StageLists = list[list[Action]]
-ScheduleFn = Callable[[int, int, bool], StageLists]
+ScheduleFn = Callable[[int, int, Sequence[bool], ScheduleCosts], StageLists]
+SPLIT_SUFFIX = "-zb"
 
 
 def _backward(stage: int, mb: int, recompute_here: bool) -> list[Action]:
@@ -25,19 +34,20 @@ def _backward(stage: int, mb: int, recompute_here: bool) -> list[Action]:
     return [Action(stage, Kind.B, mb)]
 
 
-def gpipe(num_stages: int, num_micro_batches: int, recompute: bool) -> StageLists:
+def gpipe(num_stages: int, num_micro_batches: int, recompute: Sequence[bool],
+          costs: ScheduleCosts) -> StageLists:
     """All forwards, then all backwards (each just after its recompute), micro-batch order."""
     per_stage: StageLists = []
     for s in range(num_stages):
-        rc = recompute and s < num_stages - 1
         acts = [Action(s, Kind.F, i) for i in range(num_micro_batches)]
         for i in range(num_micro_batches):
-            acts += _backward(s, i, rc)
+            acts += _backward(s, i, recompute[s])
         per_stage.append(acts)
     return per_stage
 
 
-def one_f_one_b(num_stages: int, num_micro_batches: int, recompute: bool) -> StageLists:
+def one_f_one_b(num_stages: int, num_micro_batches: int, recompute: Sequence[bool],
+                costs: ScheduleCosts) -> StageLists:
     """PipeDream-flush / Megatron 1F1B: warm-up forwards, steady F/B pairs, cool-down backwards.
 
     Stage ``s`` keeps at most ``P - s`` micro-batches in flight, which is what bounds its
@@ -46,24 +56,26 @@ def one_f_one_b(num_stages: int, num_micro_batches: int, recompute: bool) -> Sta
     m = num_micro_batches
     per_stage: StageLists = []
     for s in range(num_stages):
-        rc = recompute and s < num_stages - 1
         warmup = min(num_stages - s - 1, m)
         acts = [Action(s, Kind.F, i) for i in range(warmup)]
         for i in range(m - warmup):
             acts.append(Action(s, Kind.F, warmup + i))
-            acts += _backward(s, i, rc)
+            acts += _backward(s, i, recompute[s])
         for i in range(m - warmup, m):
-            acts += _backward(s, i, rc)
+            acts += _backward(s, i, recompute[s])
         per_stage.append(acts)
     return per_stage
 
 
-def varuna(num_stages: int, num_micro_batches: int, recompute: bool) -> StageLists:
-    """Varuna's opportunistic schedule (Athlur et al., EuroSys'22); see ``varuna.py``."""
-    return varuna_order(num_stages, num_micro_batches, recompute)
+def varuna(num_stages: int, num_micro_batches: int, recompute: Sequence[bool],
+           costs: ScheduleCosts) -> StageLists:
+    """Varuna's opportunistic schedule (Athlur et al., EuroSys'22), timed with ``costs``;
+    see ``varuna.py``."""
+    return varuna_order(num_stages, num_micro_batches, recompute, costs)
 
 
-# Name -> generator. Add an entry here to make a new policy available everywhere.
+# Name -> generator. Add an entry here to make a new policy available everywhere (its
+# split-backward variant "<name>-zb" comes with it).
 SCHEDULES: dict[str, ScheduleFn] = {
     "varuna": varuna,
     "1f1b": one_f_one_b,
@@ -71,26 +83,83 @@ SCHEDULES: dict[str, ScheduleFn] = {
 }
 
 
+def schedule_names() -> list[str]:
+    """Every schedule name :func:`build_schedule` accepts, split-backward variants included."""
+    return sorted([*SCHEDULES, *(n + SPLIT_SUFFIX for n in SCHEDULES)])
+
+
+def is_split(name: str) -> bool:
+    """Whether ``name`` is a split-backward schedule (``<base>-zb``)."""
+    return name.endswith(SPLIT_SUFFIX) and name[: -len(SPLIT_SUFFIX)] in SCHEDULES
+
+
+def check_schedule_name(name: str) -> None:
+    if name not in SCHEDULES and not is_split(name):
+        raise ScheduleError(
+            f"unknown schedule {name!r}; valid choices are: {', '.join(schedule_names())}"
+        )
+
+
+def recompute_per_stage(recompute: bool | Sequence[bool], num_stages: int) -> tuple[bool, ...]:
+    """One bool per stage from a bool or a per-stage sequence; the last stage never recomputes."""
+    if isinstance(recompute, bool):
+        flags = [recompute] * num_stages
+    else:
+        flags = [bool(r) for r in recompute]
+        if len(flags) != num_stages:
+            raise ScheduleError(
+                f"recompute needs one flag per stage ({num_stages}), got {len(flags)}"
+            )
+    return tuple(f and s < num_stages - 1 for s, f in enumerate(flags))
+
+
 def build_schedule(
-    name: str, num_stages: int, num_micro_batches: int, recompute: bool = True
+    name: str, num_stages: int, num_micro_batches: int,
+    recompute: bool | Sequence[bool] = True, costs: ScheduleCosts | None = None,
 ) -> Schedule:
-    """Generate the schedule ``name`` for ``num_stages`` stages and ``num_micro_batches``."""
-    if name not in SCHEDULES:
-        choices = ", ".join(sorted(SCHEDULES))
-        raise ScheduleError(f"unknown schedule {name!r}; valid choices are: {choices}")
+    """Generate the schedule ``name`` for ``num_stages`` stages and ``num_micro_batches``.
+
+    ``recompute``: one bool for every stage but the last, or one per stage. ``costs``: the
+    per-stage times cost-aware orders (Varuna's, the placement of split-backward ``W``) are
+    generated from; unit costs and free links when None.
+    """
+    check_schedule_name(name)
     if num_stages < 1:
         raise ScheduleError(f"num_stages must be >= 1, got {num_stages}")
     if num_micro_batches < 1:
         raise ScheduleError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
-    per_stage = SCHEDULES[name](num_stages, num_micro_batches, recompute)
-    return Schedule(name, num_stages, num_micro_batches, recompute, per_stage)
+    rc = recompute_per_stage(recompute, num_stages)
+    costs = costs or ScheduleCosts.unit(num_stages)
+    costs.check(num_stages)
+    split = is_split(name)
+    base = name[: -len(SPLIT_SUFFIX)] if split else name
+    per_stage = SCHEDULES[base](num_stages, num_micro_batches, rc, costs)
+    if split:
+        # cost-aware base orders also from the shorter backward (B = I only), where the
+        # gradients come back sooner; the split pass keeps the better
+        bases = [per_stage, SCHEDULES[base](num_stages, num_micro_batches, rc,
+                                            costs.input_grad_only())]
+        if bases[1] == bases[0]:  # orders that do not depend on costs
+            bases.pop()
+        per_stage = split_backward(bases, costs, rc, name, num_micro_batches)
+    # keep a plain bool when the flags are uniform, so old texts and callers read the same
+    flag: bool | tuple[bool, ...] = rc
+    if isinstance(recompute, bool):
+        flag = recompute
+    elif not any(rc):
+        flag = False
+    elif all(rc[:-1]):
+        flag = True
+    sched = Schedule(name, num_stages, num_micro_batches, flag, per_stage, split_backward=split)
+    sched.costs = costs
+    return sched
 
 
 def with_micro_batches(schedule: Schedule, num_micro_batches: int) -> Schedule:
     """``schedule`` itself when it has ``num_micro_batches``, else the same kind of schedule
-    (same generator, stages and recompute) for that many: a one-process pipeline accepts any
-    batch the micro-batch size divides."""
+    (same generator, stages, recompute and costs) for that many: a one-process pipeline
+    accepts any batch the micro-batch size divides."""
     if schedule.num_micro_batches == num_micro_batches:
         return schedule
     return build_schedule(schedule.name, schedule.num_stages, num_micro_batches,
-                          schedule.recompute)
+                          schedule.recompute, schedule.costs)

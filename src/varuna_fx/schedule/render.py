@@ -17,9 +17,10 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-# Colour-blind-safe trio (Okabe-Ito): forward blue, recompute orange, backward green.
-COLOURS = {Kind.F: "#0072B2", Kind.R: "#E69F00", Kind.B: "#009E73"}
-_LABELS = {Kind.F: "forward", Kind.R: "recompute", Kind.B: "backward"}
+# Colour-blind-safe (Okabe-Ito): forward blue, recompute orange, backward green, and the
+# weight-gradient part of a split backward reddish purple.
+COLOURS = {Kind.F: "#0072B2", Kind.R: "#E69F00", Kind.B: "#009E73", Kind.W: "#CC79A7"}
+_LABELS = {Kind.F: "forward", Kind.R: "recompute", Kind.B: "backward", Kind.W: "weight grads"}
 
 
 def _as_sim(obj: Schedule | SimResult) -> SimResult:
@@ -105,7 +106,7 @@ def _fontsize(rel_width: float) -> float:
 def _legend(ax: Axes, sim: SimResult) -> None:
     from matplotlib.patches import Patch
 
-    kinds = [k for k in (Kind.F, Kind.R, Kind.B) if any(a.kind is k for a in sim.actions)]
+    kinds = [k for k in Kind if any(a.kind is k for a in sim.actions)]
     handles = [Patch(color=COLOURS[k], label=_LABELS[k]) for k in kinds]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 

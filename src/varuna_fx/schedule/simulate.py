@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind, Schedule
+from varuna_fx.schedule.costs import ScheduleCosts
 from varuna_fx.schedule.validate import check_complete, execution_order
 
-_KIND_SLOT = {Kind.F: 0, Kind.R: 1, Kind.B: 2}
+_KIND_SLOT = {Kind.F: 0, Kind.R: 1, Kind.B: 2, Kind.W: 3}
 
 
 @dataclass
@@ -29,36 +30,38 @@ class _Compiled:
     """Structure-only data of one schedule; indices are shifted by one (0 is a 'done at t=0'
     sentinel) so the hot loop needs no branches."""
 
-    key: tuple[int, int, bool]  # (P, m, recompute) the data was compiled for
+    key: tuple[object, ...]  # (P, m, recompute, split) the data was compiled for
     snapshot: list[list[Action]]
     order: list[Action]  # topological order
     prev: list[int]  # 1 + index of the stage predecessor, or 0
     dep: list[int]  # 1 + index of the cross-stage dependency, or 0
     link: list[int]  # 1 + link index crossed by that dependency, or 0
     cost_slot: list[int]  # kind_slot * P + stage, into the flat cost table
-    counts: list[tuple[int, int, int]]  # (#F, #R, #B) per stage
+    counts: list[tuple[int, int, int, int]]  # (#F, #R, #B, #W) per stage
     peak_stash: list[int]
 
 
-def _peak_stash(acts: list[Action]) -> int:
-    """Most micro-batches held at once: from the start of F(i) to the end of B(i).
+def _peak_stash(acts: list[Action], split: bool = False) -> int:
+    """Most micro-batches held at once: from the start of F(i) to the end of B(i) (of W(i) when
+    the backward is split: the weight gradients need the stage's activations too).
 
     A stage runs its actions one at a time, so the count only changes in list order and the
     peak does not depend on the timings at all.
     """
+    release = Kind.W if split else Kind.B
     live = peak = 0
     for act in acts:
         if act.kind is Kind.F:
             live += 1
             peak = max(peak, live)
-        elif act.kind is Kind.B:
+        elif act.kind is release:
             live -= 1
     return peak
 
 
 def peak_stash_counts(schedule: Schedule) -> list[int]:
     """Most micro-batches each stage holds at once (structure only, no timings needed)."""
-    return [_peak_stash(acts) for acts in schedule.per_stage]
+    return [_peak_stash(acts, schedule.split_backward) for acts in schedule.per_stage]
 
 
 def _compile(schedule: Schedule) -> _Compiled:
@@ -85,7 +88,7 @@ def _compile(schedule: Schedule) -> _Compiled:
             dep.append(0)
             link.append(0)
     return _Compiled(
-        key=(p, schedule.num_micro_batches, schedule.recompute),
+        key=_key(schedule),
         snapshot=[list(acts) for acts in schedule.per_stage],
         order=order,
         prev=prev,
@@ -93,17 +96,22 @@ def _compile(schedule: Schedule) -> _Compiled:
         link=link,
         cost_slot=slot,
         counts=[
-            tuple(sum(a.kind is k for a in acts) for k in (Kind.F, Kind.R, Kind.B))
+            tuple(sum(a.kind is k for a in acts) for k in (Kind.F, Kind.R, Kind.B, Kind.W))
             for acts in schedule.per_stage
         ],
         peak_stash=peak_stash_counts(schedule),
     )
 
 
+def _key(schedule: Schedule) -> tuple[object, ...]:
+    return (schedule.num_stages, schedule.num_micro_batches, schedule.recompute,
+            schedule.split_backward)
+
+
 def compiled(schedule: Schedule) -> _Compiled:
     """The cached compiled form of ``schedule``, rebuilt if its lists were changed."""
     comp = schedule._compiled
-    key = (schedule.num_stages, schedule.num_micro_batches, schedule.recompute)
+    key = _key(schedule)
     # List equality short-cuts on identical elements, so this check is cheap when unchanged.
     if comp is None or comp.key != key or comp.snapshot != schedule.per_stage:
         comp = _compile(schedule)
@@ -168,18 +176,27 @@ def simulate(
     latency: float = 0.0,
     bandwidth: float | Sequence[float] = math.inf,
     stash_bytes: Sequence[float] | None = None,
+    weight_grad: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate one step of ``schedule`` with per-stage costs (seconds per micro-batch).
 
     ``recompute`` defaults to ``forward`` (a recompute replays the forward). ``send_bytes[s]`` is
     what crosses link ``s`` (stage s -> s+1) per micro-batch; ``bandwidth`` is bytes/s, one value
     or one per link; ``stash_bytes[s]`` is the memory one stashed micro-batch takes on stage s.
+    In a split-backward schedule ``weight_grad[s]`` is the part of ``backward[s]`` that computes
+    the weight gradients (``W``; default half), and ``B`` costs the rest.
     """
     comp = compiled(schedule)
     p = schedule.num_stages
     fwd = _per_stage(forward, p, "forward")
     rec = fwd if recompute is None else _per_stage(recompute, p, "recompute")
-    cost = fwd + rec + _per_stage(backward, p, "backward")
+    bwd = _per_stage(backward, p, "backward")
+    wgt = [0.0] * p
+    if schedule.split_backward:
+        wgt = [b / 2 for b in bwd] if weight_grad is None else \
+            _per_stage(weight_grad, p, "weight_grad")
+        bwd = [b - w for b, w in zip(bwd, wgt)]
+    cost = fwd + rec + bwd + wgt
     comm = [0.0] + _link_costs(p, send_bytes, float(latency), bandwidth)
 
     starts: list[float] = []
@@ -194,8 +211,8 @@ def simulate(
 
     step = max(ends)
     busy = [
-        nf * fwd[s] + nr * rec[s] + nb * cost[2 * p + s]
-        for s, (nf, nr, nb) in enumerate(comp.counts)
+        nf * fwd[s] + nr * rec[s] + nb * bwd[s] + nw * wgt[s]
+        for s, (nf, nr, nb, nw) in enumerate(comp.counts)
     ]
     idle = [step - b for b in busy]
     bubble = sum(idle) / (p * step) if step > 0 else 0.0
@@ -220,3 +237,16 @@ def simulate(
 def analytic_bubble(num_stages: int, num_micro_batches: int) -> float:
     """Idle fraction of GPipe / 1F1B with uniform stages and free links: (P-1)/(m+P-1)."""
     return (num_stages - 1) / (num_micro_batches + num_stages - 1)
+
+
+def simulate_costs(schedule: Schedule, costs: ScheduleCosts, **kw: object) -> SimResult:
+    """:func:`simulate` with a :class:`ScheduleCosts` (link times given in seconds)."""
+    p = schedule.num_stages
+    costs.check(p)
+    links = [costs.link(s) for s in range(p - 1)]
+    return simulate(
+        schedule, forward=costs.forward, backward=costs.backward,
+        recompute=[costs.r(s) for s in range(p)],
+        send_bytes=links if any(links) else None, bandwidth=1.0,
+        weight_grad=[costs.w(s) for s in range(p)], **kw,  # type: ignore[arg-type]
+    )

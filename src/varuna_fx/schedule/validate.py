@@ -20,18 +20,22 @@ def dependencies(action: Action, schedule: Schedule) -> list[Action]:
         return [Action(s - 1, Kind.F, i)] if s > 0 else []
     if action.kind is Kind.R:
         return [Action(s, Kind.F, i)]  # replays the forward from the stashed stage inputs
+    if action.kind is Kind.W:
+        return [Action(s, Kind.B, i)]  # weight gradients reuse the input-gradient pass's graph
     if s == last:
         return [Action(s, Kind.F, i)]  # the last stage kept its activations
     deps = [Action(s + 1, Kind.B, i)]
-    deps.append(Action(s, Kind.R, i) if schedule.recompute else Action(s, Kind.F, i))
+    deps.append(Action(s, Kind.R, i) if schedule.recomputes(s) else Action(s, Kind.F, i))
     return deps
 
 
 def required_actions(schedule: Schedule, stage: int) -> set[Action]:
     """Every action stage ``stage`` must run exactly once."""
     kinds = [Kind.F, Kind.B]
-    if schedule.recompute and stage < schedule.num_stages - 1:
+    if schedule.recomputes(stage):
         kinds.append(Kind.R)
+    if schedule.split_backward:
+        kinds.append(Kind.W)
     return {Action(stage, k, i) for k in kinds for i in range(schedule.num_micro_batches)}
 
 
@@ -48,7 +52,8 @@ def _check_shape(schedule: Schedule) -> None:
 
 
 def _check_stage(schedule: Schedule, stage: int) -> None:
-    """Stage ``stage`` runs exactly its required actions, each F before its R before its B."""
+    """Stage ``stage`` runs exactly its required actions, each F before its R before its B
+    before its W."""
     acts = schedule.per_stage[stage]
     position: dict[Action, int] = {}
     for pos, act in enumerate(acts):
@@ -67,7 +72,7 @@ def _check_stage(schedule: Schedule, stage: int) -> None:
     if extra:
         raise ScheduleError(f"stage {stage} has unexpected {' '.join(map(str, extra))}")
     for i in range(schedule.num_micro_batches):
-        chain = [Action(stage, k, i) for k in (Kind.F, Kind.R, Kind.B)]
+        chain = [Action(stage, k, i) for k in (Kind.F, Kind.R, Kind.B, Kind.W)]
         chain = [a for a in chain if a in position]
         for before, after in zip(chain, chain[1:]):
             if position[before] > position[after]:
@@ -77,6 +82,11 @@ def _check_stage(schedule: Schedule, stage: int) -> None:
 def check_complete(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` unless every stage holds exactly its required actions."""
     _check_shape(schedule)
+    if not isinstance(schedule.recompute, bool) and len(schedule.recompute) != schedule.num_stages:
+        raise ScheduleError(
+            f"schedule has {len(schedule.recompute)} per-stage recompute flags but "
+            f"P={schedule.num_stages}"
+        )
     for s in range(schedule.num_stages):
         _check_stage(schedule, s)
 
