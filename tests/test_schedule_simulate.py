@@ -258,3 +258,16 @@ def test_split_backward_costs() -> None:
     half = simulate(sched, [1.0, 1.0], [2.0, 2.0]).step_time
     none = simulate(sched, [1.0, 1.0], [2.0, 2.0], weight_grad=[0.0, 0.0]).step_time
     assert (half, none) == (7.0, 9.0)
+
+
+def test_a_slow_link_carries_one_message_at_a_time_each_way() -> None:
+    """Issue 10: two forwards sent back to back over a link that takes 10 s per message
+    arrive 10 s apart (the second waits for the first), gradients likewise on the way back."""
+    from varuna_fx.schedule import build_schedule, simulate
+
+    sched = build_schedule("gpipe", 2, 2, False)
+    result = simulate(sched, forward=[1.0, 1.0], backward=[1.0, 1.0], send_bytes=[10.0],
+                      bandwidth=1.0)
+    # F0 arrives at 11, F1 at 21 (not 12); s1 finishes B1 at 24; B0's gradient arrives at 33,
+    # B1's at 43 (not 34); stage 0 ends at 44
+    assert result.step_time == 44.0

@@ -27,6 +27,7 @@ from .placement import Placement
 from .plan import Plan
 from .plan_costs import stage_costs
 from .planner.resolve import resolve_profile
+from .runtime.comm import resolve_timeout
 
 # the front end's cache lives in frontend.py (the planner shares it); these names stay here
 _captured_and_annotated = captured_and_annotated
@@ -63,7 +64,7 @@ def compile(  # noqa: A001 - the public name in API.md
     _check_arguments(model, example_inputs, schedule, tracer, stages)
     if recompute not in (True, False, "auto") or not isinstance(recompute, (bool, str)):
         raise VarunaFxError(f"recompute={recompute!r}: choose True, False or 'auto'")
-    cluster = cluster or Cluster.local()
+    cluster = cluster or Cluster.local(timeout=resolve_timeout(timeout))
     where_to = dump_dir(dump)
 
     # capture + annotate (FRONT_PASSES, cached per model): shapes and costs as functions of b

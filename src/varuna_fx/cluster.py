@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from . import where
 from .costmodel import DEVICES, DeviceSpec, device_spec
 from .errors import VarunaFxError
+from .where import NetworkProfile
 
 _BYTE_UNITS = {
     "": 1, "b": 1,
@@ -98,6 +99,9 @@ class Cluster:
     device_type: str | None = None
     flops: float | str | None = None
     latency: float | str = 0.0  # seconds per message between devices (added to every transfer)
+    # The links as measured (Cluster.local() in a launched job): when set, the planner and the
+    # partitioner time every transfer with it instead of the stated bandwidths and latency.
+    network: NetworkProfile | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus, int) or self.gpus < 1:
@@ -138,10 +142,22 @@ class Cluster:
         return device_spec(self.kind, self.flops)  # type: ignore[arg-type]
 
     @classmethod
-    def local(cls) -> Cluster:
-        """The job we are running in: world size from torch.distributed or torchrun's env."""
+    def local(cls, measure_network: bool = True, timeout: float | None = None) -> Cluster:
+        """The job we are running in: world size from torch.distributed or torchrun's env.
+
+        Launched on several ranks (torchrun), it joins the process group and measures the links
+        the job will use (:func:`varuna_fx.where.quick_network`: ping-pongs and an all-reduce,
+        about a second, the same numbers on every rank), so plans price
+        transfers by the real network instead of assuming fast links. Every rank must call it
+        then. ``measure_network=False`` skips that and keeps the stated defaults. ``timeout``:
+        seconds to wait for the other ranks (default 300; ``vf.compile`` passes its own, which
+        the process group then keeps for its collectives)."""
         import torch
 
+        network = None
+        if measure_network and where.launched_distributed():
+            where.init_process_group(300.0 if timeout is None else timeout)
+            network = where.quick_network()
         world = where.world_size()
         if torch.cuda.is_available():
             memory = torch.cuda.get_device_properties(0).total_memory
@@ -155,6 +171,7 @@ class Cluster:
             gpu_memory=memory,
             device=device,
             device_type=local_device_type(),
+            network=network,
         )
 
 

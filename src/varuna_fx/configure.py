@@ -119,11 +119,11 @@ def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: str, recompute: boo
     """Costs measured by ``profile`` when it was made on this kind of device, else estimated
     from FLOPs for the cluster's devices."""
     table = CostTable.build(gm)
-    network = None
+    network = cluster.network  # measured by Cluster.local() in a launched job
     if profile is not None:
         if profile.applies_to(cluster):
             table.measured = profile.measured_times(table)
-            network = profile.network
+            network = profile.network or network
         else:
             warnings.warn(f"the profile was measured on {profile.device!r}, the cluster has "
                           f"{cluster.kind!r} devices: planning with FLOP estimates instead",

@@ -12,24 +12,20 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from ..cluster import Cluster
-from ..where import in_process_group
+from ..where import (
+    NetworkProfile,
+    in_process_group,
+    quick_network,
+    sync_device,
+    timed_allreduce,
+)
 
-
-@dataclass(frozen=True)
-class NetworkProfile:
-    """Measured transfer costs: ``latency + bytes / bandwidth`` per message, and an all-reduce
-    fitted as ``allreduce_latency + 2 (D-1)/D * bytes / allreduce_bandwidth``."""
-
-    latency: float
-    bandwidth: float
-    allreduce_latency: float
-    allreduce_bandwidth: float
-    world_size: int = 2
+# NetworkProfile and quick_network live in ``where`` (Cluster.local measures with them)
+__all__ = ["Links", "NetworkProfile", "links", "measure_network", "quick_network"]
 
 
 @dataclass(frozen=True)
@@ -97,7 +93,7 @@ def measure_network(sizes: tuple[int, ...] = (2**18, 2**22, 2**24),
     for nbytes in sizes:
         grads = [torch.zeros(nbytes // 32, device=device) for _ in range(8)]
         p2p.append(_ping_pong(grads[0], rank, repeats) / 2)
-        reduce.append(_timed_allreduce(grads, world, repeats))
+        reduce.append(timed_allreduce(grads, world, repeats))
     lat, bw = _fit([s / 8 for s in sizes], p2p)
     factor = 2 * (world - 1) / world
     ar_lat, ar_bw = _fit([factor * s for s in sizes], reduce)
@@ -105,13 +101,6 @@ def measure_network(sizes: tuple[int, ...] = (2**18, 2**22, 2**24),
     shared = [NetworkProfile(lat, bw, ar_lat, ar_bw, world)]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
-
-
-def _sync(buf: object) -> None:
-    import torch
-
-    if getattr(buf, "is_cuda", False):
-        torch.cuda.synchronize()
 
 
 def _ping_pong(buf: object, rank: int, repeats: int) -> float:
@@ -127,27 +116,8 @@ def _ping_pong(buf: object, rank: int, repeats: int) -> float:
         elif rank == 1:
             dist.recv(buf, 0)
             dist.send(buf, 0)
-        _sync(buf)
+        sync_device(buf)
         if i >= 2:  # the first rounds set up connections
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _timed_allreduce(grads: list[Any], world: int, repeats: int) -> float:
-    import torch
-    import torch.distributed as dist
-
-    times = []
-    for i in range(repeats + 2):
-        dist.barrier()
-        start = time.perf_counter()
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= world
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
-        _sync(flat)
-        if i >= 2:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 

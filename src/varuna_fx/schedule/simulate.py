@@ -2,7 +2,9 @@
 
 Each stage executes its list in order; an action starts once its stage finished the previous
 action and the data of its cross-stage dependency has arrived (dependency end + latency +
-bytes / bandwidth). Same-stage dependencies (R after F, B after R) are implied by the stage's
+bytes / bandwidth). Each direction of a link carries one message at a time: a message sent
+while the previous one is still on the wire waits for it (on a slow link, back-to-back
+forwards queue; a message crossing while the other direction is busy does not). Same-stage dependencies (R after F, B after R) are implied by the stage's
 sequential order, so every action has at most one edge that matters besides its predecessor.
 
 Speed: everything that depends only on the schedule's structure (a topological order, the index
@@ -35,7 +37,7 @@ class _Compiled:
     order: list[Action]  # topological order
     prev: list[int]  # 1 + index of the stage predecessor, or 0
     dep: list[int]  # 1 + index of the cross-stage dependency, or 0
-    link: list[int]  # 1 + link index crossed by that dependency, or 0
+    link: list[int]  # 1 + link index crossed by that dependency (+ P - 1 going back), or 0
     cost_slot: list[int]  # kind_slot * P + stage, into the flat cost table
     counts: list[tuple[int, int, int, int]]  # (#F, #R, #B, #W) per stage
     peak_stash: list[int]
@@ -83,7 +85,7 @@ def _compile(schedule: Schedule) -> _Compiled:
             link.append(s)  # link s-1, shifted by one
         elif act.kind is Kind.B and s < p - 1:
             dep.append(index[Action(s + 1, Kind.B, i)])
-            link.append(s + 1)  # link s, shifted by one
+            link.append(s + p)  # link s, shifted by one, in the backward direction
         else:
             dep.append(0)
             link.append(0)
@@ -197,14 +199,23 @@ def simulate(
             _per_stage(weight_grad, p, "weight_grad")
         bwd = [b - w for b, w in zip(bwd, wgt)]
     cost = fwd + rec + bwd + wgt
-    comm = [0.0] + _link_costs(p, send_bytes, float(latency), bandwidth)
+    wire = _link_costs(p, send_bytes, 0.0, bandwidth)  # seconds a message occupies the link
+    comm = [0.0] + [float(latency) + w for w in wire] * 2  # forward links, then backward
+    busy_for = [0.0] + wire * 2
+    free = [0.0] * len(comm)  # when each link direction is next free
 
     starts: list[float] = []
     ends: list[float] = [0.0]  # slot 0: the "no dependency" sentinel
     start_append, end_append = starts.append, ends.append
     for pk, dk, lk, ck in zip(comp.prev, comp.dep, comp.link, comp.cost_slot):
         a = ends[pk]
-        b = ends[dk] + comm[lk]
+        b = ends[dk]
+        if lk:  # messages of one direction cross in the order their receiver takes them
+            f = free[lk]
+            if f > b:
+                b = f
+            free[lk] = b + busy_for[lk]
+            b += comm[lk]
         t = a if a >= b else b
         start_append(t)
         end_append(t + cost[ck])
