@@ -33,7 +33,9 @@ config = GPT2Config(n_layer=8, n_embd=64, n_head=4, vocab_size=1000, n_positions
 model = GPT2LMHeadModel(config)
 ids = torch.randint(0, config.vocab_size, (4, 32))
 example = {"input_ids": ids, "labels": ids}  # the model computes its own loss
-pipes = {p: vf.compile(model, example_inputs=example, stages=p) for p in range(2, 9)}
+# recompute=True (Varuna's setting): every split below is priced with the same recompute costs
+pipes = {p: vf.compile(model, example_inputs=example, stages=p, recompute=True)
+         for p in range(2, 9)}
 print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, "
       f"traced with {pipes[2].plan.tracer}")
 

@@ -48,11 +48,10 @@ for (bw, mem), c in chosen.items():
 # %% [markdown]
 # ## The choice as a map
 #
-# Colour: predicted step time (log scale, darker is slower); label: the chosen P x D. Over
-# 1 Gbit/s links the planner keeps the job inside one machine (P x D <= 4) and idles the other
-# 12 devices: crossing the slow link costs more than they add, and with 128 MiB the model must
-# then be spread over all 4 stages of that machine. Faster links make deep pipelines across
-# machines pay, and with too little memory even 10 Gbit/s is worth crossing.
+# Colour: predicted step time (log scale, darker is slower); label: the chosen P x D. Where
+# P x D is at most 4 the job stays inside one machine and the other 12 devices idle: crossing
+# the link between machines would cost more than they add. Fast links make deep pipelines
+# across machines pay; little memory forces the model over more stages.
 
 # %%
 grid = np.full((len(bandwidths), len(memories)), np.nan)
