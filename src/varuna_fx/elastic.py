@@ -7,7 +7,7 @@ restart the workers; when a machine (re)joins, the running agents see a node wai
 their workers (SIGTERM: ``pipe.preempted`` saves a checkpoint) and restart them in the larger
 world. Each restart runs the script from the top: ``vf.compile`` plans for the world it finds,
 keeping ``global_batch_size`` (the micro-batch count adapts), and the script resumes from
-``vf.latest_checkpoint`` -- the loop in shared/API.md.
+``vf.latest_checkpoint`` -- the preemption-safe loop of docs/checkpoints.md.
 
 Two settings make torchrun's defaults work for this (both found on torch 2.13, see
 ARCHITECTURE.md "Elastic morphing"):

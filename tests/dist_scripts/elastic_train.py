@@ -1,4 +1,4 @@
-"""The preemption-safe loop of shared/API.md, as `varuna-fx run --elastic` restarts it.
+"""The preemption-safe loop of docs/checkpoints.md, as `varuna-fx run --elastic` restarts it.
 
     elastic_train.py CKPT_DIR LOG TOTAL_STEPS EVERY [STEP_SLEEP [PAUSE_FILE]]
 
