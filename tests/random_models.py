@@ -635,8 +635,10 @@ def _compile(case: Case, model: nn.Module, inputs: tuple | dict, stages: int | N
                               recompute=case.recompute if recompute is None else recompute,
                               micro_batch_size=case.micro_batch_size, tracer=case.tracer)
         except PartitionError as e:
-            # the documented refusal of more stages than the model has places to cut
-            if stages is not None or case.stages == 1 or "places the model can be cut" not in str(e):
+            # the documented refusals of more stages than the model has operations or places
+            # to cut
+            refusal = ("places the model can be cut", "operations of the model")
+            if stages is not None or case.stages == 1 or not any(r in str(e) for r in refusal):
                 raise
             case.stages -= 1
 

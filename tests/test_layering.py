@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).parent.parent / "src" / "varuna_fx"
 # Lowest first. A module may import its own layer and the ones before it, never a later one.
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["errors", "ir", "rng", "where", "placement", "costmodel", "cluster", "factory",
-              "examples", "schedule", "buffers", "mutations"]),
+              "examples", "schedule", "buffers", "mutations", "morphing"]),
     ("capture", ["capture"]),
     ("passes", ["passes"]),
     ("plan", ["plan", "frontend"]),
@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("runtime", ["runtime"]),
     ("pipeline", ["pipeline"]),
     ("api", ["api", "arguments", "__init__"]),
-    ("cli", ["cli"]),
+    ("cli", ["cli", "elastic"]),
 ]
 MAX_FUNCTION_IMPORTS = 5
 

@@ -1,6 +1,6 @@
 """varuna_fx: compile an unmodified PyTorch model into a balanced, recomputing pipeline.
 
-Public names only; see shared/API.md for the contract.
+Public names only; docs/API.md in the repository is the reference.
 """
 
 from .api import compile

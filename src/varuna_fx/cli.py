@@ -1,58 +1,124 @@
-"""``varuna-fx``: inspect a model's partition and stage code, plan, launch, demo."""
+"""varuna-fx: inspect a model's partition and stage code, plan for a cluster, launch, demo.
+
+Output is for people on a terminal and for logs elsewhere: when stdout is not a terminal nothing
+is wrapped or coloured, so table headers stay whole and stage code copied from a log is valid
+Python. "plan --json" and "inspect --json" print machine-readable results instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
+from pathlib import Path
 
 from rich.console import Console
 from rich.syntax import Syntax
 
 import varuna_fx as vf
+from varuna_fx.elastic import elastic_launch
 from varuna_fx.examples import demo_gpt, lm_loss
 from varuna_fx.factory import load_factory
-from varuna_fx.planner.report import plan_command
+from varuna_fx.planner.report import plan_as_dict, plan_command
 from varuna_fx.runtime.standalone import loopback_stores, standalone_args
+from varuna_fx.schedule import schedule_names
 
 _load_factory = load_factory  # its home is factory.py (planner/report.py uses it too)
 
+# wide enough that rich never wraps a table or a line of generated code in a log file
+_PLAIN_WIDTH = 10_000
+
+
+def output_console() -> Console:
+    """A rich console for stdout: the usual one on a terminal, else plain and unwrapped."""
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=_PLAIN_WIDTH, soft_wrap=True, color_system=None, highlight=False,
+                   emoji=False)
+
+
+def print_code(console: Console, code: str) -> None:
+    """Highlighted on a terminal; verbatim otherwise (so it can be copied and run)."""
+    if console.is_terminal:
+        console.print(Syntax(code, "python", word_wrap=True))
+    else:
+        console.out(code, highlight=False)
+
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    console = Console()
+    console = output_console()
     model, tokens, targets = demo_gpt(n_layer=args.layers)
     pipe = vf.compile(model, example_inputs=(tokens,), loss_fn=lm_loss, stages=args.stages,
                       schedule=args.schedule, tracer=args.tracer)
     console.print(pipe.plan)
     stage = pipe.stages[min(args.show_stage, len(pipe.stages) - 1)]
     console.print(f"\n[bold]Generated code of stage {stage.index}[/bold]")
-    console.print(Syntax(stage.code, "python", word_wrap=True))
-    loss = pipe.step(tokens, target=targets)
-    console.print(f"\none training step under the {args.schedule} schedule: loss {float(loss):.4f}")
+    print_code(console, stage.code)
+    loss = float(pipe.step(tokens, target=targets))
+    vocab = model.cfg.vocab_size
+    console.print(f"\none training step under the {args.schedule} schedule: loss {loss:.4f} "
+                  f"(an untrained model over {vocab} tokens starts near ln({vocab}) = "
+                  f"{math.log(vocab):.2f})")
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    console = Console()
+    console = output_console()
     made = _load_factory(args.model)()
     model, inputs = made[0], made[1]
     pipe = vf.compile(model, example_inputs=inputs, stages=args.stages, tracer=args.tracer)
+    shown = [s for s in pipe.stages if args.stage is None or s.index == args.stage]
+    written: list[Path] = []
+    if args.out is not None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for stage in pipe.stages:
+            path = out / f"stage{stage.index}.py"
+            path.write_text(stage.code)
+            written.append(path)
+    if args.json:
+        result = plan_as_dict(pipe.plan)
+        result["stage_code"] = [
+            {"index": s.index, "parameter_names": list(s.parameter_names), "code": s.code}
+            for s in shown]
+        result["written"] = [str(p) for p in written]
+        print(json.dumps(result, indent=2))
+        return 0
     console.print(pipe.plan)
-    for stage in pipe.stages:
-        if args.stage is None or stage.index == args.stage:
-            console.print(Syntax(stage.code, "python", word_wrap=True))
+    if written:
+        console.print(f"wrote the code of {len(written)} stages to {args.out}: "
+                      + ", ".join(p.name for p in written))
+        return 0
+    for stage in shown:
+        print_code(console, stage.code)
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    return plan_command(args)
+    return plan_command(args, output_console())
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Wrap torch.distributed.run: standalone on one machine, multi-node flags pass through."""
+    """Wrap torch.distributed.run: standalone on one machine, multi-node flags pass through;
+    ``--elastic``: torchrun's elastic agent set up for morphing (varuna_fx.elastic)."""
     from torch.distributed.run import main as torchrun
 
     argv = list(args.torchrun_args)
+    if args.elastic:
+        launch = elastic_launch(
+            nproc=args.nproc, nnodes=args.nnodes or "1:1", rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id, local_addr=args.local_addr, max_restarts=args.max_restarts,
+            rdzv_conf=args.rdzv_conf)
+        os.environ.update(launch.env)  # read by torchrun's rendezvous and inherited by workers
+        torchrun([*launch.argv, *argv, args.script, *args.script_args])
+        return 0
+    if args.nnodes or args.rdzv_endpoint or args.local_addr:
+        raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for a "
+                         "fixed multi-machine job pass torchrun's flags in --torchrun-args")
     one_machine = not any(a.startswith(("--nnodes", "--rdzv", "--standalone")) for a in argv)
     if one_machine:  # as --standalone, but reachable from this machine only
         argv = [*standalone_args(), *argv]
@@ -61,63 +127,136 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="varuna-fx", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+_TRACER_HELP = ("how to capture the model: fx (torch.fx symbolic tracing), export "
+                "(torch.export), auto (fx, then export if fx fails; default)")
+_SCHEDULE_HELP = f"micro-batch schedule: {' | '.join(schedule_names())} (default: %(default)s)"
+_FACTORY_HELP = ("module:function that returns (model, example_inputs[, ...]), e.g. "
+                 "mypkg.models:make_gpt; example_inputs is a tuple of positional or a dict of "
+                 "keyword arguments, dim 0 the batch")
 
-    demo = sub.add_parser("demo", help="compile the built-in GPT, print its plan and a stage")
-    demo.add_argument("--layers", type=int, default=8)
-    demo.add_argument("--stages", type=int, default=4)
-    demo.add_argument("--schedule", default="varuna")
-    demo.add_argument("--tracer", default="auto")
-    demo.add_argument("--show-stage", type=int, default=1)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="varuna-fx", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo", help="compile the built-in GPT, print its plan and a stage, run one step",
+        description="Compile the built-in GPT (1000-token vocabulary, 64-dim embeddings) on "
+                    "this machine, print its partition table and one stage's generated code, "
+                    "then run one training step and print its loss.")
+    demo.add_argument("--layers", type=int, default=8,
+                      help="transformer blocks in the demo GPT (default: %(default)s)")
+    demo.add_argument("--stages", type=int, default=4,
+                      help="pipeline stages P to cut it into (default: %(default)s)")
+    demo.add_argument("--schedule", default="varuna", choices=schedule_names(),
+                      help=_SCHEDULE_HELP)
+    demo.add_argument("--tracer", default="auto", choices=["auto", "fx", "export"],
+                      help=_TRACER_HELP)
+    demo.add_argument("--show-stage", type=int, default=1,
+                      help="which stage's code to print (default: %(default)s)")
     demo.set_defaults(func=cmd_demo)
 
-    inspect = sub.add_parser("inspect", help="partition a model and print its stage code")
-    inspect.add_argument("--model", required=True, help="module:factory returning (model, inputs)")
-    inspect.add_argument("--stages", type=int, default=2)
-    inspect.add_argument("--stage", type=int, default=None, help="only this stage's code")
-    inspect.add_argument("--tracer", default="auto")
+    inspect = sub.add_parser(
+        "inspect", help="partition a model in one process and print its plan and stage code",
+        description="Compile a model from a factory function in this process and print the "
+                    "partition table and the generated code of its stages.")
+    inspect.add_argument("--model", required=True, help=_FACTORY_HELP)
+    inspect.add_argument("--stages", type=int, default=2,
+                         help="pipeline stages P (default: %(default)s)")
+    inspect.add_argument("--stage", type=int, default=None,
+                         help="print only this stage's code (default: every stage)")
+    inspect.add_argument("--out", default=None, metavar="DIR",
+                         help="write each stage's code to DIR/stage<i>.py instead of printing it")
+    inspect.add_argument("--json", action="store_true",
+                         help="print the plan and the stage code as JSON")
+    inspect.add_argument("--tracer", default="auto", choices=["auto", "fx", "export"],
+                         help=_TRACER_HELP)
     inspect.set_defaults(func=cmd_inspect)
 
-    plan = sub.add_parser("plan", help="choose P, D and micro-batch size for a described cluster")
+    plan = sub.add_parser(
+        "plan", help="choose stages P, replicas D and micro-batch size for a described cluster",
+        description="Plan a model for a cluster you describe (it need not exist here): search "
+                    "P x D x micro-batch size, simulate the best, print the choice, the "
+                    "alternatives and the chosen configuration's stages.")
     plan.add_argument("--model", default="varuna_fx.examples:demo_gpt",
-                      help="module:factory returning (model, inputs[, ...])")
-    plan.add_argument("--gpus", type=int, default=16)
-    plan.add_argument("--gpus-per-node", type=int, default=4)
-    plan.add_argument("--gpu-memory", default="16GiB")
-    plan.add_argument("--intra-node-bandwidth", default="100GB/s")
-    plan.add_argument("--inter-node-bandwidth", default="10Gbit/s")
-    plan.add_argument("--device", default="cuda")
-    plan.add_argument("--global-batch-size", type=int, default=None)
-    plan.add_argument("--schedule", default="varuna")
+                      help=_FACTORY_HELP + " (default: the demo GPT, batch 8)")
+    plan.add_argument("--gpus", type=int, default=16,
+                      help="devices in the whole job (default: %(default)s)")
+    plan.add_argument("--gpus-per-node", type=int, default=4,
+                      help="devices per machine (default: %(default)s)")
+    plan.add_argument("--gpu-memory", default="16GiB",
+                      help="memory per device, e.g. 16GiB, 32GB (default: %(default)s)")
+    plan.add_argument("--intra-node-bandwidth", default="100GB/s",
+                      help="between devices of one machine, e.g. 100GB/s (default: %(default)s)")
+    plan.add_argument("--inter-node-bandwidth", default="10Gbit/s",
+                      help="between machines, e.g. 10Gbit/s (default: %(default)s)")
+    plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                      help="device kind of the cluster (default: %(default)s)")
+    plan.add_argument("--global-batch-size", type=int, default=None,
+                      help="samples per optimizer step over all replicas (default: each replica "
+                           "takes the factory's example batch, so the global batch grows with D)")
+    plan.add_argument("--schedule", default="varuna", choices=schedule_names(),
+                      help=_SCHEDULE_HELP)
     plan.add_argument("--device-type", default=None,
                       help="a100 | v100 | h100 | h200 | cpu: the device to time with FLOPs")
     plan.add_argument("--flops", default=None, help="sustained throughput, e.g. 150TFLOP/s")
-    plan.add_argument("--latency", default="0", help="per message between devices, e.g. 5us")
-    plan.add_argument("--stages", type=int, default=None, help="fix P")
-    plan.add_argument("--data-parallel", type=int, default=None, help="fix D")
-    plan.add_argument("--micro-batch-size", type=int, default=None, help="fix the micro-batch")
-    plan.add_argument("--no-recompute", action="store_true", help="stash all activations")
+    plan.add_argument("--latency", default="0",
+                      help="per message between devices, e.g. 5us (default: %(default)s)")
+    plan.add_argument("--stages", type=int, default=None, help="fix P (default: searched)")
+    plan.add_argument("--data-parallel", type=int, default=None,
+                      help="fix D (default: searched)")
+    plan.add_argument("--micro-batch-size", type=int, default=None,
+                      help="fix the micro-batch size (default: searched)")
+    plan.add_argument("--no-recompute", action="store_true",
+                      help="stash all activations instead of recomputing the forward")
     plan.add_argument("--profile", action="store_true",
                       help="measure this device (cached) instead of FLOP estimates")
-    plan.add_argument("--top", type=int, default=5, help="configurations to show")
-    plan.add_argument("--tracer", default="auto")
+    plan.add_argument("--top", type=int, default=5,
+                      help="configurations to show (default: %(default)s)")
+    plan.add_argument("--json", action="store_true",
+                      help="print the choice, the alternatives and the stages as JSON")
+    plan.add_argument("--tracer", default="auto", choices=["auto", "fx", "export"],
+                      help=_TRACER_HELP)
     plan.set_defaults(func=cmd_plan)
 
-    run = sub.add_parser("run", help="launch a training script on local processes (torchrun)")
-    run.add_argument("--nproc", type=int, required=True)
+    run = sub.add_parser(
+        "run", help="launch a training script on local processes (torchrun)",
+        description="Run SCRIPT under torchrun: --standalone on this machine unless "
+                    "--torchrun-args names --nnodes or --rdzv flags.")
+    run.add_argument("--nproc", type=int, required=True,
+                     help="processes to start on this machine (one per device)")
     run.add_argument("--torchrun-args", nargs="*", default=[],
                      help="extra torchrun flags, e.g. --nnodes=2 --rdzv-endpoint=host:29400")
-    run.add_argument("script")
-    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    run.add_argument("--elastic", action="store_true",
+                     help="machines may leave and join (torchrun's elastic agent, c10d "
+                          "rendezvous); the script resumes from vf.latest_checkpoint")
+    run.add_argument("--nnodes", default=None, help="with --elastic: MIN:MAX machines")
+    run.add_argument("--rdzv-endpoint", default=None,
+                     help="with --elastic: HOST:PORT of the machine hosting the rendezvous")
+    run.add_argument("--rdzv-id", default="varuna-fx", help="with --elastic: the job's name")
+    run.add_argument("--local-addr", default=None,
+                     help="with --elastic: this machine's address (the rendezvous host is the "
+                          "machine whose address is the endpoint's)")
+    run.add_argument("--max-restarts", type=int, default=100,
+                     help="with --elastic: restarts after worker failures (joins are free)")
+    run.add_argument("--rdzv-conf", default=None,
+                     help="with --elastic: extra rendezvous settings key=value[,key=value]")
+    run.add_argument("script", help="the training script every process runs")
+    run.add_argument("script_args", nargs=argparse.REMAINDER,
+                     help="arguments passed on to the script")
     run.set_defaults(func=cmd_run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except vf.VarunaFxError as exc:  # the user's input: say what to change, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

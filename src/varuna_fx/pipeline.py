@@ -27,6 +27,7 @@ from .runtime.model_state import StateLayout, check_state_dict
 from .runtime.outputs import OutputAssembler
 from .runtime.precision import check_precision, optimizer_step
 from .runtime.setup import held_tensors
+from .runtime.shard import shard_batch
 from .runtime.step import Runtime
 from .where import launched_distributed
 
@@ -129,6 +130,24 @@ class Pipeline:
             )
         # this process's preemption signal rides on the step's world all-reduce
         return self.runtime.step(tensors, target, flags=(preemption.requested(),))
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas that run: ``plan.data_parallel`` in a distributed job; 1 in
+        one process, which steps on the whole batch it is given."""
+        return 1 if isinstance(self.runtime, LocalRuntime) else self.plan.data_parallel
+
+    def shard(self, batch: Any, replica: int | None = None, replicas: int | None = None) -> Any:
+        """This replica's contiguous share of a global batch, with the batch's structure.
+
+        Every rank passes the same global batch (a tensor, or tuples/lists/dicts of them, dim 0
+        the batch); replica r of D keeps samples ``[r*N/D, (r+1)*N/D)``. In one process
+        (``replicas`` 1) that is the whole batch. Without this, D replicas given the same batch
+        train on the same samples D times, and nothing warns. ``replica``/``replicas`` override
+        ``self.replica_index``/``self.replicas`` (e.g. to shard for another replica).
+        """
+        return shard_batch(batch, self.replica_index if replica is None else replica,
+                           self.replicas if replicas is None else replicas)
 
     def __call__(self, *inputs: Any, **kw_inputs: Any) -> Any:
         self._check_runnable()

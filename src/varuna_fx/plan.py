@@ -122,7 +122,10 @@ class Plan:
 
     def __str__(self) -> str:
         buffer = io.StringIO()
-        Console(file=buffer, width=120, force_terminal=False, color_system=None).print(self)
+        # force_jupyter=False: inside a notebook rich would display the table instead of
+        # writing it to the buffer, and str(plan) would come back empty
+        Console(file=buffer, width=120, force_terminal=False, force_jupyter=False,
+                color_system=None).print(self)
         return buffer.getvalue().rstrip() + "\n"
 
 

@@ -7,7 +7,7 @@ Each job writes ``OUT_DIR/<name>_rank<r>.pt``. Kinds:
   step runs; that step is not saved).
 * ``resume``: load ``path`` at (P, D, micro-batch size, schedule), train to STEPS; reports the
   state this rank holds and how many parameters have optimizer state.
-* ``preempt``: the preemption-safe loop of shared/API.md (save every ``every`` steps and on
+* ``preempt``: the preemption-safe loop of docs/checkpoints.md (save every ``every`` steps and on
   preemption); writes its pid and progress so the test can signal it.
 """
 

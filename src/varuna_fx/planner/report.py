@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import re
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -11,8 +15,9 @@ from rich.table import Table
 from ..cluster import Cluster
 from ..errors import VarunaFxError
 from ..factory import load_factory
-from ..plan import _bytes, _seconds, alternatives_table
-from .analyze import analyze, plan_for
+from ..plan import Alternative, Plan, _bytes, _count, _seconds, alternatives_table
+from .analyze import Analyzed, analyze, plan_for
+from .profile import Profile
 from .search import Candidate, SearchResult
 
 
@@ -26,38 +31,98 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
     )
 
 
-def plan_command(args: argparse.Namespace) -> int:
-    console = Console()
+def plan_command(args: argparse.Namespace, console: Console | None = None) -> int:
+    console = console or Console()
     made = load_factory(args.model)()
     model, inputs = made[0], made[1]
     try:
         cluster = cluster_from_args(args)
         graph = analyze(model, inputs, getattr(args, "tracer", "auto"))
         profile = graph.profile() if getattr(args, "profile", False) else None
-        result = plan_for(
-            graph, cluster, global_batch_size=args.global_batch_size,
-            stages=getattr(args, "stages", None),
-            data_parallel=getattr(args, "data_parallel", None),
-            micro_batch_size=getattr(args, "micro_batch_size", None), schedule=args.schedule,
-            recompute=not getattr(args, "no_recompute", False), profile=profile,
-            top=getattr(args, "top", 5),
-        )
+        result = search(args, graph, cluster, profile)
+        note = devices_note(args, graph, cluster, profile, result)
     except VarunaFxError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        print(f"error: {as_options(str(exc))}", file=sys.stderr)
         return 1
+    if getattr(args, "json", False):
+        print(json.dumps(search_as_dict(cluster, graph.model_name, result, profile is not None,
+                                        note), indent=2))
+        return 0
     console.print(describe(cluster, graph.model_name, result, profile is not None,
                            graph.seconds))
+    if note:
+        console.print(f"[yellow]note:[/yellow] {note}")
     console.print(alternatives_table(result.alternatives, f"{graph.model_name} on {cluster.gpus}"
                                      f" x {cluster.kind} ({args.schedule} schedule)"))
     console.print(stage_table(result.best))
     return 0
 
 
+# compile()'s keyword arguments in the planner's messages -> the options of `varuna-fx plan`
+_OPTIONS = [
+    (re.compile(r"\b(global_batch_size|micro_batch_size|data_parallel|stages)="),
+     lambda m: "--" + m.group(1).replace("_", "-") + "="),
+    (re.compile(r"\brecompute=True\b"), lambda m: "recompute (without --no-recompute)"),
+    (re.compile(r"\brecompute=False\b"), lambda m: "--no-recompute"),
+]
+
+
+def as_options(message: str) -> str:
+    """A planner error as a command-line user can act on it: the flags, not the keywords."""
+    for pattern, flag in _OPTIONS:
+        message = pattern.sub(flag, message)
+    return message
+
+
+def search(args: argparse.Namespace, graph: Analyzed, cluster: Cluster,
+           profile: Profile | None, **fixed: int) -> SearchResult:
+    """The planner's search with the command line's constraints (``fixed`` overrides them)."""
+    chosen = {"stages": getattr(args, "stages", None),
+              "data_parallel": getattr(args, "data_parallel", None),
+              "micro_batch_size": getattr(args, "micro_batch_size", None), **fixed}
+    return plan_for(
+        graph, cluster, global_batch_size=args.global_batch_size, schedule=args.schedule,
+        recompute=not getattr(args, "no_recompute", False), profile=profile,
+        top=1 if fixed else getattr(args, "top", 5), **chosen,
+    )
+
+
+def devices_note(args: argparse.Namespace, graph: Analyzed, cluster: Cluster,
+                 profile: Profile | None, result: SearchResult) -> str | None:
+    """Why the choice leaves devices idle, when it does: the batch, or the prediction."""
+    best = result.best
+    used = best.stages * best.data_parallel
+    if used >= cluster.gpus or getattr(args, "data_parallel", None) is not None:
+        return None
+    head = f"the choice uses {used} of {cluster.gpus} devices"
+    widest = cluster.gpus // best.stages  # replicas of this pipeline the devices could hold
+    batch = args.global_batch_size
+    wider = [d for d in range(best.data_parallel + 1, widest + 1)
+             if batch is None or batch % d == 0]
+    if not wider:
+        return (f"{head}: the global batch of {batch} samples splits over at most "
+                f"{best.data_parallel} replicas of this {best.stages}-stage pipeline (D must "
+                "divide it); a larger --global-batch-size lets more devices work")
+    per_replica = ("" if batch is not None else
+                   f" Without --global-batch-size each replica steps on the model's example "
+                   f"batch of {graph.bound.batch_size} (global batch = D x "
+                   f"{graph.bound.batch_size}); pass it to plan for a fixed global batch.")
+    try:
+        full = search(args, graph, cluster, profile, stages=best.stages,
+                      data_parallel=wider[-1]).best
+    except VarunaFxError:
+        return f"{head}: more replicas do not fit.{per_replica}"
+    return (f"{head}: P={full.stages} x D={full.data_parallel} is predicted at "
+            f"{_count(full.samples / full.step_time)} samples/s, the choice at "
+            f"{_count(best.samples / best.step_time)} samples/s (the all-reduce over more "
+            f"replicas costs more than they add).{per_replica}")
+
+
 def describe(cluster: Cluster, name: str, result: SearchResult, measured: bool,
              seconds: dict[str, float]) -> str:
     best = result.best
     costs = "measured profile" if measured else f"FLOP estimates for {cluster.spec.name} " \
-        f"({cluster.spec.flops / 1e12:.0f} TFLOP/s sustained)"
+        f"({_count(cluster.spec.flops)}FLOP/s sustained)"
     return (
         f"[bold]{name}[/bold]: P={best.stages} x D={best.data_parallel}, micro-batch "
         f"{best.micro_batch_size} x {best.num_micro_batches}, predicted step "
@@ -89,3 +154,56 @@ def stage_table(best: Candidate) -> Table:
                       _seconds(float(plan.recompute[s])), _seconds(float(plan.backward[s])),
                       send, _bytes(float(plan.weights[s])), memory)
     return table
+
+
+# -- JSON ----------------------------------------------------------------------------------------
+
+
+def alternative_as_dict(row: Alternative) -> dict[str, Any]:
+    return {**dataclasses.asdict(row), "stage_memory": list(row.stage_memory),
+            "samples_per_second": row.throughput}
+
+
+def plan_as_dict(plan: Plan) -> dict[str, Any]:
+    """A compiled plan as JSON-ready data (seconds and bytes as plain numbers)."""
+    return {
+        "model": plan.model_name, "tracer": plan.tracer, "stages": plan.stages,
+        "data_parallel": plan.data_parallel, "micro_batch_size": plan.micro_batch_size,
+        "num_micro_batches": plan.num_micro_batches,
+        "global_batch_size": plan.global_batch_size, "schedule": plan.schedule.name,
+        "recompute": list(plan.recompute), "predicted_step_time": plan.predicted_step_time,
+        "balance": plan.balance, "tied_parameters": plan.tied_parameters,
+        "stage_costs": [dataclasses.asdict(s) for s in plan.stage_costs],
+        "alternatives": [alternative_as_dict(a) for a in plan.alternatives],
+    }
+
+
+def search_as_dict(cluster: Cluster, name: str, result: SearchResult, measured: bool,
+                   note: str | None) -> dict[str, Any]:
+    """What ``varuna-fx plan`` prints, as JSON-ready data."""
+    best = result.best
+    plan = best.plan
+    assert plan is not None
+    last = plan.num_stages - 1
+    return {
+        "model": name,
+        "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
+                    "gpu_memory": float(cluster.gpu_memory), "device": cluster.kind},
+        "costs": "measured" if measured else "flop estimates",
+        "choice": {"stages": best.stages, "data_parallel": best.data_parallel,
+                   "micro_batch_size": best.micro_batch_size,
+                   "num_micro_batches": best.num_micro_batches,
+                   "global_batch_size": best.samples, "devices_used": best.stages *
+                   best.data_parallel, "predicted_step_time": best.step_time,
+                   "samples_per_second": best.samples / best.step_time},
+        "note": note,
+        "alternatives": [alternative_as_dict(a) for a in result.alternatives],
+        "stages": [{"stage": s, "forward": float(plan.forward[s]),
+                    "recompute": float(plan.recompute[s]), "backward": float(plan.backward[s]),
+                    "send_bytes": float(plan.send_bytes[s]) if s < last else 0.0,
+                    "weights_and_optimizer_bytes": float(plan.weights[s]),
+                    "memory": best.memory[s] if best.memory else None}
+                   for s in range(plan.num_stages)],
+        "search": {"considered": result.considered, "partitioned": result.partitioned,
+                   "simulated": result.simulated, "seconds": result.seconds},
+    }

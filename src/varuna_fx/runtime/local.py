@@ -8,6 +8,7 @@ runtime for notebooks, exploration and tests.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from torch import nn
 from ..codegen import Stage
 from ..plan import Plan
 from ..schedule import Action, Kind, execution_order, validate, with_micro_batches
+from . import preemption
 from .precision import LossScaler, autocast_factory
 from .step import LossOf, StepLoop
 from .worker import StageWorker
@@ -39,6 +41,10 @@ class LocalRuntime(StepLoop):
                                     autocast=self.autocast)
                         for s in stages]
         self._orders: dict[int, list[Action]] = {}
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            # one rank under torchrun (an elastic job shrunk to one machine): its agent stops
+            # workers with SIGTERM on a membership change, which must save, not kill
+            preemption.install_handlers()
 
     def order(self, num_micro_batches: int) -> list[Action]:
         if num_micro_batches not in self._orders:

@@ -2,7 +2,7 @@
 
 The handler only records that a signal came; the process keeps running. Every step then
 carries this rank's flag on the world all-reduce that already carries the loss, so every rank
-sets ``pipe.preempted`` after the same step and the training loop of shared/API.md saves a
+sets ``pipe.preempted`` after the same step and the preemption-safe training loop (README, docs/checkpoints.md) saves a
 checkpoint and exits together -- well within torchrun's 30 s grace before SIGKILL.
 
 Handlers are installed by the distributed runtime (under torchrun) and, in one process, by

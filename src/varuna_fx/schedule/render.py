@@ -116,11 +116,14 @@ def gantt(
     path: str | None = None,
     title: str | None = None,
     ax: Axes | None = None,
+    time_unit: str | None = None,
 ) -> Figure:
     """Gantt chart of one step: a row per stage, micro-batch numbers on the bars.
 
     Draws into ``ax`` when given (to stack several schedules in one figure), else into a new
     figure; saves it to ``path`` (format from the suffix) when given, and returns the figure.
+    ``time_unit`` labels the time axis (e.g. ``"s"`` when the simulated costs were seconds);
+    without it the axis names no unit, since :func:`simulate` takes costs in any unit.
     """
     from matplotlib.figure import Figure
 
@@ -130,7 +133,12 @@ def gantt(
         fig = Figure(figsize=(12, 0.5 * p + 1.5), layout="constrained")
         ax = fig.add_subplot()
     fig = ax.figure
-    xlabel = "time (s)" if isinstance(obj, SimResult) else "time (units: F=R=1, B=2)"
+    if time_unit is not None:
+        xlabel = f"time ({time_unit})"
+    elif isinstance(obj, SimResult):
+        xlabel = "time (in the units of the simulated costs)"
+    else:
+        xlabel = "time (units: F=R=1, B=2)"
     _draw(ax, sim, xlabel)
     _legend(ax, sim)
     sched = sim.schedule
