@@ -43,6 +43,7 @@ class _Group:
     params: list[nn.Parameter]
     boundary: list[Node]  # input-region nodes with an edge out of it towards these params
     roots: list[int]  # indices of the outputs outside the input region that reach them
+    outputs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # and seeds
     saved: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
 
 
@@ -58,7 +59,7 @@ class Deferred:
     def run(self) -> None:
         if self.groups is not None:
             for group in self.groups:
-                _weight_pass(group, self.tensors, self.seeds)
+                _weight_pass(group)
         elif self.tensors:  # only into the parameters: input gradients are done (or unneeded)
             torch.autograd.backward(self.tensors, self.seeds, inputs=self.params or None)
         # letting go of the groups and outputs frees the retained graph
@@ -97,7 +98,9 @@ def input_grads(tensors: list[torch.Tensor], seeds: list[torch.Tensor],
     if any(s is None for group in groups for s in group.saved):
         # a boundary node the input pass did not run: walk the whole graph again instead
         return Deferred(params, tensors=tensors, seeds=seeds)
-    return Deferred(params, groups=groups, tensors=tensors, seeds=seeds)
+    for group in groups:  # keep only the outputs the weight pass starts from
+        group.outputs = [(tensors[i], seeds[i]) for i in group.roots]
+    return Deferred(params, groups=groups)
 
 
 def _saver(group: _Group, k: int) -> Any:
@@ -112,7 +115,7 @@ def _clamp(saved: tuple[torch.Tensor | None, ...]) -> Any:
     return hook
 
 
-def _weight_pass(group: _Group, tensors: list[torch.Tensor], seeds: list[torch.Tensor]) -> None:
+def _weight_pass(group: _Group) -> None:
     starts: list[torch.Tensor | GradientEdge] = []
     grads: list[torch.Tensor] = []
     for node, saved in zip(group.boundary, group.saved):
@@ -121,9 +124,9 @@ def _weight_pass(group: _Group, tensors: list[torch.Tensor], seeds: list[torch.T
             if g is not None:
                 starts.append(GradientEdge(node, i))
                 grads.append(g)
-    for i in group.roots:
-        starts.append(tensors[i])
-        grads.append(seeds[i])
+    for t, seed in group.outputs:
+        starts.append(t)
+        grads.append(seed)
     if not starts:
         return
     handles = [node.register_prehook(_clamp(saved))
