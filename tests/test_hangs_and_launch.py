@@ -108,7 +108,8 @@ def test_standalone_run_builds_a_loopback_rendezvous(monkeypatch: pytest.MonkeyP
     assert "--rdzv-endpoint=127.0.0.1:0" in argv and "--local-addr=127.0.0.1" in argv
     assert argv[-3:] == ["train.py", "--lr", "1"]
     cmd_run(argparse.Namespace(nproc=2, torchrun_args=["--nnodes=2", "--rdzv-endpoint=h:1"],
-                               script="train.py", script_args=[]))
+                               script="train.py", script_args=[], elastic=False, nnodes=None,
+                               rdzv_endpoint=None, local_addr=None))
     assert not any("127.0.0.1" in a for a in calls[1])  # multi-node: the user's endpoint
 
 

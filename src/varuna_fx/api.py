@@ -146,7 +146,7 @@ def compile(  # noqa: A001 - the public name in API.md
     pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=loss_fn,
                          offload_stash=offload_stash, precision=precision, timeout=timeout)
     if global_batch_size is not None:
-        pipe.replica_batch = global_batch_size // config.data_parallel
+        pipe._replica_batch = global_batch_size // config.data_parallel
     return pipe
 
 

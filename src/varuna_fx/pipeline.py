@@ -54,7 +54,7 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
 class Pipeline:
     # the samples each replica must pass to step when compile was given global_batch_size
     # (global / D); None: any batch the micro-batch size divides
-    replica_batch: int | None = None
+    _replica_batch: int | None = None
 
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                  canonical: dict[str, str], runtime: Runtime,
@@ -121,11 +121,11 @@ class Pipeline:
                 "again in the mode to train in"
             )
         batch = next(iter(tensors.values())).shape[0]
-        if self.replica_batch is not None and batch != self.replica_batch:
+        if self._replica_batch is not None and batch != self._replica_batch:
             raise InputError(
                 f"step got a batch of {batch} samples, but the pipeline was compiled for "
-                f"global_batch_size={self.replica_batch * self.plan.data_parallel} over "
-                f"{self.plan.data_parallel} replica(s): pass {self.replica_batch} samples per "
+                f"global_batch_size={self._replica_batch * self.plan.data_parallel} over "
+                f"{self.plan.data_parallel} replica(s): pass {self._replica_batch} samples per "
                 "replica, or compile again with the global batch you train with"
             )
         # this process's preemption signal rides on the step's world all-reduce
