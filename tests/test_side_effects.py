@@ -131,6 +131,41 @@ def test_in_place_statements_and_buffer_writes_happen_as_in_eager(tracer: str, s
     assert_like_eager(pipe, model, eager, loss, eager_loss)
 
 
+class DeadBufferRead(nn.Module):
+    """Buffers read only by expressions whose results are unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 3.0))
+        self.register_buffer("shift", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        # computable from inputs and buffers alone (replicable); dropout(p=0) does no random
+        # draw, but torch.export keeps it through dead-code elimination: the dead chain used
+        # to leave `scale` read by no stage
+        unused = F.dropout(x * self.scale, p=0.0, training=self.training).relu()  # noqa: F841
+        unused_too = x + self.shift  # noqa: F841
+        return self.b(y).pow(2).mean()
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_buffer_read_only_on_a_dead_path_compiles_and_matches_eager(tracer: str,
+                                                                   stages: int) -> None:
+    torch.manual_seed(0)
+    model, x = DeadBufferRead(), torch.randn(8, 8)
+    eager = copy.deepcopy(model)
+    eager_loss = eager(x)
+    eager_loss.backward()
+    pipe = vf.compile(model, example_inputs=(x,), stages=stages, micro_batch_size=4,
+                      tracer=tracer)
+    loss = pipe.step(x)
+    assert_like_eager(pipe, model, eager, loss, eager_loss)
+
+
 def test_buffer_writes_with_micro_batches_warn_and_count_per_micro_batch() -> None:
     model, x = InPlace(), torch.randn(8, 8)
     with pytest.warns(MicroBatchStateWarning, match="calls"):

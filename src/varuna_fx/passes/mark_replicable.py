@@ -7,9 +7,17 @@ non-tensor values (shapes, ints) off the network and frees the partitioner from 
 they flow. A node is replicable when all its inputs are, it is not random, it does no
 matmul-class work and it is not a module call with state; a node reading a trainable parameter
 qualifies only if it is a pure view of it (a transpose), so no work on weights is duplicated.
+
+A replicable node is computed only inside the stages that use it, so one nobody uses is never
+computed: it is erased, with the ``get_attr`` reads that fed only it. Otherwise its parameter
+reads would still count although no stage holds them -- e.g. ``y * self.buf`` feeding only a
+dropout that capture kept (random ops survive dead-code elimination) but whose ``p=0`` made it
+deterministic, hence replicable and dead.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.fx as fx
@@ -41,6 +49,29 @@ def mark_replicable(gm: fx.GraphModule) -> None:
                 and not _stateful_module(gm, node)
                 and (not reads_weight[node] or _is_free(meta))
             )
+    _erase_unused_replicable(gm)
+
+
+def _erase_unused_replicable(gm: fx.GraphModule) -> None:
+    """Erase replicable nodes without users, last first so a dead chain goes whole. Inputs stay
+    (they are the model's signature) and so do impure nodes (``_assert_scalar``). Randomness is
+    judged by ``NodeInfo.random`` (a replicable node is not random), not by fx, which calls
+    ``dropout(p=0)`` impure."""
+    erased = False
+    for node in reversed(gm.graph.nodes):
+        if (not node.users and node.op != "placeholder" and info(node).replicable
+                and not _impure(node)):
+            gm.graph.erase_node(node)
+            erased = True
+    if erased:
+        gm.recompile()
+
+
+def _impure(node: fx.Node) -> bool:
+    # newer torch takes ``impure_random``; older versions have no such argument
+    if "impure_random" in inspect.signature(fx.Node.is_impure).parameters:
+        return node.is_impure(impure_random=False)
+    return node.is_impure()
 
 
 def _is_free(meta) -> bool:  # noqa: ANN001
