@@ -137,14 +137,6 @@ def _recompute_note(flags: tuple[bool, ...]) -> str:
     return f" + recompute on stages {', '.join(str(s) for s, f in enumerate(flags) if f)}"
 
 
-def _recompute_note(flags: tuple[bool, ...]) -> str:
-    if not any(flags):
-        return ""
-    if all(flags[:-1]):
-        return " + recompute"
-    return f" + recompute on stages {', '.join(str(s) for s, f in enumerate(flags) if f)}"
-
-
 def alternatives_table(rows: Sequence[Alternative], title: str) -> Table:
     table = Table(title=title)
     for name in ("", "P", "D", "b x m", "step", "samples/s", "bubble", "all-reduce",
