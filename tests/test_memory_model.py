@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from typing import Any
 
 import numpy as np
@@ -191,3 +192,24 @@ def test_shared_copy_decides_the_partition() -> None:
     roomy = partition(dataclasses.replace(costs, memory_cap=np.inf), 2)
     assert roomy.stage_memory == (5.0, 5.5)  # the copy on the last stage
     assert partition(dataclasses.replace(costs, memory_cap=np.inf), 1).stage_memory == (6.5,)
+
+
+def test_the_memory_the_planner_asks_for_is_what_compile_needs() -> None:
+    """When nothing fits, the error names the smallest memory per device; compiling with it
+    succeeds (the planner and the partition pass price the same bytes), with less it fails."""
+    case = CASES["gpt_tied"]
+
+    def run(memory: str) -> vf.Pipeline:
+        return vf.compile(case.model, vf.Cluster(gpus=4, gpu_memory=memory, device_type="a100"),
+                          example_inputs=case.inputs, loss_fn=case.loss_fn, global_batch_size=8)
+
+    with pytest.raises(vf.PlanError, match=r"the smallest needs ([\d.]+) KiB") as caught:
+        run("100KiB")
+    found = re.search(r"needs ([\d.]+) KiB", str(caught.value))
+    assert found is not None
+    need = float(found.group(1))
+    enough = need + 0.1  # the message rounds to 0.1 KiB
+    pipe = run(f"{enough}KiB")
+    assert max(s.memory for s in pipe.plan.stage_costs) <= enough * 2**10
+    with pytest.raises(vf.PlanError, match="fits in"):
+        run(f"{need - 1}KiB")

@@ -8,15 +8,15 @@ per-stage memory cap. Memory is the package's one memory model (``memory_model.p
 where first read plus copies of shared weights, workspace, the stage input per stashed
 micro-batch, activations), at each stage's own stash count from the schedule, so the k-th stage
 of the programme is priced as the k-th stage of the pipeline. Among the partitions with the
-optimal bottleneck it picks the one that
-sends the fewest bytes in total ("prefer cuts where few, small values cross"). And it never
-trades several times the bytes for a sliver of balance: on a finite-bandwidth link, a partition
-within ``byte_tolerance`` (2%) of the optimal bottleneck that sends at most half the bytes wins. The send term prices
-bytes only as well as the bandwidth is known (an assumed fast link makes a cut inside an MLP,
+optimal bottleneck it picks the one that sends the fewest bytes in total ("prefer cuts where
+few, small values cross"). And it never trades several times the bytes for a sliver of
+balance: on a finite-bandwidth link, a partition within ``byte_tolerance`` (2%) of the optimal
+bottleneck that sends at most half the bytes wins. The send term prices bytes only as well as the bandwidth is known (an assumed fast link makes a cut inside an MLP,
 sending 5x a block boundary's bytes, look free for 1% of balance), and on a measured fast link
 the send term is tiny, so the rule costs at most that sliver there.
 
-Nothing here knows about graphs: tests feed it synthetic arrays."""
+Nothing here knows about graphs: tests feed it synthetic arrays.
+"""
 
 from __future__ import annotations
 
