@@ -89,6 +89,7 @@ class MemoryModel:
         # the most the terms outside the prefix sums (workspace, shared copies) can add
         self.extra_bound = float(ws.max(initial=0.0) + self._held.sum())
         self._linear: dict[tuple[float, bool], tuple[list[float], list[float]]] = {}
+        self._terms: tuple[np.ndarray, ...] | None = None
 
     # -- the terms -------------------------------------------------------------------------
 
@@ -130,10 +131,15 @@ class MemoryModel:
                           self.workspace(i, j), stash, recompute)
 
     def matrix(self, stash: float, recompute: bool) -> np.ndarray:
-        """[U + 1, U + 1]: the peak of every stage [i, j); inf where i >= j."""
-        idx = np.arange(self.units + 1)
-        valid = idx[:, None] < idx[None, :]
-        return np.where(valid, self.peak(idx[:, None], idx[None, :], stash, recompute), np.inf)
+        """[U + 1, U + 1]: the peak of every stage [i, j); inf where i >= j. The terms that
+        do not depend on the stash count are kept for the next call (one per stage count)."""
+        if self._terms is None:
+            idx = np.arange(self.units + 1)
+            i, j = idx[:, None], idx[None, :]
+            self._terms = (i < j, self.held(i, j), self.activations(i, j), self.workspace(i, j))
+        valid, held, activations, workspace = self._terms
+        peak = peak_bytes(held, self.cut[:, None], activations, workspace, stash, recompute)
+        return np.where(valid, peak, np.inf)
 
     def stages(self, bounds: Sequence[int], stash: Sequence[int] | np.ndarray,
                recompute: Sequence[bool] | np.ndarray) -> np.ndarray:
