@@ -249,6 +249,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_morph_") as d:
         args.dir = d
         (Path(d) / "ckpt").mkdir()
@@ -259,6 +260,10 @@ def main() -> None:
     res["morph_cpu_s"] = res["old_step_cpu_s"] / 2 + res["save_cpu_s"] + \
         sum(res["new_cpu_s"].values())
     res["useful_work_cpu"] = useful_work(res["morph_cpu_s"], res["save_cpu_s"])
+    res["load_average"] = {"start": load_start, "end": os.getloadavg(), "cpus": os.cpu_count()}
+    print("load average (1, 5, 15 min) at start " + " ".join(f"{x:.2f}" for x in load_start)
+          + ", at the end " + " ".join(f"{x:.2f}" for x in res["load_average"]["end"])
+          + f" ({os.cpu_count()} CPUs)")
     print(f"GPT {res['params'] / 1e6:.1f}M parameters, AdamW; {res['old_layout']} on "
           f"{args.old_ranks} ranks -> {res['new_layout']} on {args.new_ranks} "
           f"(step {res['old_step_s']:.2f} s -> {res['new_step_s']:.2f} s)")
