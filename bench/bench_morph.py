@@ -80,6 +80,7 @@ def worker(args: argparse.Namespace) -> None:
     model = GPT(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size + 1),
                            generator=torch.Generator().manual_seed(1))
+    params = sum(p.numel() for p in model.parameters())  # before a rank drops what it does not hold
     stamps["model_built"] = time.time()
     pipe = vf.compile(model, example_inputs=(tokens[:, :-1],), loss_fn=lm_loss,
                       global_batch_size=args.batch)
@@ -91,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
     out = Path(args.dir)
     info = {"layout": f"P={pipe.plan.stages} D={pipe.plan.data_parallel} "
                       f"m={pipe.plan.num_micro_batches}",
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": params}
 
     def train_step() -> float:
         pipe.zero_grad()
