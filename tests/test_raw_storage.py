@@ -48,8 +48,10 @@ def load(dest: dict[str, torch.Tensor], path: Path) -> None:
     dcp_local.load(dest, RawReader(str(path)), DefaultLoadPlanner(flatten_state_dict=False))
 
 
-def test_every_dtype_and_shape_round_trips_exactly(tmp_path: Path) -> None:
+def test_every_dtype_and_shape_round_trips_exactly(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     state = sample_state()
+    monkeypatch.setattr(RawWriter, "bytes_per_file", 64)  # several files even for tiny state
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "assuming a single process" warning either
         save(state, tmp_path / "c")
@@ -60,6 +62,9 @@ def test_every_dtype_and_shape_round_trips_exactly(tmp_path: Path) -> None:
         assert dest[k].dtype == v.dtype and torch.equal(dest[k], v), k
         assert dest[k].data_ptr() == where[k], k  # read into the tensor passed, no new one
     assert len(list((tmp_path / "c").glob("*.raw"))) == 3  # one file per writer thread
+    monkeypatch.undo()
+    save(state, tmp_path / "small")
+    assert len(list((tmp_path / "small").glob("*.raw"))) == 1  # small: one file, one fsync
 
 
 def test_cast_and_strided_destinations(tmp_path: Path) -> None:
