@@ -81,6 +81,14 @@ def timed_cpu(fn) -> tuple[float, float]:  # noqa: ANN001
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def settle(seconds: float = 2.0) -> None:
+    """Before each timed operation: flush what the OS still holds and let the disk finish the
+    previous operation's writes (a virtual disk keeps writing after fsync returns), so that no
+    operation pays for the one before it."""
+    os.sync()
+    time.sleep(seconds)
+
+
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -110,7 +118,7 @@ def main() -> None:
         # interleaved, so both see the same load from other jobs on a shared machine, and
         # in alternating order (torch first, then ours first), so neither always runs in the
         # wake of the other's disk writes; every save goes to a fresh path (deleting the
-        # previous one is not timed, and is followed by a sync)
+        # previous one is not timed)
         times: dict[str, list[tuple[float, float]]] = {"t_save": [], "t_load": [], "v_save": [],
                                                        "v_load": []}
         for i in range(args.repeats):
@@ -122,10 +130,10 @@ def main() -> None:
             loads = [("t_load", lambda p=plain: torch.load(p, weights_only=True)),
                      ("v_load", lambda p=ours: pipe.load_checkpoint(str(p), optimizer=opt))]
             for key, fn in [*saves[::1 - 2 * (i % 2)], *loads[::1 - 2 * (i % 2)]]:
+                settle()
                 times[key].append(timed_cpu(fn))
             plain.unlink()
             shutil.rmtree(ours)
-            os.sync()
         wall = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
         cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
         t_save, v_save, t_load, v_load = (wall[k] for k in ("t_save", "v_save", "t_load",
