@@ -131,3 +131,15 @@ def test_format_1_checkpoints_still_load(tmp_path: Path, monkeypatch: pytest.Mon
     for p, q in zip(pipe.parameters(), other.parameters()):
         for key, value in opt.state[p].items():
             torch.testing.assert_close(opt2.state[q][key], value, rtol=0, atol=0)
+
+
+def test_one_process_save_and_load_raise_no_warning(tmp_path: Path) -> None:
+    """DCP's "assuming the intent is to save in a single process" used to appear on every
+    one-process save and load (also on the async writer thread)."""
+    pipe = compile_small()
+    opt = optimizer(pipe.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.save_checkpoint(str(tmp_path / "s"), optimizer=opt)
+        pipe.save_checkpoint(str(tmp_path / "a"), optimizer=opt, async_save=True).result(60)
+        pipe.load_checkpoint(str(tmp_path / "a"), optimizer=opt)
