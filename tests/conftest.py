@@ -6,7 +6,9 @@
   test that slipped into the fast tier is seen (a list, not a failure: CI machines are shared).
 * After collection the objects created so far (torch, transformers, the registry's models) are
   frozen out of the garbage collector: every later full collection, and the five pytest runs
-  at exit, would otherwise walk them all again (1-2 s of the fast tier's ~25).
+  at exit, would otherwise walk them all again (1-2 s of the fast tier's ~30).
+* ``one_capture_per_model``: sweeps that compile the same unchanged model many times capture it
+  once (see the fixture).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+import varuna_fx.frontend
 
 FAST_TEST_CPU_LIMIT = 3.0  # seconds of CPU for one fast-tier test before it is listed
 _LAUNCHES = "launches a process"
@@ -45,6 +49,32 @@ def _fast_tests_launch_no_process(request: pytest.FixtureRequest,
         monkeypatch.setattr(os, "fork", _refuse)
         monkeypatch.setattr(os, "posix_spawn", _refuse)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_capture_per_model() -> Iterator[None]:
+    """Within a module, capture each (model, example input shapes, tracer, modes) once.
+
+    ``vf.compile`` captures afresh on every call and keys its cache on that capture, which is
+    right for a model the user may have changed, but a sweep compiles the same unchanged
+    registry model at every P, schedule and recompute setting: torch.export's capture of a
+    Hugging Face model is about a second each time. Everything after capture still runs per
+    compile, and the first compile of each model captures for real. The model is kept in the
+    memo so its id cannot be reused by another model."""
+    real = varuna_fx.frontend.capture
+    memo: dict[tuple, tuple[Any, Any]] = {}
+
+    def capture(model: Any, bound: Any, tracer: str = "auto") -> Any:
+        key = (id(model), tracer, tuple(m.training for m in model.modules()),
+               tuple((n, tuple(t.shape), t.dtype) for n, t in bound.tensors.items()),
+               repr(sorted(bound.constants.items(), key=str)))
+        if key not in memo:
+            memo[key] = (model, real(model, bound, tracer))
+        return memo[key][1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(varuna_fx.frontend, "capture", capture)
+        yield
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -11,6 +11,9 @@ from registry import CASES
 from tiers import product, tiered
 from varuna_fx.codegen import run_code
 
+# the sweep compiles each unchanged registry model many times: capture it once per model
+pytestmark = pytest.mark.usefixtures("one_capture_per_model")
+
 
 # fast tier: three models at P = 4 (test_step's slice covers every model at P = 1-3 and the
 # export tracer); every model at every P in the full run

@@ -13,6 +13,9 @@ from registry import CASES
 from tiers import product, slow, tiered
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 
+# the sweep compiles each unchanged registry model many times: capture it once per model
+pytestmark = pytest.mark.usefixtures("one_capture_per_model")
+
 SCHEDULES = ["varuna", "1f1b", "gpipe", "varuna-zb"]
 
 # The fast tier's slice of the sweep: every schedule, P = 1, 2, 3, recompute and stash, every
