@@ -19,7 +19,8 @@ pytestmark = pytest.mark.usefixtures("one_capture_per_model")
 SCHEDULES = ["varuna", "1f1b", "gpipe", "varuna-zb"]
 
 # The fast tier's slice of the sweep: every schedule, P = 1, 2, 3, recompute and stash, every
-# model of the registry once (export: hf_gpt2); the full run covers every combination.
+# model defined in registry.py and one Hugging Face model (hf_gpt2, through torch.export); the
+# full run covers every combination.
 FAST_STEP = {
     ("mlp", 1, "gpipe", False),
     ("mlp", 2, "1f1b", True),

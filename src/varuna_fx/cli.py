@@ -299,8 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                _subcommand(parser, "run"))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        hint = (" (several torchrun flags go in one quoted string: "
-                '--torchrun-args="--nnodes=2 --node-rank=0")') if getattr(args, "func", None) is cmd_run else ""
+        hint = ""
+        if getattr(args, "func", None) is cmd_run:
+            hint = (" (several torchrun flags go in one quoted string: "
+                    '--torchrun-args="--nnodes=2 --node-rank=0")')
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     try:
         return int(args.func(args) or 0)
