@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tiers import product, tiered
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule import (
     Action,
@@ -234,8 +235,10 @@ def test_gantt(tmp_path: Path) -> None:
     assert gantt(res, time_unit="s").axes[0].get_xlabel() == "time (s)"
 
 
-@pytest.mark.parametrize("base", [pytest.param("varuna", marks=pytest.mark.slow), "1f1b", "gpipe"])
-@pytest.mark.parametrize("recompute", [True, False])
+# fast tier: 1f1b with recompute, gpipe without; the full run every base both ways
+@pytest.mark.parametrize("base,recompute", tiered(
+    product(["varuna", "1f1b", "gpipe"], [True, False]), [("1f1b", True), ("gpipe", False)],
+    lambda c: f"{c[1]}-{c[0]}"))
 def test_split_backward_fills_bubbles(base: str, recompute: bool) -> None:
     # B = I + W: W is placed where the stage would idle, so a split schedule is never slower
     # than its base, is faster where bubbles dominate (m <= 2P), and holds no more
