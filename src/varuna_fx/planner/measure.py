@@ -40,7 +40,11 @@ from .profile import ChunkProfile, Profile, graph_hash
 
 @dataclass(frozen=True)
 class ProfileSettings:
-    sizes: tuple[int, ...] = (1, 2, 4, 8)  # micro-batch sizes, capped by the example batch
+    # micro-batch sizes, capped by the example batch (and the batch itself when it falls
+    # between two): the planner interpolates between measured sizes, so they should cover
+    # the ones it may pick -- extrapolating small sizes' per-sample cost to big micro-batches
+    # overstated an MLP's backward 2x on a CPU
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     repeats: int = 7
     warmup: int = 2
     min_piece: float = 1e-3  # seconds: smaller pieces are too noisy to time
