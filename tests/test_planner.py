@@ -95,10 +95,10 @@ def test_branch_and_bound_finds_the_exhaustive_optimum(gpt: Analyzed) -> None:
         c.plan = planner.partition(c.micro_batch_size, c.stages, 1)
         if c.plan is None:
             continue
-        sched, counts = planner.built(c.stages, c.num_micro_batches)
+        _, counts = planner.built(c.stages, c.num_micro_batches)
         if not planner._fits(c, counts) and not planner.fit(c, counts):
             continue
-        full.append(planner._key(planner.simulated(c, sched), c))
+        full.append(planner._key(planner.simulated(c, planner.ordered(c)), c))
     assert fast.partitioned < len(planner.candidates(space)) / 2  # it did prune
     expected = sorted(full)[:5]
     got = [planner._key(c.step_time, c) for c in fast.top]
@@ -231,3 +231,23 @@ def test_plan_command_prints_the_choice(capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     assert code == 0
     assert "predicted step" in out and "simulated" in out and "stages of the chosen" in out
+
+
+def test_search_prices_candidates_with_the_order_the_plan_will_run(gpt: Analyzed) -> None:
+    """The search simulates each finalist with Varuna's order generated from its own stage and
+    link times (what ``price`` gives the plan), not the unit-cost order: on a slow link the
+    two differ, and the plan's predicted step must be the one the candidate was chosen by."""
+    from varuna_fx.schedule import build_schedule
+
+    cluster = vf.Cluster(gpus=4, gpus_per_node=1, flops="1TFLOP/s",
+                         inter_node_bandwidth="200Mbit/s")
+    planner = Planner(CostTable.build(gpt.gm), cluster, schedule="varuna", recompute=False)
+    result = planner.search(Space(4, 4, 16, stages=4, data_parallel=1), top=3)
+    differs = False
+    for c in result.top:
+        costs = planner.schedule_costs(c)
+        own = build_schedule("varuna", c.stages, c.num_micro_batches, False, costs)
+        unit, _ = planner.built(c.stages, c.num_micro_batches)
+        differs |= own.per_stage != unit.per_stage
+        assert c.step_time == pytest.approx(planner.simulated(c, own), rel=1e-12)
+    assert differs  # the setting is one where the order depends on the costs

@@ -251,6 +251,22 @@ class Planner:
         return ScheduleCosts.of(plan.sim_forward(rc), plan.backward,
                                 recompute=plan.recompute, links=links)
 
+    def ordered(self, c: Candidate) -> Schedule:
+        """The schedule generated from ``c``'s own stage and link times -- what ``price``
+        will give the plan and the runtime will run -- so candidates are compared by the
+        step they would really take (Varuna's order from unit costs can be slower or faster
+        than the one the chosen partition gets). Orders that do not depend on costs come
+        from the cache."""
+        unit, _ = self.built(c.stages, c.num_micro_batches)
+        if c.stages == 1:
+            return unit
+        costs = self.schedule_costs(c)
+        sched = build_schedule(self.schedule, c.stages, c.num_micro_batches, self.recompute,
+                               costs)
+        if sched.per_stage == unit.per_stage:
+            return unit  # same order: reuse the compiled simulation data
+        return sched
+
     def simulated(self, c: Candidate, sched: Schedule,
                   recompute: bool | Sequence[bool] | None = None) -> float:
         rc = self.recompute if recompute is None else recompute
@@ -326,9 +342,8 @@ class Planner:
                     continue
                 push(max(self.bound_from_stages(c), self.bound_from_stash(c, counts)), 2, c)
             else:
-                sched, _ = self.built(c.stages, c.num_micro_batches)
                 result.simulated += 1
-                push(self.simulated(c, sched), 3, c)
+                push(self.simulated(c, self.ordered(c)), 3, c)
         result.seconds = time.perf_counter() - start
         result.alternatives = [c.alternative(i == 0) for i, c in enumerate(result.top)]
         return result
