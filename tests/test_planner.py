@@ -251,3 +251,28 @@ def test_search_prices_candidates_with_the_order_the_plan_will_run(gpt: Analyzed
         differs |= own.per_stage != unit.per_stage
         assert c.step_time == pytest.approx(planner.simulated(c, own), rel=1e-12)
     assert differs  # the setting is one where the order depends on the costs
+
+
+def test_split_backward_first_stage_is_all_weight_gradient(gpt: Analyzed) -> None:
+    """The first stage has no input gradients to compute (its inputs are the batch): the
+    runtime runs its whole backward as W, so the planner's split-backward costs say so; later
+    stages split about half and half."""
+    from varuna_fx.planner.search import weight_grads
+
+    assert weight_grads([4.0, 2.0, 6.0]) == [4.0, 1.0, 3.0]
+    assert weight_grads([4.0]) == [2.0]
+    cluster = vf.Cluster(gpus=2, gpus_per_node=1, flops="1TFLOP/s",
+                         inter_node_bandwidth="1Gbit/s")
+    planner = Planner(CostTable.build(gpt.gm), cluster, schedule="varuna-zb", recompute=False)
+    c = planner.search(Space(2, 4, 8, stages=2, data_parallel=1), top=1).best
+    assert c.plan is not None
+    costs = planner.schedule_costs(c)
+    assert costs.w(0) == pytest.approx(float(c.plan.backward[0]))
+    assert costs.b(0, split=True) == 0.0
+    assert costs.w(1) == pytest.approx(float(c.plan.backward[1]) / 2)
+    # the search's prediction is the simulation with exactly these costs
+    own = planner.ordered(c)
+    assert c.step_time == pytest.approx(simulate(
+        own, forward=list(costs.forward), backward=list(costs.backward),
+        recompute=[costs.r(s) for s in range(2)], send_bytes=[costs.link(0)], bandwidth=1.0,
+        weight_grad=[costs.w(s) for s in range(2)]).step_time + c.allreduce_time, rel=1e-9)
