@@ -40,6 +40,9 @@ class StagePlan:
     shared_grads: float  # gradient bytes of weights held by several stages (summed each step)
     activations: np.ndarray  # bytes one micro-batch leaves for the backward
     workspace: np.ndarray  # largest single activation: its gradient during the backward
+    # the split backward's input-gradient and weight passes, when the profile measured them
+    input_grad: np.ndarray | None = None
+    weight_grad: np.ndarray | None = None
 
     @property
     def num_stages(self) -> int:
@@ -249,4 +252,6 @@ class Balancer:
             shared_grads=shared_grads,
             activations=per_stage(u.activations),
             workspace=np.maximum.reduceat(u.biggest, starts),
+            input_grad=None if u.input_grad is None else per_stage(u.input_grad),
+            weight_grad=None if u.weight_grad is None else per_stage(u.weight_grad),
         )

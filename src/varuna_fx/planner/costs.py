@@ -51,6 +51,10 @@ class NodeArrays:
     recompute: np.ndarray  # seconds, forward with autograd (recompute, or a stashing forward)
     backward: np.ndarray
     activations: np.ndarray  # bytes left for the backward
+    # measured split backward (None: not measured): the input-gradient pass and the weight
+    # pass of a split-backward schedule, together more than ``backward``
+    input_grad: np.ndarray | None = None
+    weight_grad: np.ndarray | None = None
 
 
 def interpolate(sizes: np.ndarray, values: np.ndarray, b: float) -> np.ndarray:
@@ -104,16 +108,17 @@ class MeasuredTimes:
     estimate: Any = field(repr=False)  # b -> NodeArrays with the local device's estimates
     reseed: float = 0.0  # seconds per forward/recompute of a stage with random ops
     sizes: np.ndarray | None = None
-    samples: np.ndarray | None = None
+    samples: np.ndarray | None = None  # [K, S, 3 or 5]: F, R, B (and I, W) per chunk and size
 
     def arrays(self, b: int) -> NodeArrays:
         est = self.estimate(b)
         k = len(self.fwd)
         at = None if self.samples is None or self.sizes is None else \
-            [interpolate(self.sizes, self.samples[:, :, i], b) for i in range(3)]
+            [interpolate(self.sizes, self.samples[:, :, i], b)
+             for i in range(self.samples.shape[2])]
 
         def spread(chunk: np.ndarray | int, weight: np.ndarray) -> np.ndarray:
-            if isinstance(chunk, int):  # 0, 1, 2: forward, recompute, backward samples
+            if isinstance(chunk, int):  # index into the samples: F, R, B, I, W
                 assert at is not None
                 measured = at[chunk]
             else:
@@ -127,8 +132,11 @@ class MeasuredTimes:
             return measured[self.chunk_of] * share
 
         times = (0, 1, 2) if at is not None else (self.fwd, self.rec, self.bwd)
+        split = at is not None and len(at) == 5
         return NodeArrays(spread(times[0], est.forward), spread(times[1], est.forward),
-                          spread(times[2], est.backward), spread(self.mem, est.activations))
+                          spread(times[2], est.backward), spread(self.mem, est.activations),
+                          spread(3, est.backward) if split else None,
+                          spread(4, est.backward) if split else None)
 
     def _select(self, nodes: Sequence[Any], values: np.ndarray) -> np.ndarray:
         index = {name: i for i, name in enumerate(self.names)}
@@ -239,6 +247,8 @@ class CostTable:
             biggest=np.maximum.reduceat(out, starts) if len(out) else out,
             random=np.logical_or.reduceat(self.random, starts) if len(out) else self.random,
             reseed=self.measured.reseed if self.measured is not None else 0.0,
+            input_grad=None if nodes.input_grad is None else per_unit(nodes.input_grad),
+            weight_grad=None if nodes.weight_grad is None else per_unit(nodes.weight_grad),
         )
 
 
@@ -258,6 +268,8 @@ class UnitArrays:
     biggest: np.ndarray  # largest single activation in the unit: the backward's workspace
     random: np.ndarray  # the unit has random ops
     reseed: float = 0.0  # seconds per forward/recompute of a stage with random ops
+    input_grad: np.ndarray | None = None  # measured split backward (see NodeArrays)
+    weight_grad: np.ndarray | None = None
 
 
 def _shared_weights(nodes: list[fx.Node], trainable: set[str]

@@ -45,7 +45,9 @@ class ChunkProfile:
     recompute: Affine  # forward with autograd (also what a non-recomputing stage runs)
     backward: Affine
     memory: Affine  # bytes the forward leaves for the backward (GPU: peak over F + B)
-    samples: dict[int, tuple[float, float, float, float]] = field(default_factory=dict)
+    # per size: (forward, recompute, backward, memory), then, when the split backward was
+    # timed, (input-gradient pass, weight pass)
+    samples: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,7 +89,11 @@ class Profile:
         sizes = sorted(self.sizes)
         samples = None
         if all(set(sizes) <= set(c.samples) for c in self.chunks):
-            samples = monotone(np.array([[c.samples[b][:3] for b in sizes]
+            # forward, recompute, backward; then the split backward's two passes if measured
+            slots = [0, 1, 2]
+            if all(len(c.samples[b]) >= 6 for c in self.chunks for b in sizes):
+                slots += [4, 5]
+            samples = monotone(np.array([[[c.samples[b][i] for i in slots] for b in sizes]
                                          for c in self.chunks]).transpose(0, 2, 1)
                                ).transpose(0, 2, 1)
         return MeasuredTimes(list(table.names), chunk_of, coef("forward"), coef("recompute"),

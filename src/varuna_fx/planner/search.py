@@ -37,7 +37,14 @@ from ..cluster import Cluster
 from ..costmodel import DeviceSpec
 from ..errors import PartitionError
 from ..plan import Alternative
-from ..schedule import Schedule, ScheduleCosts, build_schedule, peak_stash_counts, simulate
+from ..schedule import (
+    Schedule,
+    ScheduleCosts,
+    build_schedule,
+    is_split,
+    peak_stash_counts,
+    simulate,
+)
 from .balance import Balancer, StagePlan
 from .costs import CostTable, UnitArrays
 from .network import Links, NetworkProfile, links
@@ -260,9 +267,25 @@ class Planner:
         net = self.links(c.stages, c.data_parallel)
         links = [net.latency + nb / bw for nb, bw in zip(plan.send_bytes, net.bandwidths)] \
             if c.stages > 1 else []
-        return ScheduleCosts.of(plan.sim_forward(rc), plan.backward,
-                                recompute=plan.recompute, links=links,
-                                weight_grad=weight_grads(plan.backward))
+        backward, weight = self.backward_costs(plan)
+        return ScheduleCosts.of(plan.sim_forward(rc), backward,
+                                recompute=plan.recompute, links=links, weight_grad=weight)
+
+    def backward_costs(self, plan: StagePlan) -> tuple[list[float], list[float]]:
+        """(backward, its weight-gradient part W) per stage, as the schedule runs them: for a
+        split-backward schedule with a profile that timed the split, the input-gradient pass
+        plus the weight pass (more than the fused backward), except on the first stage,
+        which needs no input gradients and runs its fused backward as W."""
+        fused = [float(b) for b in plan.backward]
+        if not is_split(self.schedule) or plan.input_grad is None or plan.weight_grad is None:
+            return fused, weight_grads(fused)
+        backward = [float(i + w) for i, w in zip(plan.input_grad, plan.weight_grad)]
+        weight = [float(w) for w in plan.weight_grad]
+        if len(fused) > 1:
+            backward[0] = weight[0] = fused[0]
+        else:
+            backward, weight = fused, weight_grads(fused)
+        return backward, weight
 
     def ordered(self, c: Candidate) -> Schedule:
         """The schedule generated from ``c``'s own stage and link times -- what ``price``
@@ -286,11 +309,11 @@ class Planner:
         plan = c.plan
         assert plan is not None
         net = self.links(c.stages, c.data_parallel)
+        backward, weight = self.backward_costs(plan)
         sim = simulate(
-            sched, forward=plan.sim_forward(rc), backward=plan.backward,
+            sched, forward=plan.sim_forward(rc), backward=backward,
             recompute=plan.recompute, send_bytes=plan.send_bytes, latency=net.latency,
-            bandwidth=net.bandwidths if c.stages > 1 else math.inf,
-            weight_grad=weight_grads(plan.backward),
+            bandwidth=net.bandwidths if c.stages > 1 else math.inf, weight_grad=weight,
         )
         c.allreduce_time = self.allreduce(c)
         c.bubble = sim.bubble_fraction
