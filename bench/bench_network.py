@@ -1,6 +1,6 @@
 """Pipelines against torch's own pipelining, DDP and FSDP2 on commodity links, for real.
 
-Run (root, iproute2): ``python bench/bench_network.py --write`` -- about 12-15 minutes on a
+Run (root, iproute2): ``python bench/bench_network.py --write`` -- about 15 minutes on a
 quiet 2-core machine (``--quick``: a smoke run; ``--links``/``--models`` narrow it; ``--write``
 replaces the previous run's block in bench/RESULTS.md). Two ranks (gloo on CPU, one thread each), each inside its own network
 namespace, joined by a veth pair that ``tc ... tbf`` limits to 1 Gbit/s and 100 Mbit/s each
@@ -228,10 +228,11 @@ def known_schedules(names: list[str]) -> list[str]:
 def measure(variants: dict[str, Variant], rounds: int, warmup: int, steps: int,
             slow: set[str]) -> dict[str, list[list[float]]]:
     """Step times per variant and round: ``rounds`` sweeps over the variants (the order
-    rotating, so no variant always follows the same one), each variant running ``warmup``
-    untimed then ``steps`` timed steps in a row (its weights and buffers back in the caches
-    before timing). Background load drifts over minutes: the sweeps spread every variant
-    over the whole run, and the round medians show how much one variant's time moves.
+    rotating, so no variant always follows the same one), each variant running ``steps``
+    timed steps in a row, after ``warmup`` untimed ones in the first sweep (first-step
+    allocations, lazy initialisation). Background load drifts over minutes: the sweeps
+    spread every variant over the whole run, and the round medians show how much one
+    variant's time moves.
     ``slow`` variants (DDP/FSDP2 on a slow link: tens of seconds a step) warm up once and time
     one step in each of at most two rounds."""
     import torch.distributed as dist
@@ -243,7 +244,7 @@ def measure(variants: dict[str, Variant], rounds: int, warmup: int, steps: int,
             if name in slow and r >= 2:
                 continue
             step = variants[name][0]
-            untimed = (1 if r == 0 else 0) if name in slow else warmup
+            untimed = 0 if r else (1 if name in slow else warmup)
             timed = 1 if name in slow else steps
             got = []
             for k in range(untimed + timed):
@@ -539,7 +540,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2,
                         help="timed steps per variant and round")
     parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed steps per variant before its timed steps, every round")
+                        help="untimed steps per variant before its first timed steps")
     parser.add_argument("--quick", action="store_true",
                         help="2 rounds of 1 timed step, links unshaped and 100mbit (a smoke "
                              "run: ratios within ~the printed spread)")
