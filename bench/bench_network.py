@@ -1,10 +1,10 @@
 """Pipelines against torch's own pipelining, DDP and FSDP2 on commodity links, for real.
 
 Run (root, iproute2): ``python bench/bench_network.py --write`` -- about 15 minutes on a
-quiet 2-core machine (``--quick``: a smoke run; ``--links``/``--models`` narrow it; ``--write``
-replaces the previous run's block in bench/RESULTS.md). Two ranks (gloo on CPU, one thread each), each inside its own network
-namespace, joined by a veth pair that ``tc ... tbf`` limits to 1 Gbit/s and 100 Mbit/s each
-way (and once unshaped). Rendezvous is env:// (a TCP store on rank 0's namespace address), gloo
+quiet 2-core machine (``--quick``: a smoke run; ``--links``/``--models`` narrow it;
+``--write`` replaces the previous run's block in bench/RESULTS.md). Two ranks (gloo on CPU,
+one thread each), each inside its own network namespace, joined by a veth pair that
+``tc ... tbf`` limits to 1 Gbit/s and 100 Mbit/s each way (and once unshaped). Rendezvous is env:// (a TCP store on rank 0's namespace address), gloo
 bound to the veth (GLOO_SOCKET_IFNAME), so every byte between the ranks crosses the shaped link.
 
 Per link and model (the GPT with a 16k-vocabulary head, a uniform MLP), side by side, in
