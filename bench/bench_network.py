@@ -445,13 +445,16 @@ def targets(rows: list[dict]) -> list[str]:
             spreads = [r["spread"] for r in rows if (r["link"], r["model"]) == (link, model)
                        and "spread" in r]
             if spreads:
-                same = [r for r in rows if (r["link"], r["model"]) == (link, model)
-                        and r["variant"] in ("varuna", "planner")]
-                twins = ""
-                if len(same) == 2 and same[0]["note"] == same[1]["note"]:
-                    gap = same[1]["ms"] / same[0]["ms"] - 1
-                    twins = (f"; varuna and planner, the same configuration and order, differ "
-                             f"{gap:+.1%}")
+                # rows running the same configuration and action order (e.g. defaults or
+                # planner and varuna): their gap is pure measurement noise
+                groups: dict[str, list[dict]] = {}
+                for r in rows:
+                    if (r["link"], r["model"]) == (link, model) and r["predicted_ms"]:
+                        groups.setdefault(r["note"], []).append(r)
+                twins = "".join(
+                    f"; {' and '.join(r['variant'] for r in same)}, the same configuration "
+                    f"and order, differ {max(r['ms'] for r in same) / min(r['ms'] for r in same) - 1:.1%}"
+                    for same in groups.values() if len(same) > 1)
                 out.append(f"- noise {where}: spread of the round medians: median "
                            f"{statistics.median(spreads):.1%}, worst {max(spreads):.1%}{twins}")
             limit = 0.85 if model == "gpt" else 1.0
