@@ -76,21 +76,23 @@ def test_forced_settings_and_bad_values() -> None:
 
 def test_partition_prices_each_stage_with_its_own_choice() -> None:
     # 4 equal nodes; plain (no recompute) costs 2 per node, recomputing 3; a plain stage holds
-    # 10 bytes of activations per node for each of its 2 micro-batches in flight, a recomputing
-    # one only its input (1 byte) per micro-batch plus one replay. Room for 25 bytes.
+    # its input (1 byte) and 10 bytes of activations per node for each micro-batch in flight (2
+    # on stage 0, 1 on the last), a recomputing one only its input per micro-batch plus one
+    # replay. Room for 25 bytes.
     n = 4
     costs = PartitionCosts(
         compute=torch.full((n,), 3.0).numpy(), weight_bytes=torch.zeros(n).numpy(),
         activation_bytes=torch.full((n,), 10.0).numpy(), cut_bytes=torch.ones(n + 1).numpy(),
-        memory_cap=25.0, in_flight=2, recompute="auto",
+        memory_cap=25.0, stash_counts=(2, 1), recompute="auto",
         last_stage_compute=torch.full((n,), 2.0).numpy(),
     )
     result = partition(costs, 2)
-    # stage 0 as [0, 2) stashes 2 x 20 bytes plain: it recomputes (cost 2 x 3, memory
-    # 2 x 1 + 20); the last stage never recomputes and keeps its plain cost 2 x 2
+    # stage 0 as [0, 2) stashes 2 x 21 bytes plain: it recomputes (cost 2 x 3, memory
+    # 2 x 1 + 20); the last stage never recomputes and keeps its plain cost 2 x 2 (memory
+    # 1 x (1 + 20))
     assert result.bounds == (0, 2, 4)
     assert result.recompute == (True, False)
     assert result.stage_costs == (6.0, 4.0)
-    assert result.stage_memory == (22.0, 22.0)
+    assert result.stage_memory == (22.0, 21.0)
     roomy = partition(dataclasses.replace(costs, memory_cap=1e9), 2)
     assert roomy.recompute == (False, False) and roomy.stage_costs == (4.0, 4.0)

@@ -19,13 +19,13 @@ from .buffers import warn_micro_batch_state
 from .capture import TRACERS, bind_inputs
 from .cluster import Cluster
 from .codegen import build_stage
-from .configure import Configuration, choose_configuration, price
+from .configure import Configuration, assign_and_price, choose_configuration
 from .costmodel import device_spec
 from .errors import PlanError, VarunaFxError
 from .frontend import _CAPTURES, FRONT_PASSES, _fingerprint, captured_and_annotated
 from .ir import copy_graph_module
 from .passes.annotate_costs import canonical_names
-from .passes.assign_stages import CostSetting, assign_stages
+from .passes.assign_stages import CostSetting
 from .passes.check import check_assignment, check_parameters, check_split
 from .passes.manager import CompileState, Pass, dump_dir, run_passes
 from .passes.split_stages import split_stages
@@ -124,16 +124,17 @@ def compile(  # noqa: A001 - the public name in API.md
             micro_batch_size=config.micro_batch_size,
             device=config.device or device_spec(cluster.device),
             bandwidth=config.pipeline_bandwidth, memory_cap=cluster.gpu_memory,
-            in_flight=config.in_flight, recompute=recompute, node_times=config.node_times,
+            stash_counts=config.stash_counts, recompute=recompute,
+            node_times=config.node_times,
         ),
     })
     run_passes(BACK_PASSES, state, dump=where_to, done=FRONT_PASSES)
     built = state["built"]
 
-    # the plan: everything decided, priced by one model, frozen
+    # the plan: everything decided, priced by one model (the partition's), frozen
     bounds = tuple(int(x) for x in state["partition"].bounds)
-    flags = tuple(state["partition"].recompute) or (bool(recompute),) * config.stages
-    priced = price(config, bounds, flags)
+    flags = tuple(state["partition"].recompute)
+    priced = state["priced"]
     holders: dict[str, list[int]] = {}
     for s in built:
         for p in s.parameter_names:
@@ -162,7 +163,9 @@ def compile(  # noqa: A001 - the public name in API.md
 
 
 def _assign(state: CompileState) -> None:
-    state["partition"] = assign_stages(state.gm, state["config"].stages, state["setting"])
+    # partitioned for the stash counts of the schedule that runs, and priced with it
+    state["partition"], state["priced"] = assign_and_price(state.gm, state["config"],
+                                                          state["setting"])
 
 
 def _split(state: CompileState) -> None:

@@ -13,6 +13,7 @@ Layer: above ``planner`` and ``schedule``, below ``api``; imports nothing from t
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
@@ -21,7 +22,8 @@ import torch.fx as fx
 from .cluster import Cluster
 from .costmodel import DeviceSpec, NodeTimes
 from .errors import PartitionError, PlanError
-from .passes.assign_stages import compute_nodes
+from .passes.assign_stages import CostSetting, compute_nodes, partition_costs, record_stages
+from .passes.partition import Partition, partition
 from .plan import Alternative
 from .planner.costs import CostTable
 from .planner.explain import explain_nothing_fits
@@ -39,7 +41,7 @@ class Configuration:
     num_micro_batches: int
     pipeline_bandwidth: float
     allreduce_bandwidth: float
-    in_flight: int
+    stash_counts: tuple[int, ...]  # the schedule's micro-batches held at once, per stage
     schedule: Schedule  # the one object simulated, and later run by the runtime
     planner: Planner
     alternatives: list[Alternative] = field(default_factory=list)
@@ -56,6 +58,7 @@ class Priced:
     stage_memory: tuple[float, ...]
     alternatives: tuple[Alternative, ...]
     schedule: Schedule  # generated from this partition's costs: what the runtimes run
+    stash_counts: tuple[int, ...]  # that schedule's micro-batches held at once, per stage
 
 
 def replica_batch(example_batch: int, global_batch_size: int | None, data_parallel: int) -> int:
@@ -115,7 +118,7 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
     return Configuration(
         stages=p, data_parallel=d, micro_batch_size=b, num_micro_batches=m,
         pipeline_bandwidth=net.partition_bandwidth, allreduce_bandwidth=net.allreduce_bandwidth,
-        in_flight=max(counts), schedule=sched, planner=planner, alternatives=alternatives,
+        stash_counts=tuple(counts), schedule=sched, planner=planner, alternatives=alternatives,
         device=planner.spec, node_times=planner.table.measured,
     )
 
@@ -158,7 +161,46 @@ def price(config: Configuration, bounds: tuple[int, ...],
     step = planner.simulated(c, sched, rc)
     c.memory = tuple(float(x) for x in c.plan.memory(counts, rc))
     rows = tuple(c.alternative(True) if a.chosen else a for a in config.alternatives)
-    return Priced(step, c.memory, rows, sched)
+    return Priced(step, c.memory, rows, sched, tuple(counts))
+
+
+def assign_and_price(gm: fx.GraphModule, config: Configuration,
+                     setting: CostSetting) -> tuple[Partition, Priced]:
+    """The partition pass (``assign_stages``) for the stash counts of the schedule that runs.
+
+    That schedule is generated from the partition's own costs and recompute flags (``price``),
+    so its counts are known only after partitioning, and they differ from the planner's
+    schedule's on most Varuna plans. Start from the planner's counts; while the schedule holds
+    some stage at more micro-batches than it was partitioned for, partition again at the larger
+    count of each stage (counts only grow, up to m: it ends). When the schedule holds fewer,
+    one partition at exactly its counts is tried: if that partition's schedule has the same
+    counts, it is the fixed point. Otherwise the partition stays the one checked at counts at
+    least the schedule's, and its memory is restated at the schedule's counts: the plan, its
+    alternatives row and ``Partition.stage_memory`` always print the model at the counts that
+    run, and they never exceed what the cap was checked with."""
+    costs = partition_costs(gm, setting)
+    counts = config.stash_counts
+    safe: tuple[Partition, Priced] | None = None
+    while True:
+        made = partition(dataclasses.replace(costs, stash_counts=counts), config.stages)
+        priced = price(config, made.bounds, made.recompute)
+        runs = priced.stash_counts
+        if runs == counts:  # checked at exactly the counts that run
+            break
+        if all(r <= c for r, c in zip(runs, counts)):
+            if safe is None:  # fits a fortiori; try the schedule's own counts once
+                safe, counts = (made, priced), runs
+                continue
+            made, priced = safe
+            made = dataclasses.replace(made, stage_memory=priced.stage_memory)
+            break
+        if safe is not None:  # the exact try needs more: keep the one that fits
+            made, priced = safe
+            made = dataclasses.replace(made, stage_memory=priced.stage_memory)
+            break
+        counts = tuple(max(r, c) for r, c in zip(runs, counts))
+    record_stages(gm, made)
+    return made, priced
 
 
 def check_micro_batch(batch: int, micro_batch_size: int) -> None:

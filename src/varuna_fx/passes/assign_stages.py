@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from ..costmodel import DeviceSpec, NodeTimes, step_time
 from ..ir import info
+from ..memory_model import SharedWeight
 from .partition import Partition, PartitionCosts, partition
 
 # Weights, their gradients and Adam's two moments, all in the parameters' dtype.
@@ -28,7 +29,8 @@ class CostSetting:
     device: DeviceSpec
     bandwidth: float  # bytes/s between neighbouring stages
     memory_cap: float  # bytes per device
-    in_flight: int  # micro-batches stashed at once on a stage
+    # micro-batches each stage stashes at once: one count for all, or the schedule's per stage
+    stash_counts: int | tuple[int, ...]
     recompute: bool | str  # True | False | "auto": per stage, only where it must (partition)
     # Measured costs (a planner profile) replacing the FLOP-based estimates when given.
     node_times: NodeTimes | None = None
@@ -77,12 +79,14 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
             if name not in seen:
                 seen.add(name)
                 weights[i] += (WEIGHT_COPIES if name in trainable else 1) * nbytes
+    # the largest single activation of a stage: its gradient is the backward's workspace
+    workspace = np.array([
+        info(x).out_bytes(b) if (info(x).fwd_flops(b) > 0) else 0.0 for x in nodes
+    ])
     if setting.node_times is not None:
         activations = np.asarray(setting.node_times.activation_bytes(nodes, b), float)
     else:
-        activations = np.array([
-            info(x).out_bytes(b) if (info(x).fwd_flops(b) > 0) else 0.0 for x in nodes
-        ])
+        activations = workspace.copy()  # estimated: every computed output is kept
     crossing = np.zeros(n + 2)
     forbidden = np.zeros(n + 2)
     for node in nodes:
@@ -104,14 +108,34 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
     return PartitionCosts(
         compute=compute, weight_bytes=weights, activation_bytes=activations, cut_bytes=cut,
         bandwidth=setting.bandwidth, memory_cap=setting.memory_cap,
-        in_flight=setting.in_flight, recompute=setting.recompute,
-        last_stage_compute=last_compute,
+        stash_counts=setting.stash_counts, recompute=setting.recompute,
+        last_stage_compute=last_compute, workspace_bytes=workspace,
+        shared=shared_weights(nodes, trainable),
     )
 
 
+def shared_weights(nodes: list[fx.Node], trainable: set[str]) -> tuple[SharedWeight, ...]:
+    """Weights read by several compute nodes (tied embeddings): each stage reading one holds a
+    copy, which the first-read accounting of ``weight_bytes`` does not see."""
+    readers: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for name, nbytes in params_read(node).items():
+            readers.setdefault(name, []).append(i)
+            sizes[name] = nbytes
+    return tuple(
+        SharedWeight(float((WEIGHT_COPIES if name in trainable else 1) * sizes[name]),
+                     float(sizes[name]) if name in trainable else 0.0, np.array(sorted(set(at))))
+        for name, at in readers.items() if len(set(at)) > 1)
+
+
 def assign_stages(gm: fx.GraphModule, num_stages: int, setting: CostSetting) -> Partition:
-    costs = partition_costs(gm, setting)
-    result = partition(costs, num_stages)
+    result = partition(partition_costs(gm, setting), num_stages)
+    record_stages(gm, result)
+    return result
+
+
+def record_stages(gm: fx.GraphModule, result: Partition) -> None:
+    """Write each compute node's stage into its annotations."""
     for i, node in enumerate(compute_nodes(gm)):
         info(node).stage = result.stage_of(i)
-    return result

@@ -4,11 +4,14 @@ Nodes are in a topological order; a stage is a contiguous range ``[bounds[s], bo
 The cost of a stage is its compute plus the time to send what crosses its right edge; the
 partition minimises the largest stage cost (the pipeline's bottleneck) exactly, by dynamic
 programming over cut positions (vectorised with numpy, one pass per stage), subject to a
-per-stage memory cap. Among the partitions with the optimal bottleneck it picks the one that
-sends the fewest bytes in total ("prefer cuts where few, small values cross"). And it never
-trades several times the bytes for a sliver of balance: on a finite-bandwidth link, a partition
-within ``byte_tolerance`` (2%) of the optimal bottleneck that sends at most half the bytes wins. The send term prices
-bytes only as well as the bandwidth is known (an assumed fast link makes a cut inside an MLP,
+per-stage memory cap. Memory is the package's one memory model (``memory_model.py``: weights
+where first read plus copies of shared weights, workspace, the stage input per stashed
+micro-batch, activations), at each stage's own stash count from the schedule, so the k-th stage
+of the programme is priced as the k-th stage of the pipeline. Among the partitions with the
+optimal bottleneck it picks the one that sends the fewest bytes in total ("prefer cuts where
+few, small values cross"). And it never trades several times the bytes for a sliver of
+balance: on a finite-bandwidth link, a partition within ``byte_tolerance`` (2%) of the optimal
+bottleneck that sends at most half the bytes wins. The send term prices bytes only as well as the bandwidth is known (an assumed fast link makes a cut inside an MLP,
 sending 5x a block boundary's bytes, look free for 1% of balance), and on a measured fast link
 the send term is tiny, so the rule costs at most that sliver there.
 
@@ -18,11 +21,13 @@ Nothing here knows about graphs: tests feed it synthetic arrays.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import PartitionError
+from ..memory_model import MemoryModel, SharedWeight
 
 _REL_TOL = 1e-9
 _FEWER_BYTES = 0.5  # "several times fewer": the loose partition must send at most this share
@@ -36,7 +41,9 @@ class PartitionCosts:
     cut_bytes: np.ndarray  # [N+1] bytes crossing a cut before position j; inf: cut forbidden
     bandwidth: float = float("inf")  # bytes/s between neighbouring stages
     memory_cap: float = float("inf")  # bytes per stage
-    in_flight: int = 1  # micro-batches whose stash a stage holds at once
+    # micro-batches whose stash each stage holds at once: one count for every stage, or one per
+    # stage (the schedule's ``peak_stash_counts``)
+    stash_counts: int | tuple[int, ...] = 1
     # stash only stage inputs (else all activations) per micro-batch; "auto": per stage, only
     # where the stage does not fit otherwise (compute is then the recomputing time and
     # last_stage_compute the plain one)
@@ -45,6 +52,11 @@ class PartitionCosts:
     last_stage_compute: np.ndarray | None = None
     # bottleneck (relative) given up for a partition sending at most half the bytes; 0: exact
     byte_tolerance: float = 0.02
+    # [N] the node's largest single activation (its gradient is the backward's workspace)
+    workspace_bytes: np.ndarray | None = None
+    # weights read by several nodes: a stage reading one whose first reader is on an earlier
+    # stage holds its own copy (``weight_bytes`` counts it where first read)
+    shared: tuple[SharedWeight, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.compute)
@@ -52,17 +64,34 @@ class PartitionCosts:
             raise ValueError("last_stage_compute must have one entry per node")
         if len(self.weight_bytes) != n or len(self.activation_bytes) != n:
             raise ValueError("compute, weight_bytes and activation_bytes must have equal length")
+        if self.workspace_bytes is not None and len(self.workspace_bytes) != n:
+            raise ValueError("workspace_bytes must have one entry per node")
         if len(self.cut_bytes) != n + 1:
             raise ValueError("cut_bytes must have one entry per cut position (N + 1)")
         if self.recompute == "auto" and self.last_stage_compute is None:
             raise ValueError("recompute='auto' needs last_stage_compute (the plain times)")
+
+    def counts(self, num_stages: int) -> tuple[int, ...]:
+        """The stash count of each of ``num_stages`` stages."""
+        if isinstance(self.stash_counts, (int, np.integer)):
+            return (int(self.stash_counts),) * num_stages
+        if len(self.stash_counts) != num_stages:
+            raise ValueError(f"stash_counts has {len(self.stash_counts)} entries for "
+                             f"{num_stages} stages")
+        return tuple(int(c) for c in self.stash_counts)
+
+    def memory_model(self) -> MemoryModel:
+        workspace = np.zeros(len(self.compute)) if self.workspace_bytes is None \
+            else self.workspace_bytes
+        return MemoryModel(self.weight_bytes, self.activation_bytes, self.cut_bytes, workspace,
+                           self.shared)
 
 
 @dataclass(frozen=True)
 class Partition:
     bounds: tuple[int, ...]  # P + 1 positions, bounds[0] = 0, bounds[-1] = N
     stage_costs: tuple[float, ...]  # compute + send time of each stage
-    stage_memory: tuple[float, ...]  # estimated bytes of each stage
+    stage_memory: tuple[float, ...]  # peak bytes of each stage (``memory_model``)
     bottleneck: float
     recompute: tuple[bool, ...] = ()  # per stage: whether it recomputes (set by the partition)
 
@@ -74,52 +103,90 @@ class Partition:
         return int(np.searchsorted(self.bounds, position, side="right") - 1)
 
 
-def _matrices(costs: PartitionCosts
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """cost[i, j] and memory[i, j] of a stage [i, j); inf where i >= j or the cut is forbidden;
-    and whether that stage recomputes."""
-    n = len(costs.compute)
-    compute = np.concatenate([[0.0], np.cumsum(costs.compute, dtype=np.float64)])
-    weights = np.concatenate([[0.0], np.cumsum(costs.weight_bytes, dtype=np.float64)])
-    acts = np.concatenate([[0.0], np.cumsum(costs.activation_bytes, dtype=np.float64)])
-    cut = np.asarray(costs.cut_bytes, dtype=np.float64)
-    send = cut / costs.bandwidth if np.isfinite(costs.bandwidth) else np.where(
-        np.isfinite(cut), 0.0, np.inf)
-    send = send.copy()
-    send[n] = 0.0  # the last stage sends nothing on
-    idx = np.arange(n + 1)
-    valid = idx[:, None] < idx[None, :]
-    cost = np.where(valid, compute[None, :] - compute[:, None] + send[None, :], np.inf)
-    last = None
-    if costs.last_stage_compute is not None:  # the stage ending at N is the last one
-        last = np.concatenate([[0.0], np.cumsum(costs.last_stage_compute, dtype=np.float64)])
-        cost[:, n] = np.where(idx < n, last[n] - last, np.inf)
-    stage_acts = acts[None, :] - acts[:, None]
-    # recomputing: the stage input per micro-batch, plus one replay in flight
-    replay = costs.in_flight * np.where(np.isfinite(cut), cut, 0.0)[:, None] + stage_acts
-    kept = costs.in_flight * stage_acts
-    held = weights[None, :] - weights[:, None]
-    recomputes = np.full(cost.shape, costs.recompute is True)
-    if costs.recompute == "auto":
-        # each stage recomputes only if it does not fit otherwise, and is priced by its choice
-        assert last is not None
-        plain = np.where(valid, last[None, :] - last[:, None] + send[None, :], np.inf)
-        recomputes = held + kept > costs.memory_cap
-        cost = np.where(recomputes, cost, plain)
-        cost[:, n] = np.where(idx < n, last[n] - last, np.inf)
-    recomputes[:, n] = False  # the last stage never recomputes
-    # ...but runs each backward right after its forward: it holds about one micro-batch's
-    # activations, which the replay formula prices (as it always did with recompute on)
-    priced_as_replay = recomputes | (costs.recompute is True)
-    if costs.recompute == "auto":
-        priced_as_replay[:, n] = True
-    stash = np.where(priced_as_replay, replay, kept)
-    memory = np.where(valid, held + stash, np.inf)
-    forbidden = ~np.isfinite(cut)
-    forbidden[0] = forbidden[n] = False
-    cost[forbidden, :] = np.inf  # a stage may not start at a forbidden cut...
-    cost[:, forbidden] = np.inf  # ...nor end at one
-    return cost, memory, cut, recomputes
+class _Stages:
+    """Cost, memory and recompute choice of every candidate stage [i, j) as the k-th of
+    ``num_stages`` stages: matrices over the (reduced) cut positions. Memory depends on k
+    through the stage's stash count; a stage ending at N is the last one (k = P - 1), which
+    never recomputes and is the only one allowed to end there."""
+
+    def __init__(self, costs: PartitionCosts, num_stages: int) -> None:
+        n = len(costs.compute)
+        self.n, self.num_stages, self.cap = n, num_stages, costs.memory_cap
+        self.mode = costs.recompute
+        self.stash = costs.counts(num_stages)
+        self.model = costs.memory_model()
+        cut = np.asarray(costs.cut_bytes, dtype=np.float64)
+        send = cut / costs.bandwidth if np.isfinite(costs.bandwidth) else np.where(
+            np.isfinite(cut), 0.0, np.inf)
+        send = send.copy()
+        send[n] = 0.0  # the last stage sends nothing on
+        idx = np.arange(n + 1)
+        valid = idx[:, None] < idx[None, :]
+        forbidden = ~np.isfinite(cut)
+        forbidden[0] = forbidden[n] = False
+        # a stage may not start at a forbidden cut, nor end at one
+        self.allowed = valid & ~forbidden[:, None] & ~forbidden[None, :]
+
+        def stage_times(times: np.ndarray) -> np.ndarray:
+            prefix = np.concatenate([[0.0], np.cumsum(times, dtype=np.float64)])
+            return np.where(self.allowed, prefix[None, :] - prefix[:, None] + send[None, :],
+                            np.inf)
+
+        self.time = stage_times(costs.compute)  # with recompute when it is on (or "auto")
+        plain = costs.last_stage_compute
+        self.plain_time = self.time if plain is None else stage_times(plain)
+        # the memory cap binds only if the largest stage, kept without recompute at the
+        # largest count, could exceed it; else every k sees the same costs
+        self.binding = bool(np.isfinite(self.cap)) and bool(np.any(
+            np.where(self.allowed, self.model.matrix(max(self.stash), False), 0.0) > self.cap))
+        self._cache: dict[tuple[int, bool], np.ndarray] = {}
+        self._cache_size = max(1, 2**28 // (8 * (n + 1) ** 2))
+
+    def recomputes(self, i: int, j: int, k: int) -> bool:
+        """Whether stage [i, j) recomputes as the k-th stage."""
+        if k == self.num_stages - 1 or self.mode is False:
+            return False
+        if self.mode is True:
+            return True
+        return bool(self.model.peak(i, j, self.stash[k], False) > self.cap)  # "auto"
+
+    def memory(self, bounds: list[int]) -> tuple[float, ...]:
+        flags = [self.recomputes(i, j, k) for k, (i, j) in enumerate(zip(bounds, bounds[1:]))]
+        return tuple(float(x) for x in self.model.stages(bounds, self.stash, flags))
+
+    def cost(self, k: int) -> np.ndarray:
+        """cost[i, j] of stage [i, j) as the k-th stage; inf where it may not be, or does not
+        fit."""
+        last = k == self.num_stages - 1
+        key = (self.stash[k] if self.binding else 0, last)
+        if key not in self._cache:
+            if len(self._cache) >= self._cache_size:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = self._cost(k, last)
+        return self._cache[key]
+
+    def _cost(self, k: int, last: bool) -> np.ndarray:
+        n, stash = self.n, self.stash[k]
+        cost = np.full((n + 1, n + 1), np.inf)
+        if last:  # only column N: without recompute, at the last stage's own count
+            cost[:, n] = self.plain_time[:, n]
+            if self.binding:
+                fits = self.model.peak(np.arange(n + 1), n, stash, False) <= self.cap
+                cost[:, n] = np.where(fits, cost[:, n], np.inf)
+            return cost
+        if not self.binding:  # everything fits: "auto" recomputes nowhere
+            cost[:, :n] = (self.plain_time if self.mode == "auto" else self.time)[:, :n]
+            return cost
+        if self.mode == "auto":
+            # each stage recomputes only if it does not fit otherwise, priced by its choice
+            plain_memory = self.model.matrix(stash, False)
+            recomputes = plain_memory > self.cap
+            time = np.where(recomputes, self.time, self.plain_time)
+            memory = np.where(recomputes, self.model.matrix(stash, True), plain_memory)
+        else:
+            time, memory = self.time, self.model.matrix(stash, bool(self.mode))
+        cost[:, :n] = np.where(memory <= self.cap, time, np.inf)[:, :n]
+        return cost
 
 
 def partition(costs: PartitionCosts, num_stages: int) -> Partition:
@@ -132,34 +199,36 @@ def partition(costs: PartitionCosts, num_stages: int) -> Partition:
             f"stages={num_stages} is more than the {n} operations of the model: "
             f"use at most {n} stages"
         )
+    costs.counts(num_stages)  # one stash count per stage
     positions = _candidate_cuts(costs)
     # Reduction drops only partitions with a stage that computes nothing (both cuts in one run
     # of free nodes); those can matter only when stages are nearly as many as operations.
     if len(positions) - 1 < 4 * num_stages:
         positions = [0, *(j for j in range(1, n) if np.isfinite(costs.cut_bytes[j])), n]
     reduced = _reduce(costs, positions)
-    cost, memory, cut, recomputes = _matrices(reduced)
-    cost = np.where(memory <= costs.memory_cap, cost, np.inf)
+    stages = _Stages(reduced, num_stages)
+    cut = np.asarray(reduced.cut_bytes, dtype=np.float64)
     units = len(positions) - 1
     # best[k][j]: smallest bottleneck of splitting units [0, j) into k + 1 stages.
     best = np.full((num_stages, units + 1), np.inf)
-    best[0] = cost[0]
+    best[0] = stages.cost(0)[0]
     for k in range(1, num_stages):
-        best[k] = np.min(np.maximum(best[k - 1][:, None], cost), axis=0)
+        best[k] = np.min(np.maximum(best[k - 1][:, None], stages.cost(k)), axis=0)
     bottleneck = float(best[num_stages - 1][units]) if num_stages <= units else np.inf
     if not np.isfinite(bottleneck):
-        _explain_infeasible(costs, num_stages, cost, memory)
-    unit_bounds = _fewest_bytes(cost, cut, num_stages, bottleneck)
+        _explain_infeasible(costs, num_stages)
+    unit_bounds = _fewest_bytes(stages.cost, cut, num_stages, bottleneck)
     # an infinite bandwidth says the links are free (or the caller prices only compute)
     if costs.byte_tolerance > 0 and num_stages > 1 and np.isfinite(costs.bandwidth):
-        loose = _fewest_bytes(cost, cut, num_stages, bottleneck * (1 + costs.byte_tolerance))
+        loose = _fewest_bytes(stages.cost, cut, num_stages,
+                              bottleneck * (1 + costs.byte_tolerance))
         if _bytes_sent(cut, loose) <= _FEWER_BYTES * _bytes_sent(cut, unit_bounds):
             unit_bounds = loose
-    stage_costs = tuple(float(cost[i, j]) for i, j in zip(unit_bounds, unit_bounds[1:]))
-    stage_memory = tuple(float(memory[i, j]) for i, j in zip(unit_bounds, unit_bounds[1:]))
-    flags = tuple(bool(recomputes[i, j]) for i, j in zip(unit_bounds, unit_bounds[1:]))
+    pairs = list(zip(unit_bounds, unit_bounds[1:]))
+    stage_costs = tuple(float(stages.cost(k)[i, j]) for k, (i, j) in enumerate(pairs))
+    flags = tuple(stages.recomputes(i, j, k) for k, (i, j) in enumerate(pairs))
     bounds = tuple(positions[u] for u in unit_bounds)
-    return Partition(bounds, stage_costs, stage_memory, max(stage_costs), flags)
+    return Partition(bounds, stage_costs, stages.memory(unit_bounds), max(stage_costs), flags)
 
 
 def _bytes_sent(cut: np.ndarray, unit_bounds: list[int]) -> float:
@@ -167,8 +236,21 @@ def _bytes_sent(cut: np.ndarray, unit_bounds: list[int]) -> float:
 
 
 def _candidate_cuts(costs: PartitionCosts) -> list[int]:
-    free = (costs.compute == 0) & (costs.weight_bytes == 0) & (costs.activation_bytes == 0)
+    free = free_nodes(costs.compute, costs.weight_bytes, costs.activation_bytes,
+                      costs.workspace_bytes, costs.shared)
     return candidate_cuts(free, np.asarray(costs.cut_bytes, dtype=np.float64))
+
+
+def free_nodes(compute: np.ndarray, weights: np.ndarray, activations: np.ndarray,
+               workspace: np.ndarray | None, shared: tuple[SharedWeight, ...]) -> np.ndarray:
+    """Nodes that change no stage's cost or memory wherever a cut next to them falls: no
+    compute, weights, activations or workspace, and no shared weight read."""
+    free = (compute == 0) & (weights == 0) & (activations == 0)
+    if workspace is not None:
+        free &= workspace == 0
+    for item in shared:
+        free[item.nodes] = False
+    return free
 
 
 def candidate_cuts(free: np.ndarray, cut_bytes: np.ndarray) -> list[int]:
@@ -199,27 +281,31 @@ def _reduce(costs: PartitionCosts, positions: list[int]) -> PartitionCosts:
         return np.diff(prefix[positions])
 
     last = costs.last_stage_compute
-    return PartitionCosts(
-        sums(costs.compute), sums(costs.weight_bytes), sums(costs.activation_bytes),
-        np.asarray(costs.cut_bytes, dtype=np.float64)[positions], costs.bandwidth,
-        costs.memory_cap, costs.in_flight, costs.recompute,
-        None if last is None else sums(last), costs.byte_tolerance,
+    workspace = costs.workspace_bytes
+    return dataclasses.replace(
+        costs, compute=sums(costs.compute), weight_bytes=sums(costs.weight_bytes),
+        activation_bytes=sums(costs.activation_bytes),
+        cut_bytes=np.asarray(costs.cut_bytes, dtype=np.float64)[positions],
+        last_stage_compute=None if last is None else sums(last),
+        workspace_bytes=None if workspace is None else np.maximum.reduceat(
+            np.asarray(workspace, dtype=np.float64), positions[:-1]),
+        shared=tuple(item.in_units(positions) for item in costs.shared),
     )
 
 
-def _fewest_bytes(cost: np.ndarray, cut: np.ndarray, num_stages: int,
+def _fewest_bytes(cost: Callable[[int], np.ndarray], cut: np.ndarray, num_stages: int,
                   bottleneck: float) -> list[int]:
-    """Among partitions whose every stage costs <= bottleneck, the one sending fewest bytes."""
-    n = cost.shape[0] - 1
+    """Among partitions whose every stage costs <= bottleneck, the one sending fewest bytes
+    (``cost(k)``: the matrix of stage costs as the k-th stage)."""
+    n = len(cut) - 1
     limit = bottleneck * (1 + _REL_TOL) + 1e-300
-    allowed = cost <= limit
     crossing = np.where(np.isfinite(cut), cut, np.inf)
     total = np.full((num_stages, n + 1), np.inf)
     parent = np.zeros((num_stages, n + 1), dtype=np.int64)
-    total[0] = np.where(allowed[0], 0.0, np.inf)
+    total[0] = np.where(cost(0)[0] <= limit, 0.0, np.inf)
     for k in range(1, num_stages):
         # entering stage k at cut i costs the bytes crossing cut i
-        candidates = np.where(allowed, (total[k - 1] + crossing)[:, None], np.inf)
+        candidates = np.where(cost(k) <= limit, (total[k - 1] + crossing)[:, None], np.inf)
         parent[k] = np.argmin(candidates, axis=0)
         total[k] = candidates[parent[k], np.arange(n + 1)]
     bounds = [n]
@@ -229,8 +315,7 @@ def _fewest_bytes(cost: np.ndarray, cut: np.ndarray, num_stages: int,
     return bounds[::-1]
 
 
-def _explain_infeasible(costs: PartitionCosts, num_stages: int, cost: np.ndarray,
-                        memory: np.ndarray) -> None:
+def _explain_infeasible(costs: PartitionCosts, num_stages: int) -> None:
     if not np.isfinite(costs.memory_cap):
         raise PartitionError(
             f"cannot cut the model into {num_stages} stages: too few places where only tensors "

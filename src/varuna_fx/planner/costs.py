@@ -23,15 +23,10 @@ import torch.fx as fx
 
 from ..costmodel import DeviceSpec
 from ..ir import info
-from ..passes.assign_stages import (
-    WEIGHT_COPIES,
-    CostSetting,
-    compute_nodes,
-    params_read,
-    trainable_names,
-)
+from ..memory_model import SharedWeight
+from ..passes.assign_stages import CostSetting, compute_nodes, params_read, trainable_names
 from ..passes.assign_stages import partition_costs as _partition_costs
-from ..passes.partition import candidate_cuts
+from ..passes.partition import candidate_cuts, free_nodes
 
 
 def _coefficients(values: list[Any]) -> np.ndarray:
@@ -159,15 +154,15 @@ class CostTable:
     fwd_flops: np.ndarray  # [2, N]
     bwd_flops: np.ndarray
     moved: np.ndarray  # bytes read + written
-    out_bytes: np.ndarray
     weights: np.ndarray  # [N] bytes (weights + grads + Adam), where first read
     activations: np.ndarray  # [2, N]
+    workspace: np.ndarray  # [2, N] the node's largest single activation (memory_model)
     cut: np.ndarray  # [2, N + 1] bytes crossing the cut before node j
     allowed: np.ndarray  # [N + 1] bool: only tensors cross there
     random: np.ndarray  # [N] bool: dropout & co (the runtime re-seeds around such stages)
     units: np.ndarray  # cut positions worth considering, 0 .. N
     grads: np.ndarray  # [N] gradient bytes, where first read
-    shared: list[Shared]  # weights read in several units
+    shared: tuple[SharedWeight, ...]  # weights read by several nodes
     measured: MeasuredTimes | None = None
 
     @classmethod
@@ -177,25 +172,28 @@ class CostTable:
         pc = [_partition_costs(gm, CostSetting(b, DeviceSpec("x", 1.0, 1.0), 1.0,
                                                float("inf"), 1, True)) for b in (1, 2)]
         allowed = np.isfinite(pc[0].cut_bytes)
-        cuts = [np.where(allowed, p.cut_bytes, 0.0) for p in pc]
-        acts = [p.activation_bytes for p in pc]
+
+        def affine(values: list[np.ndarray]) -> np.ndarray:  # [2, N] from sizes 1 and 2
+            return np.stack([2 * values[0] - values[1], values[1] - values[0]])
+
+        workspace = [p.workspace_bytes for p in pc]
+        assert workspace[0] is not None and workspace[1] is not None
         table = cls(
             names=[n.name for n in nodes],
             fwd_flops=_coefficients([m.fwd_flops for m in metas]),
             bwd_flops=_coefficients([m.bwd_flops for m in metas]),
             moved=_coefficients([m.in_bytes + m.out_bytes for m in metas]),
-            out_bytes=_coefficients([m.out_bytes for m in metas]),
             weights=np.asarray(pc[0].weight_bytes, dtype=float),
-            activations=np.stack([2 * acts[0] - acts[1], acts[1] - acts[0]]),
-            cut=np.stack([2 * cuts[0] - cuts[1], cuts[1] - cuts[0]]),
+            activations=affine([p.activation_bytes for p in pc]),
+            workspace=affine(workspace),
+            cut=affine([np.where(allowed, p.cut_bytes, 0.0) for p in pc]),
             allowed=allowed,
             random=np.array([m.random for m in metas], dtype=bool),
             units=np.zeros(0, dtype=np.int64),
-            grads=np.zeros(0),
-            shared=[],
+            grads=_gradient_bytes(nodes, trainable_names(gm)),
+            shared=pc[0].shared,
         )
         table.units = table._candidate_cuts()
-        table.shared, table.grads = _shared_weights(nodes, trainable_names(gm))
         return table
 
     @property
@@ -203,10 +201,11 @@ class CostTable:
         return len(self.units) - 1
 
     def _candidate_cuts(self) -> np.ndarray:
-        """Allowed cuts, keeping of each run separated only by free nodes (no compute, weights or
-        activations) the cut sending the fewest bytes: ``partition.candidate_cuts``."""
-        free = ((self.fwd_flops == 0).all(0) & (self.bwd_flops == 0).all(0)
-                & (self.weights == 0) & (self.activations == 0).all(0))
+        """Allowed cuts, keeping of each run separated only by free nodes (``free_nodes``) the
+        cut sending the fewest bytes: ``partition.candidate_cuts``."""
+        flops = (self.fwd_flops != 0).any(0) | (self.bwd_flops != 0).any(0)
+        free = free_nodes(flops, self.weights, (self.activations != 0).any(0),
+                          (self.workspace != 0).any(0), self.shared)
         size = np.where(self.allowed, self.cut[0] + self.cut[1], np.inf)
         return np.array(candidate_cuts(free, size), dtype=np.int64)
 
@@ -233,7 +232,7 @@ class CostTable:
         def per_unit(values: np.ndarray) -> np.ndarray:
             return np.add.reduceat(values, starts) if len(values) else values
 
-        out = _at(self.out_bytes, b) * (_at(self.activations, b) > 0)
+        workspace = _at(self.workspace, b)
         return UnitArrays(
             b=b,
             positions=positions,
@@ -244,8 +243,8 @@ class CostTable:
             grads=per_unit(self.grads),
             activations=per_unit(nodes.activations),
             cut=_at(self.cut, b)[positions],
-            biggest=np.maximum.reduceat(out, starts) if len(out) else out,
-            random=np.logical_or.reduceat(self.random, starts) if len(out) else self.random,
+            workspace=np.maximum.reduceat(workspace, starts) if len(starts) else workspace,
+            random=np.logical_or.reduceat(self.random, starts) if len(starts) else self.random,
             reseed=self.measured.reseed if self.measured is not None else 0.0,
             input_grad=None if nodes.input_grad is None else per_unit(nodes.input_grad),
             weight_grad=None if nodes.weight_grad is None else per_unit(nodes.weight_grad),
@@ -265,36 +264,21 @@ class UnitArrays:
     grads: np.ndarray
     activations: np.ndarray
     cut: np.ndarray
-    biggest: np.ndarray  # largest single activation in the unit: the backward's workspace
+    workspace: np.ndarray  # largest single activation in the unit (memory_model)
     random: np.ndarray  # the unit has random ops
     reseed: float = 0.0  # seconds per forward/recompute of a stage with random ops
     input_grad: np.ndarray | None = None  # measured split backward (see NodeArrays)
     weight_grad: np.ndarray | None = None
 
 
-def _shared_weights(nodes: list[fx.Node], trainable: set[str]
-                    ) -> tuple[list[Shared], np.ndarray]:
-    """Weights read in more than one unit (tied embeddings): each stage reading one holds a copy,
-    which the first-read accounting of ``partition_costs`` does not see. Also returns the
-    gradient bytes (trainable parameters) of every node, where first read: what data
+def _gradient_bytes(nodes: list[fx.Node], trainable: set[str]) -> np.ndarray:
+    """Gradient bytes (trainable parameters) of every node, where first read: what data
     parallelism all-reduces."""
-    readers: dict[str, set[int]] = {}
-    sizes: dict[str, int] = {}
     grads = np.zeros(len(nodes))
+    seen: set[str] = set()
     for i, node in enumerate(nodes):
         for name, nbytes in params_read(node).items():
-            if name not in sizes and name in trainable:
+            if name not in seen and name in trainable:
                 grads[i] += nbytes
-            readers.setdefault(name, set()).add(i)
-            sizes[name] = nbytes
-    shared = [Shared(float((WEIGHT_COPIES if name in trainable else 1) * sizes[name]),
-                     float(sizes[name]) if name in trainable else 0.0, np.array(sorted(at)))
-              for name, at in readers.items() if len(at) > 1]
-    return shared, grads
-
-
-@dataclass(frozen=True)
-class Shared:
-    held: float  # bytes on every stage reading it (with gradient and optimizer state)
-    grad: float  # gradient bytes (0 for buffers)
-    nodes: np.ndarray  # positions of the compute nodes reading it, sorted
+            seen.add(name)
+    return grads

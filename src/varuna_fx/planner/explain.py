@@ -9,23 +9,15 @@ from .search import Candidate, Planner, Space
 
 
 def smallest_memory(planner: Planner, c: Candidate) -> float:
-    """The least memory per device for which ``c`` finds a fitting partition (bisection)."""
+    """The least memory per device for which ``c`` finds a fitting partition: the largest
+    stage of the partition whose largest stage is smallest (the greedy's and the memory
+    model's, so ``planner.fit`` succeeds with it)."""
     _, counts = planner.built(c.stages, c.num_micro_batches)
-    plan = planner.balancer(c.micro_batch_size).min_memory_partition(c.stages, max(counts))
+    plan = planner.balancer(c.micro_batch_size).min_memory_partition(c.stages, counts)
     if plan is None:
         return math.inf
-    hi = float(plan.memory(counts, planner.recompute).max())
-    for _ in range(8):  # the full model may want a little more than the partitioner's
-        if planner.fit(c, counts, hi):
-            break
-        hi *= 1.25
-    else:
-        return math.inf
-    lo = hi / 2
-    while hi - lo > 1e-3 * hi:
-        mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if planner.fit(c, counts, mid) else (mid, hi)
-    return hi
+    need = float(plan.memory(counts, planner.recompute).max())
+    return need if planner.fit(c, counts, need) else math.inf
 
 
 def no_candidates(space: Space) -> str:

@@ -57,8 +57,9 @@ class Candidate:
     micro_batch_size: int
     num_micro_batches: int
     plan: StagePlan | None = None
-    in_flight: int = 1  # stash count the partition was made for (1: a relaxation)
-    exact: bool = False  # partitioned with the schedule's real stash count
+    # stash counts the partition was made for; None: one micro-batch per stage (a relaxation)
+    stash_counts: tuple[int, ...] | None = None
+    exact: bool = False  # partitioned with the schedule's real stash counts
     step_time: float = math.inf
     allreduce_time: float = 0.0
     bubble: float = 0.0
@@ -137,7 +138,7 @@ class Planner:
         self.network = network
         self.memory_cap = float(cluster.gpu_memory)
         self._balancers: dict[int, Balancer] = {}
-        self._plans: dict[tuple[int, int, int, float], StagePlan | None] = {}
+        self._plans: dict[tuple[int, int, tuple[int, ...], float], StagePlan | None] = {}
         self._schedules: dict[tuple[int, int], tuple[Schedule, list[int]]] = {}
         self._links: dict[tuple[int, int], Links] = {}
         self._totals: dict[int, tuple[float, ...]] = {}
@@ -157,14 +158,17 @@ class Planner:
         bw = self.links(stages, 1).partition_bandwidth
         return Balancer(units, self.table.shared, bw, self.recompute)
 
-    def partition(self, b: int, stages: int, in_flight: int,
+    def partition(self, b: int, stages: int, stash_counts: int | tuple[int, ...] | None,
                   budget: float | None = None) -> StagePlan | None:
         """Fastest partition whose stages fit ``budget`` (default: the device memory) by the
-        partition pass's memory model."""
+        memory model, each stage holding its ``stash_counts`` micro-batches (one count for
+        all, or per stage; None: one)."""
         budget = self.memory_cap if budget is None else budget
-        key = (b, stages, in_flight, budget)
+        counts = (stash_counts or 1,) * stages if not isinstance(stash_counts, tuple) \
+            else stash_counts
+        key = (b, stages, counts, budget)
         if key not in self._plans:
-            self._plans[key] = self.balancer(b).partition(stages, budget, in_flight)
+            self._plans[key] = self.balancer(b).partition(stages, budget, counts)
         return self._plans[key]
 
     def built(self, stages: int, micro_batches: int) -> tuple[Schedule, list[int]]:
@@ -367,7 +371,7 @@ class Planner:
             if level == 3:  # simulated, and no other candidate can be faster
                 result.top.append(c)
             elif level == 0:
-                c.plan = self.partition(c.micro_batch_size, c.stages, c.in_flight)
+                c.plan = self.partition(c.micro_batch_size, c.stages, c.stash_counts)
                 result.partitioned += 1
                 if c.plan is not None:
                     push(self.bound_from_stages(c), 1, c)
@@ -398,23 +402,8 @@ class Planner:
 
     def fit(self, c: Candidate, counts: list[int], cap: float | None = None) -> bool:
         """Partition ``c`` for the schedule's real stash counts (the first partition assumed
-        one micro-batch in flight) so that every stage fits by the full memory model (shared
-        weight copies and workspace too): the partitioner's budget shrinks by the overshoot."""
+        one micro-batch per stage), so that every stage fits by the memory model."""
         cap = self.memory_cap if cap is None else cap
-        c.exact, c.in_flight = True, max(counts)
-        budget = cap
-        for _ in range(4):
-            c.plan = self.partition(c.micro_batch_size, c.stages, c.in_flight, budget)
-            if c.plan is None:
-                break
-            if self._fits(c, counts, cap):
-                return True
-            budget -= max(c.memory) - cap
-        # last resort: leave room for the most the partitioner's model can leave out
-        units = self.balancer(c.micro_batch_size).units
-        extra = sum(item.held for item in self.table.shared) + float(units.biggest.max())
-        if cap - extra >= budget:
-            return False
-        c.plan = self.partition(c.micro_batch_size, c.stages, c.in_flight, cap - extra)
+        c.exact, c.stash_counts = True, tuple(counts)
+        c.plan = self.partition(c.micro_batch_size, c.stages, c.stash_counts, cap)
         return c.plan is not None and self._fits(c, counts, cap)
-
