@@ -4,14 +4,28 @@
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_checkpoint.py --small    # smoke test
 
 One process, one GPT (fp32) after one AdamW step, so the state is model + two moments (~3x
-the parameters). Rows of one run compare side by side:
+the parameters). Rows of one run compare side by side (interleaved, median of ``--repeats``);
+each row also gives the CPU seconds of the process (all threads) -- on a shared machine the
+wall time includes waiting for the CPU and the disk, the CPU seconds do not. The load average
+is printed before and after.
 
-* ``torch.save`` / ``torch.load``: one file holding ``{"model": sd, "optim": opt.state_dict()}``
-  (the same tensors), then ``os.fsync`` (a checkpoint that is not on disk does not survive a
-  crash; DCP fsyncs too). ``pipe.save_checkpoint`` / ``load_checkpoint``: DCP, keyed by FQN,
-  atomic rename. The ratio is torch's time / ours (>= 0.8 is the target).
-* async save: mean step time without a save, the time ``save_checkpoint(async_save=True)``
-  blocks (copy to host memory), and the mean step time while the background write runs.
+What each side does:
+
+* ``torch.save``: one file holding ``{"model": sd, "optim": opt.state_dict()}`` (the same
+  tensors; torch's zip format, one record per tensor), ``flush`` and ``os.fsync`` of that file
+  (a checkpoint that is not on disk does not survive a crash).
+  ``pipe.save_checkpoint``: DCP planning, the same tensors keyed by FQN written as raw bytes
+  into 4 files (one per writer thread), each fsynced, DCP's metadata file (fsynced), our marker
+  file (fsynced), the rename of ``<path>.partial`` and an fsync of the parent directory.
+* ``torch.load(weights_only=True)``: reads the file into new tensors.
+  ``pipe.load_checkpoint``: checks the checkpoint against the model, reads the model's tensors
+  straight into the model's own parameters and the optimizer state into new tensors, rebuilds
+  the optimizer's state dict, restores RNG and loss scale. Both read files that were just
+  written, i.e. mostly from the page cache.
+
+The ratio is torch's time / ours (>= 0.8 is the target). Async save: mean step time without a
+save, the time ``save_checkpoint(async_save=True)`` blocks (copy to host memory), and the mean
+step time while the background write runs.
 """
 
 from __future__ import annotations
@@ -60,6 +74,25 @@ def timed(fn, repeats: int) -> float:  # noqa: ANN001
     return statistics.median(times)
 
 
+def timed_cpu(fn) -> tuple[float, float]:  # noqa: ANN001
+    """Wall seconds and CPU seconds of this process (every thread) for one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def settle(seconds: float = 2.0) -> None:
+    """Before each timed operation: flush what the OS still holds and let the disk finish the
+    previous operation's writes (a virtual disk keeps writing after fsync returns), so that no
+    operation pays for the one before it."""
+    os.sync()
+    time.sleep(seconds)
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def torch_save(obj: dict, path: Path) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -70,9 +103,11 @@ def torch_save(obj: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a tiny model (smoke test)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args()
+    console = Console(width=140)
+    console.print(f"load average at start: {load_average()} ({os.cpu_count()} CPUs)")
     pipe, opt, tokens = build(args.small)
     state = {n: t.detach() for n, t in pipe.state_dict().items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -80,22 +115,29 @@ def main() -> None:
                   if isinstance(v, torch.Tensor))
     root = Path(tempfile.mkdtemp(prefix="vf_bench_ckpt_", dir=args.dir))
     try:
-        # interleaved, so both see the same load from other jobs on a shared machine; every
-        # save goes to a fresh path (deleting the previous one is not timed)
-        times: dict[str, list[float]] = {"t_save": [], "t_load": [], "v_save": [], "v_load": []}
+        # interleaved, so both see the same load from other jobs on a shared machine, and
+        # in alternating order (torch first, then ours first), so neither always runs in the
+        # wake of the other's disk writes; every save goes to a fresh path (deleting the
+        # previous one is not timed)
+        times: dict[str, list[tuple[float, float]]] = {"t_save": [], "t_load": [], "v_save": [],
+                                                       "v_load": []}
         for i in range(args.repeats):
             plain, ours = root / f"plain{i}.pt", root / f"ckpt{i}"
-            times["t_save"].append(timed(lambda p=plain: torch_save(
-                {"model": state, "optim": opt.state_dict()}, p), 1))
-            times["v_save"].append(timed(lambda p=ours: pipe.save_checkpoint(
-                str(p), optimizer=opt, extra={"step": 1}), 1))
-            times["t_load"].append(timed(lambda p=plain: torch.load(p, weights_only=True), 1))
-            times["v_load"].append(timed(lambda p=ours: pipe.load_checkpoint(str(p),
-                                                                             optimizer=opt), 1))
+            saves = [("t_save", lambda p=plain: torch_save(
+                         {"model": state, "optim": opt.state_dict()}, p)),
+                     ("v_save", lambda p=ours: pipe.save_checkpoint(
+                         str(p), optimizer=opt, extra={"step": 1}))]
+            loads = [("t_load", lambda p=plain: torch.load(p, weights_only=True)),
+                     ("v_load", lambda p=ours: pipe.load_checkpoint(str(p), optimizer=opt))]
+            for key, fn in [*saves[::1 - 2 * (i % 2)], *loads[::1 - 2 * (i % 2)]]:
+                settle()
+                times[key].append(timed_cpu(fn))
             plain.unlink()
             shutil.rmtree(ours)
-        t_save, v_save, t_load, v_load = (statistics.median(times[k]) for k in
-                                          ("t_save", "v_save", "t_load", "v_load"))
+        wall = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
+        cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
+        t_save, v_save, t_load, v_load = (wall[k] for k in ("t_save", "v_save", "t_load",
+                                                             "v_load"))
 
         steps = 3 if args.small else 5
         base = timed(lambda: step(pipe, opt, tokens), steps)
@@ -118,19 +160,26 @@ def main() -> None:
     table = Table(title=f"checkpoint of a {sum(t.numel() for t in state.values()) / 1e6:.1f}M-"
                   f"parameter GPT + AdamW state ({gb:.2f} GB), median of {args.repeats}")
     for col in ("operation", "torch s", "varuna_fx s", "torch GB/s", "varuna_fx GB/s",
-                "ratio (>= 0.8)"):
+                "ratio (>= 0.8)", "torch CPU s", "varuna_fx CPU s"):
         table.add_column(col, justify="right")
     for what, t, v in (("save", t_save, v_save), ("load", t_load, v_load)):
         table.add_row(what, f"{t:.3f}", f"{v:.3f}", f"{gb / t:.2f}", f"{gb / v:.2f}",
-                      f"{t / v:.2f}")
-    console = Console()
+                      f"{t / v:.2f}", f"{cpu['t_' + what]:.3f}", f"{cpu['v_' + what]:.3f}")
     console.print(table)
+    for key, label in (("t_save", "torch.save"), ("v_save", "save_checkpoint"),
+                       ("t_load", "torch.load"), ("v_load", "load_checkpoint")):
+        walls = [w for w, _ in times[key]]
+        console.print(f"  {label:16s} wall s, every repeat: " + " ".join(f"{w:.2f}" for w in walls)
+                      + f"; fastest {min(walls):.2f}")
+    console.print("  (repeats alternate which side goes first; on a shared disk single times "
+                  "vary several-fold, the fastest repeat is the least disturbed)")
     mean_during = statistics.mean(during) if during else float("nan")
     console.print(
         f"async save: step {base:.3f} s without a save; save_checkpoint(async_save=True) "
         f"blocks {statistics.median(block):.3f} s (sync save {v_save:.3f} s); steps while it "
         f"writes {mean_during:.3f} s ({len(during)} steps, "
         f"{(mean_during / base - 1) * 100:+.0f}% step time)")
+    console.print(f"load average at the end: {load_average()}")
 
 
 if __name__ == "__main__":

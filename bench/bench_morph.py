@@ -80,6 +80,7 @@ def worker(args: argparse.Namespace) -> None:
     model = GPT(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size + 1),
                            generator=torch.Generator().manual_seed(1))
+    params = sum(p.numel() for p in model.parameters())  # before a rank drops what it does not hold
     stamps["model_built"] = time.time()
     pipe = vf.compile(model, example_inputs=(tokens[:, :-1],), loss_fn=lm_loss,
                       global_batch_size=args.batch)
@@ -91,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
     out = Path(args.dir)
     info = {"layout": f"P={pipe.plan.stages} D={pipe.plan.data_parallel} "
                       f"m={pipe.plan.num_micro_batches}",
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": params}
 
     def train_step() -> float:
         pipe.zero_grad()
@@ -249,6 +250,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_morph_") as d:
         args.dir = d
         (Path(d) / "ckpt").mkdir()
@@ -259,6 +261,10 @@ def main() -> None:
     res["morph_cpu_s"] = res["old_step_cpu_s"] / 2 + res["save_cpu_s"] + \
         sum(res["new_cpu_s"].values())
     res["useful_work_cpu"] = useful_work(res["morph_cpu_s"], res["save_cpu_s"])
+    res["load_average"] = {"start": load_start, "end": os.getloadavg(), "cpus": os.cpu_count()}
+    print("load average (1, 5, 15 min) at start " + " ".join(f"{x:.2f}" for x in load_start)
+          + ", at the end " + " ".join(f"{x:.2f}" for x in res["load_average"]["end"])
+          + f" ({os.cpu_count()} CPUs)")
     print(f"GPT {res['params'] / 1e6:.1f}M parameters, AdamW; {res['old_layout']} on "
           f"{args.old_ranks} ranks -> {res['new_layout']} on {args.new_ranks} "
           f"(step {res['old_step_s']:.2f} s -> {res['new_step_s']:.2f} s)")

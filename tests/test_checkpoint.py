@@ -107,8 +107,9 @@ def test_load_state_dict_refuses_wrong_shapes_and_unknown_keys() -> None:
     assert bool((pipe.state_dict()["wte.weight"] == 2.0).all())
 
 
-@pytest.mark.parametrize("stages,micro,schedule", [(3, 4, "1f1b"), (1, 8, "gpipe"),
-                                                   (4, 1, "varuna")])
+@pytest.mark.parametrize("stages,micro,schedule", [
+    (3, 4, "1f1b"), pytest.param(1, 8, "gpipe", marks=pytest.mark.slow),
+    pytest.param(4, 1, "varuna", marks=pytest.mark.slow)])
 def test_resume_under_another_layout_equals_uninterrupted(saved: Path, eager: dict,
                                                           stages: int, micro: int,
                                                           schedule: str) -> None:
@@ -126,6 +127,7 @@ def test_resume_under_another_layout_equals_uninterrupted(saved: Path, eager: di
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow  # trains twice more
 def test_dropout_masks_continue_after_resume(tmp_path: Path) -> None:
     """The step seeds (dropout) come from the RNG state the checkpoint restores."""
     torch.manual_seed(5)
@@ -144,6 +146,7 @@ def test_dropout_masks_continue_after_resume(tmp_path: Path) -> None:
     torch.testing.assert_close(train(second, opt, range(SPLIT, STEPS)), expected[SPLIT:], **TOL)
 
 
+@pytest.mark.slow  # waits for a background save
 def test_async_save_writes_the_state_at_the_call(tmp_path: Path) -> None:
     pipe = compile_at(2)
     opt = optimizer(pipe.parameters())
@@ -179,6 +182,7 @@ def test_latest_checkpoint_skips_incomplete(tmp_path: Path) -> None:
         assert vf.latest_checkpoint(tmp_path) == str(tmp_path / "b")
 
 
+@pytest.mark.slow  # saves and corrupts several checkpoints
 def test_bad_checkpoints_are_named(tmp_path: Path, saved: Path) -> None:
     pipe = compile_at(2)
     opt = optimizer(pipe.parameters())
@@ -217,6 +221,7 @@ def test_bad_checkpoints_are_named(tmp_path: Path, saved: Path) -> None:
         pipe.save_checkpoint(str(tmp_path / "y"), optimizer=foreign)
 
 
+@pytest.mark.slow  # fp16 and two optimizers
 def test_param_groups_and_loss_scale_survive(tmp_path: Path) -> None:
     pipe = compile_at(2)
     named = dict(pipe.named_parameters())

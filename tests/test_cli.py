@@ -53,6 +53,7 @@ def test_inspect_output_in_a_log_is_unwrapped_and_its_code_is_valid_python(
         ast.parse(source)  # copied from a log, it still compiles
 
 
+@pytest.mark.slow  # inspects again; the fast tier checks the text output
 def test_inspect_json_and_out_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "--model", "test_cli:tiny", "--stages", "2", "--json",
                  "--out", str(tmp_path / "code")]) == 0
@@ -67,6 +68,7 @@ def test_inspect_json_and_out_dir(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert result["written"] == [str(tmp_path / "code" / f"stage{i}.py") for i in (0, 1)]
 
 
+@pytest.mark.slow  # plans a model afresh
 def test_plan_says_when_the_global_batch_limits_data_parallelism(
         capsys: pytest.CaptureFixture[str]) -> None:
     # slow devices, so that every replica pays for itself and only the batch limits D
@@ -85,6 +87,7 @@ def test_plan_says_when_the_global_batch_limits_data_parallelism(
     assert json.loads(capsys.readouterr().out)["note"] is None
 
 
+@pytest.mark.slow  # plans a model afresh
 def test_plan_says_when_more_replicas_are_predicted_slower(
         capsys: pytest.CaptureFixture[str]) -> None:
     # fast devices and a tiny model: the all-reduce costs more than a replica adds
@@ -137,3 +140,38 @@ def test_str_of_a_plan_is_the_table_even_inside_jupyter(monkeypatch: pytest.Monk
     plan = vf.compile(model, example_inputs=(tokens,), loss_fn=lm_loss, stages=2).plan
     monkeypatch.setattr(rich.console, "_is_jupyter", lambda: True)  # as in a notebook kernel
     assert "balance max/mean" in str(plan) and "activations/mb" in str(plan)
+
+
+@pytest.mark.parametrize("given", [
+    ["--torchrun-args=--nnodes=2 --node-rank=1 --rdzv-endpoint=h:29400"],
+    ["--torchrun-args", "--nnodes=2 --node-rank=1 --rdzv-endpoint=h:29400"],
+    ["--torchrun-args", "--nnodes=2", "--torchrun-args", "--node-rank=1",
+     "--torchrun-args=--rdzv-endpoint=h:29400"],
+], ids=["equals", "quoted", "repeated"])
+def test_run_passes_torchrun_flags_through(given: list[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.run
+
+    calls: list[list[str]] = []
+    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: calls.append(argv))
+    assert main(["run", "--nproc", "4", *given, "train.py", "--lr", "1e-3"]) == 0
+    # multi-node flags: no loopback standalone rendezvous added
+    assert calls == [["--nproc-per-node=4", "--nnodes=2", "--node-rank=1",
+                      "--rdzv-endpoint=h:29400", "train.py", "--lr", "1e-3"]]
+    # after the script, the same words are the script's own
+    calls.clear()
+    assert main(["run", "--nproc", "2", "x.py", "--torchrun-args", "--y"]) == 0
+    assert calls[0][-3:] == ["x.py", "--torchrun-args", "--y"]
+
+
+def test_run_says_how_to_pass_several_torchrun_flags(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.run
+
+    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: pytest.fail("launched"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--nproc", "2", "--torchrun-args", "--nnodes=2", "--node-rank=0",
+              "train.py"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--node-rank=0" in err and '--torchrun-args="--nnodes=2 --node-rank=0"' in err

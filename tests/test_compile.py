@@ -8,11 +8,18 @@ import torch
 import varuna_fx as vf
 from helpers import assert_grads_equal, call_args, eager_grads
 from registry import CASES
+from tiers import product, tiered
 from varuna_fx.codegen import run_code
 
+# the sweep compiles each unchanged registry model many times: capture it once per model
+pytestmark = pytest.mark.usefixtures("one_capture_per_model")
 
-@pytest.mark.parametrize("stages", [1, 2, 3, 4])
-@pytest.mark.parametrize("name", list(CASES))
+
+# fast tier: three models at P = 4 (test_step's slice covers every model at P = 1-3 and the
+# export tracer); every model at every P in the full run
+@pytest.mark.parametrize("name,stages", tiered(
+    product(list(CASES), [1, 2, 3, 4]),
+    [("gpt_tied", 4), ("unet_skips", 4), ("albert_shared", 4)], lambda c: f"{c[0]}-{c[1]}"))
 def test_stages_reproduce_eager_forward_and_gradients(name: str, stages: int) -> None:
     case = CASES[name]
     if stages > case.max_stages:
@@ -52,7 +59,7 @@ def _leaves(out: object) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", tiered(CASES, ["gpt_tied", "kwargs_dict"]))
 def test_each_stage_code_compiles_and_runs_alone(name: str) -> None:
     """Executing ``stage.code`` (the text) gives what the stage module gives."""
     case = CASES[name]

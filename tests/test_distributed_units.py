@@ -116,6 +116,7 @@ def _compiled(precision: str = "fp32", stages: int = 2) -> tuple:
     return pipe, eager, batch
 
 
+@pytest.mark.slow  # compiles a fresh model
 def test_clip_grad_norm_matches_torch_in_one_process() -> None:
     pipe, eager, batch = _compiled()
     pipe.step(batch[:, :-1], target=batch[:, 1:])
@@ -129,6 +130,7 @@ def test_clip_grad_norm_matches_torch_in_one_process() -> None:
     assert pipe.stage_index == 0 and pipe.replica_index == 0
 
 
+@pytest.mark.slow  # compiles a fresh model
 def test_bf16_matches_eager_autocast_in_one_process() -> None:
     pipe, eager, batch = _compiled("bf16")
     loss = pipe.step(batch[:, :-1], target=batch[:, 1:])
@@ -142,6 +144,7 @@ def test_bf16_matches_eager_autocast_in_one_process() -> None:
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=0.1, atol=2e-2)
 
 
+@pytest.mark.slow  # compiles a fresh model
 def test_fp16_scales_the_loss_and_unscales_the_gradients() -> None:
     pipe, eager, batch = _compiled("fp16")
     assert pipe.loss_scale == 2.0**16

@@ -25,6 +25,7 @@ SCRIPT = ROOT / "tests" / "dist_scripts" / "elastic_train.py"
 TOTAL, EVERY, PAUSE_AT = 9, 2, 5
 
 
+@pytest.mark.slow  # runs `ip addr` to find the interface of local_addr
 def test_elastic_launch_arguments() -> None:
     host = elastic_launch(nproc=2, nnodes="1:4", rdzv_endpoint="10.1.2.3:29500", rdzv_id="j",
                           local_addr="10.1.2.3", max_restarts=7)

@@ -38,6 +38,7 @@ def test_untraceable_model_auto_reports_both_tracers() -> None:
     assert message.count("if h.sum() > 0") == 2
 
 
+@pytest.mark.slow  # a second export of hf_gpt2 (the fast tier compiles it with "auto" in test_step)
 def test_auto_falls_back_to_export_for_hf_models() -> None:
     case = CASES["hf_gpt2"]
     pipe = vf.compile(case.model, example_inputs=case.inputs, stages=2)

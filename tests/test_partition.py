@@ -140,6 +140,7 @@ def test_more_stages_than_operations_is_an_error() -> None:
         partition(_costs(np.random.default_rng(0), 4), 5)
 
 
+@pytest.mark.slow  # a timing check on a large problem
 def test_large_problem_stays_fast_and_balanced() -> None:
     rng = np.random.default_rng(1)
     n = 1500

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 import varuna_fx as vf
@@ -42,6 +43,7 @@ def test_free_links_keep_the_exact_optimum() -> None:
     assert partition(_two_cuts(bandwidth=float("inf")), 2).bounds == (0, 4, 7)
 
 
+@pytest.mark.slow  # plans a GPT with a 16k-token head
 def test_gpt_with_a_big_head_cuts_at_a_block_boundary_on_a_slow_link() -> None:
     """The issue's GPT (16k-vocabulary head, P=2, m=4): a block boundary sends 256 KiB per
     micro-batch; cuts inside a block send 2-5x that for about 1% better balance."""

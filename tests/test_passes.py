@@ -33,13 +33,20 @@ def test_pass_list_names_every_pass_in_order() -> None:
     assert all(p.guarantees for p in PASSES)
 
 
-def test_stage_header_names_the_pass_list() -> None:
+@pytest.fixture(scope="module")
+def two_stages() -> vf.Pipeline:
+    """One small GPT at P=2 for the tests that only read it (a compile each costs ~0.4 s)."""
     model, tokens = small_gpt()
-    pipe = vf.compile(model, example_inputs=(tokens,), loss_fn=lm_loss, stages=2)
+    return vf.compile(model, example_inputs=(tokens,), loss_fn=lm_loss, stages=2)
+
+
+def test_stage_header_names_the_pass_list(two_stages: vf.Pipeline) -> None:
+    pipe = two_stages
     header = pipe.stages[0].code.splitlines()[0]
     assert f"(passes: {', '.join(p.name for p in PASSES)})" in header
 
 
+@pytest.mark.slow  # front passes afresh plus a file per pass
 @pytest.mark.parametrize("how", ["env", "option"])
 def test_dump_writes_every_pass_with_its_provenance(how: str, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,10 +72,8 @@ def test_dump_writes_every_pass_with_its_provenance(how: str, tmp_path: Path,
     assert len(pipe.stages) == 2
 
 
-def test_checker_rejects_shared_annotations() -> None:
-    model, tokens = small_gpt()
-    pipe = vf.compile(model, example_inputs=(tokens,), loss_fn=lm_loss, stages=2)
-    gm = copy_graph_module(pipe.captured.gm)
+def test_checker_rejects_shared_annotations(two_stages: vf.Pipeline) -> None:
+    gm = copy_graph_module(two_stages.captured.gm)
     check_graph(gm)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     nodes[1].meta["varuna"] = nodes[0].meta["varuna"]
@@ -103,6 +108,7 @@ def test_a_later_compile_leaves_an_earlier_pipeline_unchanged() -> None:
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # one more compile; the fast tier checks isolation in the test above
 def test_profiling_chunks_do_not_touch_the_cached_graph() -> None:
     from varuna_fx.planner.measure import _build_chunks  # the profiler's splitter
 

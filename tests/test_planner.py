@@ -42,6 +42,7 @@ def test_tiny_model_on_a_fast_network_is_pure_data_parallel(gpt: Analyzed) -> No
     assert (p, d) == (1, 32)
 
 
+@pytest.mark.slow  # three full searches over 32 devices
 def test_slower_inter_node_links_prefer_deeper_pipelines_and_fewer_replicas(
         gpt: Analyzed) -> None:
     fast_p, fast_d, _ = best(gpt, inter_node_bandwidth="100GB/s")
@@ -51,6 +52,7 @@ def test_slower_inter_node_links_prefer_deeper_pipelines_and_fewer_replicas(
     assert slower_d < fast_d  # (it may also give up pipelining across nodes altogether)
 
 
+@pytest.mark.slow  # four full searches
 def test_less_memory_per_device_prefers_deeper_pipelines(gpt: Analyzed) -> None:
     depths = [best(gpt, inter_node_bandwidth="100GB/s", gpu_memory=m)[0]
               for m in ("16GiB", "100MiB", "50MiB", "30MiB")]
@@ -83,6 +85,7 @@ def test_impossible_batch_constraints_say_what_to_change(gpt: Analyzed) -> None:
         plan_for(gpt, vf.Cluster(gpus=4), global_batch_size=8, stages=4, data_parallel=2)
 
 
+@pytest.mark.slow  # searches exhaustively
 def test_branch_and_bound_finds_the_exhaustive_optimum(gpt: Analyzed) -> None:
     """Every candidate evaluated in full agrees with the pruned search's top five."""
     cluster = vf.Cluster(gpus=8, gpus_per_node=4, gpu_memory="60MiB", flops="1TFLOP/s",
@@ -164,6 +167,7 @@ def test_faster_devices_predict_faster_steps(gpt: Analyzed) -> None:
     assert speedup <= new.flops / old.flops * 1.01
 
 
+@pytest.mark.slow  # plans a model afresh through compile
 def test_compile_plans_and_shows_the_alternatives() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_embd=64, vocab_size=256, block_size=32))
@@ -190,6 +194,7 @@ def test_compile_plans_and_shows_the_alternatives() -> None:
         sim.step_time + chosen[0].allreduce_time, rel=0.05)
 
 
+@pytest.mark.slow  # plans a model afresh
 def test_plan_table_and_its_alternatives_row_agree() -> None:
     """One memory model prices the plan: the table's largest stage and the chosen row of the
     alternatives print the same memory (they once said 2.4 and 2.6 MiB for one plan)."""
@@ -222,6 +227,7 @@ def test_explicit_stages_on_one_local_device_keep_the_exploration_defaults() -> 
     assert torch.isfinite(torch.as_tensor(loss))
 
 
+@pytest.mark.slow  # analyses a model afresh (the CLI path)
 def test_plan_command_prints_the_choice(capsys: pytest.CaptureFixture[str]) -> None:
     from varuna_fx.cli import main
 

@@ -65,14 +65,18 @@ def tamper(path: Path, edit: object) -> None:
     path.write_text(json.dumps(data))
 
 
-@pytest.mark.parametrize("what, edit", [
+@pytest.mark.parametrize("what, edit", [  # each measures again: two in the fast tier
     ("graph", lambda d: d.update(graph="0" * 32)),
-    ("key", lambda d: d.update(key="someone-else")),
-    ("negative", lambda d: d["chunks"][0]["forward"].update(const=-1.0)),
+    pytest.param("key", lambda d: d.update(key="someone-else"), marks=pytest.mark.slow),
+    pytest.param("negative", lambda d: d["chunks"][0]["forward"].update(const=-1.0),
+                 marks=pytest.mark.slow),
     ("nan", lambda d: d["chunks"][0]["memory"].update(per_sample=math.nan)),
-    ("negative sample", lambda d: d["chunks"][0]["samples"]["1"].__setitem__(3, -5.0)),
-    ("text", lambda d: d["chunks"][0]["backward"].update(const="fast")),
-    ("empty", lambda d: d.update(chunks=[])),
+    pytest.param("negative sample",
+                 lambda d: d["chunks"][0]["samples"]["1"].__setitem__(3, -5.0),
+                 marks=pytest.mark.slow),
+    pytest.param("text", lambda d: d["chunks"][0]["backward"].update(const="fast"),
+                 marks=pytest.mark.slow),
+    pytest.param("empty", lambda d: d.update(chunks=[]), marks=pytest.mark.slow),
 ])
 def test_a_tampered_cache_file_is_ignored_with_a_warning_and_measured_again(
         tiny: dict, what: str, edit: object) -> None:
@@ -85,6 +89,7 @@ def test_a_tampered_cache_file_is_ignored_with_a_warning_and_measured_again(
     assert load_cached(tiny["profile"].key, tiny["profile"].graph) is not None  # rewritten
 
 
+@pytest.mark.slow  # measures again; the fast tier tampers twice
 def test_a_corrupt_cache_file_is_ignored(tiny: dict) -> None:
     tiny["path"].write_text("{not json")
     with pytest.warns(UserWarning, match="cannot be read"):
@@ -101,6 +106,7 @@ def test_a_profile_passed_in_with_negative_times_is_refused(tiny: dict) -> None:
         resolve_profile(g.gm, g.bound, bad, QUICK)
 
 
+@pytest.mark.slow  # measures a fresh profile
 def test_saving_leaves_no_temporary_file_when_the_rename_fails(
         tiny: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: object) -> None:

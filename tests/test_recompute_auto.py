@@ -32,6 +32,8 @@ def _step_equals_eager(pipe: vf.Pipeline, model: GPT, x: torch.Tensor, y: torch.
         torch.testing.assert_close(p.grad, ref[name].grad, msg=name)
 
 
+# the default path (nothing recomputes) runs in most fast-tier compiles; checked here in full
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["varuna", "1f1b-zb"])
 def test_plentiful_memory_recomputes_nowhere(schedule: str) -> None:
     model, x, y = _gpt()
@@ -43,7 +45,7 @@ def test_plentiful_memory_recomputes_nowhere(schedule: str) -> None:
     _step_equals_eager(pipe, model, x, y)
 
 
-@pytest.mark.parametrize("schedule", ["varuna", "varuna-zb"])
+@pytest.mark.parametrize("schedule", [pytest.param("varuna", marks=pytest.mark.slow), "varuna-zb"])
 def test_tight_memory_recomputes_early_stages(schedule: str) -> None:
     model, x, y = _gpt()
     # fits with recompute on the early stages (which stash the most), not without
@@ -62,6 +64,7 @@ def test_tight_memory_recomputes_early_stages(schedule: str) -> None:
                    micro_batch_size=2, recompute=False)
 
 
+@pytest.mark.slow  # two more compiles of a fresh model
 def test_forced_settings_and_bad_values() -> None:
     model, x, _ = _gpt()
     on = vf.compile(model, example_inputs=(x,), loss_fn=lm_loss, stages=3, micro_batch_size=2,

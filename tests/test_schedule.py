@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tiers import tiered
 from varuna_fx.errors import ScheduleError, VarunaFxError
 from varuna_fx.schedule import (
     Action,
@@ -62,8 +63,11 @@ def test_build_schedule_errors() -> None:
         build_schedule("gpipe", 2, 0)
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("recompute", [True, False])
+# fast tier: every kind with recompute but varuna-zb (its generator tries several orders per
+# size); the full run checks every kind both ways
+@pytest.mark.parametrize("name,recompute", tiered(
+    [(n, r) for r in (True, False) for n in NAMES], lambda c: c[1] and c[0] != "varuna-zb",
+    lambda c: f"{c[1]}-{c[0]}"))
 def test_generators_valid_for_all_sizes(name: str, recompute: bool) -> None:
     for p in range(1, 6):
         for m in range(1, 10):

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tiers import product, tiered
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule import (
     Action,
@@ -128,6 +129,7 @@ def test_varuna_recompute_is_off_the_critical_path() -> None:
         assert _late_recomputes(_unit("1f1b", p, m)) > 0
 
 
+@pytest.mark.slow  # simulates 3 x 128 schedules
 @pytest.mark.parametrize("recompute", [True, False])
 def test_varuna_not_slower_than_1f1b_or_gpipe(recompute: bool) -> None:
     # Varuna's order is generated from the costs and the faster of a few variants of its rules
@@ -221,6 +223,7 @@ def test_text_grid() -> None:
     assert len(text_grid(res).splitlines()) == 5
 
 
+@pytest.mark.slow  # imports matplotlib and renders a PNG
 def test_gantt(tmp_path: Path) -> None:
     path = tmp_path / "g.png"
     fig = gantt(build_schedule("varuna", 3, 4), path=str(path), title="varuna")
@@ -232,8 +235,10 @@ def test_gantt(tmp_path: Path) -> None:
     assert gantt(res, time_unit="s").axes[0].get_xlabel() == "time (s)"
 
 
-@pytest.mark.parametrize("base", ["varuna", "1f1b", "gpipe"])
-@pytest.mark.parametrize("recompute", [True, False])
+# fast tier: 1f1b with recompute, gpipe without; the full run every base both ways
+@pytest.mark.parametrize("base,recompute", tiered(
+    product(["varuna", "1f1b", "gpipe"], [True, False]), [("1f1b", True), ("gpipe", False)],
+    lambda c: f"{c[1]}-{c[0]}"))
 def test_split_backward_fills_bubbles(base: str, recompute: bool) -> None:
     # B = I + W: W is placed where the stage would idle, so a split schedule is never slower
     # than its base, is faster where bubbles dominate (m <= 2P), and holds no more

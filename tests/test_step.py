@@ -10,15 +10,38 @@ import torch
 import varuna_fx as vf
 from helpers import assert_grads_equal, call_args, eager_grads
 from registry import CASES
+from tiers import product, slow, tiered
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
+
+# the sweep compiles each unchanged registry model many times: capture it once per model
+pytestmark = pytest.mark.usefixtures("one_capture_per_model")
 
 SCHEDULES = ["varuna", "1f1b", "gpipe", "varuna-zb"]
 
+# The fast tier's slice of the sweep: every schedule, P = 1, 2, 3, recompute and stash, every
+# model defined in registry.py and one Hugging Face model (hf_gpt2, through torch.export); the
+# full run covers every combination.
+FAST_STEP = {
+    ("mlp", 1, "gpipe", False),
+    ("mlp", 2, "1f1b", True),
+    ("gpt_tied", 3, "varuna", True),
+    ("gpt_tied", 2, "varuna-zb", False),
+    ("resnet", 2, "gpipe", True),
+    ("unet_skips", 3, "1f1b", False),
+    ("kwargs_dict", 2, "varuna", False),
+    ("albert_shared", 3, "varuna-zb", True),
+    ("hf_gpt2", 2, "varuna", True),
+}
 
-@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "stash"])
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("stages", [1, 2, 3, 4])
-@pytest.mark.parametrize("name", list(CASES))
+
+def _step_id(case: tuple) -> str:
+    name, stages, schedule, recompute = case
+    return f"{name}-{stages}-{schedule}-{'recompute' if recompute else 'stash'}"
+
+
+@pytest.mark.parametrize("name,stages,schedule,recompute", tiered(
+    product(list(CASES), [1, 2, 3, 4], SCHEDULES, [True, False]),
+    {c for c in FAST_STEP if c[0] in CASES}, _step_id))  # the HF cases need transformers
 def test_step_matches_eager(name: str, stages: int, schedule: str, recompute: bool) -> None:
     case = CASES[name]
     pipe = vf.compile(case.model, example_inputs=case.inputs, loss_fn=case.loss_fn,
@@ -34,6 +57,7 @@ def test_step_matches_eager(name: str, stages: int, schedule: str, recompute: bo
     pipe.zero_grad()
 
 
+@slow  # three optimizer steps per schedule; the fast tier steps every schedule once
 @pytest.mark.parametrize("schedule", [*SCHEDULES, "1f1b-zb", "gpipe-zb"])
 def test_three_adamw_steps_match_eager(schedule: str) -> None:
     # float64: Adam divides by sqrt(v), which turns float32 rounding in near-zero gradients
@@ -60,6 +84,7 @@ def test_three_adamw_steps_match_eager(schedule: str) -> None:
         torch.testing.assert_close(p, q, msg=name)
 
 
+@slow  # four compiles; the fast tier's random models compare dropout with P=1 too
 def test_recompute_replays_dropout_exactly() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=3, n_head=2, n_embd=16,
@@ -99,6 +124,7 @@ def test_forward_only_call_returns_the_models_output() -> None:
     torch.testing.assert_close(out["logits"], ref["logits"])
 
 
+@slow  # another export of hf_gpt2: the fast tier checks its numerics in test_step_matches_eager
 def test_hf_output_object_is_rebuilt() -> None:
     case = CASES["hf_gpt2"]
     pipe = vf.compile(case.model, example_inputs=case.inputs, stages=2)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import varuna_fx as vf
+from tiers import slow
 
 
 def eager_reference(model: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -71,6 +72,7 @@ class TinyResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+@slow  # three schedules per P; the fast tier's registry and random models cover in-place
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 def test_resnet_in_place_blocks_match_eager(stages: int) -> None:
     torch.manual_seed(0)
@@ -116,7 +118,8 @@ def _whisper() -> tuple[nn.Module, dict[str, torch.Tensor]]:
         "input_features": torch.randn(4, 8, 16), "labels": torch.randint(3, 64, (4, 5))}
 
 
-@pytest.mark.parametrize("build", [_t5, _whisper], ids=["t5", "whisper"])
+@pytest.mark.parametrize("build", [pytest.param(_t5, id="t5", marks=slow),
+                                   pytest.param(_whisper, id="whisper", marks=slow)])
 def test_encoder_decoder_given_only_labels_matches_eager(build) -> None:  # noqa: ANN001
     pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import os
 import re
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,11 +159,43 @@ def _check_output(model: nn.Module, captured: Captured) -> Captured:
 
 
 class _Tracer(fx.Tracer):
-    # Keep each node's source line: error messages and the generated stage code show it.
-    record_stack_traces = True
+    # Each node keeps its source lines (error messages and the generated stage code show them),
+    # but not through fx's own ``record_stack_traces``: in torch 2.13 that symbolizes frames
+    # with the profiler and filters them with ``symbolic_shapes.uninteresting_files()``, whose
+    # first call imports torch._dynamo, torch._inductor and torch.export (~2 s of CPU, most of
+    # a restarted job's compile) -- and it still kept fx's own frames. See ``create_node``.
+    record_stack_traces = False
     # Buffers (causal masks, rotary tables) become get_attr nodes instead of baked constants,
     # so they may be sliced by traced sizes and are owned by the stages that read them.
     proxy_buffer_attributes = True
+
+
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any,
+                    name: str | None = None, type_expr: Any = None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if not node.stack_trace:
+            node.stack_trace = _user_stack_trace()
+        return node
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _user_stack_trace() -> str:
+    """The traceback from the outermost ``forward`` down to the user's line that made the node,
+    without torch's frames (fx's proxy machinery, ``nn.Module.__call__``)."""
+    frames = []
+    frame = sys._getframe(2)  # the caller of create_node
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    frames.reverse()
+    start = next((i for i, f in enumerate(frames) if f[2] == "forward"), None)
+    if start is None:  # not inside a forward: nothing useful to point at
+        return ""
+    kept = [traceback.FrameSummary(file, line, name) for file, line, name in frames[start:]
+            if not file.startswith(_TORCH_DIR)]
+    return "".join(traceback.StackSummary.from_list(kept).format()).strip()
 
 
 def _capture_fx(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Captured:

@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -102,12 +103,45 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return plan_command(args, output_console())
 
 
+def torchrun_flags(values: Sequence[str]) -> list[str]:
+    """The torchrun flags of every ``--torchrun-args`` value, each split as a shell would
+    (``--torchrun-args="--nnodes=2 --node-rank=0"`` gives two flags)."""
+    return [flag for value in values for flag in shlex.split(value)]
+
+
+def _glue_torchrun_args(argv: list[str], run: argparse.ArgumentParser) -> list[str]:
+    """``run --torchrun-args --nnodes=2`` as ``run --torchrun-args=--nnodes=2``.
+
+    argparse reads a value that starts with '-' as an option, here even inside a quoted
+    "--nnodes=2 --node-rank=0" (``run`` has a ``--nnodes`` of its own), so the value that
+    follows --torchrun-args is glued to it. Only up to the script: what follows it is the
+    script's."""
+    if not argv or argv[0] != "run":
+        return argv
+    takes_value = {o for a in run._actions if a.nargs != 0 for o in a.option_strings}
+    out, i = argv[:1], 1
+    while i < len(argv):
+        token = argv[i]
+        if token == "--torchrun-args" and i + 1 < len(argv):
+            out.append(f"{token}={argv[i + 1]}")
+            i += 2
+        elif token in takes_value:
+            out += argv[i:i + 2]
+            i += 2
+        elif token.startswith("-") and token != "--":
+            out.append(token)
+            i += 1
+        else:  # the script (or "--"): the rest is not ours to read
+            return out + argv[i:]
+    return out
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Wrap torch.distributed.run: standalone on one machine, multi-node flags pass through;
     ``--elastic``: torchrun's elastic agent set up for morphing (varuna_fx.elastic)."""
     from torch.distributed.run import main as torchrun
 
-    argv = list(args.torchrun_args)
+    argv = torchrun_flags(args.torchrun_args)
     if args.elastic:
         launch = elastic_launch(
             nproc=args.nproc, nnodes=args.nnodes or "1:1", rdzv_endpoint=args.rdzv_endpoint,
@@ -224,11 +258,15 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run", help="launch a training script on local processes (torchrun)",
         description="Run SCRIPT under torchrun: --standalone on this machine unless "
-                    "--torchrun-args names --nnodes or --rdzv flags.")
+                    "--torchrun-args names --nnodes or --rdzv flags. A multi-machine job: "
+                    "varuna-fx run --nproc 4 --torchrun-args=\"--nnodes=2 --node-rank=0 "
+                    "--rdzv-endpoint=host:29400\" train.py --lr 1e-3")
     run.add_argument("--nproc", type=int, required=True,
                      help="processes to start on this machine (one per device)")
-    run.add_argument("--torchrun-args", nargs="*", default=[],
-                     help="extra torchrun flags, e.g. --nnodes=2 --rdzv-endpoint=host:29400")
+    run.add_argument("--torchrun-args", action="append", default=[], metavar='"FLAGS"',
+                     help="extra torchrun flags, one or several in one quoted string, split as "
+                          "a shell would: --torchrun-args --nnodes=2 or --torchrun-args "
+                          "\"--nnodes=2 --rdzv-endpoint=host:29400\"; may be repeated")
     run.add_argument("--elastic", action="store_true",
                      help="machines may leave and join (torchrun's elastic agent, c10d "
                           "rendezvous); the script resumes from vf.latest_checkpoint")
@@ -250,8 +288,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = _glue_torchrun_args(sys.argv[1:] if argv is None else list(argv),
+                               _subcommand(parser, "run"))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = ""
+        if getattr(args, "func", None) is cmd_run:
+            hint = (" (several torchrun flags go in one quoted string: "
+                    '--torchrun-args="--nnodes=2 --node-rank=0")')
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     try:
         return int(args.func(args) or 0)
     except vf.VarunaFxError as exc:  # the user's input: say what to change, no traceback

@@ -10,6 +10,11 @@ model's FQNs, never by stage or rank, so it loads under any (P, D, micro-batch s
 * ``obj/meta`` (rank 0): loss scale, the RNG state the step seeds are drawn from, the user's
   ``extra`` dict.
 
+Storage: DCP plans, deduplicates and records metadata; the bytes are written raw, one file per
+writer thread and rank, and read straight into the destination tensors (``raw_storage.py``,
+format 2; format-1 checkpoints, DCP's own ``torch.save`` records, still load). In one process
+DCP's steps run without ``torch.distributed`` (``dcp_local.py``).
+
 Atomic: DCP writes into ``<path>.partial``; when every rank is done, rank 0 writes the marker and
 renames the directory to ``<path>``. A kill at any moment leaves at most a ``.partial``
 directory, which :func:`latest_checkpoint` skips with a warning, and every earlier checkpoint
@@ -23,6 +28,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import threading
 import time
 import warnings
 from concurrent.futures import Future
@@ -32,11 +39,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from ..errors import CheckpointError
 from ..where import launched_distributed
+from . import dcp_local
 from .comm import resolve_timeout
 from .optimizer_state import (
     decode,
@@ -46,11 +54,11 @@ from .optimizer_state import (
     restore_optimizer,
     wanted_keys,
 )
+from .raw_storage import RawReader, RawWriter
 
-FORMAT = 1
-# DCP warns on every call in one process that it assumes one process (also on async_save's
-# writer thread, where a catch_warnings block cannot reach): that is what we ask for.
-warnings.filterwarnings("ignore", message=".*uninitialized, assuming the intent is to")
+# 2: tensors stored as raw bytes (raw_storage.py); 1: DCP's torch.save records (still read)
+FORMAT = 2
+READABLE = (1, 2)
 MARKER = "varuna_fx_checkpoint.json"
 WRITE_THREADS = 4
 PARTIAL = ".partial"
@@ -96,7 +104,8 @@ class Checkpointer:
              extra: dict[str, Any] | None, *, async_save: bool = False) -> SaveHandle | None:
         self.wait()
         path = os.path.normpath(path)
-        marker = {"format": FORMAT, "model": self.pipe.plan.model_name,
+        marker = {"format": FORMAT, "byteorder": sys.byteorder,
+                  "model": self.pipe.plan.model_name,
                   "optimizer": _class_name(optimizer) if optimizer is not None else None,
                   "plan": _layout_summary(self.pipe), "world": self.world}
         # a bad argument may show on one rank only (extra is rank 0's): every rank must learn
@@ -110,20 +119,26 @@ class Checkpointer:
         if error is None and self.rank == 0:
             error = _try(lambda: _prepare(path))
         self._agree(error, f"preparing {path}")
-        # several writer threads: writing is I/O-bound, and one thread leaves the disk idle
-        # while it serialises the next tensor
-        writer = FileSystemWriter(path + PARTIAL, thread_count=WRITE_THREADS)
-        kwargs = dict(storage_writer=writer, process_group=self.group,
-                      no_dist=not self.distributed,
-                      planner=DefaultSavePlanner(flatten_state_dict=False))
+        # several writer threads (one file each): writing and fsync are I/O-bound, and
+        # several files in flight keep the disk's queue full
+        writer = RawWriter(path + PARTIAL, thread_count=WRITE_THREADS)
+        planner = DefaultSavePlanner(flatten_state_dict=False)
         if not async_save:
-            dcp.save(state, **kwargs)
+            if self.distributed:
+                dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group)
+            else:
+                dcp_local.save(state, writer, planner)
             self._finish(path, marker)
             return None
         handle = SaveHandle(path)
-        written = dcp.async_save(state, **kwargs)  # returns once `state` is copied to host
+        if self.distributed:  # returns once `state` is copied to host memory
+            written = dcp.async_save(state, storage_writer=writer, planner=planner,
+                                     process_group=self.group)
+        else:
+            staged = writer.stage(state)  # the copy to host memory: all a caller waits for
+            written = _in_thread(lambda: dcp_local.save(staged, writer, planner))
 
-        def finish(done: Future) -> None:  # on DCP's writer thread
+        def finish(done: Future) -> None:  # on the writer thread
             try:
                 done.result()
                 self._finish(path, marker)
@@ -175,15 +190,19 @@ class Checkpointer:
         self.wait()
         path = os.path.normpath(path)
         dest: dict[str, torch.Tensor] = {}
+        reader: Any = None
+        metadata: Any = None
         error: BaseException | None = None
         try:  # every rank checks; one rank's failure stops all before the collective load
-            dest = self._destinations(path, optimizer)
+            reader, metadata, dest = self._destinations(path, optimizer)
         except CheckpointError as exc:
             error = exc
         self._agree(error, f"checking {path}")
-        dcp.load(dest, checkpoint_id=path, process_group=self.group,
-                 no_dist=not self.distributed,
-                 planner=DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True))
+        planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
+        if self.distributed:
+            dcp.load(dest, storage_reader=reader, planner=planner, process_group=self.group)
+        else:
+            dcp_local.load(dest, reader, planner, metadata)
         if optimizer is not None:
             restore_optimizer(optimizer, self._names(), dest)
         meta = decode(dest[META])
@@ -196,13 +215,16 @@ class Checkpointer:
     # -- helpers -------------------------------------------------------------------------------
 
     def _destinations(self, path: str, optimizer: torch.optim.Optimizer | None
-                      ) -> dict[str, torch.Tensor]:
-        """Check ``path`` against this model and optimizer; the tensors to load into."""
+                      ) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+        """Check ``path`` against this model and optimizer; its reader, its DCP metadata and
+        the tensors to load into."""
         marker = read_marker(path)
+        reader = RawReader(path) if marker["format"] == 2 else FileSystemReader(path)
         try:
-            metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+            full = reader.read_metadata()
         except Exception as exc:
             raise CheckpointError(f"{path}: DCP metadata unreadable ({exc})") from exc
+        metadata = full.state_dict_metadata
         _check_model(self.pipe.state_layout, metadata, path)
         held = self.pipe.state_dict()
         keys = [MODEL + n for n in held] + [META]
@@ -226,7 +248,7 @@ class Checkpointer:
         dest = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype)
                 for k in keys if not k.startswith(MODEL)}
         dest.update({MODEL + n: t.detach() for n, t in held.items()})
-        return dest
+        return reader, full, dest
 
     def _names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.pipe.named_parameters()}
@@ -302,9 +324,13 @@ def read_marker(path: str) -> dict[str, Any]:
             f"{path} is not a complete varuna_fx checkpoint (no valid {MARKER}): pass a "
             "directory pipe.save_checkpoint wrote, e.g. vf.latest_checkpoint(dir)"
         ) from exc
-    if marker.get("format") != FORMAT:
+    if marker.get("format") not in READABLE:
         raise CheckpointError(f"{path} has checkpoint format {marker.get('format')}; this "
-                              f"varuna_fx reads format {FORMAT}")
+                              f"varuna_fx reads formats {', '.join(map(str, READABLE))}")
+    if marker["format"] == 2 and marker.get("byteorder", sys.byteorder) != sys.byteorder:
+        raise CheckpointError(f"{path} was written on a {marker['byteorder']}-endian machine; "
+                              f"its raw tensor bytes cannot be read on this {sys.byteorder}-"
+                              "endian one")
     return marker
 
 
@@ -358,6 +384,21 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _in_thread(fn: Any) -> Future:
+    """Run ``fn`` on a new thread; its result or exception arrives in the returned future.
+    Not a daemon: the interpreter waits for a checkpoint being written before it exits."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="varuna_fx checkpoint writer").start()
+    return future
 
 
 def _try(fn: Any) -> BaseException | None:

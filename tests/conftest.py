@@ -1,0 +1,103 @@
+"""Keeps the two test tiers honest (see tests/tiers.py).
+
+* A test outside the slow tier that launches a process fails, naming the marker it needs:
+  ``pytest -m "not slow"`` stays a one-process quick check.
+* After the run, fast-tier tests that took more than a few CPU-seconds are listed, so a slow
+  test that slipped into the fast tier is seen (a list, not a failure: CI machines are shared).
+* After collection the objects created so far (torch, transformers, the registry's models) are
+  frozen out of the garbage collector: every later full collection, and the five pytest runs
+  at exit, would otherwise walk them all again (1-2 s of the fast tier's ~30).
+* ``one_capture_per_model``: sweeps that compile the same unchanged model many times capture it
+  once (see the fixture).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing.process
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import varuna_fx.frontend
+
+FAST_TEST_CPU_LIMIT = 3.0  # seconds of CPU for one fast-tier test before it is listed
+_LAUNCHES = "launches a process"
+
+
+def _is_slow(item: pytest.Item) -> bool:
+    return item.get_closest_marker("slow") is not None
+
+
+def _refuse(*_: Any, **__: Any) -> None:
+    raise RuntimeError(f"this test {_LAUNCHES}: mark it @pytest.mark.slow (and "
+                       "@pytest.mark.distributed if it starts ranks), so that "
+                       "pytest -m 'not slow' stays a quick one-process check")
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_launch_no_process(request: pytest.FixtureRequest,
+                                  monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    if not _is_slow(request.node):
+        # every subprocess.* call and multiprocessing's start go through these
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", _refuse)
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse)
+        monkeypatch.setattr(os, "fork", _refuse)
+        monkeypatch.setattr(os, "posix_spawn", _refuse)
+    yield
+
+
+@pytest.fixture(scope="module")
+def one_capture_per_model() -> Iterator[None]:
+    """Within a module, capture each (model, example input shapes, tracer, modes) once.
+
+    ``vf.compile`` captures afresh on every call and keys its cache on that capture, which is
+    right for a model the user may have changed, but a sweep compiles the same unchanged
+    registry model at every P, schedule and recompute setting: torch.export's capture of a
+    Hugging Face model is about a second each time. Everything after capture still runs per
+    compile, and the first compile of each model captures for real. The model is kept in the
+    memo so its id cannot be reused by another model."""
+    real = varuna_fx.frontend.capture
+    memo: dict[tuple, tuple[Any, Any]] = {}
+
+    def capture(model: Any, bound: Any, tracer: str = "auto") -> Any:
+        key = (id(model), tracer, tuple(m.training for m in model.modules()),
+               tuple((n, tuple(t.shape), t.dtype) for n, t in bound.tensors.items()),
+               repr(sorted(bound.constants.items(), key=str)))
+        if key not in memo:
+            memo[key] = (model, real(model, bound, tracer))
+        return memo[key][1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(varuna_fx.frontend, "capture", capture)
+        yield
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gc.freeze()
+
+
+_cpu: dict[str, float] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    start = time.process_time()
+    yield
+    if not _is_slow(item):
+        _cpu[item.nodeid] = time.process_time() - start
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    heavy = sorted(((t, n) for n, t in _cpu.items() if t > FAST_TEST_CPU_LIMIT), reverse=True)
+    if heavy:
+        terminalreporter.section("fast-tier tests over the CPU limit")
+        terminalreporter.line(f"these tests are not marked slow but took more than "
+                              f"{FAST_TEST_CPU_LIMIT:.0f} s of CPU each: mark them "
+                              "(pytest.param(..., marks=pytest.mark.slow)) or make them cheaper")
+        for seconds, nodeid in heavy:
+            terminalreporter.line(f"{seconds:6.1f} s  {nodeid}")
