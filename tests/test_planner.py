@@ -239,6 +239,7 @@ def test_plan_command_prints_the_choice(capsys: pytest.CaptureFixture[str]) -> N
     assert "predicted step" in out and "simulated" in out and "stages of the chosen" in out
 
 
+@pytest.mark.slow  # searches and generates cost-aware orders
 def test_search_prices_candidates_with_the_order_the_plan_will_run(gpt: Analyzed) -> None:
     """The search simulates each finalist with Varuna's order generated from its own stage and
     link times (what ``price`` gives the plan), not the unit-cost order: on a slow link the
@@ -259,6 +260,7 @@ def test_search_prices_candidates_with_the_order_the_plan_will_run(gpt: Analyzed
     assert differs  # the setting is one where the order depends on the costs
 
 
+@pytest.mark.slow  # a search
 def test_split_backward_first_stage_is_all_weight_gradient(gpt: Analyzed) -> None:
     """The first stage has no input gradients to compute (its inputs are the batch): the
     runtime runs its whole backward as W, so the planner's split-backward costs say so; later

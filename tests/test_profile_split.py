@@ -13,6 +13,8 @@ from varuna_fx.planner import CostTable, Planner, Space, analyze
 from varuna_fx.planner.measure import ProfileSettings, measure
 from varuna_fx.runtime.split_backward import input_grads
 
+pytestmark = pytest.mark.slow  # timing loops (a profile), outside the fast tier
+
 SPLIT = ProfileSettings(sizes=(1, 2), repeats=1, warmup=0, max_chunks=4, min_piece=1e-6,
                         split=input_grads)
 
