@@ -12,7 +12,8 @@ Run: ``python bench/bench_sim_accuracy.py`` (``--steps``, ``--global-batch-size`
    the same cached profile. (P=2 in one process is not a real pipeline and is not counted.)
 
 This machine is shared, and other jobs only ever add time, so every configuration is timed in
-``--rounds`` sweeps and keeps the median step of its least disturbed sweep.
+``--rounds`` sweeps and keeps the median step of its least disturbed sweep; ``spread`` is the
+range of its sweeps' medians (over the least), how much the load moved it.
 
 It prints a table of predicted vs measured step time with the error of each, the median and
 worst error, and whether the planner's choice was the measured fastest (or within 5%).
@@ -151,13 +152,17 @@ def rounds(args: argparse.Namespace, runs: list[Any]) -> list[dict[str, Any]]:
     """Every configuration timed in ``--rounds`` sweeps; each keeps its least disturbed sweep
     (other jobs on this shared 2-core machine come in bursts and only ever add time)."""
     best: list[dict[str, Any]] = []
+    seen: list[list[float]] = [[] for _ in runs]
     for r in range(args.rounds):
         for i, run in enumerate(runs):
             row = run()
+            seen[i].append(row["measured"])
             if r == 0:
                 best.append(row)
             elif row["measured"] < best[i]["measured"]:
                 best[i] = row
+    for row, sweeps in zip(best, seen):  # how far the sweeps' medians moved: the noise
+        row["spread"] = (max(sweeps) - min(sweeps)) / min(sweeps)
     return best
 
 
@@ -186,8 +191,8 @@ def report(console: Console, rows: list[dict[str, Any]], chosen: dict[str, Any],
            args: argparse.Namespace) -> None:
     table = Table(title=f"predicted vs measured step time (GPT {MODEL}, global batch "
                         f"{args.global_batch_size}, CPU, gloo, 1 thread per process)")
-    for column in ("P", "D", "micro-batch", "schedule", "predicted", "measured", "error",
-                   "rank-0 CPU", ""):
+    for column in ("P", "D", "micro-batch", "schedule", "predicted", "measured", "spread",
+                   "error", "rank-0 CPU", ""):
         table.add_column(column, justify="right")
     errors = []
     fastest = min(r["measured"] for r in rows)
@@ -199,7 +204,7 @@ def report(console: Console, rows: list[dict[str, Any]], chosen: dict[str, Any],
                                                          r["schedule"] == chosen["schedule"])
         table.add_row(str(r["P"]), str(r["D"]), f"{r['b']} x {r['m']}", r["schedule"],
                       f"{r['predicted'] * 1e3:.1f} ms", f"{r['measured'] * 1e3:.1f} ms",
-                      f"{error:+.1%}", f"{r['cpu'] * 1e3:.1f} ms",
+                      f"{r.get('spread', 0.0):.1%}", f"{error:+.1%}", f"{r['cpu'] * 1e3:.1f} ms",
                       ("chosen " if is_chosen else "")
                       + ("fastest" if r["measured"] == fastest else ""))
     console.print(table)

@@ -2,9 +2,9 @@
 
 The benchmark's "two machines on a commodity link": rank i runs inside namespace i, ranks
 talk over the veth pair (10.78.0.1 <-> 10.78.0.2), and ``tc ... tbf`` limits each direction.
-Every name starts with ``netb`` plus this process's id (the branch's prefix, so parallel users
-do not collide) and everything is deleted on exit, also on an exception or Ctrl-C. Needs root
-and iproute2 (``ip``, ``tc``); ``netem`` is not needed.
+Every name starts with a prefix (default ``netb``; ``bench_network.py --prefix``) plus this
+process's id, so parallel users do not collide, and everything is deleted on exit, also on an
+exception or Ctrl-C. Needs root and iproute2 (``ip``, ``tc``); ``netem`` is not needed.
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ def rate_bits(rate: str) -> float:
 
 
 @contextmanager
-def veth_pair(rate: str | None, tag: str = "") -> Iterator[Pair]:
-    """Create the namespaces and link; ``rate`` ('100mbit', '1gbit') or None: unshaped."""
-    stem = f"netb{os.getpid()}{tag}"
+def veth_pair(rate: str | None, tag: str = "", prefix: str = "netb") -> Iterator[Pair]:
+    """Create the namespaces and link; ``rate`` ('100mbit', '1gbit') or None: unshaped.
+    ``prefix`` starts the namespace names (with this process's id after it)."""
+    stem = f"{prefix}{os.getpid()}{tag}"
     names = (f"{stem}a", f"{stem}b")
     ifaces = ("netb0", "netb1")  # inside the namespaces: cannot clash with the host's
     addrs = (f"{SUBNET}.1", f"{SUBNET}.2")

@@ -98,10 +98,10 @@ def test_branch_and_bound_finds_the_exhaustive_optimum(gpt: Analyzed) -> None:
         c.plan = planner.partition(c.micro_batch_size, c.stages, 1)
         if c.plan is None:
             continue
-        sched, counts = planner.built(c.stages, c.num_micro_batches)
+        _, counts = planner.built(c.stages, c.num_micro_batches)
         if not planner._fits(c, counts) and not planner.fit(c, counts):
             continue
-        full.append(planner._key(planner.simulated(c, sched), c))
+        full.append(planner._key(planner.simulated(c, planner.ordered(c)), c))
     assert fast.partitioned < len(planner.candidates(space)) / 2  # it did prune
     expected = sorted(full)[:5]
     got = [planner._key(c.step_time, c) for c in fast.top]
@@ -237,3 +237,50 @@ def test_plan_command_prints_the_choice(capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     assert code == 0
     assert "predicted step" in out and "simulated" in out and "stages of the chosen" in out
+
+
+@pytest.mark.slow  # searches and generates cost-aware orders
+def test_search_prices_candidates_with_the_order_the_plan_will_run(gpt: Analyzed) -> None:
+    """The search simulates each finalist with Varuna's order generated from its own stage and
+    link times (what ``price`` gives the plan), not the unit-cost order: on a slow link the
+    two differ, and the plan's predicted step must be the one the candidate was chosen by."""
+    from varuna_fx.schedule import build_schedule
+
+    cluster = vf.Cluster(gpus=4, gpus_per_node=1, flops="1TFLOP/s",
+                         inter_node_bandwidth="200Mbit/s")
+    planner = Planner(CostTable.build(gpt.gm), cluster, schedule="varuna", recompute=False)
+    result = planner.search(Space(4, 4, 16, stages=4, data_parallel=1), top=3)
+    differs = False
+    for c in result.top:
+        costs = planner.schedule_costs(c)
+        own = build_schedule("varuna", c.stages, c.num_micro_batches, False, costs)
+        unit, _ = planner.built(c.stages, c.num_micro_batches)
+        differs |= own.per_stage != unit.per_stage
+        assert c.step_time == pytest.approx(planner.simulated(c, own), rel=1e-12)
+    assert differs  # the setting is one where the order depends on the costs
+
+
+@pytest.mark.slow  # a search
+def test_split_backward_first_stage_is_all_weight_gradient(gpt: Analyzed) -> None:
+    """The first stage has no input gradients to compute (its inputs are the batch): the
+    runtime runs its whole backward as W, so the planner's split-backward costs say so; later
+    stages split about half and half."""
+    from varuna_fx.planner.search import weight_grads
+
+    assert weight_grads([4.0, 2.0, 6.0]) == [4.0, 1.0, 3.0]
+    assert weight_grads([4.0]) == [2.0]
+    cluster = vf.Cluster(gpus=2, gpus_per_node=1, flops="1TFLOP/s",
+                         inter_node_bandwidth="1Gbit/s")
+    planner = Planner(CostTable.build(gpt.gm), cluster, schedule="varuna-zb", recompute=False)
+    c = planner.search(Space(2, 4, 8, stages=2, data_parallel=1), top=1).best
+    assert c.plan is not None
+    costs = planner.schedule_costs(c)
+    assert costs.w(0) == pytest.approx(float(c.plan.backward[0]))
+    assert costs.b(0, split=True) == 0.0
+    assert costs.w(1) == pytest.approx(float(c.plan.backward[1]) / 2)
+    # the search's prediction is the simulation with exactly these costs
+    own = planner.ordered(c)
+    assert c.step_time == pytest.approx(simulate(
+        own, forward=list(costs.forward), backward=list(costs.backward),
+        recompute=[costs.r(s) for s in range(2)], send_bytes=[costs.link(0)], bandwidth=1.0,
+        weight_grad=[costs.w(s) for s in range(2)]).step_time + c.allreduce_time, rel=1e-9)

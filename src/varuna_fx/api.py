@@ -33,8 +33,11 @@ from .pipeline import Pipeline, make_pipeline
 from .placement import Placement
 from .plan import Plan
 from .plan_costs import stage_costs
+from .planner.measure import ProfileSettings
 from .planner.resolve import resolve_profile
 from .runtime.comm import resolve_timeout
+from .runtime.split_backward import input_grads
+from .schedule import is_split
 
 # the front end's cache lives in frontend.py (the planner shares it); these names stay here
 _captured_and_annotated = captured_and_annotated
@@ -95,8 +98,13 @@ def compile(  # noqa: A001 - the public name in API.md
             captured.gm, cluster, example_batch=bound.batch_size,
             global_batch_size=global_batch_size, stages=stages, data_parallel=data_parallel,
             micro_batch_size=micro_batch_size, schedule=schedule, recompute=rc,
-            profile=resolve_profile(captured.gm, bound, profile, timeout=timeout),
+            profile=resolve_profile(captured.gm, bound, profile, settings, timeout=timeout),
         )
+
+    # a split-backward schedule is planned with its input-gradient and weight passes timed
+    # by the runtime's own split (they cost more than the fused backward)
+    settings = ProfileSettings(split=input_grads) \
+        if isinstance(schedule, str) and is_split(schedule) else None
 
     if recompute == "auto":
         # plan as if nothing recomputed (the fastest when memory allows); only if no

@@ -42,6 +42,9 @@ class StagePlan:
     shared_grads: float  # gradient bytes of weights held by several stages (summed each step)
     activations: np.ndarray  # bytes one micro-batch leaves for the backward
     workspace: np.ndarray  # largest single activation: its gradient during the backward
+    # the split backward's input-gradient and weight passes, when the profile measured them
+    input_grad: np.ndarray | None = None
+    weight_grad: np.ndarray | None = None
 
     @property
     def num_stages(self) -> int:
@@ -250,4 +253,6 @@ class Balancer:
             shared_grads=shared_grads,
             activations=self.model.activations(starts, ends),
             workspace=self.model.workspace(starts, ends),
+            input_grad=None if u.input_grad is None else per_stage(u.input_grad),
+            weight_grad=None if u.weight_grad is None else per_stage(u.weight_grad),
         )

@@ -46,6 +46,42 @@ class NodeArrays:
     recompute: np.ndarray  # seconds, forward with autograd (recompute, or a stashing forward)
     backward: np.ndarray
     activations: np.ndarray  # bytes left for the backward
+    # measured split backward (None: not measured): the input-gradient pass and the weight
+    # pass of a split-backward schedule, together more than ``backward``
+    input_grad: np.ndarray | None = None
+    weight_grad: np.ndarray | None = None
+
+
+def interpolate(sizes: np.ndarray, values: np.ndarray, b: float) -> np.ndarray:
+    """``values`` [K, S] measured at ``sizes`` [S] (ascending), at micro-batch size ``b``:
+    linear between the two measured sizes around ``b``, and beyond the measured range along
+    the nearest end segment (through the origin with one size).
+
+    Why not one ``const + per_sample * b`` line over all sizes: on a CPU a matmul with a few
+    rows runs at a fraction of its large-batch speed, so the per-sample slope of small sizes
+    overstates large ones (measured: an MLP's backward fitted from b <= 8 predicted 30 ms at
+    b = 32, the run took 15 ms)."""
+    if len(sizes) == 1:
+        return values[:, 0] * (b / sizes[0])
+    j = int(np.clip(np.searchsorted(sizes, b, side="right") - 1, 0, len(sizes) - 2))
+    lo, hi = values[:, j], values[:, j + 1]
+    return np.maximum(lo + (hi - lo) * ((b - sizes[j]) / (sizes[j + 1] - sizes[j])), 0.0)
+
+
+def monotone(values: np.ndarray) -> np.ndarray:
+    """The closest non-decreasing sequence along the last axis (pool adjacent violators): a
+    bigger micro-batch never takes less time, so a sample below its smaller neighbour is
+    noise, averaged with it rather than followed."""
+    out = np.array(values, dtype=float)
+    for row in out.reshape(-1, out.shape[-1]):
+        blocks: list[list[float]] = []  # [mean, count]
+        for v in row:
+            blocks.append([float(v), 1.0])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (m2, c2), (m1, c1) = blocks[-2], blocks.pop()
+                blocks[-1] = [(m2 * c2 + m1 * c1) / (c2 + c1), c2 + c1]
+        row[:] = [m for m, c in blocks for _ in range(int(c))]
+    return out
 
 
 @dataclass
@@ -53,7 +89,9 @@ class MeasuredTimes:
     """Chunk-level measurements spread over the chunk's nodes in proportion to their estimates.
 
     Implements ``costmodel.NodeTimes`` so the partition pass can use it. ``fwd``/``rec``/``bwd``/
-    ``mem`` are [K, 2] arrays of (const, per_sample) per chunk.
+    ``mem`` are [K, 2] arrays of (const, per_sample) per chunk. With ``sizes`` and ``samples``
+    ([K, S, 3]: forward, recompute, backward seconds at each measured size) times come from the
+    measurements themselves (:func:`interpolate`); memory, exactly affine, from its fit.
     """
 
     names: list[str]
@@ -64,13 +102,22 @@ class MeasuredTimes:
     mem: np.ndarray
     estimate: Any = field(repr=False)  # b -> NodeArrays with the local device's estimates
     reseed: float = 0.0  # seconds per forward/recompute of a stage with random ops
+    sizes: np.ndarray | None = None
+    samples: np.ndarray | None = None  # [K, S, 3 or 5]: F, R, B (and I, W) per chunk and size
 
     def arrays(self, b: int) -> NodeArrays:
         est = self.estimate(b)
         k = len(self.fwd)
+        at = None if self.samples is None or self.sizes is None else \
+            [interpolate(self.sizes, self.samples[:, :, i], b)
+             for i in range(self.samples.shape[2])]
 
-        def spread(chunk: np.ndarray, weight: np.ndarray) -> np.ndarray:
-            measured = np.maximum(chunk[:, 0] + chunk[:, 1] * b, 0.0)
+        def spread(chunk: np.ndarray | int, weight: np.ndarray) -> np.ndarray:
+            if isinstance(chunk, int):  # index into the samples: F, R, B, I, W
+                assert at is not None
+                measured = at[chunk]
+            else:
+                measured = np.maximum(chunk[:, 0] + chunk[:, 1] * b, 0.0)
             total = np.bincount(self.chunk_of, weights=weight, minlength=k)
             count = np.bincount(self.chunk_of, minlength=k)
             # a chunk whose estimate is zero (rare: all free nodes) spreads evenly
@@ -79,8 +126,12 @@ class MeasuredTimes:
                              1.0 / np.maximum(count, 1)[self.chunk_of])
             return measured[self.chunk_of] * share
 
-        return NodeArrays(spread(self.fwd, est.forward), spread(self.rec, est.forward),
-                          spread(self.bwd, est.backward), spread(self.mem, est.activations))
+        times = (0, 1, 2) if at is not None else (self.fwd, self.rec, self.bwd)
+        split = at is not None and len(at) == 5
+        return NodeArrays(spread(times[0], est.forward), spread(times[1], est.forward),
+                          spread(times[2], est.backward), spread(self.mem, est.activations),
+                          spread(3, est.backward) if split else None,
+                          spread(4, est.backward) if split else None)
 
     def _select(self, nodes: Sequence[Any], values: np.ndarray) -> np.ndarray:
         index = {name: i for i, name in enumerate(self.names)}
@@ -195,6 +246,8 @@ class CostTable:
             workspace=np.maximum.reduceat(workspace, starts) if len(starts) else workspace,
             random=np.logical_or.reduceat(self.random, starts) if len(starts) else self.random,
             reseed=self.measured.reseed if self.measured is not None else 0.0,
+            input_grad=None if nodes.input_grad is None else per_unit(nodes.input_grad),
+            weight_grad=None if nodes.weight_grad is None else per_unit(nodes.weight_grad),
         )
 
 
@@ -214,6 +267,8 @@ class UnitArrays:
     workspace: np.ndarray  # largest single activation in the unit (memory_model)
     random: np.ndarray  # the unit has random ops
     reseed: float = 0.0  # seconds per forward/recompute of a stage with random ops
+    input_grad: np.ndarray | None = None  # measured split backward (see NodeArrays)
+    weight_grad: np.ndarray | None = None
 
 
 def _gradient_bytes(nodes: list[fx.Node], trainable: set[str]) -> np.ndarray:

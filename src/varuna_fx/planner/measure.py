@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,11 @@ from .profile import ChunkProfile, Profile, graph_hash
 
 @dataclass(frozen=True)
 class ProfileSettings:
-    sizes: tuple[int, ...] = (1, 2, 4, 8)  # micro-batch sizes, capped by the example batch
+    # micro-batch sizes, capped by the example batch (and the batch itself when it falls
+    # between two): the planner interpolates between measured sizes, so they should cover
+    # the ones it may pick -- extrapolating small sizes' per-sample cost to big micro-batches
+    # overstated an MLP's backward 2x on a CPU
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     repeats: int = 7
     warmup: int = 2
     min_piece: float = 1e-3  # seconds: smaller pieces are too noisy to time
@@ -49,10 +53,16 @@ class ProfileSettings:
     # cores -- equal to wall time for single-threaded CPU work. "auto": cpu when torch runs
     # on one CPU thread, else wall.
     clock: str = "auto"
+    # the runtime's split backward (``runtime.split_backward.input_grads``, passed in by the
+    # compiler: the planner sits below the runtime): when given, every chunk's backward is
+    # also timed split into its input-gradient pass (I) and its weight pass (W), as a
+    # split-backward schedule runs it -- together they cost more than the fused backward
+    split: Callable[..., Any] | None = field(default=None, compare=False)
 
     def key(self) -> dict[str, Any]:
         return {"sizes": list(self.sizes), "repeats": self.repeats, "warmup": self.warmup,
-                "min_piece": self.min_piece, "max_chunks": self.max_chunks}
+                "min_piece": self.min_piece, "max_chunks": self.max_chunks,
+                **({"split": True} if self.split is not None else {})}
 
     def timer(self, device: torch.device) -> Callable[[], float]:
         cpu = self.clock == "cpu" or (self.clock == "auto" and device.type == "cpu"
@@ -232,14 +242,17 @@ def _time_all(chunks: list[_Chunk], bound: BoundInputs, sizes: list[int], device
         for b in sizes:
             args = _chunk_args(chunks, _inputs(bound, b, device))
             memory = [_memory(c, a, device) for c, a in zip(chunks, args)]
-            times: list[list[tuple[float, float, float]]] = [[] for _ in chunks]
+            times: list[list[tuple[float, ...]]] = [[] for _ in chunks]
             for r in range(rounds):
                 for k, chunk in enumerate(chunks):
-                    timed = _time_once(chunk, args[k], device, settings.timer(device))
+                    timed = _time_once(chunk, args[k], device, settings.timer(device),
+                                       settings.split)
                     if r >= settings.warmup:
                         times[k].append(timed)
                     progress.advance(task)
-            result[b] = [(*(statistics.median(t[i] for t in ts) for i in range(3)), mem)
+            # (forward, recompute, backward, memory[, input-gradient pass, weight pass])
+            result[b] = [(*(statistics.median(t[i] for t in ts) for i in range(3)), mem,
+                          *(statistics.median(t[i] for t in ts) for i in range(3, len(ts[0]))))
                          for ts, mem in zip(times, memory)]
     return result
 
@@ -276,8 +289,11 @@ def _graph_outputs(out: dict[str, Any]) -> list[torch.Tensor]:
 
 
 def _time_once(chunk: _Chunk, args: list[Any], device: torch.device,
-               clock: Callable[[], float]) -> tuple[float, float, float]:
-    """(forward, recompute, backward) seconds of one micro-batch through the chunk."""
+               clock: Callable[[], float], split: Callable[..., Any] | None = None
+               ) -> tuple[float, ...]:
+    """(forward, recompute, backward) seconds of one micro-batch through the chunk; with
+    ``split``, also its input-gradient and weight passes (a chunk without inputs that need a
+    gradient runs its whole backward as the weight pass, as the runtime does)."""
     def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
         _sync(device)
         start = clock()
@@ -295,7 +311,19 @@ def _time_once(chunk: _Chunk, args: list[Any], device: torch.device,
     backward = 0.0
     if tensors:
         _, backward = timed(lambda: torch.autograd.backward(tensors, seeds))
-    return forward, recompute, backward
+    if split is None:
+        return forward, recompute, backward
+    wanted = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not tensors or not wanted:
+        return forward, recompute, backward, 0.0, backward
+    leaves = _leaves(chunk, args)
+    wanted = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+    with torch.enable_grad():
+        tensors = _graph_outputs(chunk.module(*leaves))
+    params = [p for p in chunk.module.parameters() if p.requires_grad]
+    deferred, inputs = timed(lambda: split(tensors, seeds, wanted, params))
+    _, weights = timed(deferred.run)
+    return forward, recompute, backward, inputs, weights
 
 
 def _memory(chunk: _Chunk, args: list[Any], device: torch.device) -> float:

@@ -31,7 +31,7 @@ from ..cluster import Cluster
 from ..costmodel import device_spec
 from ..errors import PlanError
 from ..ir import Affine, info
-from .costs import CostTable, MeasuredTimes
+from .costs import CostTable, MeasuredTimes, interpolate, monotone
 from .network import NetworkProfile
 
 FORMAT = 3  # bump when the JSON layout or the measuring method changes (3: memory counts
@@ -45,7 +45,9 @@ class ChunkProfile:
     recompute: Affine  # forward with autograd (also what a non-recomputing stage runs)
     backward: Affine
     memory: Affine  # bytes the forward leaves for the backward (GPU: peak over F + B)
-    samples: dict[int, tuple[float, float, float, float]] = field(default_factory=dict)
+    # per size: (forward, recompute, backward, memory), then, when the split backward was
+    # timed, (input-gradient pass, weight pass)
+    samples: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,9 +86,28 @@ class Profile:
             return np.array([[getattr(c, attr).const, getattr(c, attr).per_sample]
                              for c in self.chunks])
 
+        sizes = sorted(self.sizes)
+        samples = None
+        if all(set(sizes) <= set(c.samples) for c in self.chunks):
+            # forward, recompute, backward; then the split backward's two passes if measured
+            slots = [0, 1, 2]
+            if all(len(c.samples[b]) >= 6 for c in self.chunks for b in sizes):
+                slots += [4, 5]
+            samples = monotone(np.array([[[c.samples[b][i] for i in slots] for b in sizes]
+                                         for c in self.chunks]).transpose(0, 2, 1)
+                               ).transpose(0, 2, 1)
         return MeasuredTimes(list(table.names), chunk_of, coef("forward"), coef("recompute"),
                              coef("backward"), coef("memory"),
-                             estimate=lambda b: table.estimate(b, spec), reseed=self.reseed)
+                             estimate=lambda b: table.estimate(b, spec), reseed=self.reseed,
+                             sizes=np.array(sizes, dtype=float), samples=samples)
+
+    def times(self, chunk: int, b: float) -> tuple[float, float, float]:
+        """(forward, recompute, backward) seconds of one chunk at micro-batch size ``b`` as the
+        planner uses them: the measurements, made monotone in ``b`` and interpolated."""
+        sizes = sorted(self.sizes)
+        c = self.chunks[chunk]
+        values = monotone(np.array([[c.samples[s][i] for s in sizes] for i in range(3)]))
+        return tuple(float(v) for v in interpolate(np.array(sizes, float), values, b))
 
     def applies_to(self, cluster: Cluster) -> bool:
         """Measured times transfer to devices of the same type (a generic "cuda" cluster

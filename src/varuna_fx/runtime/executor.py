@@ -15,6 +15,7 @@ from the same peer proves it delivered (``acks.py``), the rest at the end of the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,9 @@ class StageExecutor:
         self._proof_cache: dict[int, dict[tuple, tuple | None]] = {}
         self.outbox = Outbox(timeout, who)
         self.split = False  # split-backward schedule: B computes input gradients only
+        # set to a list to record (what, micro-batch, start, wall seconds, CPU seconds) of
+        # every action and every wait for a message (bench/bench_step_breakdown.py)
+        self.trace: list[tuple[str, int, float, float, float]] | None = None
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -115,12 +119,21 @@ class StageExecutor:
         proofs = self._proofs(per_stage)
         worker, spec = self.worker, self.spec
 
+        trace = self.trace
+
         def take(key: tuple) -> torch.Tensor:
+            if trace is not None:
+                start, cpu = time.perf_counter(), time.process_time()
             value = inbox.take(key)
             self.outbox.release(key)
+            if trace is not None:
+                trace.append(("wait", key[3], start, time.perf_counter() - start,
+                              time.process_time() - cpu))
             return value
 
         for k, action in enumerate(actions):
+            if trace is not None:
+                begin, begin_cpu = time.perf_counter(), time.process_time()
             inbox.post_until(k + 1 + LOOKAHEAD)
             i = action.mb
             if action.kind is Kind.F:
@@ -143,6 +156,9 @@ class StageExecutor:
                 for t in self._grad_out:
                     msg = self.message(t, i, GRADIENT)
                     self._send(back[t.name], msg, proofs[msg.key])
+            if trace is not None:  # the whole action, its waits included (subtract them)
+                trace.append((action.kind.name, i, begin, time.perf_counter() - begin,
+                              time.process_time() - begin_cpu))
         assert inbox.pending == 0, "every posted receive is consumed by the schedule"
 
     def _proofs(self, per_stage: list[list[Action]]) -> dict[tuple, tuple | None]:
