@@ -66,13 +66,23 @@ class _State:
         self.running: list[Action | None] = [None] * p
         self.ends = [0.0] * p
         self.order: list[list[Action]] = [[] for _ in range(p)]
-        self.events: list[float] = [0.0]
+        # Event queues. An idle stage is asked for a task only when something it waits for has
+        # arrived or it has just finished one, since nothing else can make a task ready: asking
+        # every stage at every event made the planner's many orders take minutes (P=56, m=64).
+        self.busy: list[tuple[float, int]] = []  # (end, stage) of the running tasks
+        self.wakes: list[tuple[float, int]] = [(0.0, s) for s in range(p)]  # (arrival, stage)
+        self.now = 0.0
+        self.todo: list[int] = []  # -stage: the stages to ask at ``now``, downstream first
         for i in range(m):
             self.f_arrive[0][i] = 0.0
 
-    def at(self, t: float) -> None:
-        if t < _INF:
-            heapq.heappush(self.events, t)
+    def at(self, t: float, stage: int) -> None:
+        """Something ``stage`` waits for arrives at ``t``."""
+        if t <= self.now:  # this instant: ask it in the current downstream-first pass
+            if -stage not in self.todo:
+                heapq.heappush(self.todo, -stage)
+        elif t < _INF:
+            heapq.heappush(self.wakes, (t, stage))
 
     def complete(self, act: Action, t: float) -> None:
         """Mark ``act`` done at ``t`` and release whatever it makes ready (after link times)."""
@@ -80,7 +90,7 @@ class _State:
         if act.kind is Kind.F:
             if s + 1 < self.p:
                 self.f_arrive[s + 1][i] = t + self.costs.link(s)
-                self.at(self.f_arrive[s + 1][i])
+                self.at(self.f_arrive[s + 1][i], s + 1)
             else:  # the last stage's backward only needs its own forward
                 self.grad_at[s][i] = t
                 self.b_waiting[s].add(i)
@@ -90,7 +100,7 @@ class _State:
             self.in_flight[s] -= 1
             if s > 0:
                 self.grad_at[s - 1][i] = t + self.costs.link(s - 1)
-                self.at(self.grad_at[s - 1][i])
+                self.at(self.grad_at[s - 1][i], s - 1)
 
     def start(self, act: Action, t: float) -> None:
         s, i = act.stage, act.mb
@@ -101,14 +111,14 @@ class _State:
             self.r_need[s - 1][i] = arrive
             self.r_at[s - 1][i] = max(t, arrive - self.costs.r(s - 1)) if self.jit else t
             self.r_waiting[s - 1].add(i)
-            self.at(self.r_at[s - 1][i])
+            self.at(self.r_at[s - 1][i], s - 1)
         if act.kind is Kind.F:
             self.in_flight[s] += 1
         cost = {Kind.F: self.costs.f, Kind.R: self.costs.r, Kind.B: self.costs.b}[act.kind](s)
         self.running[s] = act
         self.ends[s] = t + cost
         self.order[s].append(act)
-        self.at(self.ends[s])
+        heapq.heappush(self.busy, (self.ends[s], s))
 
     def pick(self, s: int, t: float) -> Action | None:
         """The most urgent task of stage ``s`` ready at ``t`` (B > R > F, lowest mb first)."""
@@ -143,18 +153,22 @@ def _order(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
     st = _State(costs, m, recompute, cap, jit, feed)
     remaining = sum(2 * m + (m if recompute[s] else 0) for s in range(st.p))
     while remaining:
-        if not st.events:
+        if not st.busy and not st.wakes:
             raise ScheduleError("internal error: varuna schedule generation stalled")
-        t = heapq.heappop(st.events)
-        while st.events and st.events[0] <= t:
-            heapq.heappop(st.events)
-        for s in range(st.p):
-            act = st.running[s]
-            if act is not None and st.ends[s] <= t:
-                st.complete(act, st.ends[s])
-                st.running[s] = None
-                remaining -= 1
-        for s in reversed(range(st.p)):  # downstream first: B starts release upstream R
+        t = min(st.busy[0][0] if st.busy else _INF, st.wakes[0][0] if st.wakes else _INF)
+        st.now = t
+        finished = []
+        while st.busy and st.busy[0][0] <= t:
+            finished.append(heapq.heappop(st.busy)[1])
+        for s in sorted(finished):
+            st.complete(st.running[s], st.ends[s])
+            st.running[s] = None
+            remaining -= 1
+            st.at(t, s)
+        while st.wakes and st.wakes[0][0] <= t:
+            st.at(t, heapq.heappop(st.wakes)[1])
+        while st.todo:  # downstream first: B starts release upstream R at this same instant
+            s = -heapq.heappop(st.todo)
             if st.running[s] is None:
                 act = st.pick(s, t)
                 if act is not None:
