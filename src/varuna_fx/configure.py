@@ -187,18 +187,14 @@ def assign_and_price(gm: fx.GraphModule, config: Configuration,
         runs = priced.stash_counts
         if runs == counts:  # checked at exactly the counts that run
             break
+        if safe is not None:  # the exact try did not settle: keep the one that fits
+            made, priced = safe
+            made = dataclasses.replace(made, stage_memory=priced.stage_memory)
+            break
         if all(r <= c for r, c in zip(runs, counts)):
-            if safe is None:  # fits a fortiori; try the schedule's own counts once
-                safe, counts = (made, priced), runs
-                continue
-            made, priced = safe
-            made = dataclasses.replace(made, stage_memory=priced.stage_memory)
-            break
-        if safe is not None:  # the exact try needs more: keep the one that fits
-            made, priced = safe
-            made = dataclasses.replace(made, stage_memory=priced.stage_memory)
-            break
-        counts = tuple(max(r, c) for r, c in zip(runs, counts))
+            safe, counts = (made, priced), runs  # fits a fortiori; try the schedule's own once
+        else:
+            counts = tuple(max(r, c) for r, c in zip(runs, counts))
     record_stages(gm, made)
     return made, priced
 
