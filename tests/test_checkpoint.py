@@ -4,6 +4,7 @@ atomicity against kill -9, the errors for bad checkpoints, and the preemption fl
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -219,6 +220,19 @@ def test_bad_checkpoints_are_named(tmp_path: Path, saved: Path) -> None:
     foreign = optimizer([*pipe.parameters(), torch.nn.Parameter(torch.ones(2))])
     with pytest.raises(vf.CheckpointError, match="1 tensors that are not parameters"):
         pipe.save_checkpoint(str(tmp_path / "y"), optimizer=foreign)
+
+
+def test_a_damaged_data_file_is_named(tmp_path: Path, saved: Path) -> None:
+    copy = tmp_path / saved.name
+    shutil.copytree(saved, copy)
+    data = max(copy.glob("*.raw"), key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # cut short
+    pipe = compile_at(2)
+    with pytest.raises(vf.CheckpointError, match="damaged or incomplete: load an earlier"):
+        pipe.load_checkpoint(str(copy), optimizer=optimizer(pipe.parameters()))
+    data.unlink()
+    with pytest.raises(vf.CheckpointError, match="damaged or incomplete"):
+        pipe.load_checkpoint(str(copy), optimizer=optimizer(pipe.parameters()))
 
 
 @pytest.mark.slow  # fp16 and two optimizers

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from ..errors import CheckpointError
@@ -199,10 +200,16 @@ class Checkpointer:
             error = exc
         self._agree(error, f"checking {path}")
         planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
-        if self.distributed:
-            dcp.load(dest, storage_reader=reader, planner=planner, process_group=self.group)
-        else:
-            dcp_local.load(dest, reader, planner, metadata)
+        try:
+            if self.distributed:  # DCP gathers a failure to every rank: all raise
+                dcp.load(dest, storage_reader=reader, planner=planner, process_group=self.group)
+            else:
+                dcp_local.load(dest, reader, planner, metadata)
+        except (OSError, CheckpointException) as exc:  # a data file missing or cut short
+            raise CheckpointError(
+                f"{path}: reading its tensors failed ({exc}); the checkpoint's files are "
+                "damaged or incomplete: load an earlier checkpoint, or copy this one again"
+            ) from exc
         if optimizer is not None:
             restore_optimizer(optimizer, self._names(), dest)
         meta = decode(dest[META])
