@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind, Schedule
 from varuna_fx.schedule.costs import ScheduleCosts
-from varuna_fx.schedule.validate import check_complete, execution_order
+from varuna_fx.schedule.validate import action_id, check_complete, ordered_ids
 
 _KIND_SLOT = {Kind.F: 0, Kind.R: 1, Kind.B: 2, Kind.W: 3}
 
@@ -68,23 +68,28 @@ def peak_stash_counts(schedule: Schedule) -> list[int]:
 
 def _compile(schedule: Schedule) -> _Compiled:
     check_complete(schedule)
-    order = execution_order(schedule)
-    p = schedule.num_stages
-    index = {act: k + 1 for k, act in enumerate(order)}
-    prev_of: dict[Action, int] = {}
+    order, ids = ordered_ids(schedule)
+    p, m = schedule.num_stages, schedule.num_micro_batches
+    index = [0] * (4 * m * p)  # action_id -> 1 + position in ``order``
+    for k, a in enumerate(ids):
+        index[a] = k + 1
+    prev_of = [0] * (4 * m * p)
     for acts in schedule.per_stage:
         for before, act in zip(acts, acts[1:]):
-            prev_of[act] = index[before]
+            prev_of[action_id(act.stage, act.kind, act.mb, m)] = \
+                index[action_id(before.stage, before.kind, before.mb, m)]
     prev, dep, link, slot = [], [], [], []
-    for act in order:
-        s, i = act.stage, act.mb
-        prev.append(prev_of.get(act, 0))
-        slot.append(_KIND_SLOT[act.kind] * p + s)
-        if act.kind is Kind.F and s > 0:
-            dep.append(index[Action(s - 1, Kind.F, i)])
+    across = 4 * m  # id offset of the same kind of action one stage away
+    for act, a in zip(order, ids):
+        s = act.stage
+        prev.append(prev_of[a])
+        kind = _KIND_SLOT[act.kind]
+        slot.append(kind * p + s)
+        if kind == 0 and s > 0:
+            dep.append(index[a - across])
             link.append(s)  # link s-1, shifted by one
-        elif act.kind is Kind.B and s < p - 1:
-            dep.append(index[Action(s + 1, Kind.B, i)])
+        elif kind == 2 and s < p - 1:
+            dep.append(index[a + across])
             link.append(s + p)  # link s, shifted by one, in the backward direction
         else:
             dep.append(0)

@@ -88,7 +88,8 @@ def check_complete(schedule: Schedule) -> None:
             f"P={schedule.num_stages}"
         )
     for s in range(schedule.num_stages):
-        _check_stage(schedule, s)
+        if not _stage_ok(schedule, s):
+            _check_stage(schedule, s)  # raises, naming what is wrong
 
 
 def _deadlock_message(schedule: Schedule, heads: list[int], done: set[Action]) -> str:
@@ -107,7 +108,106 @@ def execution_order(schedule: Schedule) -> list[Action]:
     Round-robin over stages, taking as many ready head actions from each as possible; the
     one-process runtime executes actions in exactly this order. Raises on deadlock.
     """
+    return ordered_ids(schedule)[0]
+
+
+_SLOT = {Kind.F: 0, Kind.R: 1, Kind.B: 2, Kind.W: 3}
+
+
+def action_id(stage: int, kind: Kind, mb: int, m: int) -> int:
+    """A dense integer for ``Action(stage, kind, mb)`` (``4 * m`` per stage): the simulator
+    and the checks index lists with it instead of hashing Action objects, which at P=56,
+    m=64 (10^4 actions, dozens of schedules per planner search) took seconds."""
+    return (stage * 4 + _SLOT[kind]) * m + mb
+
+
+def _stage_ok(schedule: Schedule, stage: int) -> bool:
+    """:func:`_check_stage`'s conditions on integers (True: nothing to report)."""
+    m = schedule.num_micro_batches
+    need = [True, schedule.recomputes(stage), True, schedule.split_backward]
+    pos = [-1] * (4 * m)
+    for k, act in enumerate(schedule.per_stage[stage]):
+        i = act.mb
+        if act.stage != stage or not 0 <= i < m:
+            return False
+        slot = _SLOT[act.kind]
+        if not need[slot] or pos[slot * m + i] >= 0:
+            return False
+        pos[slot * m + i] = k
+    for i in range(m):
+        last = -1
+        for slot in range(4):
+            at = pos[slot * m + i]
+            if need[slot]:
+                if at < last:  # missing (-1) or out of F, R, B, W order
+                    return False
+                last = at
+    return True
+
+
+def ordered_ids(schedule: Schedule) -> tuple[list[Action], list[int]]:
+    """:func:`execution_order` and the :func:`action_id` of each of its actions."""
     _check_shape(schedule)
+    p, m = schedule.num_stages, schedule.num_micro_batches
+    size = 4 * m * p
+    done = bytearray(size + 1)
+    done[size] = 1  # the "no dependency" slot
+    ids: list[list[int]] = []
+    first: list[list[int]] = []
+    second: list[list[int]] = []
+    stash = [1 if schedule.recomputes(s) else 0 for s in range(p)]  # B's own-stage input
+    for acts in schedule.per_stage:
+        own, d1, d2 = [], [], []
+        for act in acts:
+            s, i, slot = act.stage, act.mb, _SLOT[act.kind]
+            if not (0 <= s < p and 0 <= i < m):
+                return _slow_order(schedule)
+            here = s * 4 * m + i  # this stage's F of micro-batch i; + slot * m for the others
+            own.append(here + slot * m)
+            if slot == 0:  # F: the upstream F
+                d1.append(here - 4 * m if s > 0 else size)
+                d2.append(size)
+            elif slot == 1:  # R: replays this stage's F
+                d1.append(here)
+                d2.append(size)
+            elif slot == 3:  # W: after this stage's B
+                d1.append(here + 2 * m)
+                d2.append(size)
+            elif s == p - 1:  # B on the last stage: its own F
+                d1.append(here)
+                d2.append(size)
+            else:  # B: the downstream B and this stage's R (or F)
+                d1.append(here + 4 * m + 2 * m)
+                d2.append(here + stash[s] * m)
+        ids.append(own)
+        first.append(d1)
+        second.append(d2)
+    heads = [0] * p
+    order: list[Action] = []
+    order_ids: list[int] = []
+    total = sum(len(acts) for acts in schedule.per_stage)
+    while len(order) < total:
+        progressed = False
+        for s, acts in enumerate(schedule.per_stage):
+            h, n = heads[s], len(acts)
+            own, d1, d2 = ids[s], first[s], second[s]
+            while h < n and done[d1[h]] and done[d2[h]]:
+                done[own[h]] = 1
+                order.append(acts[h])
+                order_ids.append(own[h])
+                h += 1
+            if h != heads[s]:
+                heads[s] = h
+                progressed = True
+        if not progressed:
+            names = {a for a, k in zip(order, order_ids) if done[k]}
+            raise ScheduleError(_deadlock_message(schedule, heads, names))
+    return order, order_ids
+
+
+def _slow_order(schedule: Schedule) -> tuple[list[Action], list[int]]:
+    """Actions outside the schedule's stages or micro-batches (an invalid schedule, which
+    ``check_complete`` reports): the order by Action objects, as before."""
     heads = [0] * schedule.num_stages
     done: set[Action] = set()
     order: list[Action] = []
@@ -125,7 +225,7 @@ def execution_order(schedule: Schedule) -> list[Action]:
                 progressed = True
         if not progressed:
             raise ScheduleError(_deadlock_message(schedule, heads, done))
-    return order
+    return order, [-1] * len(order)
 
 
 def validate(schedule: Schedule) -> None:
