@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import schedule as schedules
 from .arguments import (
     check_compile_arguments,
     check_devices,
@@ -35,6 +34,7 @@ from .plan import Plan
 from .plan_costs import stage_costs
 from .planner.measure import ProfileSettings
 from .planner.resolve import resolve_profile
+from .planner.search import AUTO, schedule_choices
 from .runtime.comm import resolve_timeout
 from .runtime.split_backward import input_grads
 from .schedule import is_split
@@ -104,7 +104,7 @@ def compile(  # noqa: A001 - the public name in API.md
     # a split-backward schedule is planned with its input-gradient and weight passes timed
     # by the runtime's own split (they cost more than the fused backward)
     settings = ProfileSettings(split=input_grads) \
-        if isinstance(schedule, str) and is_split(schedule) else None
+        if isinstance(schedule, str) and (is_split(schedule) or schedule == AUTO) else None
 
     if recompute == "auto":
         # plan as if nothing recomputed (the fastest when memory allows); only if no
@@ -208,9 +208,10 @@ def _check_arguments(model: Any, example_inputs: Any, schedule: str, tracer: str
             "example_inputs is required: a tuple of positional args or a dict of keyword args "
             "for one sample batch (dim 0 of every tensor is the batch)"
         )
-    if schedule not in schedules.schedule_names():
+    if schedule not in schedule_choices():
         raise VarunaFxError(
-            f"schedule={schedule!r} is unknown; choose one of {schedules.schedule_names()}"
+            f"schedule={schedule!r} is unknown; choose one of {schedule_choices()} (\"auto\": "
+            "the planner picks the fastest that fits)"
         )
     if tracer not in TRACERS:
         raise VarunaFxError(f"tracer={tracer!r} is unknown; choose one of {TRACERS}")

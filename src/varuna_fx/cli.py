@@ -25,8 +25,8 @@ from varuna_fx.elastic import elastic_launch
 from varuna_fx.examples import demo_gpt, lm_loss
 from varuna_fx.factory import load_factory
 from varuna_fx.planner.report import plan_as_dict, plan_command
+from varuna_fx.planner.search import schedule_choices
 from varuna_fx.runtime.standalone import loopback_stores, standalone_args
-from varuna_fx.schedule import schedule_names
 
 _load_factory = load_factory  # its home is factory.py (planner/report.py uses it too)
 
@@ -61,7 +61,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print_code(console, stage.code)
     loss = float(pipe.step(tokens, target=targets))
     vocab = model.cfg.vocab_size
-    console.print(f"\none training step under the {args.schedule} schedule: loss {loss:.4f} "
+    console.print(f"\none training step under the {pipe.plan.schedule.name} schedule: loss {loss:.4f} "
                   f"(an untrained model over {vocab} tokens starts near ln({vocab}) = "
                   f"{math.log(vocab):.2f})")
     return 0
@@ -163,7 +163,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 _TRACER_HELP = ("how to capture the model: fx (torch.fx symbolic tracing), export "
                 "(torch.export), auto (fx, then export if fx fails; default)")
-_SCHEDULE_HELP = f"micro-batch schedule: {' | '.join(schedule_names())} (default: %(default)s)"
+_SCHEDULE_HELP = (f"micro-batch schedule: {' | '.join(schedule_choices())} (auto: the planner "
+                  "picks the fastest that fits; default: %(default)s)")
 _FACTORY_HELP = ("module:function that returns (model, example_inputs[, ...]), e.g. "
                  "mypkg.models:make_gpt; example_inputs is a tuple of positional or a dict of "
                  "keyword arguments, dim 0 the batch")
@@ -184,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="transformer blocks in the demo GPT (default: %(default)s)")
     demo.add_argument("--stages", type=int, default=4,
                       help="pipeline stages P to cut it into (default: %(default)s)")
-    demo.add_argument("--schedule", default="varuna", choices=schedule_names(),
+    demo.add_argument("--schedule", default="varuna", choices=schedule_choices(),
                       help=_SCHEDULE_HELP)
     demo.add_argument("--tracer", default="auto", choices=["auto", "fx", "export"],
                       help=_TRACER_HELP)
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--global-batch-size", type=int, default=None,
                       help="samples per optimizer step over all replicas (default: each replica "
                            "takes the factory's example batch, so the global batch grows with D)")
-    plan.add_argument("--schedule", default="varuna", choices=schedule_names(),
+    plan.add_argument("--schedule", default="varuna", choices=schedule_choices(),
                       help=_SCHEDULE_HELP)
     plan.add_argument("--device-type", default=None,
                       help="a100 | v100 | h100 | h200 | cpu: the device to time with FLOPs")

@@ -86,7 +86,8 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
                          data_parallel: int | None, micro_batch_size: int | None,
                          schedule: str, recompute: bool, profile: Profile | None = None
                          ) -> Configuration:
-    """``profile``: measured costs (``varuna_fx.planner.Profile``), or None for estimates."""
+    """``profile``: measured costs (``varuna_fx.planner.Profile``), or None for estimates.
+    ``schedule``: a name, or "auto" (the planner picks the fastest that fits, per candidate)."""
     if stages is not None:  # before any schedule is built: 10**6 stages would take minutes
         operations = len(compute_nodes(gm))
         if stages > operations:
@@ -103,6 +104,7 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
         batch = replica_batch(example_batch, global_batch_size, d)
         b = micro_batch_size or default_micro_batch_size(batch, p)
         check_micro_batch(batch, b)
+        name = planner.best_schedule(Candidate(p, d, b, batch // b))
     else:
         space = Space(cluster.gpus, example_batch, global_batch_size, stages, data_parallel,
                       micro_batch_size, world=world)
@@ -110,11 +112,11 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
         if not result.top:
             raise explain_nothing_fits(planner, space)
         best = result.best
-        p, d, b = best.stages, best.data_parallel, best.micro_batch_size
+        p, d, b, name = best.stages, best.data_parallel, best.micro_batch_size, best.schedule
         alternatives = result.alternatives
     m = replica_batch(example_batch, global_batch_size, d) // b
     net = planner.links(p, d)
-    sched, counts = planner.built(p, m)
+    sched, counts = planner.built(p, m, name)  # the chosen schedule (schedule="auto")
     return Configuration(
         stages=p, data_parallel=d, micro_batch_size=b, num_micro_batches=m,
         pipeline_bandwidth=net.partition_bandwidth, allreduce_bandwidth=net.allreduce_bandwidth,

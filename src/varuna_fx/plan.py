@@ -46,6 +46,7 @@ class Alternative:
     allreduce_time: float  # seconds of gradient all-reduce after the pipeline
     stage_memory: tuple[float, ...]  # bytes per stage
     chosen: bool = False
+    schedule: str = ""  # the schedule this row was simulated with (schedule="auto" varies it)
 
     @property
     def max_memory(self) -> float:
@@ -139,13 +140,14 @@ def _recompute_note(flags: tuple[bool, ...]) -> str:
 
 def alternatives_table(rows: Sequence[Alternative], title: str) -> Table:
     table = Table(title=title)
-    for name in ("", "P", "D", "b x m", "step", "samples/s", "bubble", "all-reduce",
-                 "memory"):
+    for name in ("", "P", "D", "b x m", "schedule", "step", "samples/s", "bubble",
+                 "all-reduce", "memory"):
         table.add_column(name, justify="right")
     for row in rows:
         table.add_row(
             "*" if row.chosen else "", str(row.stages), str(row.data_parallel),
-            f"{row.micro_batch_size} x {row.num_micro_batches}", _seconds(row.step_time),
+            f"{row.micro_batch_size} x {row.num_micro_batches}", row.schedule or "-",
+            _seconds(row.step_time),
             _count(row.throughput), f"{row.bubble_fraction:.0%}", _seconds(row.allreduce_time),
             _bytes(row.max_memory),
         )

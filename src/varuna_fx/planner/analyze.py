@@ -63,7 +63,9 @@ def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None
              micro_batch_size: int | None = None, schedule: str = "varuna",
              recompute: bool = True, profile: Profile | None = None,
              top: int = 5) -> SearchResult:
-    """The best configurations for ``cluster``; raises PlanError when none fits."""
+    """The best configurations for ``cluster``; raises PlanError when none fits.
+    ``schedule``: a name, or "auto" (each candidate with the fastest schedule that fits:
+    ``result.best.schedule``)."""
     use = profile if profile is not None and profile.applies_to(cluster) else None
     planner = Planner(graph.table(use), cluster, schedule=schedule, recompute=recompute,
                       network=use.network if use else None)

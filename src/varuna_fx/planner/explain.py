@@ -12,12 +12,16 @@ def smallest_memory(planner: Planner, c: Candidate) -> float:
     """The least memory per device for which ``c`` finds a fitting partition: the largest
     stage of the partition whose largest stage is smallest (the greedy's and the memory
     model's, so ``planner.fit`` succeeds with it)."""
-    _, counts = planner.built(c.stages, c.num_micro_batches)
-    plan = planner.balancer(c.micro_batch_size).min_memory_partition(c.stages, counts)
-    if plan is None:
-        return math.inf
-    need = float(plan.memory(counts, planner.recompute).max())
-    return need if planner.fit(c, counts, need) else math.inf
+    least = math.inf
+    for name in planner.schedules:  # schedule="auto": the least over all it weighs
+        _, counts = planner.built(c.stages, c.num_micro_batches, name)
+        plan = planner.balancer(c.micro_batch_size).min_memory_partition(c.stages, counts)
+        if plan is None:
+            continue
+        need = float(plan.memory(counts, planner.recompute).max())
+        if need < least and planner.fit(c, counts, need):
+            least = need
+    return least
 
 
 def no_candidates(space: Space) -> str:

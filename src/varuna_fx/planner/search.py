@@ -24,6 +24,7 @@ popped are the top of the whole space, exactly as evaluating everything would ra
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -41,8 +42,10 @@ from ..schedule import (
     Schedule,
     ScheduleCosts,
     build_schedule,
+    check_schedule_name,
     is_split,
     peak_stash_counts,
+    schedule_names,
     simulate,
 )
 from .balance import Balancer, StagePlan
@@ -64,6 +67,9 @@ class Candidate:
     allreduce_time: float = 0.0
     bubble: float = 0.0
     memory: tuple[float, ...] = ()
+    # the schedule it is priced with; "" until a schedule="auto" search branches it (after
+    # partitioning: the bounds before that hold for every schedule)
+    schedule: str = ""
 
     @property
     def samples(self) -> int:
@@ -72,7 +78,7 @@ class Candidate:
     def alternative(self, chosen: bool = False) -> Alternative:
         return Alternative(self.stages, self.data_parallel, self.micro_batch_size,
                            self.num_micro_batches, self.step_time, self.bubble,
-                           self.allreduce_time, self.memory, chosen)
+                           self.allreduce_time, self.memory, chosen, self.schedule)
 
 
 @dataclass
@@ -125,6 +131,25 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+AUTO = "auto"  # schedule=: let the planner choose among schedule_names()
+# ties (equal simulated steps, e.g. one stage) go to the first here: plain before split backward
+_PREFERENCE = ("varuna", "1f1b", "gpipe", "varuna-zb", "1f1b-zb", "gpipe-zb")
+
+
+def schedule_choices() -> list[str]:
+    """What ``schedule=`` accepts: every schedule name, and "auto"."""
+    return [*schedule_names(), AUTO]
+
+
+def considered_schedules(schedule: str) -> list[str]:
+    """The schedules a planner for ``schedule`` weighs: all of them for "auto"."""
+    if schedule != AUTO:
+        check_schedule_name(schedule)
+        return [schedule]
+    names = schedule_names()
+    return sorted(names, key=lambda n: _PREFERENCE.index(n) if n in _PREFERENCE else len(names))
+
+
 class Planner:
     """Searches one model's configurations on one cluster; caches partitions and schedules."""
 
@@ -133,13 +158,14 @@ class Planner:
         self.table = table
         self.cluster = cluster
         self.spec = spec or cluster.spec
-        self.schedule = schedule
+        self.schedule = schedule  # a schedule name, or "auto": each candidate weighs them all
+        self.schedules = considered_schedules(schedule)
         self.recompute = recompute
         self.network = network
         self.memory_cap = float(cluster.gpu_memory)
         self._balancers: dict[int, Balancer] = {}
         self._plans: dict[tuple[int, int, tuple[int, ...], float], StagePlan | None] = {}
-        self._schedules: dict[tuple[int, int], tuple[Schedule, list[int]]] = {}
+        self._schedules: dict[tuple[str, int, int], tuple[Schedule, list[int]]] = {}
         self._links: dict[tuple[int, int], Links] = {}
         self._totals: dict[int, tuple[float, ...]] = {}
         self._hop_sums: dict[tuple[int, int, int], float] = {}
@@ -171,11 +197,14 @@ class Planner:
             self._plans[key] = self.balancer(b).partition(stages, budget, counts)
         return self._plans[key]
 
-    def built(self, stages: int, micro_batches: int) -> tuple[Schedule, list[int]]:
-        """The schedule (its compiled form is cached on it) and its per-stage stash counts."""
-        key = (stages, micro_batches)
+    def built(self, stages: int, micro_batches: int,
+              schedule: str = "") -> tuple[Schedule, list[int]]:
+        """The schedule (its compiled form is cached on it) and its per-stage stash counts,
+        from unit costs. ``schedule``: a name (default: the planner's one schedule)."""
+        name = schedule or self.schedules[0]
+        key = (name, stages, micro_batches)
         if key not in self._schedules:
-            sched = build_schedule(self.schedule, stages, micro_batches, self.recompute)
+            sched = build_schedule(name, stages, micro_batches, self.recompute)
             self._schedules[key] = (sched, peak_stash_counts(sched))
         return self._schedules[key]
 
@@ -185,21 +214,24 @@ class Planner:
             self._links[key] = links(self.cluster, stages, replicas, self.network)
         return self._links[key]
 
-    def _totals_at(self, b: int) -> tuple[float, ...]:
+    def _totals_at(self, b: int, split: bool = False) -> tuple[float, ...]:
         """(all busy time, busy without recompute, largest unit without recompute, one
         micro-batch's forward + backward, gradient bytes, of the largest unit, the chain
-        around the last unit, its busy time) at micro-batch size b."""
-        if b not in self._totals:
+        around the last unit, its busy time) at micro-batch size b. ``split``: for a
+        split-backward schedule, whose chains need only the input-gradient part of each
+        backward (not known per unit: the chains count forwards only)."""
+        if (b, split) not in self._totals:
             u = self.balancer(b).units
             plain = u.recompute + u.backward
-            chain = np.minimum(u.forward, u.recompute) + u.backward
+            chain = np.minimum(u.forward, u.recompute) + (0.0 if split else u.backward)
             # the last stage holds at least the last unit, and all other units' forward and
             # backward of one micro-batch chain around it
             last = float(chain.sum() - chain[-1]), float(plain[-1])
-            self._totals[b] = (self.balancer(b).total, float(plain.sum()),
-                               float(plain.max(initial=0.0)), float(chain.sum()),
-                               float(u.grads.sum()), float(u.grads.max(initial=0.0)), *last)
-        return self._totals[b]
+            self._totals[b, split] = (self.balancer(b).total, float(plain.sum()),
+                                      float(plain.max(initial=0.0)), float(chain.sum()),
+                                      float(u.grads.sum()), float(u.grads.max(initial=0.0)),
+                                      *last)
+        return self._totals[b, split]
 
     def _hops(self, b: int, stages: int, replicas: int) -> float:
         """One micro-batch crosses every link forward and back, with at least the smallest
@@ -218,7 +250,7 @@ class Planner:
 
     def bound_from_totals(self, c: Candidate) -> float:
         busy, plain, largest, chain, grads, unit_grads, around, last = \
-            self._totals_at(c.micro_batch_size)
+            self._totals_at(c.micro_batch_size, self._split_bound(c) is not None)
         p, m = c.stages, c.num_micro_batches
         # the last stage does not recompute: some stage is busy >= (busy - its R) / P
         bottleneck = plain if p == 1 else max(largest, busy / (p + 1))
@@ -234,10 +266,15 @@ class Planner:
         busy = plan.compute(self.recompute)
         hop = np.asarray([net.latency + nb / bw for nb, bw in zip(plan.send_bytes,
                                                                   net.bandwidths)])
-        chain = plan.sim_forward(self.recompute)[:-1] + plan.backward[:-1] + 2 * hop
-        before = np.concatenate([[0.0], np.cumsum(chain)])
-        pipeline = float(np.max(before + c.num_micro_batches * busy))
-        return pipeline + self.allreduce(c)
+        m = c.num_micro_batches
+        fill = np.concatenate([[0.0], np.cumsum(plan.sim_forward(self.recompute)[:-1] + hop)])
+        back = self._chain_backward(c)
+        drain = np.concatenate([[0.0], np.cumsum(back[:-1] + hop)])
+        # stage s starts after the forwards upstream, and after its last backward the
+        # gradient runs back upstream; a split backward's W (busy - back) may overlap that
+        later = np.maximum(m * busy, m * (busy - (plan.backward - back)) + drain) \
+            if self._split_bound(c) else m * busy + drain
+        return float(np.max(fill + later)) + self.allreduce(c)
 
     def bound_from_stash(self, c: Candidate, counts: list[int]) -> float:
         """Little's law: stage s holds at most counts[s] micro-batches, each for at least the
@@ -246,10 +283,27 @@ class Planner:
         assert plan is not None
         net = self.links(c.stages, c.data_parallel)
         hop = [net.latency + nb / bw for nb, bw in zip(plan.send_bytes, net.bandwidths)]
-        work = plan.sim_forward(self.recompute) + plan.backward
+        work = plan.sim_forward(self.recompute) + self._chain_backward(c)
         trip = np.cumsum((work + 2 * np.asarray([*hop, 0.0]))[::-1])[::-1]
         pipeline = float(np.max(c.num_micro_batches * trip / np.maximum(counts, 1)))
         return pipeline + self.allreduce(c)
+
+    def _split_bound(self, c: Candidate) -> str | None:
+        """The split-backward schedule ``c``'s bounds must hold for, if any: its own, or
+        before a schedule="auto" search branches it, any it weighs."""
+        names = [c.schedule] if c.schedule else self.schedules
+        return next((n for n in names if is_split(n)), None)
+
+    def _chain_backward(self, c: Candidate) -> np.ndarray:
+        """Each stage's backward as far as the stage upstream waits for it: all of it, or in
+        a split-backward schedule only the input-gradient part (``W`` can run later)."""
+        plan = c.plan
+        assert plan is not None
+        split = self._split_bound(c)
+        if split is None:
+            return np.asarray(plan.backward, dtype=float)
+        backward, weight = self.backward_costs(plan, split)
+        return np.asarray(backward, dtype=float) - np.asarray(weight, dtype=float)
 
     def allreduce(self, c: Candidate) -> float:
         """Gradient all-reduce of the largest stage across replicas, plus summing the
@@ -260,8 +314,8 @@ class Planner:
         tied = net.allreduce(c.plan.shared_grads, 2) if c.stages > 1 else 0.0
         return replicas + tied
 
-    def schedule_costs(self, c: Candidate,
-                       recompute: bool | Sequence[bool] | None = None) -> ScheduleCosts:
+    def schedule_costs(self, c: Candidate, recompute: bool | Sequence[bool] | None = None,
+                       schedule: str = "") -> ScheduleCosts:
         """The candidate's per-stage F, R, B and link times, which cost-aware schedules (Varuna's
         order, split backward's W placement) are generated from. ``recompute``: per-stage flags
         (default: the planner's one setting)."""
@@ -271,17 +325,18 @@ class Planner:
         net = self.links(c.stages, c.data_parallel)
         links = [net.latency + nb / bw for nb, bw in zip(plan.send_bytes, net.bandwidths)] \
             if c.stages > 1 else []
-        backward, weight = self.backward_costs(plan)
+        backward, weight = self.backward_costs(plan, schedule or c.schedule)
         return ScheduleCosts.of(plan.sim_forward(rc), backward,
                                 recompute=plan.recompute, links=links, weight_grad=weight)
 
-    def backward_costs(self, plan: StagePlan) -> tuple[list[float], list[float]]:
+    def backward_costs(self, plan: StagePlan,
+                       schedule: str = "") -> tuple[list[float], list[float]]:
         """(backward, its weight-gradient part W) per stage, as the schedule runs them: for a
         split-backward schedule with a profile that timed the split, the input-gradient pass
         plus the weight pass (more than the fused backward), except on the first stage,
         which needs no input gradients and runs its fused backward as W."""
         fused = [float(b) for b in plan.backward]
-        if not is_split(self.schedule) or plan.input_grad is None or plan.weight_grad is None:
+        if not is_split(schedule or self.schedules[0]) or plan.input_grad is None or plan.weight_grad is None:
             return fused, weight_grads(fused)
         backward = [float(i + w) for i, w in zip(plan.input_grad, plan.weight_grad)]
         weight = [float(w) for w in plan.weight_grad]
@@ -297,15 +352,34 @@ class Planner:
         step they would really take (Varuna's order from unit costs can be slower or faster
         than the one the chosen partition gets). Orders that do not depend on costs come
         from the cache."""
-        unit, _ = self.built(c.stages, c.num_micro_batches)
+        unit, _ = self.built(c.stages, c.num_micro_batches, c.schedule)
         if c.stages == 1:
             return unit
         costs = self.schedule_costs(c)
-        sched = build_schedule(self.schedule, c.stages, c.num_micro_batches, self.recompute,
+        sched = build_schedule(unit.name, c.stages, c.num_micro_batches, self.recompute,
                                costs)
         if sched.per_stage == unit.per_stage:
             return unit  # same order: reuse the compiled simulation data
         return sched
+
+    def finish(self, c: Candidate) -> float | None:
+        """``c``'s step with the order generated from its own costs, or None when that order
+        holds more micro-batches than fit. The search checked memory with the unit-cost
+        order's stash counts; a cost-aware order may hold more (a split backward that defers
+        its ``W`` into the bubbles: 27 instead of 9 on a GPT at P=8, m=32), so the stages
+        are checked again with the order's own counts and, where they grew, partitioned once
+        more for them, as ``configure.assign_and_price`` would."""
+        sched = self.ordered(c)
+        counts = peak_stash_counts(sched)
+        if not self._fits(c, counts):
+            checked = c.stash_counts or (1,) * c.stages
+            grown = [max(a, b) for a, b in zip(counts, checked)]
+            if not self.fit(c, grown):
+                return None
+            sched = self.ordered(c)  # the new partition's own order
+            if not self._fits(c, peak_stash_counts(sched)):
+                return None
+        return self.simulated(c, sched)
 
     def simulated(self, c: Candidate, sched: Schedule,
                   recompute: bool | Sequence[bool] | None = None) -> float:
@@ -313,7 +387,7 @@ class Planner:
         plan = c.plan
         assert plan is not None
         net = self.links(c.stages, c.data_parallel)
-        backward, weight = self.backward_costs(plan)
+        backward, weight = self.backward_costs(plan, sched.name)
         sim = simulate(
             sched, forward=plan.sim_forward(rc), backward=backward,
             recompute=plan.recompute, send_bytes=plan.send_bytes, latency=net.latency,
@@ -358,7 +432,7 @@ class Planner:
         start = time.perf_counter()
         result = SearchResult(top=[])
         pool = self.candidates(space)
-        result.considered = len(pool)
+        result.considered = len(pool) * len(self.schedules)
         order = itertools.count()
         heap = [(self._key(self.bound_from_totals(c), c), next(order), 0, c) for c in pool]
         heapq.heapify(heap)
@@ -376,31 +450,64 @@ class Planner:
                 if c.plan is not None:
                     push(self.bound_from_stages(c), 1, c)
             elif level == 1:
-                _, counts = self.built(c.stages, c.num_micro_batches)
-                if not self._fits(c, counts):
-                    if not c.exact and self.fit(c, counts):  # re-partitioned: new bound
-                        push(self.bound_from_stages(c), 1, c)
-                    continue
-                push(max(self.bound_from_stages(c), self.bound_from_stash(c, counts)), 2, c)
+                # "auto": one candidate per schedule from here (memory and the stash bound
+                # depend on the schedule); a candidate re-partitioned for one keeps it
+                for one in self._branches(c):
+                    _, counts = self.built(one.stages, one.num_micro_batches, one.schedule)
+                    if not self._fits(one, counts):
+                        if not one.exact and self.fit(one, counts):  # re-partitioned
+                            push(self.bound_from_stages(one), 1, one)
+                        continue
+                    push(max(self.bound_from_stages(one), self.bound_from_stash(one, counts)),
+                         2, one)
             else:
                 result.simulated += 1
-                push(self.simulated(c, self.ordered(c)), 3, c)
+                step = self.finish(c)
+                if step is not None:
+                    push(step, 3, c)
         result.seconds = time.perf_counter() - start
         result.alternatives = [c.alternative(i == 0) for i, c in enumerate(result.top)]
         return result
 
-    def _key(self, seconds: float, c: Candidate) -> tuple[float, int, int, int]:
-        """Time per sample; ties go to fewer devices, fewer stages, bigger micro-batches."""
-        per_sample = float(f"{seconds / c.samples:.9g}")
-        return (per_sample, c.stages * c.data_parallel, c.stages, -c.micro_batch_size)
+    def best_schedule(self, c: Candidate) -> str:
+        """The schedule ``c`` (P, D, b, m; given, not searched) runs fastest with, among those
+        that fit (partitioned as the search would); the first weighed when none does."""
+        if len(self.schedules) == 1:
+            return self.schedules[0]
+        c.plan = self.partition(c.micro_batch_size, c.stages, None)
+        if c.plan is None:
+            return self.schedules[0]
+        timed = []
+        for one in self._branches(c):
+            _, counts = self.built(one.stages, one.num_micro_batches, one.schedule)
+            if self._fits(one, counts) or self.fit(one, counts):
+                timed.append((self._key(self.simulated(one, self.ordered(one)), one),
+                              one.schedule))
+        return min(timed)[1] if timed else self.schedules[0]
 
-    def _fits(self, c: Candidate, counts: list[int], cap: float | None = None) -> bool:
+    def _branches(self, c: Candidate) -> list[Candidate]:
+        """``c`` for each schedule the planner weighs (``c`` itself once it has one)."""
+        if c.schedule:
+            return [c]
+        if len(self.schedules) == 1:
+            c.schedule = self.schedules[0]
+            return [c]
+        return [dataclasses.replace(c, schedule=name) for name in self.schedules]
+
+    def _key(self, seconds: float, c: Candidate) -> tuple[float, int, int, int, int]:
+        """Time per sample; ties go to fewer devices, fewer stages, bigger micro-batches,
+        then the schedule listed first (plain before split backward)."""
+        per_sample = float(f"{seconds / c.samples:.9g}")
+        rank = self.schedules.index(c.schedule) if c.schedule in self.schedules else 0
+        return (per_sample, c.stages * c.data_parallel, c.stages, -c.micro_batch_size, rank)
+
+    def _fits(self, c: Candidate, counts: Sequence[int], cap: float | None = None) -> bool:
         assert c.plan is not None
         memory = c.plan.memory(counts, self.recompute)
         c.memory = tuple(float(m) for m in memory)
         return bool(np.all(memory <= (self.memory_cap if cap is None else cap)))
 
-    def fit(self, c: Candidate, counts: list[int], cap: float | None = None) -> bool:
+    def fit(self, c: Candidate, counts: Sequence[int], cap: float | None = None) -> bool:
         """Partition ``c`` for the schedule's real stash counts (the first partition assumed
         one micro-batch per stage), so that every stage fits by the memory model."""
         cap = self.memory_cap if cap is None else cap
