@@ -43,6 +43,8 @@ from ..schedule import (
     ScheduleCosts,
     build_schedule,
     check_schedule_name,
+    depends_on_costs,
+    has_quick,
     is_split,
     peak_stash_counts,
     schedule_names,
@@ -70,6 +72,8 @@ class Candidate:
     # the schedule it is priced with; "" until a schedule="auto" search branches it (after
     # partitioning: the bounds before that hold for every schedule)
     schedule: str = ""
+    bound: float = 0.0  # seconds: the lower bound it was last pushed with
+    estimated: bool = False  # step_time is the quick order's (see Planner.search)
 
     @property
     def samples(self) -> int:
@@ -132,6 +136,10 @@ def divisors(n: int) -> list[int]:
 
 
 AUTO = "auto"  # schedule=: let the planner choose among schedule_names()
+# How much faster the full order generator may be than the quick one (the most measured:
+# 2.1%; see schedule/varuna.py QUICK_VARIANTS): a quick estimate e bounds the full step
+# below by e / (1 + QUICK_SLACK), which is what the search orders estimated candidates by.
+QUICK_SLACK = 0.05
 # ties (equal simulated steps, e.g. one stage) go to the first here: plain before split backward
 _PREFERENCE = ("varuna", "1f1b", "gpipe", "varuna-zb", "1f1b-zb", "gpipe-zb")
 
@@ -346,37 +354,40 @@ class Planner:
             backward, weight = fused, weight_grads(fused)
         return backward, weight
 
-    def ordered(self, c: Candidate) -> Schedule:
+    def ordered(self, c: Candidate, quick: bool = False) -> Schedule:
         """The schedule generated from ``c``'s own stage and link times -- what ``price``
         will give the plan and the runtime will run -- so candidates are compared by the
         step they would really take (Varuna's order from unit costs can be slower or faster
-        than the one the chosen partition gets). Orders that do not depend on costs come
-        from the cache."""
-        unit, _ = self.built(c.stages, c.num_micro_batches, c.schedule)
-        if c.stages == 1:
-            return unit
-        costs = self.schedule_costs(c)
-        sched = build_schedule(unit.name, c.stages, c.num_micro_batches, self.recompute,
-                               costs)
-        if sched.per_stage == unit.per_stage:
-            return unit  # same order: reuse the compiled simulation data
-        return sched
+        than the one the chosen partition gets). Orders that do not depend on costs (and any
+        order of one stage) come from the cache. ``quick``: the cheaper generator's order
+        (its step is an upper bound of the full order's)."""
+        name = c.schedule or self.schedules[0]
+        if c.stages == 1 or not depends_on_costs(name):
+            return self.built(c.stages, c.num_micro_batches, name)[0]  # compiled once
+        return build_schedule(name, c.stages, c.num_micro_batches, self.recompute,
+                              self.schedule_costs(c), quick=quick)
 
-    def finish(self, c: Candidate) -> float | None:
+    def has_quick(self, c: Candidate) -> bool:
+        """Whether ``c``'s order has a cheaper first estimate (``ordered(quick=True)``)."""
+        return c.stages > 1 and has_quick(c.schedule or self.schedules[0])
+
+    def finish(self, c: Candidate, quick: bool = False) -> float | None:
         """``c``'s step with the order generated from its own costs, or None when that order
         holds more micro-batches than fit. The search checked memory with the unit-cost
         order's stash counts; a cost-aware order may hold more (a split backward that defers
         its ``W`` into the bubbles: 27 instead of 9 on a GPT at P=8, m=32), so the stages
         are checked again with the order's own counts and, where they grew, partitioned once
-        more for them, as ``configure.assign_and_price`` would."""
-        sched = self.ordered(c)
+        more for them, as ``configure.assign_and_price`` would. ``quick``: with the quick
+        generator's order."""
+        c.estimated = quick and self.has_quick(c)
+        sched = self.ordered(c, quick)
         counts = peak_stash_counts(sched)
         if not self._fits(c, counts):
             checked = c.stash_counts or (1,) * c.stages
             grown = [max(a, b) for a, b in zip(counts, checked)]
             if not self.fit(c, grown):
                 return None
-            sched = self.ordered(c)  # the new partition's own order
+            sched = self.ordered(c, quick)  # the new partition's own order
             if not self._fits(c, peak_stash_counts(sched)):
                 return None
         return self.simulated(c, sched)
@@ -428,7 +439,11 @@ class Planner:
                 found += [Candidate(p, d, b, batch // b) for b in sizes if batch % b == 0]
         return found
 
-    def search(self, space: Space, top: int = 5) -> SearchResult:
+    def search(self, space: Space, top: int = 5, exact: int = 1) -> SearchResult:
+        """The ``top`` fastest candidates, best first. The first ``exact`` are simulated with
+        the order the full generator makes from their own costs (what the plan would run);
+        the others may keep the quick generator's estimate (``Candidate.estimated``: an
+        order at most as fast, so the row is no better than the plan would be)."""
         start = time.perf_counter()
         result = SearchResult(top=[])
         pool = self.candidates(space)
@@ -438,12 +453,20 @@ class Planner:
         heapq.heapify(heap)
 
         def push(seconds: float, level: int, c: Candidate) -> None:
+            c.bound = seconds
             heapq.heappush(heap, (self._key(seconds, c), next(order), level, c))
 
         while heap and len(result.top) < top:
             _, _, level, c = heapq.heappop(heap)
-            if level == 3:  # simulated, and no other candidate can be faster
+            if level == 4:  # simulated, and no other candidate can be faster
                 result.top.append(c)
+            elif level == 3:  # estimated: the full order, while the top needs exact rows
+                if len(result.top) < exact and c.estimated:
+                    step = self.finish(c)
+                    if step is not None:
+                        push(step, 4, c)
+                else:
+                    push(c.step_time, 4, c)
             elif level == 0:
                 c.plan = self.partition(c.micro_batch_size, c.stages, c.stash_counts)
                 result.partitioned += 1
@@ -453,6 +476,12 @@ class Planner:
                 # "auto": one candidate per schedule from here (memory and the stash bound
                 # depend on the schedule); a candidate re-partitioned for one keeps it
                 for one in self._branches(c):
+                    if one.stages > 1 and depends_on_costs(one.schedule):
+                        # its order (and the micro-batches it holds) comes from its own costs:
+                        # memory is checked with those counts when it is generated (finish);
+                        # a unit-cost order made here just for its counts cost as much
+                        push(self.bound_from_stages(one), 2, one)
+                        continue
                     _, counts = self.built(one.stages, one.num_micro_batches, one.schedule)
                     if not self._fits(one, counts):
                         if not one.exact and self.fit(one, counts):  # re-partitioned
@@ -460,11 +489,17 @@ class Planner:
                         continue
                     push(max(self.bound_from_stages(one), self.bound_from_stash(one, counts)),
                          2, one)
-            else:
+            else:  # level 2: simulated, with the quick order first where there is one
                 result.simulated += 1
-                step = self.finish(c)
-                if step is not None:
-                    push(step, 3, c)
+                bound = c.bound
+                quick = self.has_quick(c)
+                step = self.finish(c, quick)
+                if step is None:
+                    continue
+                if quick:
+                    push(max(bound, step / (1 + QUICK_SLACK)), 3, c)
+                else:
+                    push(step, 4, c)
         result.seconds = time.perf_counter() - start
         result.alternatives = [c.alternative(i == 0) for i, c in enumerate(result.top)]
         return result

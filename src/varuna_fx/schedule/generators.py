@@ -20,7 +20,7 @@ from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind, Schedule
 from varuna_fx.schedule.costs import ScheduleCosts
 from varuna_fx.schedule.split import split_backward
-from varuna_fx.schedule.varuna import varuna_order
+from varuna_fx.schedule.varuna import QUICK_VARIANTS, varuna_order
 
 StageLists = list[list[Action]]
 ScheduleFn = Callable[[int, int, Sequence[bool], ScheduleCosts], StageLists]
@@ -83,6 +83,22 @@ SCHEDULES: dict[str, ScheduleFn] = {
 }
 
 
+# base schedules whose order does not depend on the costs (their "-zb" variants' W placement does)
+_COST_FREE = frozenset({"1f1b", "gpipe"})
+
+
+def has_quick(name: str) -> bool:
+    """Whether ``build_schedule(name, ..., quick=True)`` is cheaper than the full generator."""
+    return (name[: -len(SPLIT_SUFFIX)] if is_split(name) else name) in QUICK
+
+
+def depends_on_costs(name: str) -> bool:
+    """Whether ``build_schedule(name, ...)`` orders by the costs it is given (Varuna's order,
+    every split backward's W placement): such orders are made per candidate by an event
+    simulation, the others once per (P, m)."""
+    return name not in _COST_FREE
+
+
 def schedule_names() -> list[str]:
     """Every schedule name :func:`build_schedule` accepts, split-backward variants included."""
     return sorted([*SCHEDULES, *(n + SPLIT_SUFFIX for n in SCHEDULES)])
@@ -113,15 +129,27 @@ def recompute_per_stage(recompute: bool | Sequence[bool], num_stages: int) -> tu
     return tuple(f and s < num_stages - 1 for s, f in enumerate(flags))
 
 
+def _quick_varuna(num_stages: int, num_micro_batches: int, recompute: Sequence[bool],
+                  costs: ScheduleCosts) -> StageLists:
+    return varuna_order(num_stages, num_micro_batches, recompute, costs, QUICK_VARIANTS)
+
+
+# Cheaper generators for a first estimate (``build_schedule(quick=True)``): orders the
+# runtime could run, at most as fast as the full generator's.
+QUICK: dict[str, ScheduleFn] = {"varuna": _quick_varuna}
+
+
 def build_schedule(
     name: str, num_stages: int, num_micro_batches: int,
     recompute: bool | Sequence[bool] = True, costs: ScheduleCosts | None = None,
+    quick: bool = False,
 ) -> Schedule:
     """Generate the schedule ``name`` for ``num_stages`` stages and ``num_micro_batches``.
 
     ``recompute``: one bool for every stage but the last, or one per stage. ``costs``: the
     per-stage times cost-aware orders (Varuna's, the placement of split-backward ``W``) are
-    generated from; unit costs and free links when None.
+    generated from; unit costs and free links when None. ``quick``: the cheaper generator
+    where there is one (``QUICK``; the planner's first estimate of a candidate).
     """
     check_schedule_name(name)
     if num_stages < 1:
@@ -133,12 +161,13 @@ def build_schedule(
     costs.check(num_stages)
     split = is_split(name)
     base = name[: -len(SPLIT_SUFFIX)] if split else name
-    per_stage = SCHEDULES[base](num_stages, num_micro_batches, rc, costs)
+    generate = QUICK.get(base, SCHEDULES[base]) if quick else SCHEDULES[base]
+    per_stage = generate(num_stages, num_micro_batches, rc, costs)
     if split:
         # cost-aware base orders also from the shorter backward (B = I only), where the
         # gradients come back sooner; the split pass keeps the better
-        bases = [per_stage, SCHEDULES[base](num_stages, num_micro_batches, rc,
-                                            costs.input_grad_only())]
+        bases = [per_stage, generate(num_stages, num_micro_batches, rc,
+                                     costs.input_grad_only())]
         if bases[1] == bases[0]:  # orders that do not depend on costs
             bases.pop()
         per_stage = split_backward(bases, costs, rc, name, num_micro_batches)
