@@ -73,7 +73,7 @@ class Candidate:
     # partitioning: the bounds before that hold for every schedule)
     schedule: str = ""
     bound: float = 0.0  # seconds: the lower bound it was last pushed with
-    estimated: bool = False  # step_time is the quick order's (see Planner.search)
+    estimated: bool = False  # step_time is a cheaper order's (see Planner.search)
 
     @property
     def samples(self) -> int:
@@ -354,40 +354,40 @@ class Planner:
             backward, weight = fused, weight_grads(fused)
         return backward, weight
 
-    def ordered(self, c: Candidate, quick: bool = False) -> Schedule:
+    def ordered(self, c: Candidate, effort: str = "full") -> Schedule:
         """The schedule generated from ``c``'s own stage and link times -- what ``price``
         will give the plan and the runtime will run -- so candidates are compared by the
         step they would really take (Varuna's order from unit costs can be slower or faster
         than the one the chosen partition gets). Orders that do not depend on costs (and any
-        order of one stage) come from the cache. ``quick``: the cheaper generator's order
-        (its step is an upper bound of the full order's)."""
+        order of one stage) come from the cache. ``effort``: "quick" or "rough", a cheaper
+        generator's order (its step is an upper bound of the full order's)."""
         name = c.schedule or self.schedules[0]
         if c.stages == 1 or not depends_on_costs(name):
             return self.built(c.stages, c.num_micro_batches, name)[0]  # compiled once
         return build_schedule(name, c.stages, c.num_micro_batches, self.recompute,
-                              self.schedule_costs(c), quick=quick)
+                              self.schedule_costs(c), effort=effort)
 
     def has_quick(self, c: Candidate) -> bool:
-        """Whether ``c``'s order has a cheaper first estimate (``ordered(quick=True)``)."""
+        """Whether ``c``'s order has cheaper estimates (``ordered(effort=...)``)."""
         return c.stages > 1 and has_quick(c.schedule or self.schedules[0])
 
-    def finish(self, c: Candidate, quick: bool = False) -> float | None:
+    def finish(self, c: Candidate, effort: str = "full") -> float | None:
         """``c``'s step with the order generated from its own costs, or None when that order
         holds more micro-batches than fit. The search checked memory with the unit-cost
         order's stash counts; a cost-aware order may hold more (a split backward that defers
         its ``W`` into the bubbles: 27 instead of 9 on a GPT at P=8, m=32), so the stages
         are checked again with the order's own counts and, where they grew, partitioned once
-        more for them, as ``configure.assign_and_price`` would. ``quick``: with the quick
-        generator's order."""
-        c.estimated = quick and self.has_quick(c)
-        sched = self.ordered(c, quick)
+        more for them, as ``configure.assign_and_price`` would. ``effort``: with a cheaper
+        generator's order (see ``ordered``)."""
+        c.estimated = effort != "full" and self.has_quick(c)
+        sched = self.ordered(c, effort)
         counts = peak_stash_counts(sched)
         if not self._fits(c, counts):
             checked = c.stash_counts or (1,) * c.stages
             grown = [max(a, b) for a, b in zip(counts, checked)]
             if not self.fit(c, grown):
                 return None
-            sched = self.ordered(c, quick)  # the new partition's own order
+            sched = self.ordered(c, effort)  # the new partition's own order
             if not self._fits(c, peak_stash_counts(sched)):
                 return None
         return self.simulated(c, sched)
@@ -442,8 +442,14 @@ class Planner:
     def search(self, space: Space, top: int = 5, exact: int = 1) -> SearchResult:
         """The ``top`` fastest candidates, best first. The first ``exact`` are simulated with
         the order the full generator makes from their own costs (what the plan would run);
-        the others may keep the quick generator's estimate (``Candidate.estimated``: an
-        order at most as fast, so the row is no better than the plan would be)."""
+        the others may keep a cheaper generator's estimate (``Candidate.estimated``: an
+        order at most as fast, so the row is no better than the plan would be).
+
+        How the exact rows stay exact: a candidate is first simulated with the "quick"
+        order, whose step e is at most QUICK_SLACK above the full order's, so it waits in
+        the heap at max(its bound, e / (1 + QUICK_SLACK)), a lower bound of its full step;
+        popped there while exact rows are missing, it gets the full order. Once they are
+        found, what is left only fills the listed rows: the "rough" order's step."""
         start = time.perf_counter()
         result = SearchResult(top=[])
         pool = self.candidates(space)
@@ -489,17 +495,21 @@ class Planner:
                         continue
                     push(max(self.bound_from_stages(one), self.bound_from_stash(one, counts)),
                          2, one)
-            else:  # level 2: simulated, with the quick order first where there is one
+            else:  # level 2: simulated, with a cheaper order first where there is one
                 result.simulated += 1
                 bound = c.bound
-                quick = self.has_quick(c)
-                step = self.finish(c, quick)
-                if step is None:
-                    continue
-                if quick:
-                    push(max(bound, step / (1 + QUICK_SLACK)), 3, c)
-                else:
-                    push(step, 4, c)
+                if not self.has_quick(c):
+                    step = self.finish(c)
+                    if step is not None:
+                        push(step, 4, c)
+                elif len(result.top) < exact:  # may be among the exact rows: bounded estimate
+                    step = self.finish(c, "quick")
+                    if step is not None:
+                        push(max(bound, step / (1 + QUICK_SLACK)), 3, c)
+                else:  # only listed: the rough estimate is its row
+                    step = self.finish(c, "rough")
+                    if step is not None:
+                        push(step, 4, c)
         result.seconds = time.perf_counter() - start
         result.alternatives = [c.alternative(i == 0) for i, c in enumerate(result.top)]
         return result

@@ -20,7 +20,7 @@ from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind, Schedule
 from varuna_fx.schedule.costs import ScheduleCosts
 from varuna_fx.schedule.split import split_backward
-from varuna_fx.schedule.varuna import QUICK_VARIANTS, varuna_order
+from varuna_fx.schedule.varuna import QUICK_VARIANTS, ROUGH_VARIANTS, varuna_order
 
 StageLists = list[list[Action]]
 ScheduleFn = Callable[[int, int, Sequence[bool], ScheduleCosts], StageLists]
@@ -88,8 +88,9 @@ _COST_FREE = frozenset({"1f1b", "gpipe"})
 
 
 def has_quick(name: str) -> bool:
-    """Whether ``build_schedule(name, ..., quick=True)`` is cheaper than the full generator."""
-    return (name[: -len(SPLIT_SUFFIX)] if is_split(name) else name) in QUICK
+    """Whether ``build_schedule(name, ..., effort="quick")`` (or "rough") is cheaper than the
+    full generator."""
+    return (name[: -len(SPLIT_SUFFIX)] if is_split(name) else name) in CHEAPER["quick"]
 
 
 def depends_on_costs(name: str) -> bool:
@@ -134,22 +135,31 @@ def _quick_varuna(num_stages: int, num_micro_batches: int, recompute: Sequence[b
     return varuna_order(num_stages, num_micro_batches, recompute, costs, QUICK_VARIANTS)
 
 
-# Cheaper generators for a first estimate (``build_schedule(quick=True)``): orders the
-# runtime could run, at most as fast as the full generator's.
-QUICK: dict[str, ScheduleFn] = {"varuna": _quick_varuna}
+def _rough_varuna(num_stages: int, num_micro_batches: int, recompute: Sequence[bool],
+                  costs: ScheduleCosts) -> StageLists:
+    return varuna_order(num_stages, num_micro_batches, recompute, costs, ROUGH_VARIANTS)
+
+
+# Cheaper generators for estimates (``build_schedule(effort=...)``): orders the runtime could
+# run, at most as fast as the full generator's. "quick": at most a few percent slower (what
+# the planner bounds the full order by); "rough": cheaper, for rows it only lists.
+CHEAPER: dict[str, dict[str, ScheduleFn]] = {
+    "quick": {"varuna": _quick_varuna},
+    "rough": {"varuna": _rough_varuna},
+}
 
 
 def build_schedule(
     name: str, num_stages: int, num_micro_batches: int,
     recompute: bool | Sequence[bool] = True, costs: ScheduleCosts | None = None,
-    quick: bool = False,
+    effort: str = "full",
 ) -> Schedule:
     """Generate the schedule ``name`` for ``num_stages`` stages and ``num_micro_batches``.
 
     ``recompute``: one bool for every stage but the last, or one per stage. ``costs``: the
     per-stage times cost-aware orders (Varuna's, the placement of split-backward ``W``) are
-    generated from; unit costs and free links when None. ``quick``: the cheaper generator
-    where there is one (``QUICK``; the planner's first estimate of a candidate).
+    generated from; unit costs and free links when None. ``effort``: "full", or a cheaper
+    generator where there is one (``CHEAPER``: the planner's estimates of its candidates).
     """
     check_schedule_name(name)
     if num_stages < 1:
@@ -161,7 +171,8 @@ def build_schedule(
     costs.check(num_stages)
     split = is_split(name)
     base = name[: -len(SPLIT_SUFFIX)] if split else name
-    generate = QUICK.get(base, SCHEDULES[base]) if quick else SCHEDULES[base]
+    generate = CHEAPER[effort].get(base, SCHEDULES[base]) if effort != "full" \
+        else SCHEDULES[base]
     per_stage = generate(num_stages, num_micro_batches, rc, costs)
     if split:
         # cost-aware base orders also from the shorter backward (B = I only), where the
