@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from varuna_fx.cli import build_parser, main
+from varuna_fx.cli import _SCHEDULE_HELP, build_parser, main
 from varuna_fx.examples import GPT, GPTConfig
+from varuna_fx.schedule import schedule_names
 
 
 def tiny() -> tuple[GPT, tuple[torch.Tensor]]:
@@ -85,6 +86,17 @@ def test_plan_says_when_the_global_batch_limits_data_parallelism(
     # a batch that lets every device work: no note
     assert main([*args[:-4], "--global-batch-size", "16", "--stages", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["note"] is None
+
+
+def test_plan_with_schedule_auto_names_the_chosen_schedule(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", "test_cli:tiny", "--gpus", "4", "--gpus-per-node", "2",
+            "--global-batch-size", "8", "--stages", "2", "--schedule", "auto", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["choice"]["schedule"] in schedule_names()
+    assert result["alternatives"][0]["schedule"] == result["choice"]["schedule"]
+    assert "auto" in _SCHEDULE_HELP
 
 
 @pytest.mark.slow  # plans a model afresh

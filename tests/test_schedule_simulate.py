@@ -276,3 +276,30 @@ def test_a_slow_link_carries_one_message_at_a_time_each_way() -> None:
     # F0 arrives at 11, F1 at 21 (not 12); s1 finishes B1 at 24; B0's gradient arrives at 33,
     # B1's at 43 (not 34); stage 0 ends at 44
     assert result.step_time == 44.0
+
+
+def test_generators_time_their_orders_as_the_simulator_does() -> None:
+    """Varuna's variants and the split backward's gap-filling placements are timed while they
+    are made (no separate compile and simulation each: the planner's search time); those
+    times must be the simulator's, link queueing included, or the wrong variant wins."""
+    import random
+
+    from varuna_fx.schedule.split import _fill
+    from varuna_fx.schedule.varuna import _generate
+
+    rng = random.Random(5)
+    for _ in range(40):
+        p, m = rng.randint(1, 6), rng.randint(1, 9)
+        rc = [rng.random() < 0.5 and s < p - 1 for s in range(p)]
+        costs = ScheduleCosts.of(
+            [rng.uniform(0.5, 2) for _ in range(p)], [rng.uniform(1, 4) for _ in range(p)],
+            recompute=[rng.uniform(0.5, 2) for _ in range(p)],
+            weight_grad=[rng.uniform(0, 2) for _ in range(p)],
+            links=[rng.choice([0.0, rng.uniform(0, 3)]) for _ in range(p - 1)])
+        cap = [rng.choice([m, p - s + 1]) for s in range(p)]
+        order, step = _generate(costs, m, rc, cap, rng.random() < 0.5, rng.choice([-1.0, 2.0]))
+        sched = Schedule("varuna", p, m, tuple(rc), order)
+        assert step == simulate_costs(sched, costs).step_time
+        lists, step = _fill(order, costs, rc, [m] * p, rng.random() < 0.5)
+        split = Schedule("varuna-zb", p, m, tuple(rc), lists, split_backward=True)
+        assert step == simulate_costs(split, costs).step_time

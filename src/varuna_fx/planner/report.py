@@ -125,7 +125,8 @@ def describe(cluster: Cluster, name: str, result: SearchResult, measured: bool,
         f"({_count(cluster.spec.flops)}FLOP/s sustained)"
     return (
         f"[bold]{name}[/bold]: P={best.stages} x D={best.data_parallel}, micro-batch "
-        f"{best.micro_batch_size} x {best.num_micro_batches}, predicted step "
+        f"{best.micro_batch_size} x {best.num_micro_batches}, schedule {best.schedule}, "
+        "predicted step "
         f"{_seconds(best.step_time)}\n"
         f"cluster: {cluster.gpus} devices, {cluster.gpus_per_node} per node, "
         f"{_bytes(float(cluster.gpu_memory))} each; costs from {costs}\n"
@@ -192,7 +193,7 @@ def search_as_dict(cluster: Cluster, name: str, result: SearchResult, measured: 
         "costs": "measured" if measured else "flop estimates",
         "choice": {"stages": best.stages, "data_parallel": best.data_parallel,
                    "micro_batch_size": best.micro_batch_size,
-                   "num_micro_batches": best.num_micro_batches,
+                   "num_micro_batches": best.num_micro_batches, "schedule": best.schedule,
                    "global_batch_size": best.samples, "devices_used": best.stages *
                    best.data_parallel, "predicted_step_time": best.step_time,
                    "samples_per_second": best.samples / best.step_time},
