@@ -16,8 +16,9 @@ and its spread the range of its per-round medians, so a reader can tell a real g
 - ``varuna`` / ``1f1b`` / ``gpipe`` / ``varuna-zb`` / ``1f1b-zb`` (``--schedules``; the split
   backward ones where this version has them): our schedules without recompute, partitioned
   from a measured profile;
-- ``planner``: ``vf.compile(model, global_batch_size=batch, profile=True)``: P, D and the
-  micro-batch size chosen by the planner for the 2 ranks and the measured link;
+- ``planner``: ``vf.compile(model, global_batch_size=batch, profile=True, schedule="auto")``:
+  the planner's own pick of everything -- P, D, the micro-batch size, recompute and the
+  schedule (any of ours, split backward included) -- for the 2 ranks and the measured link;
 - ``pipelining 1F1B`` / ``pipelining GPipe``: torch.distributed.pipelining split at the middle
   block; ``pipelining ZB`` (ScheduleInterleavedZeroBubble, 2 stages per rank) with ``--zb``;
 - ``DDP`` and ``FSDP2`` (``fully_shard``): the whole model on each rank, half the batch each.
@@ -285,14 +286,14 @@ def worker(args: argparse.Namespace) -> None:
             for s in schedules:
                 ours(case, stages=2, micro_batch_size=batch // M, schedule=s, recompute=False,
                      profile=True)
-            ours(case, global_batch_size=batch, profile=True)
+            ours(case, global_batch_size=batch, profile=True, schedule="auto")
             continue
         variants: dict[str, Variant] = {
             "defaults": ours(case, stages=2, micro_batch_size=batch // M)}
         for s in schedules:
             variants[s] = ours(case, stages=2, micro_batch_size=batch // M, schedule=s,
                                recompute=False, profile=True)
-        variants["planner"] = ours(case, global_batch_size=batch, profile=True)
+        variants["planner"] = ours(case, global_batch_size=batch, profile=True, schedule="auto")
         variants["pipelining 1F1B"] = pipelining(case, "1f1b")
         variants["pipelining GPipe"] = pipelining(case, "gpipe")
         if args.zb:
