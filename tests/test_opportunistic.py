@@ -347,7 +347,8 @@ _JOBS = {
         {"name": "1f1b_m4", "schedule": "1f1b", "recompute": False, "mb": 2},
         {"name": "dropout_on", "schedule": "varuna", "recompute": True, "mb": 1, "dropout": 0.3},
         {"name": "dropout_off", "schedule": "varuna", "recompute": True, "mb": 1, "dropout": 0.3,
-         "reorder": False}],
+         "reorder": False},
+        {"name": "disagree", "kind": "mismatch", "rule_env": {"0": "on", "1": "off"}}],
     3: [{"name": "varuna_rc_m8", "schedule": "varuna", "recompute": True, "mb": 1},
         {"name": "varuna-zb_m8", "schedule": "varuna-zb", "recompute": False, "mb": 1},
         {"name": "1f1b_rc_m4", "schedule": "1f1b", "recompute": True, "mb": 2}],
@@ -361,7 +362,8 @@ def late_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
         jobs = [{"kind": "train", "P": P, "D": 1, "reorder": s.get("reorder", True),
                  "name": s["name"], "schedule": s["schedule"], "recompute": s["recompute"],
                  "micro_batch_size": {str(r): s["mb"] for r in range(P)},
-                 "dropout": s.get("dropout", 0.0), "unit_order": True} for s in specs]
+                 "dropout": s.get("dropout", 0.0), "unit_order": True}
+                if "kind" not in s else {**s, "P": P, "D": 1} for s in specs]
         runs[P] = run_jobs(tmp_path_factory.mktemp(f"late{P}"), P, jobs, timeout=300.0)
     return runs
 
@@ -369,7 +371,7 @@ def late_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("P,name", [(P, s["name"]) for P, specs in _JOBS.items() for s in specs
-                                    if "dropout" not in s])
+                                    if "dropout" not in s and "kind" not in s])
 def test_late_gradients_match_eager(late_runs: dict, P: int, name: str) -> None:
     from test_distributed import check_against_eager  # the same comparison as every layout
 
@@ -399,3 +401,12 @@ def test_late_gradients_keep_dropout_masks(late_runs: dict) -> None:
         torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(c["losses"]))
         for n, value in a["params"].items():
             torch.testing.assert_close(value, c["params"][n])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ranks_disagreeing_on_the_rule_are_named(late_runs: dict) -> None:
+    """The rule changes which message proves a send delivered, so ranks must agree on it."""
+    for r in late_runs[2]["disagree"]:
+        assert r["error"] == "DistributedError"
+        assert f"{ENV}=on" in r["message"] and f"{ENV}=off" in r["message"]

@@ -201,6 +201,9 @@ def eval_modes(job: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     for job in json.loads(sys.argv[2]):
+        rule = job.get("rule_env", {}).get(str(RANK))  # this rank's run-time rule setting
+        if rule is not None:
+            os.environ["VARUNA_FX_OPPORTUNISTIC_FORWARD"] = rule
         try:
             result = {"train": train, "bad_batch": bad_batch, "peer_loss": peer_loss, "fp16": fp16,
                       "accumulate": accumulate, "eval_modes": eval_modes,
@@ -210,6 +213,7 @@ def main() -> None:
             result.pop("pipe", None)
         except vf.VarunaFxError as exc:
             result = {"error": type(exc).__name__, "message": str(exc)}
+        os.environ.pop("VARUNA_FX_OPPORTUNISTIC_FORWARD", None)
         save(job, result)
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (about a second per rank): results are saved
