@@ -238,8 +238,11 @@ class _FakeInbox:
     def posted(self, key: tuple) -> bool:
         return key in self._posted
 
-    def completed(self, key: tuple) -> bool:
-        raise AssertionError("the test's predicate answers, not Work.is_completed()")
+    landed: set[int] | None = None  # without a predicate: micro-batches whose input landed
+
+    def completed(self, key: tuple) -> bool:  # stands for Work.is_completed()
+        assert self.landed is not None, "the test's predicate answers, not Work.is_completed()"
+        return key[0] == "activation" and key[3] in self.landed
 
     def take(self, key: tuple) -> torch.Tensor:
         return torch.zeros(self._posted.pop(key).shape)
@@ -272,9 +275,11 @@ class _FakeWorker:
 
 
 def _run_stage(sched: Schedule, stage: int, arrived_mbs: set[int],
-               monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], Cursor, list[str]]:
+               monkeypatch: pytest.MonkeyPatch, predicate: bool = True
+               ) -> tuple[list[str], Cursor, list[str]]:
     """Run ``stage``'s list through the real executor loop; gradients never arrive and an
-    activation has arrived when its micro-batch is in ``arrived_mbs``."""
+    activation has arrived when its micro-batch is in ``arrived_mbs`` (told by a predicate,
+    or without one by the inbox's completion check, as on NCCL)."""
     specs = _specs(sched.num_stages)
     worker = _FakeWorker(specs[stage])
     stages = [types.SimpleNamespace(spec=s) for s in specs]
@@ -287,9 +292,10 @@ def _run_stage(sched: Schedule, stage: int, arrived_mbs: set[int],
         asked.append(f"{msg.kind} {msg.mb}")  # type: ignore[attr-defined]
         return msg.kind == "activation" and msg.mb in arrived_mbs  # type: ignore[attr-defined]
 
-    ex.arrived = arrived
+    ex.arrived = arrived if predicate else None
     ex.outbox = types.SimpleNamespace(send=lambda *a: None, release=lambda key: None)
     monkeypatch.setattr(executor_module, "Inbox", _FakeInbox)
+    monkeypatch.setattr(_FakeInbox, "landed", None if predicate else arrived_mbs)
     micro = [{} for _ in range(sched.num_micro_batches)]
     ex.run(sched.per_stage, micro, None)
     assert ex.cursor is not None
@@ -321,6 +327,38 @@ def test_executor_never_runs_ahead_a_forward_whose_input_is_missing(
     static = [f"{a.kind.value}{a.mb}" for a in sched.per_stage[1]]
     before = static[:static.index(f"F{missing}")]
     assert set(before) <= set(calls[:calls.index(f"F{missing}")]), "it waits for its place"
+
+
+def test_without_a_predicate_the_inbox_completion_check_decides(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    sched = build_schedule("1f1b-zb", 3, 6, recompute=True)
+    told = _run_stage(sched, 1, set(range(6)), monkeypatch)
+    polled = _run_stage(sched, 1, set(range(6)), monkeypatch, predicate=False)
+    assert polled[0] == told[0] and polled[1].jumped == told[1].jumped
+    nothing = _run_stage(sched, 1, set(), monkeypatch, predicate=False)
+    assert not nothing[1].jumped, "no input landed: the static order"
+    assert nothing[0] == [f"{a.kind.value}{a.mb}" for a in sched.per_stage[1]]
+
+
+def test_inbox_polls_the_posted_receive_without_waiting() -> None:
+    from varuna_fx.runtime.comm import Inbox
+
+    class Work:
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def is_completed(self) -> bool:
+            return self.done
+
+        def wait(self, timeout: object = None) -> None:
+            raise AssertionError("polling must not wait")
+
+    inbox = Inbox([], torch.device("cpu"), 1.0, "stage 1")
+    inbox._posted[("activation", "h0", 0, 0)] = (Work(True), torch.zeros(1), None)
+    inbox._posted[("activation", "h0", 0, 1)] = (Work(False), torch.zeros(1), None)
+    assert inbox.posted(("activation", "h0", 0, 0)) and not inbox.posted(("gradient", "h0", 0, 0))
+    assert inbox.completed(("activation", "h0", 0, 0))
+    assert not inbox.completed(("activation", "h0", 0, 1))
 
 
 def test_rule_is_on_for_nccl_by_default_and_forced_by_the_environment(
