@@ -112,6 +112,13 @@ def test_an_error_on_one_rank_stops_every_rank(runs: dict) -> None:
     assert "rank 0 failed preparing" in rank1[1] and "plain data" in rank1[1]
 
 
+def test_a_rank_s_own_model_object_refuses_to_save_a_partial_state(runs: dict) -> None:
+    for r in runs["save"]:
+        name, message = r["model_state_dict"]
+        assert name == "DistributedError"
+        assert f"holds only stage {r['stage']}" in message and "save_checkpoint" in message
+
+
 def test_checkpoint_saved_on_ranks_resumes_in_one_process(runs: dict, eager: dict) -> None:
     pipe, _ = one_process(3, runs["out"] / "dist", range(SPLIT, STEPS), micro=4)
     check({n: t.detach() for n, t in pipe.state_dict().items()}, eager, "P=3 from 2 ranks")

@@ -34,9 +34,10 @@ def plan_summary(plan: Plan) -> str:
             f"nodes per stage {sizes}")
 
 
-def plan_fingerprint(plan: Plan, stages: list[Stage], precision: str) -> str:
-    """Everything two ranks must agree on: layout, stage contents, boundaries, schedule."""
-    parts = [plan_summary(plan), precision]
+def plan_fingerprint(plan: Plan, stages: list[Stage], precision: str, runtime: str = "") -> str:
+    """Everything two ranks must agree on: layout, stage contents, boundaries, schedule, and
+    ``runtime`` (run-time settings that change when sends are released, see ``acks.py``)."""
+    parts = [plan_summary(plan) + runtime, precision]
     for s in stages:
         spec = s.spec
         parts.append(f"stage {spec.index}: {' '.join(spec.nodes)} | "
@@ -47,8 +48,9 @@ def plan_fingerprint(plan: Plan, stages: list[Stage], precision: str) -> str:
     return "\n".join(parts)
 
 
-def verify_same_plan(plan: Plan, fingerprint: str, timeout: float) -> None:
-    """All-gather a hash of the plan; every rank raises if any two differ."""
+def verify_same_plan(plan: Plan, fingerprint: str, timeout: float, runtime: str = "") -> None:
+    """All-gather a hash of the plan; every rank raises if any two differ (``runtime``: what
+    :func:`plan_fingerprint` was given, named in the error)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     digest = int(hashlib.sha256(fingerprint.encode()).hexdigest()[:15], 16)
     mine = torch.tensor([digest], dtype=torch.int64, device=comm_device())
@@ -60,7 +62,7 @@ def verify_same_plan(plan: Plan, fingerprint: str, timeout: float) -> None:
     if len(set(hashes)) == 1:
         return
     summaries: list[Any] = [None] * world
-    dist.all_gather_object(summaries, plan_summary(plan))  # every rank is on this error path
+    dist.all_gather_object(summaries, plan_summary(plan) + runtime)  # every rank is here
     groups: dict[int, list[int]] = {}
     for r, h in enumerate(hashes):
         groups.setdefault(h, []).append(r)
@@ -81,17 +83,29 @@ class Groups:
     pipeline: Any = None  # the P stages of my replica: loss and grad-norm reductions
     data_parallel: Any = None  # the D replicas of my stage: the gradient average
     tied: list[tuple[list[str], Any]] = field(default_factory=list)  # my tied sets
+    # (sending rank, receiving rank) -> the group that carries that direction's messages
+    links: dict[tuple[int, int], Any] = field(default_factory=dict)
     created: list[Any] = field(default_factory=list)
 
 
 def build_groups(placement: Placement, tied: dict[tuple[int, ...], list[str]],
-                 stage: int, replica: int, timeout: float) -> Groups:
+                 stage: int, replica: int, timeout: float,
+                 links: set[tuple[int, int]] | None = None) -> Groups:
     """``dist.new_group`` for every group of the job, on every rank in the same order (the
     call is collective), keeping the ones this rank belongs to.
 
     A tied set gets one group spanning its holder stages in *all* replicas: summing there and
     dividing by D equals summing across holders per replica and then averaging across
-    replicas, in one collective instead of two."""
+    replicas, in one collective instead of two.
+
+    ``links``: the (sending stage, receiving stage) pairs that exchange point-to-point
+    messages; each direction of each pair gets a two-rank group of its own per replica. NCCL
+    runs a pair's sends and receives on one stream per communicator, in the order they are
+    issued, while the executor posts receives ahead of its sends: on one shared communicator
+    stage 0's posted receive of gradient 0 would sit ahead of its send of activation 2, which
+    stage 1 waits for before it sends gradient 0. One communicator (stream) per direction keeps
+    the two directions independent; within a direction sends and receives are issued in the
+    same order on both ends (executor.py)."""
     groups = Groups()
     span = timedelta(seconds=timeout)
 
@@ -115,7 +129,26 @@ def build_groups(placement: Placement, tied: dict[tuple[int, ...], list[str]],
         g = make(placement.holder_ranks(list(holders)))
         if stage in holders:
             groups.tied.append((tied[holders], g))
+    for r in range(d):
+        for src, dst in sorted(links or ()):
+            a, b = placement.rank(src, r), placement.rank(dst, r)
+            g = make(sorted([a, b]))
+            if r == replica and stage in (src, dst):
+                groups.links[(a, b)] = g
     return groups
+
+
+def message_links(*stage_lists: list[Stage] | None) -> set[tuple[int, int]]:
+    """Every (sending stage, receiving stage) direction that carries a message in these
+    stages: activations downstream and, where they need a gradient, gradients upstream."""
+    found: set[tuple[int, int]] = set()
+    for stages in stage_lists:
+        for s in stages or ():
+            for t in s.spec.sends:
+                found.add((t.src, t.dst))
+                if t.requires_grad:
+                    found.add((t.dst, t.src))
+    return found
 
 
 def tied_sets(plan: Plan, model: nn.Module, canonical: dict[str, str]) -> dict[tuple, list[str]]:
@@ -137,6 +170,7 @@ def release_unheld(model: nn.Module, stage: Stage, device: torch.device,
     what its code can reach, plus ``keep``."""
     used = {id(t) for t in [*stage.module.parameters(), *stage.module.buffers(), *(keep or [])]}
     seen: set[int] = set()
+    released = False
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) in seen:
             continue
@@ -146,8 +180,34 @@ def release_unheld(model: nn.Module, stage: Stage, device: torch.device,
                 tensor.data = tensor.data.to(device)
         else:
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=device)
+            released = True
             if isinstance(tensor, nn.Parameter):
                 tensor.grad = None
+    if released:
+        guard_released(model, stage.spec.index)
+
+
+def guard_released(model: nn.Module, stage: int) -> None:
+    """The user's model object now holds empty tensors for every other stage: its
+    ``state_dict()`` would save them as if they were the weights (``torch.save`` on rank 0 is
+    the usual habit), and ``load_state_dict`` would fail deep inside torch. Both raise a
+    clear error instead, pointing at the pipeline's own state and checkpoints."""
+    advice = (
+        f"this rank holds only stage {stage} of the model: vf.compile released the other "
+        "stages' parameters and buffers of your model object in this distributed run, so "
+        "{what} would see empty tensors. Use pipe.state_dict() / pipe.load_state_dict() for "
+        "the tensors this rank holds (keyed by the original names), or pipe.save_checkpoint(path)"
+        " / pipe.load_checkpoint(path) for the whole model (every rank writes its shard)"
+    )
+
+    def no_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        raise DistributedError(advice.format(what="model.state_dict()"))
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise DistributedError(advice.format(what="model.load_state_dict()"))
+
+    model.register_state_dict_pre_hook(no_state_dict)
+    model.register_load_state_dict_pre_hook(no_load)
 
 
 def broadcast_initial(named: dict[str, torch.Tensor], groups: Groups, placement: Placement,
