@@ -42,6 +42,7 @@ from ..schedule import (
     Schedule,
     ScheduleCosts,
     build_schedule,
+    cheaper,
     check_schedule_name,
     depends_on_costs,
     has_quick,
@@ -379,7 +380,7 @@ class Planner:
         are checked again with the order's own counts and, where they grew, partitioned once
         more for them, as ``configure.assign_and_price`` would. ``effort``: with a cheaper
         generator's order (see ``ordered``)."""
-        c.estimated = effort != "full" and self.has_quick(c)
+        c.estimated = c.stages > 1 and cheaper(c.schedule or self.schedules[0], effort)
         sched = self.ordered(c, effort)
         counts = peak_stash_counts(sched)
         if not self._fits(c, counts):
@@ -504,8 +505,10 @@ class Planner:
                         push(step, 4, c)
                 elif len(result.top) < exact:  # may be among the exact rows: bounded estimate
                     step = self.finish(c, "quick")
-                    if step is not None:
+                    if step is not None and c.estimated:
                         push(max(bound, step / (1 + QUICK_SLACK)), 3, c)
+                    elif step is not None:  # (the quick order is the full one)
+                        push(step, 4, c)
                 else:  # only listed: the rough estimate is its row
                     step = self.finish(c, "rough")
                     if step is not None:

@@ -11,6 +11,7 @@ from varuna_fx.schedule.costs import ScheduleCosts
 from varuna_fx.schedule.generators import (
     SCHEDULES,
     build_schedule,
+    cheaper,
     check_schedule_name,
     depends_on_costs,
     has_quick,
@@ -38,6 +39,7 @@ __all__ = [
     "SimResult",
     "analytic_bubble",
     "build_schedule",
+    "cheaper",
     "check_schedule_name",
     "depends_on_costs",
     "execution_order",

@@ -88,9 +88,18 @@ _COST_FREE = frozenset({"1f1b", "gpipe"})
 
 
 def has_quick(name: str) -> bool:
-    """Whether ``build_schedule(name, ..., effort="quick")`` (or "rough") is cheaper than the
-    full generator."""
-    return (name[: -len(SPLIT_SUFFIX)] if is_split(name) else name) in CHEAPER["quick"]
+    """Whether ``build_schedule(name, ..., effort="rough")`` (and maybe "quick") is cheaper
+    than the full generator: Varuna's order (fewer rule variants) and every split backward
+    (a rough one places W into one base order, two ways instead of three)."""
+    return is_split(name) or name in CHEAPER["quick"]
+
+
+def cheaper(name: str, effort: str) -> bool:
+    """Whether ``build_schedule(name, ..., effort=effort)`` may give a slower order than the
+    full generator ("quick": Varuna's order from fewer variants; "rough": also any split
+    backward's cheaper placement)."""
+    base = name[: -len(SPLIT_SUFFIX)] if is_split(name) else name
+    return effort != "full" and (base in CHEAPER[effort] or (effort == "rough" and is_split(name)))
 
 
 def depends_on_costs(name: str) -> bool:
@@ -177,11 +186,13 @@ def build_schedule(
     if split:
         # cost-aware base orders also from the shorter backward (B = I only), where the
         # gradients come back sooner; the split pass keeps the better
-        bases = [per_stage, generate(num_stages, num_micro_batches, rc,
-                                     costs.input_grad_only())]
-        if bases[1] == bases[0]:  # orders that do not depend on costs
-            bases.pop()
-        per_stage = split_backward(bases, costs, rc, name, num_micro_batches)
+        bases = [per_stage]
+        if effort != "rough":  # (a rough estimate: one base, W right after B or in gaps)
+            bases.append(generate(num_stages, num_micro_batches, rc, costs.input_grad_only()))
+            if bases[1] == bases[0]:  # orders that do not depend on costs
+                bases.pop()
+        per_stage = split_backward(bases, costs, rc, name, num_micro_batches,
+                                   fit=effort != "rough")
     # keep a plain bool when the flags are uniform, so old texts and callers read the same
     flag: bool | tuple[bool, ...] = rc
     if isinstance(recompute, bool):

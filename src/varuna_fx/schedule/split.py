@@ -193,9 +193,10 @@ def _fill(base: list[list[Action]], costs: ScheduleCosts, recompute: Sequence[bo
 
 def split_backward(bases: list[list[list[Action]]], costs: ScheduleCosts,
                    recompute: Sequence[bool], name: str,
-                   m: int) -> list[list[Action]]:
+                   m: int, fit: bool = True) -> list[list[Action]]:
     """The fastest (simulated with ``costs``) placement of ``W`` into any of ``bases`` (F/R/B
-    orders), the one holding fewer micro-batches on ties."""
+    orders), the one holding fewer micro-batches on ties. ``fit``: also try filling only the
+    gaps a ``W`` fits in (False: a cheaper estimate, as the planner's listed rows use)."""
     found = []
     for base in bases:
         p = len(base)
@@ -204,8 +205,8 @@ def split_backward(bases: list[list[list[Action]]], costs: ScheduleCosts,
         eager = _eager(base)
         timed = [(simulate_costs(Schedule(name, p, m, tuple(recompute), eager,
                                           split_backward=True), costs).step_time, eager)]
-        for fit in (False, True):
-            lists, step = _fill(base, costs, recompute, caps, fit)
+        for gaps in (False, True)[:2 if fit else 1]:
+            lists, step = _fill(base, costs, recompute, caps, gaps)
             timed.append((step, lists))
         for step, lists in timed:
             sched = Schedule(name, p, m, tuple(recompute), lists, split_backward=True)
