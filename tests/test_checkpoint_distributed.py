@@ -74,9 +74,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"name": "resume_1x2", "kind": "resume", "P": 1, "D": 2, "path": str(local)},
         {"name": "resume_2x1", "kind": "resume", "P": 2, "D": 1, "micro": 4,
          "schedule": "1f1b", "path": str(local)},
+        {"name": "forgot", "kind": "forgot", "P": 2, "D": 1},  # last: its pipe stays open
     ])
     four = run(out, 4, [
-        {"name": "resume_2x2", "kind": "resume", "P": 2, "D": 2, "path": str(out / "dist")},
+        # built under vf.skip_init: the replicas broadcast garbage, then the load fills it
+        {"name": "resume_2x2", "kind": "resume", "P": 2, "D": 2, "path": str(out / "dist"),
+         "skip_init": True},
     ])
     return {**two, **four, "out": out}
 
@@ -110,6 +113,13 @@ def test_an_error_on_one_rank_stops_every_rank(runs: dict) -> None:
     assert rank0[0] == rank1[0] == "CheckpointError"
     assert "extra must hold plain data" in rank0[1]
     assert "rank 0 failed preparing" in rank1[1] and "plain data" in rank1[1]
+
+
+def test_forgetting_to_load_after_skip_init_stops_every_rank(runs: dict) -> None:
+    # each rank holds one stage's tensors; both raise (none waits for the other in vain)
+    for r in runs["forgot"]:
+        assert r.get("error") == "UninitializedError", r
+        assert "never loaded" in r["message"] and "pipe.load_checkpoint" in r["message"]
 
 
 def test_checkpoint_saved_on_ranks_resumes_in_one_process(runs: dict, eager: dict) -> None:

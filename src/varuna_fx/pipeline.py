@@ -10,11 +10,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .capture import BoundInputs, Captured, bind_inputs
 from .codegen import Stage
 from .errors import InputError, VarunaFxError
+from .init_skipping import loaded, raise_unloaded, unloaded
 from .ir import info
 from .modes import Modes, capture_if_changed, evaluation_stages, module_modes
 from .plan import Plan
@@ -195,6 +197,25 @@ class Pipeline:
                 "model only plans. Build the model with real parameters (or "
                 "model.to_empty(device=...) and initialise them) and call vf.compile again"
             )
+        self._check_loaded()
+
+    def _check_loaded(self) -> None:
+        """Refuse to run on tensors ``vf.skip_init`` left uninitialised (init_skipping.py). The
+        first run asks every rank (one small all-gather, once per pipeline), so a rank holding
+        such a tensor does not raise alone while the others wait for it until the timeout."""
+        mine = unloaded([*self.named_parameters(), *self.named_buffers()])
+        if getattr(self, "_loads_agreed", False) or isinstance(self.runtime, LocalRuntime):
+            if mine:
+                raise_unloaded(mine)
+            return
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        failed = [(rank, names) for rank, names in enumerate(every) if names]
+        if failed:
+            rank, names = failed[0]
+            raise_unloaded(names, f" on rank {rank}" + (
+                f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""))
+        self._loads_agreed = True
 
     # -- parameters ----------------------------------------------------------------------------
 
@@ -279,6 +300,7 @@ class Pipeline:
         for name, value in check_state_dict(state, self.state_layout, list(mine), strict).items():
             with torch.no_grad():
                 mine[name].copy_(value)
+            loaded([mine[name]])  # what vf.skip_init left uninitialised is now set
 
     # -- checkpoints (runtime/checkpoint.py) and preemption (runtime/preemption.py) ----------
 
