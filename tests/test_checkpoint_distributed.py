@@ -116,7 +116,7 @@ def test_an_error_on_one_rank_stops_every_rank(runs: dict) -> None:
 
 
 def test_forgetting_to_load_after_skip_init_stops_every_rank(runs: dict) -> None:
-    # each rank holds one stage's tensors; both raise (none waits for the other in vain)
+    # each rank holds one stage's tensors, all built by nn.init: both raise, before any send
     for r in runs["forgot"]:
         assert r.get("error") == "UninitializedError", r
         assert "never loaded" in r["message"] and "pipe.load_checkpoint" in r["message"]

@@ -200,22 +200,15 @@ class Pipeline:
         self._check_loaded()
 
     def _check_loaded(self) -> None:
-        """Refuse to run on tensors ``vf.skip_init`` left uninitialised (init_skipping.py). The
-        first run asks every rank (one small all-gather, once per pipeline), so a rank holding
-        such a tensor does not raise alone while the others wait for it until the timeout."""
+        """Refuse to run on tensors ``vf.skip_init`` left uninitialised (init_skipping.py).
+        Each rank checks what it holds, before any communication: a forgotten load raises on
+        every rank; a rank alone in holding such a tensor (a non-persistent buffer) raises
+        alone, and its launcher (torchrun) stops the others."""
         mine = unloaded([*self.named_parameters(), *self.named_buffers()])
-        if getattr(self, "_loads_agreed", False) or isinstance(self.runtime, LocalRuntime):
-            if mine:
-                raise_unloaded(mine)
-            return
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        failed = [(rank, names) for rank, names in enumerate(every) if names]
-        if failed:
-            rank, names = failed[0]
-            raise_unloaded(names, f" on rank {rank}" + (
-                f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""))
-        self._loads_agreed = True
+        if mine:
+            where = "" if isinstance(self.runtime, LocalRuntime) else \
+                f" on rank {dist.get_rank()}"
+            raise_unloaded(mine, where)
 
     # -- parameters ----------------------------------------------------------------------------
 
