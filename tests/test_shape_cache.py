@@ -29,6 +29,11 @@ TOKENS = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0)
 ROOT = Path(__file__).parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _cache_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VARUNA_FX_GRAPH_CACHE", raising=False)  # whatever the caller's shell has
+
+
 def gpt(**changes: object) -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(**{**CONFIG.__dict__, **changes}))
