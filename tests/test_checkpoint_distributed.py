@@ -115,6 +115,13 @@ def test_an_error_on_one_rank_stops_every_rank(runs: dict) -> None:
     assert "rank 0 failed preparing" in rank1[1] and "plain data" in rank1[1]
 
 
+def test_a_rank_s_own_model_object_refuses_to_save_a_partial_state(runs: dict) -> None:
+    for r in runs["save"]:
+        name, message = r["model_state_dict"]
+        assert name == "DistributedError"
+        assert f"holds only stage {r['stage']}" in message and "save_checkpoint" in message
+
+
 def test_forgetting_to_load_after_skip_init_stops_every_rank(runs: dict) -> None:
     # each rank holds one stage's tensors, all built by nn.init: both raise, before any send
     for r in runs["forgot"]:

@@ -223,3 +223,25 @@ def test_step_loop_returns_the_flags_it_was_given_in_one_process() -> None:
     torch.testing.assert_close(torch.as_tensor(loss),
                                torch.as_tensor(pipe.step(batch[:, :-1], target=batch[:, 1:])))
     assert pipe.runtime.flags == (False,)  # pipe.step carries the preemption flag
+
+
+def test_a_rank_s_model_object_refuses_state_dict_after_its_stages_are_released() -> None:
+    """A distributed rank empties the other stages' tensors of the user's model; saving
+    ``model.state_dict()`` would silently write empty tensors, so it raises, saying what to use."""
+    from varuna_fx.runtime.setup import release_unheld
+
+    model, tokens = make_model_and_data()
+    x = tokens[0, :, :-1]
+    whole = copy.deepcopy(model)
+    pipe = vf.compile(copy.deepcopy(model), example_inputs=(x,), loss_fn=lm_loss, stages=2,
+                      micro_batch_size=2)
+    # stage 1's module shares its tensors with the pipeline's own model object
+    release_unheld(pipe.model, pipe.stages[1], torch.device("cpu"))
+    with pytest.raises(vf.DistributedError, match=r"holds only stage 1.*pipe\.save_checkpoint"):
+        pipe.model.state_dict()
+    with pytest.raises(vf.DistributedError, match="model.load_state_dict"):
+        pipe.model.load_state_dict(whole.state_dict())
+    # a rank that holds every tensor (P=1 with replicas) keeps a usable model object
+    solo = vf.compile(whole, example_inputs=(x,), loss_fn=lm_loss, stages=1)
+    release_unheld(solo.model, solo.stages[0], torch.device("cpu"))
+    assert set(solo.model.state_dict()) == set(model.state_dict())

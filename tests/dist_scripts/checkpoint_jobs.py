@@ -70,8 +70,13 @@ def save(job: dict[str, Any]) -> dict[str, Any]:
         handle.result()
     else:
         pipe.save_checkpoint(job["path"], optimizer=opt, extra={"step": SPLIT})
+    try:  # the user's model object holds only this rank's stage: saving it must not work
+        pipe.model.state_dict()
+        whole_model = None
+    except vf.VarunaFxError as exc:
+        whole_model = (type(exc).__name__, str(exc))
     pipe.close()
-    return {"stage": pipe.stage_index, "bad_extra": bad}
+    return {"stage": pipe.stage_index, "bad_extra": bad, "model_state_dict": whole_model}
 
 
 def resume(job: dict[str, Any]) -> dict[str, Any]:

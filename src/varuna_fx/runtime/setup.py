@@ -137,6 +137,7 @@ def release_unheld(model: nn.Module, stage: Stage, device: torch.device,
     what its code can reach, plus ``keep``."""
     used = {id(t) for t in [*stage.module.parameters(), *stage.module.buffers(), *(keep or [])]}
     seen: set[int] = set()
+    released = False
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) in seen:
             continue
@@ -146,8 +147,34 @@ def release_unheld(model: nn.Module, stage: Stage, device: torch.device,
                 tensor.data = tensor.data.to(device)
         else:
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=device)
+            released = True
             if isinstance(tensor, nn.Parameter):
                 tensor.grad = None
+    if released:
+        guard_released(model, stage.spec.index)
+
+
+def guard_released(model: nn.Module, stage: int) -> None:
+    """The user's model object now holds empty tensors for every other stage: its
+    ``state_dict()`` would save them as if they were the weights (``torch.save`` on rank 0 is
+    the usual habit), and ``load_state_dict`` would fail deep inside torch. Both raise a
+    clear error instead, pointing at the pipeline's own state and checkpoints."""
+    advice = (
+        f"this rank holds only stage {stage} of the model: vf.compile released the other "
+        "stages' parameters and buffers of your model object in this distributed run, so "
+        "{what} would see empty tensors. Use pipe.state_dict() / pipe.load_state_dict() for "
+        "the tensors this rank holds (keyed by the original names), or pipe.save_checkpoint(path)"
+        " / pipe.load_checkpoint(path) for the whole model (every rank writes its shard)"
+    )
+
+    def no_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        raise DistributedError(advice.format(what="model.state_dict()"))
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise DistributedError(advice.format(what="model.load_state_dict()"))
+
+    model.register_state_dict_pre_hook(no_state_dict)
+    model.register_load_state_dict_pre_hook(no_load)
 
 
 def broadcast_initial(named: dict[str, torch.Tensor], groups: Groups, placement: Placement,
