@@ -196,6 +196,11 @@ def is_marked(t: torch.Tensor) -> bool:
                                      for start, end in entry[1])
 
 
+def any_marked() -> bool:
+    """Whether any live tensor is marked (false unless skip_init skipped something)."""
+    return bool(_objects or _storages)
+
+
 def unloaded(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of the tensors that ``skip_init`` left uninitialised and no load filled."""
     if not _objects and not _storages:  # the usual case: nothing was ever skipped

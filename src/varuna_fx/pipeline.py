@@ -16,7 +16,7 @@ from torch import nn
 from .capture import BoundInputs, Captured, bind_inputs
 from .codegen import Stage
 from .errors import InputError, VarunaFxError
-from .init_skipping import loaded, raise_unloaded, unloaded
+from .init_skipping import any_marked, loaded, raise_unloaded, unloaded
 from .ir import info
 from .modes import Modes, capture_if_changed, evaluation_stages, module_modes
 from .plan import Plan
@@ -204,6 +204,8 @@ class Pipeline:
         Each rank checks what it holds, before any communication: a forgotten load raises on
         every rank; a rank alone in holding such a tensor (a non-persistent buffer) raises
         alone, and its launcher (torchrun) stops the others."""
+        if not any_marked():  # every step asks: nothing to gather in the usual case
+            return
         mine = unloaded([*self.named_parameters(), *self.named_buffers()])
         if mine:
             where = "" if isinstance(self.runtime, LocalRuntime) else \
