@@ -105,12 +105,26 @@ class Wrapped(nn.Module):
         return user_scale(self.lin(x)).sum()
 
 
+class Layer(nn.Module):
+    """A built-in layer fx keeps as one call_module node."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x).sum()
+
+
 def test_graphs_the_key_cannot_describe_are_not_cached() -> None:
     x = torch.randn(2, 4)
     assert key_of(Wrapped(), x) is None  # its body is not in the graph's code
     hooked = Wrapped()
     hooked.lin.register_forward_hook(lambda m, i, o: o)
     assert key_of(hooked, x) is None
+    h = torch.randn(2, 3, 4)
+    assert key_of(Layer(activation=user_scale), h) is None  # a built-in leaf calling user code
+    assert None is not key_of(Layer(activation="gelu"), h) != key_of(Layer(), h)
     vf.compile(Wrapped(), example_inputs=(x,))
     assert entries() == []
 

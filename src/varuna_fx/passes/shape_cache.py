@@ -151,11 +151,19 @@ def _prune(directory: Path) -> None:
 
 
 def _builtin_module(module: nn.Module) -> bool:
-    """A torch.nn module running torch's own code: its class, repr and settings describe it."""
+    """A torch.nn module running torch's own code: its class, repr and settings describe it
+    (a function it holds, such as a TransformerEncoderLayer's ``activation``, must be torch's:
+    a user's function's body is in no key)."""
     cls = type(module)
     return (cls.__module__.startswith(("torch.nn.", "torch.ao.nn."))
             and "forward" not in vars(module)
-            and not (module._forward_hooks or module._forward_pre_hooks))
+            and not (module._forward_hooks or module._forward_pre_hooks)
+            and all(_torch_function(v) for v in _functions(module).values()))
+
+
+def _functions(module: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items()
+            if callable(v) and not isinstance(v, (nn.Module, torch.Tensor, type))}
 
 
 def _global_hooks() -> bool:
@@ -173,7 +181,10 @@ def _torch_function(target: Any) -> bool:
 
 def _settings(module: nn.Module) -> list[tuple[str, str]]:
     plain = (bool, int, float, str, type(None), tuple)
-    return sorted((k, repr(v)) for k, v in vars(module).items() if isinstance(v, plain))
+    functions = [(k, f"{v.__module__}.{getattr(v, '__qualname__', '')}")
+                 for k, v in _functions(module).items()]
+    return sorted([*functions, *((k, repr(v)) for k, v in vars(module).items()
+                                 if isinstance(v, plain))])
 
 
 def _tensor(t: torch.Tensor) -> tuple:
