@@ -15,7 +15,8 @@ varuna_fx versions and the source of ``annotate_shapes.py`` and of this file. No
 layout (P, D, micro-batches) is in it: a job that re-plans for another world hits.
 
 Graphs whose behaviour the key cannot see are not cached: a called module that is not a
-``torch.nn`` built-in or has forward hooks (or global ones exist), a function that is not
+``torch.nn`` built-in, has forward hooks (or global ones exist) or holds a function that is
+not torch's (a user's ``activation=``), a called function that is not
 torch's, Python's ``operator``/``math``/builtins (e.g. an ``fx.wrap``-ed user function), a
 ``get_attr`` of anything but a tensor (export's higher-order-op subgraphs).
 
