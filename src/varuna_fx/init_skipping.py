@@ -2,16 +2,18 @@
 
 A process that resumes from a checkpoint overwrites every weight it builds, yet building a
 ~100M-parameter GPT spends ~0.9 s of CPU drawing random numbers in ``torch.nn.init`` (most of
-the model build, in a restart that should take seconds). Under ``skip_init`` the in-place
-functions of ``torch.nn.init`` (and so every standard module's ``reset_parameters``) return
-their tensor untouched: ``torch.empty``'s garbage, or whatever the tensor held.
+the model build, in a restart that should take seconds). Under ``skip_init`` the random
+initialisers of ``torch.nn.init`` (``normal_``, ``uniform_``, ``kaiming_uniform_``... and so
+every standard module's ``reset_parameters``) return their tensor untouched: ``torch.empty``'s
+garbage, or whatever the tensor held. The deterministic fills (``zeros_``, ``ones_``,
+``constant_``, ``eye_``, ``dirac_``) run as usual: a memset, and always right.
 
 Never a silent wrong result: every tensor an init function skipped is marked -- the tensor
 object (which follows ``model.double()``/``.to()``, as they swap ``.data`` under the same
 ``Parameter``) and the byte range of its storage (which follows a ``Parameter`` wrapped around
 an initialised plain tensor). ``pipe.load_checkpoint`` and ``pipe.load_state_dict`` clear the
 marks of what they load; a pipeline refuses to step or evaluate while it holds a marked tensor
-(:func:`check_loaded`). Copies (``clone``, ``copy.deepcopy``, a ``state_dict`` saved to disk)
+(``Pipeline._check_loaded``). Copies (``clone``, ``copy.deepcopy``, a ``state_dict`` saved to disk)
 are not tracked. Marks are weak: a tensor that dies takes its mark with it.
 
 Threads: the init functions are module attributes, so they are replaced process-wide while any
@@ -34,15 +36,16 @@ import torch.nn.init as nn_init
 
 from .errors import UninitializedError
 
-# the in-place initialisers of torch.nn.init: public, their deprecated aliases (which call the
-# public ones through a closure, not the module attribute) and the private helpers some
-# libraries call directly
-_NAMES = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
-          "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
-          "orthogonal_", "sparse_", "uniform", "normal", "constant", "xavier_uniform",
-          "xavier_normal", "kaiming_uniform", "kaiming_normal", "orthogonal", "sparse",
-          "_no_grad_uniform_", "_no_grad_normal_", "_no_grad_trunc_normal_", "_no_grad_fill_",
-          "_no_grad_zero_")
+# the random initialisers of torch.nn.init (drawing numbers is the cost): public, their
+# deprecated aliases (which call the public ones through a closure, not the module attribute)
+# and the private helpers some libraries call directly. The deterministic fills (zeros_, ones_,
+# constant_, eye_, dirac_) still run: they cost a memset and keep right what a checkpoint may
+# not hold, such as a non-persistent buffer a model zeroes with init.zeros_ (BERT's
+# token_type_ids in transformers).
+_NAMES = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_",
+          "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_", "uniform", "normal",
+          "xavier_uniform", "xavier_normal", "kaiming_uniform", "kaiming_normal", "orthogonal",
+          "sparse", "_no_grad_uniform_", "_no_grad_normal_", "_no_grad_trunc_normal_")
 
 _patch_lock = threading.Lock()
 _inside = 0  # threads inside skip_init (the replacements are installed while > 0)
@@ -66,7 +69,8 @@ def skip_init(enabled: bool = True) -> Iterator[None]:
         if resume is not None:
             pipe.load_checkpoint(resume, optimizer=opt)
 
-    ``torch.nn.init`` functions leave their tensor as it is (uninitialised memory) and mark it;
+    ``torch.nn.init``'s random initialisers leave their tensor as it is (uninitialised memory)
+    and mark it (its deterministic fills, ``zeros_``, ``ones_``..., still run);
     a pipeline holding a marked tensor that no ``pipe.load_checkpoint`` / ``pipe.load_state_dict``
     filled raises :class:`~varuna_fx.errors.UninitializedError` instead of training on garbage.
     ``enabled=False`` does nothing. Initialisation written without ``torch.nn.init``
