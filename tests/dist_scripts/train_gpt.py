@@ -3,7 +3,8 @@
 Usage (under tests/dist_utils.launch): ``train_gpt.py OUT_DIR JOBS_JSON``. ``JOBS_JSON`` is a
 list of jobs run one after another in this process; each writes ``OUT_DIR/<name>_rank<r>.pt``
 with the losses, clipped norms and held parameters after the steps, or the error it raised.
-Job kinds: ``train`` (compile, 3 AdamW steps with clipping), ``bad_world`` (compile for a
+Job kinds: ``train`` (compile, 3 AdamW steps with clipping; with ``"reorder": true`` under
+Varuna's run-time rule driven by a test predicate, see ``install_late_gradients``), ``bad_world`` (compile for a
 layout the world does not have), ``mismatch`` (ranks compile different plans), ``bad_batch`` (steps with wrongly shaped batches), ``peer_loss``
 (after compile one rank dies or stalls; the others must raise PeerTimeoutError). A job
 that stops the process must be the last one.
@@ -28,6 +29,7 @@ from varuna_fx.examples import (
     GPT,  # noqa: E402
     lm_loss,  # noqa: E402
 )
+from varuna_fx.schedule import build_schedule  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 
@@ -39,12 +41,43 @@ def compile_job(job: dict[str, Any], share: int) -> vf.Pipeline:
     return vf.compile(model, example_inputs=(tokens[0, :share, :-1],), loss_fn=lm_loss,
                       stages=job["P"], data_parallel=job.get("D"), micro_batch_size=micro,
                       schedule=job.get("schedule", "varuna"),
+                      recompute=job.get("recompute", "auto"),
                       precision=job.get("precision", "fp32"), timeout=job.get("timeout"))
+
+
+def install_late_gradients(pipe: vf.Pipeline, steps_done: list[int]) -> None:
+    """Drive Varuna's run-time rule on gloo, whose receives cannot be polled: every gradient
+    counts as not arrived (so a forward runs ahead wherever the rule allows), and an activation
+    as arrived once its sender has sent it this step (senders count their sends in the job's
+    store), so a forward run ahead never waits on a peer that waits on this rank."""
+    store = torch.distributed.distributed_c10d._get_default_store()
+    executor = pipe.runtime.executor
+
+    def sent(msg: Any) -> None:
+        if msg.kind == "activation":
+            store.add(f"sent/{msg.tag}", 1)
+
+    def arrived(msg: Any) -> bool:
+        return msg.kind == "activation" and store.add(f"sent/{msg.tag}", 0) > steps_done[0]
+
+    executor.on_send, executor.arrived = sent, arrived
 
 
 def train(job: dict[str, Any]) -> dict[str, Any]:
     share = GLOBAL_BATCH // job["D"]
+    if job.get("reorder"):  # read when the runtime is built; every rank sets the same
+        os.environ["VARUNA_FX_OPPORTUNISTIC_FORWARD"] = "on"
     pipe = compile_job(job, share)
+    os.environ.pop("VARUNA_FX_OPPORTUNISTIC_FORWARD", None)
+    steps_done = [0]
+    if job.get("reorder"):
+        install_late_gradients(pipe, steps_done)
+    running = pipe.plan.schedule
+    if job.get("unit_order"):  # the unit-cost order of the planned kind (same on every rank)
+        running = build_schedule(running.name, running.num_stages, running.num_micro_batches,
+                                 recompute=running.recompute_stages)
+        pipe.runtime.per_stage = running.per_stage
+    jumped, held = [], []
     _, tokens = make_model_and_data()
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, eps=ADAM_EPS)
     losses, norms = [], []
@@ -53,13 +86,18 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
         batch = tokens[step, lo:lo + share]
         pipe.zero_grad()
         losses.append(float(pipe.step(batch[:, :-1], target=batch[:, 1:])))
+        steps_done[0] += 1
+        cursor = pipe.runtime.executor.cursor
+        jumped.append([str(a) for a in cursor.jumped])
+        held.append((cursor.max_live, cursor.peak))
         norms.append(float(pipe.clip_grad_norm_(job.get("max_norm", 0.5))))
         pipe.optimizer_step(opt)
     params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
     logits = pipe(tokens[0, lo:lo + share, :-1])  # evaluation: every rank gets the output
     result = {"losses": losses, "norms": norms, "params": params, "stage": pipe.stage_index,
               "replica": pipe.replica_index, "tied": pipe.plan.tied_parameters,
-              "logits": logits, "rows": (lo, lo + share)}
+              "logits": logits, "rows": (lo, lo + share), "jumped": jumped, "held": held,
+              "schedule": str(running)}
     pipe.close()
     return result
 
@@ -163,6 +201,9 @@ def eval_modes(job: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     for job in json.loads(sys.argv[2]):
+        rule = job.get("rule_env", {}).get(str(RANK))  # this rank's run-time rule setting
+        if rule is not None:
+            os.environ["VARUNA_FX_OPPORTUNISTIC_FORWARD"] = rule
         try:
             result = {"train": train, "bad_batch": bad_batch, "peer_loss": peer_loss, "fp16": fp16,
                       "accumulate": accumulate, "eval_modes": eval_modes,
@@ -172,6 +213,7 @@ def main() -> None:
             result.pop("pipe", None)
         except vf.VarunaFxError as exc:
             result = {"error": type(exc).__name__, "message": str(exc)}
+        os.environ.pop("VARUNA_FX_OPPORTUNISTIC_FORWARD", None)
         save(job, result)
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (about a second per rank): results are saved

@@ -9,20 +9,33 @@ then returns at once, and its tensor can be dropped. Activations are released by
 that come back; gradients by the next activation from upstream. Sends with no such later
 message (the last micro-batches) are waited for at the end of the step, when this rank has
 nothing left to do, which cannot deadlock.
+
+With Varuna's run-time rule (``opportunistic.py``) a stage may run its next forward before a
+backward whose gradient is late. Forwards only move earlier, so an activation's proof (the
+peer's first backward after consuming it) still holds. A gradient's proof (the upstream peer's
+first forward after the backward consuming it) may not: that forward can now run first. With
+``reorder=True`` the proof is instead the forward the peer cannot have started before that
+backward: a stage never holds more than its static peak of micro-batches, so before its
+backward ``B(i)`` it has run at most ``peak + (releases listed before B(i))`` forwards, and the
+next one proves ``B(i)`` took the gradient. (The peer's rule must be on exactly when ours is:
+the plan fingerprint includes it.)
 """
 
 from __future__ import annotations
 
 from ..ir import StageSpec
 from ..schedule import Action, Kind
+from .opportunistic import release_kind, stash_peak
 
 Key = tuple[str, str, int, int]  # (kind, value name, peer stage, micro-batch), as Message.key
 
 
-def release_keys(me: int, per_stage: list[list[Action]],
-                 specs: list[StageSpec]) -> dict[Key, Key | None]:
+def release_keys(me: int, per_stage: list[list[Action]], specs: list[StageSpec],
+                 reorder: bool = False, split: bool = False) -> dict[Key, Key | None]:
     """For every message stage ``me`` sends in a step: the key of the received message that
-    proves its delivery, or None (wait at the end of the step)."""
+    proves its delivery, or None (wait at the end of the step). ``reorder``: every stage may
+    run forwards ahead of their place (``opportunistic.py``); ``split``: split backward, whose
+    ``W`` frees a micro-batch's stash."""
     found: dict[Key, Key | None] = {}
     m = sum(a.kind is Kind.F for a in per_stage[me])
     for t in specs[me].sends:  # activations, consumed by the peer's forward
@@ -35,10 +48,23 @@ def release_keys(me: int, per_stage: list[list[Action]],
         if t.requires_grad:
             ahead = [u.name for u in specs[t.src].sends if u.dst == me]
             for i in range(m):
-                j = _later(per_stage[t.src], Action(t.src, Kind.B, i), Kind.F)
+                consumer = Action(t.src, Kind.B, i)
+                j = _bounded_forward(per_stage[t.src], consumer, split) if reorder else \
+                    _later(per_stage[t.src], consumer, Kind.F)
                 found[("gradient", t.name, t.src, i)] = \
                     None if j is None else ("activation", ahead[0], t.src, j)
     return found
+
+
+def _bounded_forward(peer_actions: list[Action], consumer: Action, split: bool) -> int | None:
+    """The micro-batch of the first forward the peer cannot run before ``consumer`` when its
+    forwards may jump ahead but it never holds more than its static peak of micro-batches."""
+    release = release_kind(split)
+    start = peer_actions.index(consumer)
+    released = sum(a.kind is release for a in peer_actions[:start])
+    forwards = [a.mb for a in peer_actions if a.kind is Kind.F]
+    n = stash_peak(peer_actions, split) + released  # forwards possibly run before consumer
+    return forwards[n] if n < len(forwards) else None
 
 
 def _later(peer_actions: list[Action], consumer: Action, kind: Kind) -> int | None:

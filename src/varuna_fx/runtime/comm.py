@@ -108,6 +108,14 @@ class Inbox:
             self._posted[msg.key] = (work, buffer, msg)
             self._next += 1
 
+    def posted(self, key: tuple) -> bool:
+        return key in self._posted
+
+    def completed(self, key: tuple) -> bool:
+        """Whether the posted receive ``key`` has landed, without waiting. Meaningful on NCCL
+        (the receive's CUDA event has fired); a gloo receive never reports completion."""
+        return bool(self._posted[key][0].is_completed())
+
     def take(self, key: tuple) -> torch.Tensor:
         work, buffer, msg = self._posted.pop(key)
         wait(work, self.timeout, self.who, msg.describe)

@@ -29,6 +29,8 @@ from .comm import launch, peer_error, resolve_timeout, wait
 from .executor import StageExecutor
 from .grad_sync import GradSync
 from .model_state import StateLayout, unread_tensors
+from .opportunistic import ENV as RULE_ENV
+from .opportunistic import rule_enabled
 from .precision import LossScaler, autocast_factory
 from .setup import (
     Groups,
@@ -48,7 +50,8 @@ class DistributedRuntime(StepLoop):
     def __init__(self, stages: list[Stage], plan: Plan, placement: Placement, rank: int,
                  groups: Groups, grad_sync: GradSync, *, assemble: Callable[[dict], Any],
                  loss_fn: Any, precision: str, timeout: float, device: torch.device,
-                 input_shapes: dict[str, Any], offload_stash: bool) -> None:
+                 input_shapes: dict[str, Any], offload_stash: bool,
+                 reorder: bool = False) -> None:
         self.stages, self.plan, self.placement, self.rank = stages, plan, placement, rank
         self.stage, self.replica = placement.coords(rank)
         self.stage_index, self.replica_index = self.stage, self.replica
@@ -67,6 +70,7 @@ class DistributedRuntime(StepLoop):
                                       plan.micro_batch_size, device, timeout, self.who)
         validate(plan.schedule)
         self.executor.split = plan.schedule.split_backward
+        self.executor.reorder = reorder  # Varuna's run-time rule (opportunistic.py)
         self.per_stage = plan.schedule.per_stage
         self._other: tuple[list[Stage], StageExecutor] | None = None  # another mode's stages
         # eval mode's stages, made at compile while this rank held every parameter (modes.py)
@@ -172,7 +176,12 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     eval_mode = _eval_mode_stages(model, captured, stages, canonical, plan)
     init_process_group(seconds)
     rank, world = dist.get_rank(), dist.get_world_size()
-    verify_same_plan(plan, plan_fingerprint(plan, stages, precision), seconds)
+    # Varuna's run-time rule: on NCCL (receives can be polled) unless the environment says;
+    # every rank must agree, since it changes which message proves a send delivered (acks.py)
+    reorder = rule_enabled(dist.get_backend())
+    runtime_text = f" opportunistic forwards ${RULE_ENV}={'on' if reorder else 'off'}"
+    verify_same_plan(plan, plan_fingerprint(plan, stages, precision, runtime_text), seconds,
+                     runtime_text)
     check_world_size(world, plan.stages, plan.data_parallel)
     placement = plan.placement or Placement(plan.stages, plan.data_parallel)
     stage, replica = placement.coords(rank)
@@ -194,7 +203,7 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     runtime = DistributedRuntime(
         stages, plan, placement, rank, groups, sync, assemble=assemble, loss_fn=loss_fn,
         precision=precision, timeout=seconds, device=device, input_shapes=shapes,
-        offload_stash=offload_stash,
+        offload_stash=offload_stash, reorder=reorder,
     )
     runtime.other_modes[eval_mode[0]] = eval_mode[1]
     return runtime

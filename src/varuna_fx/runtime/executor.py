@@ -11,6 +11,11 @@ Tags: ``(mb * T + transfer) * 3 + kind`` with ``T`` transfers in the plan and ki
 the posting order (micro-batch order for activations, the common backward order for gradients)
 is also the sending order, which is what NCCL needs. A send is released when a later message
 from the same peer proves it delivered (``acks.py``), the rest at the end of the step.
+
+With ``reorder`` on (Varuna's run-time rule, ``opportunistic.py``; NCCL by default), a stage
+whose next backward's gradient has not arrived runs its next forward first, if that forward's
+inputs have arrived and the stage holds fewer micro-batches than its static peak; ``arrived``
+(a predicate on a posted receive's :class:`Message`) replaces ``Work.is_completed()`` in tests.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from ..ir import Transfer
 from ..schedule import Action, Kind
 from .acks import release_keys
 from .comm import Inbox, Message, Outbox
+from .opportunistic import Cursor
 from .placement import Placement
 from .worker import StageWorker
 
@@ -53,12 +59,17 @@ class StageExecutor:
         self._expected: dict[int, list[tuple[int, Message]]] = {}
         self._messages: dict[tuple, Message] = {}
         self._specs = [s.spec for s in stages]
-        self._proof_cache: dict[int, dict[tuple, tuple | None]] = {}
+        self._proof_cache: dict[tuple[int, bool], dict[tuple, tuple | None]] = {}
         self.outbox = Outbox(timeout, who)
         self.split = False  # split-backward schedule: B computes input gradients only
         # set to a list to record (what, micro-batch, start, wall seconds, CPU seconds) of
         # every action and every wait for a message (bench/bench_step_breakdown.py)
         self.trace: list[tuple[str, int, float, float, float]] | None = None
+        self.reorder = False  # Varuna's run-time rule: run the next forward while a gradient is late
+        # tests: whether a posted receive has landed (default: its Work.is_completed())
+        self.arrived: Callable[[Message], bool] | None = None
+        self.on_send: Callable[[Message], None] | None = None  # tests: after every send
+        self.cursor: Cursor | None = None  # the last step's walk (jumped forwards, peak held)
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -107,6 +118,8 @@ class StageExecutor:
         if wire.dtype != msg.dtype:  # autocast: keep the planned dtype on the wire
             wire = wire.to(msg.dtype)
         self.outbox.send(wire.contiguous(), msg, proof)
+        if self.on_send is not None:
+            self.on_send(msg)
 
     # -- a training step -----------------------------------------------------------------------
 
@@ -131,17 +144,27 @@ class StageExecutor:
                               time.process_time() - cpu))
             return value
 
-        for k, action in enumerate(actions):
+        def forward(i: int) -> None:
+            received = {t.name: take(("activation", t.name, t.src, i)) for t in spec.recvs}
+            outputs = worker.forward(i, micro[i], received)
+            for t in spec.sends:
+                msg = self.message(t, i, ACTIVATION)
+                self._send(outputs[t.name], msg, proofs[msg.key])
+
+        cursor = self.cursor = Cursor(actions, self.split)
+        while (k := cursor.head()) is not None:
+            inbox.post_until(k + 1 + LOOKAHEAD)
+            if self.reorder:  # Varuna's rule; never waits, so it cannot deadlock
+                f = cursor.ahead()
+                if f is not None and not self._gradient_here(actions[k].mb, inbox) and \
+                        self._inputs_here(actions[f].mb, f, inbox):
+                    k = f
+            action = actions[k]
             if trace is not None:
                 begin, begin_cpu = time.perf_counter(), time.process_time()
-            inbox.post_until(k + 1 + LOOKAHEAD)
             i = action.mb
             if action.kind is Kind.F:
-                received = {t.name: take(("activation", t.name, t.src, i)) for t in spec.recvs}
-                outputs = worker.forward(i, micro[i], received)
-                for t in spec.sends:
-                    msg = self.message(t, i, ACTIVATION)
-                    self._send(outputs[t.name], msg, proofs[msg.key])
+                forward(i)
             elif action.kind is Kind.R:
                 worker.recompute_mb(i, self.device)
             elif action.kind is Kind.W:  # weight gradients: no messages
@@ -156,16 +179,36 @@ class StageExecutor:
                 for t in self._grad_out:
                     msg = self.message(t, i, GRADIENT)
                     self._send(back[t.name], msg, proofs[msg.key])
+            cursor.done(k)
             if trace is not None:  # the whole action, its waits included (subtract them)
                 trace.append((action.kind.name, i, begin, time.perf_counter() - begin,
                               time.process_time() - begin_cpu))
         assert inbox.pending == 0, "every posted receive is consumed by the schedule"
 
+    def _gradient_here(self, mb: int, inbox: Inbox) -> bool:
+        """Every gradient the backward of ``mb`` takes has landed (True when it takes none:
+        the last stage, or nothing it sends needs a gradient)."""
+        return all(self._landed(self.message(t, mb, GRADIENT), inbox) for t in self._grad_in)
+
+    def _inputs_here(self, mb: int, index: int, inbox: Inbox) -> bool:
+        """Every activation the forward of ``mb`` (list position ``index``) takes has landed."""
+        if not self.spec.recvs:
+            return True  # stage 0: the inputs are local
+        inbox.post_until(index + 1)  # in the static order, as the senders expect
+        return all(self._landed(self.message(t, mb, ACTIVATION), inbox) for t in self.spec.recvs)
+
+    def _landed(self, msg: Message, inbox: Inbox) -> bool:
+        if not inbox.posted(msg.key):
+            return False  # not even posted: it cannot have landed
+        return inbox.completed(msg.key) if self.arrived is None else self.arrived(msg)
+
     def _proofs(self, per_stage: list[list[Action]]) -> dict[tuple, tuple | None]:
         m = sum(a.kind is Kind.F for a in per_stage[self.spec.index])
-        if m not in self._proof_cache:
-            self._proof_cache[m] = release_keys(self.spec.index, per_stage, self._specs)
-        return self._proof_cache[m]
+        key = (m, self.reorder)
+        if key not in self._proof_cache:
+            self._proof_cache[key] = release_keys(self.spec.index, per_stage, self._specs,
+                                                  reorder=self.reorder, split=self.split)
+        return self._proof_cache[key]
 
     # -- evaluation ----------------------------------------------------------------------------
 

@@ -34,9 +34,10 @@ def plan_summary(plan: Plan) -> str:
             f"nodes per stage {sizes}")
 
 
-def plan_fingerprint(plan: Plan, stages: list[Stage], precision: str) -> str:
-    """Everything two ranks must agree on: layout, stage contents, boundaries, schedule."""
-    parts = [plan_summary(plan), precision]
+def plan_fingerprint(plan: Plan, stages: list[Stage], precision: str, runtime: str = "") -> str:
+    """Everything two ranks must agree on: layout, stage contents, boundaries, schedule, and
+    ``runtime`` (run-time settings that change when sends are released, see ``acks.py``)."""
+    parts = [plan_summary(plan) + runtime, precision]
     for s in stages:
         spec = s.spec
         parts.append(f"stage {spec.index}: {' '.join(spec.nodes)} | "
@@ -47,8 +48,9 @@ def plan_fingerprint(plan: Plan, stages: list[Stage], precision: str) -> str:
     return "\n".join(parts)
 
 
-def verify_same_plan(plan: Plan, fingerprint: str, timeout: float) -> None:
-    """All-gather a hash of the plan; every rank raises if any two differ."""
+def verify_same_plan(plan: Plan, fingerprint: str, timeout: float, runtime: str = "") -> None:
+    """All-gather a hash of the plan; every rank raises if any two differ (``runtime``: what
+    :func:`plan_fingerprint` was given, named in the error)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     digest = int(hashlib.sha256(fingerprint.encode()).hexdigest()[:15], 16)
     mine = torch.tensor([digest], dtype=torch.int64, device=comm_device())
@@ -60,7 +62,7 @@ def verify_same_plan(plan: Plan, fingerprint: str, timeout: float) -> None:
     if len(set(hashes)) == 1:
         return
     summaries: list[Any] = [None] * world
-    dist.all_gather_object(summaries, plan_summary(plan))  # every rank is on this error path
+    dist.all_gather_object(summaries, plan_summary(plan) + runtime)  # every rank is here
     groups: dict[int, list[int]] = {}
     for r, h in enumerate(hashes):
         groups.setdefault(h, []).append(r)
