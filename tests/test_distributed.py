@@ -142,6 +142,23 @@ def test_tied_copies_bit_identical(two_ranks: dict, four_ranks: dict, job: str) 
         assert torch.equal(c, copies[0])
 
 
+@pytest.mark.parametrize("ranks,job", [("two_ranks", "P2D1_varuna"),
+                                       ("four_ranks", "P2D2_varuna")])
+def test_each_direction_of_a_stage_pair_has_its_own_group(ranks: str, job: str,
+                                                          request: pytest.FixtureRequest) -> None:
+    """NCCL runs one communicator's sends and receives in issue order, and a rank posts
+    receives ahead of its sends: activations and gradients between two ranks must travel on
+    two groups (one per direction), each of exactly those two ranks."""
+    for r in request.getfixturevalue(ranks)[job]:
+        kinds: dict[str, set[int]] = {}
+        for kind, peer, members, group in r["links"]:
+            assert members == sorted([r["rank"], peer]), (kind, peer, members)
+            kinds.setdefault(kind, set()).add(group)
+        assert set(kinds) == {"activation", "gradient"}
+        assert all(len(ids) == 1 for ids in kinds.values())  # P=2: one pair, one group each way
+        assert kinds["activation"] != kinds["gradient"]
+
+
 def test_data_parallel_replicas_bit_identical(four_ranks: dict) -> None:
     per_rank = four_ranks["P2D2_varuna"]
     for stage in range(2):

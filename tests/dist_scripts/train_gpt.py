@@ -93,11 +93,15 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
         norms.append(float(pipe.clip_grad_norm_(job.get("max_norm", 0.5))))
         pipe.optimizer_step(opt)
     params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    # which process group carried each message: (kind, peer rank, the group's ranks, group id)
+    links = [(m.kind, m.peer_rank, torch.distributed.get_process_group_ranks(m.group)
+              if m.group is not None else None, id(m.group))
+             for m in pipe.runtime.executor._messages.values()]
     logits = pipe(tokens[0, lo:lo + share, :-1])  # evaluation: every rank gets the output
     result = {"losses": losses, "norms": norms, "params": params, "stage": pipe.stage_index,
               "replica": pipe.replica_index, "tied": pipe.plan.tied_parameters,
               "logits": logits, "rows": (lo, lo + share), "jumped": jumped, "held": held,
-              "schedule": str(running)}
+              "schedule": str(running), "rank": RANK, "links": links}
     pipe.close()
     return result
 

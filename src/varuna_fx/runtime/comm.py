@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -76,6 +76,7 @@ class Message:
     tag: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    group: Any = field(default=None, compare=False, repr=False)  # None: the default group
 
     @property
     def key(self) -> tuple[str, str, int, int]:
@@ -103,8 +104,9 @@ class Inbox:
                 self._expected[self._next][0] < action_index:
             msg = self._expected[self._next][1]
             buffer = torch.empty(msg.shape, dtype=msg.dtype, device=self.device)
-            work = launch(lambda b=buffer, m=msg: dist.irecv(b, src=m.peer_rank, tag=m.tag),
-                          self.who, msg.describe)
+            work = launch(
+                lambda b=buffer, m=msg: dist.irecv(b, src=m.peer_rank, tag=m.tag, group=m.group),
+                self.who, msg.describe)
             self._posted[msg.key] = (work, buffer, msg)
             self._next += 1
 
@@ -139,8 +141,9 @@ class Outbox:
         self._at_end: list[tuple[Any, torch.Tensor, Message]] = []
 
     def send(self, tensor: torch.Tensor, msg: Message, proof: tuple | None = None) -> None:
-        work = launch(lambda: dist.isend(tensor, dst=msg.peer_rank, tag=msg.tag), self.who,
-                      lambda: msg.describe("to") + " to be received")
+        work = launch(
+            lambda: dist.isend(tensor, dst=msg.peer_rank, tag=msg.tag, group=msg.group),
+            self.who, lambda: msg.describe("to") + " to be received")
         pending = self._at_end if proof is None else self._by_proof.setdefault(proof, [])
         pending.append((work, tensor, msg))
 

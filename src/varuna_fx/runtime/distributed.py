@@ -37,6 +37,7 @@ from .setup import (
     broadcast_initial,
     build_groups,
     held_tensors,
+    message_links,
     plan_fingerprint,
     release_unheld,
     tied_sets,
@@ -67,7 +68,8 @@ class DistributedRuntime(StepLoop):
                                   is_last=self.is_last, offload_stash=offload_stash,
                                   autocast=self.autocast)
         self.executor = StageExecutor(self.worker, stages, placement, self.replica,
-                                      plan.micro_batch_size, device, timeout, self.who)
+                                      plan.micro_batch_size, device, timeout, self.who,
+                                      links=groups.links)
         validate(plan.schedule)
         self.executor.split = plan.schedule.split_backward
         self.executor.reorder = reorder  # Varuna's run-time rule (opportunistic.py)
@@ -151,7 +153,8 @@ class DistributedRuntime(StepLoop):
                                  autocast=self.autocast)
             self._other = (stages, StageExecutor(worker, stages, self.placement, self.replica,
                                                  self.plan.micro_batch_size, self.device,
-                                                 self.timeout, self.who))
+                                                 self.timeout, self.who,
+                                                 links=self.groups.links))
         return self._other[1]
 
     def close(self) -> None:
@@ -187,7 +190,8 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     stage, replica = placement.coords(rank)
     device = comm_device() if torch.cuda.is_available() else torch.device("cpu")
     tied = tied_sets(plan, model, canonical)
-    groups = build_groups(placement, tied, stage, replica, seconds)
+    links = message_links(stages, eval_mode[1][1] if eval_mode[1] is not None else None)
+    groups = build_groups(placement, tied, stage, replica, seconds, links)
     # stage 0 also keeps what forward never reads, so no rank loses those weights
     keep = unread_tensors(model, layout) if stage == 0 else []
     release_unheld(model, stages[stage], device, keep=keep)

@@ -46,8 +46,12 @@ LossOf = Callable[[int, dict[str, torch.Tensor]], torch.Tensor]
 class StageExecutor:
     def __init__(self, worker: StageWorker, stages: list[Stage], placement: Placement,
                  replica: int, micro_batch_size: int, device: torch.device,
-                 timeout: float, who: str) -> None:
+                 timeout: float, who: str, links: dict[tuple[int, int], Any] | None = None
+                 ) -> None:
         self.worker = worker
+        # (sending rank, receiving rank) -> its direction's process group (setup.build_groups);
+        # a direction not listed uses the default group
+        self.links = links or {}
         self.spec = worker.spec
         self.placement, self.replica = placement, replica
         self.micro_batch_size = micro_batch_size
@@ -87,10 +91,14 @@ class StageExecutor:
     def _make_message(self, t: Transfer, mb: int, kind: int, batch: int | None) -> Message:
         peer = t.src if t.dst == self.spec.index else t.dst
         tag = (mb * len(self._tid) + self._tid[(t.name, t.src, t.dst)]) * 3 + kind
+        sender, receiver = (t.dst, t.src) if kind == GRADIENT else (t.src, t.dst)
+        direction = (self.placement.rank(sender, self.replica),
+                     self.placement.rank(receiver, self.replica))
         return Message(
             kind="gradient" if kind == GRADIENT else "activation", name=t.name,
             peer_stage=peer, peer_rank=self.placement.rank(peer, self.replica), mb=mb, tag=tag,
             shape=t.tensor.concrete_shape(batch or self.micro_batch_size), dtype=t.tensor.dtype,
+            group=self.links.get(direction),
         )
 
     def expected(self, actions: list[Action]) -> list[tuple[int, Message]]:

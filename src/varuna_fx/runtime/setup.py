@@ -83,17 +83,29 @@ class Groups:
     pipeline: Any = None  # the P stages of my replica: loss and grad-norm reductions
     data_parallel: Any = None  # the D replicas of my stage: the gradient average
     tied: list[tuple[list[str], Any]] = field(default_factory=list)  # my tied sets
+    # (sending rank, receiving rank) -> the group that carries that direction's messages
+    links: dict[tuple[int, int], Any] = field(default_factory=dict)
     created: list[Any] = field(default_factory=list)
 
 
 def build_groups(placement: Placement, tied: dict[tuple[int, ...], list[str]],
-                 stage: int, replica: int, timeout: float) -> Groups:
+                 stage: int, replica: int, timeout: float,
+                 links: set[tuple[int, int]] | None = None) -> Groups:
     """``dist.new_group`` for every group of the job, on every rank in the same order (the
     call is collective), keeping the ones this rank belongs to.
 
     A tied set gets one group spanning its holder stages in *all* replicas: summing there and
     dividing by D equals summing across holders per replica and then averaging across
-    replicas, in one collective instead of two."""
+    replicas, in one collective instead of two.
+
+    ``links``: the (sending stage, receiving stage) pairs that exchange point-to-point
+    messages; each direction of each pair gets a two-rank group of its own per replica. NCCL
+    runs a pair's sends and receives on one stream per communicator, in the order they are
+    issued, while the executor posts receives ahead of its sends: on one shared communicator
+    stage 0's posted receive of gradient 0 would sit ahead of its send of activation 2, which
+    stage 1 waits for before it sends gradient 0. One communicator (stream) per direction keeps
+    the two directions independent; within a direction sends and receives are issued in the
+    same order on both ends (executor.py)."""
     groups = Groups()
     span = timedelta(seconds=timeout)
 
@@ -117,7 +129,26 @@ def build_groups(placement: Placement, tied: dict[tuple[int, ...], list[str]],
         g = make(placement.holder_ranks(list(holders)))
         if stage in holders:
             groups.tied.append((tied[holders], g))
+    for r in range(d):
+        for src, dst in sorted(links or ()):
+            a, b = placement.rank(src, r), placement.rank(dst, r)
+            g = make(sorted([a, b]))
+            if r == replica and stage in (src, dst):
+                groups.links[(a, b)] = g
     return groups
+
+
+def message_links(*stage_lists: list[Stage] | None) -> set[tuple[int, int]]:
+    """Every (sending stage, receiving stage) direction that carries a message in these
+    stages: activations downstream and, where they need a gradient, gradients upstream."""
+    found: set[tuple[int, int]] = set()
+    for stages in stage_lists:
+        for s in stages or ():
+            for t in s.spec.sends:
+                found.add((t.src, t.dst))
+                if t.requires_grad:
+                    found.add((t.dst, t.src))
+    return found
 
 
 def tied_sets(plan: Plan, model: nn.Module, canonical: dict[str, str]) -> dict[tuple, list[str]]:
