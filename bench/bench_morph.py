@@ -14,7 +14,10 @@ checkpoint and take one step. Timestamps from both sides split the morph into:
   save      pipe.save_checkpoint (model + AdamW state, every rank its shard)
   exit      save done -> the old processes gone (process-group teardown)
   restart   new processes spawned -> Python, torch and varuna_fx imported, model built
-  compile   vf.compile: capture + plan + codegen for the new world
+            (under ``vf.skip_init``: the checkpoint overwrites every weight)
+  compile   vf.compile: capture + plan + codegen for the new world (the shape pass's fake
+            runs come from the graph cache the old processes' compile wrote, in the run's
+            temporary directory)
   load      pipe.load_checkpoint (re-sharded to the new layout)
   step      the first training step (forward, backward, optimizer) on the new layout
 
@@ -74,10 +77,13 @@ def worker(args: argparse.Namespace) -> None:
 
     import varuna_fx as vf
     from varuna_fx.examples import GPT, lm_loss
+    from varuna_fx.passes import shape_cache
     stamps["imported"] = time.time()
     cfg = config(args.small)
     torch.manual_seed(0)
-    model = GPT(cfg)
+    # the new layout always resumes: the checkpoint overwrites every weight (README's loop)
+    with vf.skip_init(enabled=args.phase == "new"):
+        model = GPT(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size + 1),
                            generator=torch.Generator().manual_seed(1))
     params = sum(p.numel() for p in model.parameters())  # before a rank drops what it does not hold
@@ -110,6 +116,7 @@ def worker(args: argparse.Namespace) -> None:
         stamps["first_step"] = time.time()
         info["step_s"] = stamps["first_step"] - t
         info["resumed_step"] = extra["step"]
+        info["graph_cache"] = dict(shape_cache.stats)  # a hit: the old phase warmed it
     else:
         if args.phase == "old":
             pipe.install_preemption_handlers()  # also in one process (torchrun installs them)
@@ -147,8 +154,10 @@ def launch(phase: str, ranks: int, args: argparse.Namespace) -> list[subprocess.
     port = _free_port()
     procs = []
     for r in range(ranks):
+        # the run's own graph cache (not ~/.cache), warmed by the old phase's compile as the
+        # job's previous incarnation would have
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   CUDA_VISIBLE_DEVICES="")
+                   CUDA_VISIBLE_DEVICES="", VARUNA_FX_CACHE_DIR=str(Path(args.dir) / "cache"))
         if ranks > 1:
             env.update(RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
                        LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
@@ -198,6 +207,7 @@ def measure(args: argparse.Namespace) -> dict:
     return {"params": o["params"], "old_layout": o["layout"], "new_layout": n["layout"],
             "old_step_s": o["step_s"], "new_step_s": n["step_s"], "phases": phases,
             "morph_s": sn["first_step"] - t_signal,
+            "graph_cache": n["graph_cache"],
             "launch_gap_s": sn["spawned"] - t_exit,
             "imports_s": sn["imported"] - sn["spawned"],
             "close_s": so["closed"] - so["saved"],
@@ -273,6 +283,8 @@ def main() -> None:
     print(f"  morph    {res['morph_s']:6.2f} s  (signal -> first step on the new layout; "
           f"target <= 10 s; imports {res['imports_s']:.2f} s of restart, pipe.close "
           f"{res['close_s']:.2f} s of exit)")
+    print(f"  the new process built the model under vf.skip_init; its compile's graph cache: "
+          f"{res['graph_cache']}")
     cpu = res["new_cpu_s"]
     print("  CPU seconds of the new process: " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                           cpu.items())

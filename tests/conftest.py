@@ -7,6 +7,9 @@
 * After collection the objects created so far (torch, transformers, the registry's models) are
   frozen out of the garbage collector: every later full collection, and the five pytest runs
   at exit, would otherwise walk them all again (1-2 s of the fast tier's ~30).
+* Every test gets its own (empty, created on first write) directory for the on-disk graph cache
+  (``$VARUNA_FX_CACHE_DIR``, inherited by the processes it launches): tests never write to
+  ~/.cache and never hit an entry another test wrote.
 * ``one_capture_per_model``: sweeps that compile the same unchanged model many times capture it
   once (see the fixture).
 """
@@ -14,9 +17,12 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import multiprocessing.process
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -49,6 +55,32 @@ def _fast_tests_launch_no_process(request: pytest.FixtureRequest,
         monkeypatch.setattr(os, "fork", _refuse)
         monkeypatch.setattr(os, "posix_spawn", _refuse)
     yield
+
+
+_CACHE_ROOT = tempfile.mkdtemp(prefix="varuna_fx_test_cache_")
+_cache_dirs = itertools.count()
+os.environ["VARUNA_FX_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "session")  # session fixtures
+
+
+def _fresh_cache_dir() -> str:
+    return os.path.join(_CACHE_ROOT, str(next(_cache_dirs)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _own_graph_cache_per_module() -> Iterator[None]:
+    """Module fixtures (a checkpoint saved once per module...) run before any test's own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VARUNA_FX_CACHE_DIR", _fresh_cache_dir())
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _own_graph_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VARUNA_FX_CACHE_DIR", _fresh_cache_dir())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    shutil.rmtree(_CACHE_ROOT, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

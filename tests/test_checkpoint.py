@@ -128,6 +128,19 @@ def test_resume_under_another_layout_equals_uninterrupted(saved: Path, eager: di
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_resume_of_a_model_built_under_skip_init(saved: Path, eager: dict) -> None:
+    with vf.skip_init():  # no init: everything must come from the checkpoint
+        model = make_model(seed=7)
+    pipe = vf.compile(model, example_inputs=(tokens()[0, :, :-1],), loss_fn=lm_loss, stages=2,
+                      micro_batch_size=4)
+    opt = optimizer(pipe.parameters())
+    extra = pipe.load_checkpoint(str(saved), optimizer=opt)
+    train(pipe, opt, range(extra["step"], STEPS))
+    for name, value in pipe.state_dict().items():
+        torch.testing.assert_close(value.detach(), eager[name], **TOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.slow  # trains twice more
 def test_dropout_masks_continue_after_resume(tmp_path: Path) -> None:
     """The step seeds (dropout) come from the RNG state the checkpoint restores."""

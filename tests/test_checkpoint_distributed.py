@@ -74,9 +74,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"name": "resume_1x2", "kind": "resume", "P": 1, "D": 2, "path": str(local)},
         {"name": "resume_2x1", "kind": "resume", "P": 2, "D": 1, "micro": 4,
          "schedule": "1f1b", "path": str(local)},
+        {"name": "forgot", "kind": "forgot", "P": 2, "D": 1},  # last: its pipe stays open
     ])
     four = run(out, 4, [
-        {"name": "resume_2x2", "kind": "resume", "P": 2, "D": 2, "path": str(out / "dist")},
+        # built under vf.skip_init: the replicas broadcast garbage, then the load fills it
+        {"name": "resume_2x2", "kind": "resume", "P": 2, "D": 2, "path": str(out / "dist"),
+         "skip_init": True},
     ])
     return {**two, **four, "out": out}
 
@@ -117,6 +120,13 @@ def test_a_rank_s_own_model_object_refuses_to_save_a_partial_state(runs: dict) -
         name, message = r["model_state_dict"]
         assert name == "DistributedError"
         assert f"holds only stage {r['stage']}" in message and "save_checkpoint" in message
+
+
+def test_forgetting_to_load_after_skip_init_stops_every_rank(runs: dict) -> None:
+    # each rank holds one stage's tensors, all built by nn.init: both raise, before any send
+    for r in runs["forgot"]:
+        assert r.get("error") == "UninitializedError", r
+        assert "never loaded" in r["message"] and "pipe.load_checkpoint" in r["message"]
 
 
 def test_checkpoint_saved_on_ranks_resumes_in_one_process(runs: dict, eager: dict) -> None:

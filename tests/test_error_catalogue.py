@@ -118,6 +118,14 @@ def meta_model_step(_: Any) -> Any:
     return pipe.step(X, target=Y)
 
 
+def skipped_init_step(_: Any) -> Any:
+    with vf.skip_init():  # resuming... but the load was forgotten
+        model = MLP.model.__class__()
+    pipe = vf.compile(model, vf.Cluster(gpus=1, device="cpu"), example_inputs=MLP.inputs,
+                      loss_fn=MLP.loss_fn, stages=2)
+    return pipe.step(X, target=Y)
+
+
 def other_graph_profile(_: Any) -> Any:
     from varuna_fx.planner import Profile
 
@@ -314,6 +322,8 @@ CATALOGUE = [
         lambda p: p.step(X[:4], target=Y[:4]), global_batch_size=8), Inp,
         "batch of 4", "global_batch_size=8", "pass 8 samples"),
     row("meta model, real step", meta_model_step, Inp, "meta device", "real parameters"),
+    row("built under skip_init, never loaded", skipped_init_step, vf.UninitializedError,
+        "never loaded", "pipe.load_checkpoint", "without skip_init"),
 ]
 
 

@@ -14,8 +14,10 @@ from .errors import (
     PeerTimeoutError,
     PlanError,
     ScheduleError,
+    UninitializedError,
     VarunaFxError,
 )
+from .init_skipping import skip_init
 from .pipeline import Pipeline
 from .plan import Plan, StageCost
 from .runtime.checkpoint import latest_checkpoint
@@ -33,8 +35,10 @@ __all__ = [
     "PlanError",
     "ScheduleError",
     "StageCost",
+    "UninitializedError",
     "VarunaFxError",
     "compile",
     "latest_checkpoint",
+    "skip_init",
 ]
 __version__ = "0.1.0"

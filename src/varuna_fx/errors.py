@@ -43,6 +43,10 @@ class CheckpointError(VarunaFxError):
     """A checkpoint cannot be written or does not fit this model or optimizer."""
 
 
+class UninitializedError(VarunaFxError):
+    """A tensor ``vf.skip_init()`` left uninitialised was never loaded before a step."""
+
+
 def env_int(name: str, default: int, minimum: int = 0) -> int:
     """An integer from the launcher's environment (WORLD_SIZE, RANK, ...), or a
     :class:`DistributedError` naming the variable when it is not one."""

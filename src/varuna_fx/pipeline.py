@@ -10,11 +10,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .capture import BoundInputs, Captured, bind_inputs
 from .codegen import Stage
 from .errors import InputError, VarunaFxError
+from .init_skipping import any_marked, loaded, raise_unloaded, unloaded
 from .ir import info
 from .modes import Modes, capture_if_changed, evaluation_stages, module_modes
 from .plan import Plan
@@ -195,6 +197,20 @@ class Pipeline:
                 "model only plans. Build the model with real parameters (or "
                 "model.to_empty(device=...) and initialise them) and call vf.compile again"
             )
+        self._check_loaded()
+
+    def _check_loaded(self) -> None:
+        """Refuse to run on tensors ``vf.skip_init`` left uninitialised (init_skipping.py).
+        Each rank checks what it holds, before any communication: a forgotten load raises on
+        every rank; a rank alone in holding such a tensor (a non-persistent buffer) raises
+        alone, and its launcher (torchrun) stops the others."""
+        if not any_marked():  # every step asks: nothing to gather in the usual case
+            return
+        mine = unloaded([*self.named_parameters(), *self.named_buffers()])
+        if mine:
+            where = "" if isinstance(self.runtime, LocalRuntime) else \
+                f" on rank {dist.get_rank()}"
+            raise_unloaded(mine, where)
 
     # -- parameters ----------------------------------------------------------------------------
 
@@ -279,6 +295,7 @@ class Pipeline:
         for name, value in check_state_dict(state, self.state_layout, list(mine), strict).items():
             with torch.no_grad():
                 mine[name].copy_(value)
+            loaded([mine[name]])  # what vf.skip_init left uninitialised is now set
 
     # -- checkpoints (runtime/checkpoint.py) and preemption (runtime/preemption.py) ----------
 

@@ -7,6 +7,7 @@ Each job writes ``OUT_DIR/<name>_rank<r>.pt``. Kinds:
   step runs; that step is not saved).
 * ``resume``: load ``path`` at (P, D, micro-batch size, schedule), train to STEPS; reports the
   state this rank holds and how many parameters have optimizer state.
+* ``forgot``: built under ``vf.skip_init`` and stepped without loading (every rank must raise).
 * ``preempt``: the preemption-safe loop of docs/checkpoints.md (save every ``every`` steps and on
   preemption); writes its pid and progress so the test can signal it.
 """
@@ -33,7 +34,9 @@ OUT = Path(sys.argv[1])
 
 def compile_job(job: dict[str, Any]) -> vf.Pipeline:
     share = BATCH // job["D"]
-    return vf.compile(make_model(seed=job.get("seed", 0)),
+    with vf.skip_init(enabled=job.get("skip_init", False)):  # a resuming job need not init
+        model = make_model(seed=job.get("seed", 0))
+    return vf.compile(model,
                       example_inputs=(tokens()[0, :share, :-1],), loss_fn=lm_loss,
                       stages=job["P"], data_parallel=job["D"],
                       micro_batch_size=job.get("micro", 2),
@@ -88,6 +91,12 @@ def resume(job: dict[str, Any]) -> dict[str, Any]:
             "with_state": with_state, "extra": extra}
 
 
+def forgot(job: dict[str, Any]) -> dict[str, Any]:
+    pipe = compile_job({**job, "skip_init": True})
+    run_steps(pipe, optimizer(pipe.parameters()), range(1))  # raises: nothing was loaded
+    return {"stepped": True}
+
+
 def preempt(job: dict[str, Any]) -> dict[str, Any]:
     pipe = compile_job(job)
     opt = optimizer(pipe.parameters())
@@ -109,7 +118,8 @@ def preempt(job: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     for job in json.loads(sys.argv[2]):
         try:
-            result = {"save": save, "resume": resume, "preempt": preempt}[job["kind"]](job)
+            result = {"save": save, "resume": resume, "preempt": preempt,
+                      "forgot": forgot}[job["kind"]](job)
         except vf.VarunaFxError as exc:
             result = {"error": type(exc).__name__, "message": str(exc)}
         torch.save(result, OUT / f"{job['name']}_rank{RANK}.pt")

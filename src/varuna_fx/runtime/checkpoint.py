@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from ..errors import CheckpointError
+from ..init_skipping import loaded
 from ..where import launched_distributed
 from . import dcp_local
 from .comm import resolve_timeout
@@ -210,6 +211,7 @@ class Checkpointer:
                 f"{path}: reading its tensors failed ({exc}); the checkpoint's files are "
                 "damaged or incomplete: load an earlier checkpoint, or copy this one again"
             ) from exc
+        loaded(self.pipe.state_dict().values())  # clears what vf.skip_init left unset
         if optimizer is not None:
             restore_optimizer(optimizer, self._names(), dest)
         meta = decode(dest[META])
