@@ -303,6 +303,26 @@ def test_preemption_signal_sets_preempted_after_the_step() -> None:
         preemption.clear()
 
 
+def test_a_signal_during_a_step_stops_after_that_step() -> None:
+    """The flag is read when the step's work is done, so a preemption that lands mid-step
+    (here: from inside the loss function) is acted on after that step, not a step later."""
+    data = tokens()
+    pipe = vf.compile(make_model(), example_inputs=(data[0, :, :-1],), stages=2,
+                      micro_batch_size=2,
+                      loss_fn=lambda out, y: (os.kill(os.getpid(), signal.SIGUSR1),
+                                              lm_loss(out, y))[1])
+    previous = {s: signal.getsignal(s) for s in preemption.SIGNALS}
+    try:
+        pipe.install_preemption_handlers()
+        pipe.step(data[0, :, :-1], target=data[0, :, 1:])
+        assert pipe.preempted
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        preemption._installed.clear()
+        preemption.clear()
+
+
 KILL_CHILD = """
 import sys, torch, varuna_fx as vf
 from torch import nn

@@ -130,8 +130,9 @@ class Pipeline:
                 f"{self.plan.data_parallel} replica(s): pass {self._replica_batch} samples per "
                 "replica, or compile again with the global batch you train with"
             )
-        # this process's preemption signal rides on the step's world all-reduce
-        return self.runtime.step(tensors, target, flags=(preemption.requested(),))
+        # this process's preemption signal rides on the step's world all-reduce, read when the
+        # step's work is done (a signal during this step stops after this step, not the next)
+        return self.runtime.step(tensors, target, flags=(preemption.requested,))
 
     @property
     def replicas(self) -> int:

@@ -7,8 +7,10 @@ agree on. A runtime supplies the four hooks of :class:`Runtime`; the loop owns e
 so the two runtimes cannot drift apart (they once drew dropout seeds differently).
 
 Hooking a flag into the step's world all-reduce (e.g. "a rank was preempted"): pass it in
-``flags`` to ``finish`` -- the distributed runtime packs every flag into the same all-reduce as
-the loss and the fp16 overflow, and returns them ORed over all ranks.
+``flags`` -- the distributed runtime packs every flag into the same all-reduce as the loss and
+the fp16 overflow, and returns them ORed over all ranks. A flag may be a function, read when the
+step's work is done: a preemption signal that arrives during a step then rides that step's
+all-reduce instead of the next one's (a whole step sooner).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Runtime(Protocol):
     local_stages: list[int]  # stages whose parameters live in this process
 
     def step(self, inputs: dict[str, torch.Tensor], target: Any = None,
-             flags: Sequence[bool] = ()) -> torch.Tensor: ...
+             flags: Sequence[bool | Callable[[], bool]] = ()) -> torch.Tensor: ...
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> Any: ...
 
@@ -82,7 +84,7 @@ class StepLoop:
     flags: tuple[bool, ...] = ()  # the last step's ``flags``, ORed over every rank
 
     def step(self, inputs: dict[str, torch.Tensor], target: Any = None,
-             flags: Sequence[bool] = ()) -> torch.Tensor:
+             flags: Sequence[bool | Callable[[], bool]] = ()) -> torch.Tensor:
         b = self.plan.micro_batch_size
         inputs = self.prepare(inputs)
         micro = split_batch(inputs, b)
@@ -100,7 +102,8 @@ class StepLoop:
             return scaled
 
         self.run_actions(micro, loss_of)
-        loss, self.flags = self.finish([losses[i] for i in sorted(losses)], flags)
+        now = [bool(f()) if callable(f) else bool(f) for f in flags]  # read as late as possible
+        loss, self.flags = self.finish([losses[i] for i in sorted(losses)], now)
         return loss
 
     # -- hooks ---------------------------------------------------------------------------------
