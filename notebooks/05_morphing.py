@@ -35,8 +35,8 @@ from varuna_fx.morphing import (
     young_daly_interval,
 )
 
-MORPH_S = 12.0  # signal -> first step on the new layout (bench_morph.py, CPU-time estimate)
-SAVE_S = 1.6  # blocking checkpoint save of model + AdamW state (1.2 GB)
+MORPH_S = 9.8  # signal -> first step on the new layout (bench_morph.py, median of 8 runs)
+SAVE_S = 1.6  # blocking checkpoint save of model + AdamW state (1.2 GB over 2 ranks)
 print(f"morph {MORPH_S} s, checkpoint {SAVE_S} s")
 
 # %% [markdown]
