@@ -17,8 +17,20 @@ def test_interpolate_hits_samples_and_is_linear_between() -> None:
     for s, v in zip(SIZES, values[0]):
         assert interpolate(SIZES, values, s)[0] == pytest.approx(v)
     assert interpolate(SIZES, values, 24.0)[0] == pytest.approx(7.0)  # halfway 16 -> 32
-    assert interpolate(SIZES, values, 64.0)[0] == pytest.approx(17.0)  # last segment on
+    assert interpolate(SIZES, values, 64.0)[0] == pytest.approx(18.0)  # in proportion to 32's
     assert interpolate(SIZES[:1], values[:, :1], 3.0)[0] == pytest.approx(3.0)  # origin line
+
+
+def test_beyond_the_largest_size_noise_is_not_amplified() -> None:
+    """Four times the largest measured size: 10% of noise on the last sample stays 10%; along
+    the last segment (the difference of two noisy samples, times the distance) it was 50%."""
+    true = np.array([[1.0, 2.0, 4.0, 8.0, 16.0, 32.0]])  # per-sample cost constant: 4.0 at 128
+    noisy = true.copy()
+    noisy[0, 4] *= 1.1  # 16 measured 10% slow
+    at_128 = interpolate(SIZES, noisy, 128.0)[0]
+    assert at_128 == pytest.approx(128.0)
+    segment = noisy[0, 5] + (noisy[0, 5] - noisy[0, 4]) / 16 * 96
+    assert abs(segment / 128.0 - 1) > 0.05  # what the old extrapolation gave
 
 
 def test_monotone_pools_violators() -> None:
@@ -75,3 +87,22 @@ def test_noisy_sample_is_pooled_not_followed() -> None:
                       [chunk("a", noisy)])
     assert profile.times(0, 4)[2] == pytest.approx(5.0)
     assert profile.times(0, 8)[2] == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("batch,largest,expected", [(6, 8, [1, 2, 6]), (12, 8, [1, 2]),
+                                                     (2, 8, [1, 2])])
+def test_the_profile_measures_the_batch_itself_up_to_the_largest_size(
+        batch: int, largest: int, expected: list[int]) -> None:
+    """The planner may run the whole batch as one micro-batch: measured, not extrapolated,
+    up to ``largest`` (beyond it the cost of profiling outgrows what it saves)."""
+    import torch
+
+    from varuna_fx.examples import GPT, GPTConfig
+    from varuna_fx.planner import analyze
+    from varuna_fx.planner.measure import ProfileSettings, measure
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=4, vocab_size=32))
+    graph = analyze(model, (torch.randint(0, 32, (batch, 4)),))
+    settings = ProfileSettings(sizes=(1, 2), largest=largest, repeats=1, warmup=0, max_chunks=2)
+    assert measure(graph.gm, graph.bound, "k", settings).sizes == expected

@@ -54,15 +54,19 @@ class NodeArrays:
 
 def interpolate(sizes: np.ndarray, values: np.ndarray, b: float) -> np.ndarray:
     """``values`` [K, S] measured at ``sizes`` [S] (ascending), at micro-batch size ``b``:
-    linear between the two measured sizes around ``b``, and beyond the measured range along
-    the nearest end segment (through the origin with one size).
+    linear between the two measured sizes around ``b``; above the largest measured size in
+    proportion to it (the largest size's per-sample time), below the smallest along the first
+    segment.
 
     Why not one ``const + per_sample * b`` line over all sizes: on a CPU a matmul with a few
     rows runs at a fraction of its large-batch speed, so the per-sample slope of small sizes
     overstates large ones (measured: an MLP's backward fitted from b <= 8 predicted 30 ms at
-    b = 32, the run took 15 ms)."""
-    if len(sizes) == 1:
-        return values[:, 0] * (b / sizes[0])
+    b = 32, the run took 15 ms). Why not the last segment's slope above the range: it is the
+    difference of two noisy samples, multiplied by the distance, so timing noise at 16 and 32
+    became +-50% at 128 (predicted 39 ms for a step that took 78 ms); in proportion, the error
+    stays the largest sample's own."""
+    if len(sizes) == 1 or b >= sizes[-1]:
+        return values[:, -1] * (b / sizes[-1])
     j = int(np.clip(np.searchsorted(sizes, b, side="right") - 1, 0, len(sizes) - 2))
     lo, hi = values[:, j], values[:, j + 1]
     return np.maximum(lo + (hi - lo) * ((b - sizes[j]) / (sizes[j + 1] - sizes[j])), 0.0)

@@ -41,10 +41,12 @@ from .profile import ChunkProfile, Profile, graph_hash
 @dataclass(frozen=True)
 class ProfileSettings:
     # micro-batch sizes, capped by the example batch (and the batch itself when it falls
-    # between two): the planner interpolates between measured sizes, so they should cover
-    # the ones it may pick -- extrapolating small sizes' per-sample cost to big micro-batches
-    # overstated an MLP's backward 2x on a CPU
+    # between two, or lies above them up to ``largest``): the planner interpolates between
+    # measured sizes, so they should cover the ones it may pick -- extrapolating small sizes'
+    # per-sample cost to big micro-batches overstated an MLP's backward 2x on a CPU, and
+    # extrapolating from 32 to 128 was off by 2x either way
     sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    largest: int = 128
     repeats: int = 7
     warmup: int = 2
     min_piece: float = 1e-3  # seconds: smaller pieces are too noisy to time
@@ -60,7 +62,8 @@ class ProfileSettings:
     split: Callable[..., Any] | None = field(default=None, compare=False)
 
     def key(self) -> dict[str, Any]:
-        return {"sizes": list(self.sizes), "repeats": self.repeats, "warmup": self.warmup,
+        return {"sizes": list(self.sizes), "largest": self.largest, "repeats": self.repeats,
+                "warmup": self.warmup,
                 "min_piece": self.min_piece, "max_chunks": self.max_chunks,
                 **({"split": True} if self.split is not None else {})}
 
@@ -83,6 +86,8 @@ def measure(gm: fx.GraphModule, bound: BoundInputs, key: str,
             settings: ProfileSettings = ProfileSettings()) -> Profile:
     device = _device_of(gm)
     sizes = sorted({min(s, bound.batch_size) for s in settings.sizes})
+    if sizes[-1] < bound.batch_size <= settings.largest:  # the batch as one micro-batch
+        sizes.append(bound.batch_size)
     table = CostTable.build(gm)
     saved_grads = {p: p.grad for p in gm.parameters()}
     devices = [device] if device.type == "cuda" else []
