@@ -88,3 +88,20 @@ def test_an_unknown_schedule_lists_auto_among_the_choices() -> None:
     model = torch.nn.Linear(4, 4)
     with pytest.raises(vf.VarunaFxError, match=r"schedule='zigzag' is unknown.*'auto'"):
         vf.compile(model, example_inputs=(torch.zeros(2, 4),), schedule="zigzag")
+
+
+def test_one_stage_is_not_weighed_once_per_schedule() -> None:
+    """On one device every schedule runs the micro-batches in order: auto must not list the
+    same configuration once per schedule name, and the table shows no schedule for P=1."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=8))
+    tokens = torch.randint(0, 64, (8, 8))
+    pipe = vf.compile(model, example_inputs=(tokens,), loss_fn=lm_loss, global_batch_size=8,
+                      schedule="auto")
+    rows = pipe.plan.alternatives
+    assert pipe.plan.stages == 1 and rows
+    configs = [(r.stages, r.data_parallel, r.micro_batch_size) for r in rows]
+    assert len(configs) == len(set(configs)), configs
+    table = str(pipe.plan)
+    assert not any(name in line for line in table.splitlines()[-12:]
+                   for name in ("1f1b", "gpipe", "-zb"))

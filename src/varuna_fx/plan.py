@@ -146,7 +146,8 @@ def alternatives_table(rows: Sequence[Alternative], title: str) -> Table:
     for row in rows:
         table.add_row(
             "*" if row.chosen else "", str(row.stages), str(row.data_parallel),
-            f"{row.micro_batch_size} x {row.num_micro_batches}", row.schedule or "-",
+            f"{row.micro_batch_size} x {row.num_micro_batches}",
+            row.schedule if row.schedule and row.stages > 1 else "-",  # one stage: no schedule
             _seconds(row.step_time),
             _count(row.throughput), f"{row.bubble_fraction:.0%}", _seconds(row.allreduce_time),
             _bytes(row.max_memory),

@@ -537,7 +537,9 @@ class Planner:
         """``c`` for each schedule the planner weighs (``c`` itself once it has one)."""
         if c.schedule:
             return [c]
-        if len(self.schedules) == 1:
+        # one stage runs its micro-batches in order under any schedule: weighing them all
+        # only listed the same configuration once per name
+        if len(self.schedules) == 1 or c.stages == 1:
             c.schedule = self.schedules[0]
             return [c]
         return [dataclasses.replace(c, schedule=name) for name in self.schedules]
