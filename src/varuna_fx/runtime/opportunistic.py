@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 
 from ..errors import DistributedError
-from ..schedule import Action, Kind
+from ..schedule import Action, Kind, peak_stash
 
 ENV = "VARUNA_FX_OPPORTUNISTIC_FORWARD"
 _ON, _OFF, _AUTO = ("1", "on", "true", "yes"), ("0", "off", "false", "no"), ("", "auto")
@@ -67,17 +67,8 @@ def release_kind(split: bool) -> Kind:
     return Kind.W if split else Kind.B
 
 
-def stash_peak(actions: list[Action], split: bool) -> int:
-    """Most micro-batches the list holds at once (as ``schedule.peak_stash_counts``)."""
-    release = release_kind(split)
-    live = peak = 0
-    for a in actions:
-        if a.kind is Kind.F:
-            live += 1
-            peak = max(peak, live)
-        elif a.kind is release:
-            live -= 1
-    return peak
+# most micro-batches a stage's list holds at once: the simulator's own count
+stash_peak = peak_stash
 
 
 class Cursor:

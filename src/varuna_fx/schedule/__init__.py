@@ -24,6 +24,7 @@ from varuna_fx.schedule.render import gantt, text_grid
 from varuna_fx.schedule.simulate import (
     SimResult,
     analytic_bubble,
+    peak_stash,
     peak_stash_counts,
     simulate,
     simulate_costs,
@@ -46,6 +47,7 @@ __all__ = [
     "gantt",
     "has_quick",
     "is_split",
+    "peak_stash",
     "peak_stash_counts",
     "recompute_per_stage",
     "schedule_names",

@@ -43,7 +43,7 @@ class _Compiled:
     peak_stash: list[int]
 
 
-def _peak_stash(acts: list[Action], split: bool = False) -> int:
+def peak_stash(acts: list[Action], split: bool = False) -> int:
     """Most micro-batches held at once: from the start of F(i) to the end of B(i) (of W(i) when
     the backward is split: the weight gradients need the stage's activations too).
 
@@ -63,7 +63,7 @@ def _peak_stash(acts: list[Action], split: bool = False) -> int:
 
 def peak_stash_counts(schedule: Schedule) -> list[int]:
     """Most micro-batches each stage holds at once (structure only, no timings needed)."""
-    return [_peak_stash(acts, schedule.split_backward) for acts in schedule.per_stage]
+    return [peak_stash(acts, schedule.split_backward) for acts in schedule.per_stage]
 
 
 def _compile(schedule: Schedule) -> _Compiled:
