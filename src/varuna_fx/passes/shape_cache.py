@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..capture import BoundInputs
+from ..files import write_atomically
 
 FORMAT = 1
 MAX_ENTRIES = 64
@@ -121,16 +121,8 @@ def store(key: str, names: list[str], observed: list[Any]) -> None:
     saves time."""
     directory = cache_dir()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as out:
-                json.dump({"format": FORMAT, "key": key, "nodes": names,
-                           "observed": observed}, out)
-            os.replace(tmp, directory / f"{key}.json")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(directory, f"{key}.json", json.dumps(
+            {"format": FORMAT, "key": key, "nodes": names, "observed": observed}))
         stats["write"] += 1
         _prune(directory)
     except OSError:

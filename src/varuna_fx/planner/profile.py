@@ -17,7 +17,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch.fx as fx
 from ..cluster import Cluster
 from ..costmodel import device_spec
 from ..errors import PlanError
+from ..files import write_atomically
 from ..ir import Affine, info
 from .costs import CostTable, MeasuredTimes, interpolate, monotone
 from .network import NetworkProfile
@@ -229,16 +229,6 @@ def _ignored(path: Path, why: str) -> None:
 def save_cached(profile: Profile) -> None:
     directory = cache_dir()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        # a name no other writer uses (ranks, threads, machines sharing a home directory),
-        # then an atomic rename: a reader sees the old file or the whole new one
-        fd, tmp = tempfile.mkstemp(prefix=f".{profile.key}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as out:
-                out.write(profile.to_json())
-            os.replace(tmp, directory / f"{profile.key}.json")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(directory, f"{profile.key}.json", profile.to_json())
     except OSError as exc:
         warnings.warn(f"could not cache the profile in {directory}: {exc}", stacklevel=2)
