@@ -164,7 +164,7 @@ def _forget(table: dict[int, Any], key: int) -> None:
 def loaded(tensors: Iterable[torch.Tensor]) -> None:
     """``tensors`` were overwritten completely (a checkpoint or state dict was copied into
     them): clear their marks."""
-    if not _objects and not _storages:
+    if not any_marked():
         return
     with _marks_lock:
         for t in tensors:
@@ -207,7 +207,7 @@ def any_marked() -> bool:
 
 def unloaded(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of the tensors that ``skip_init`` left uninitialised and no load filled."""
-    if not _objects and not _storages:  # the usual case: nothing was ever skipped
+    if not any_marked():  # the usual case: nothing was ever skipped
         return []
     with _marks_lock:
         return [n for n, t in named if is_marked(t)]
