@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).parent.parent / "src" / "varuna_fx"
 # Lowest first. A module may import its own layer and the ones before it, never a later one.
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["errors", "ir", "rng", "where", "placement", "costmodel", "memory_model",
-              "cluster", "factory", "examples", "schedule", "buffers", "mutations", "morphing", "init_skipping",
+              "cluster", "factory", "examples", "schedule", "buffers", "mutations", "grad_mode", "model_edits",
+              "morphing", "init_skipping",
               "files"]),
     ("capture", ["capture"]),
     ("passes", ["passes"]),

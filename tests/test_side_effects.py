@@ -301,3 +301,120 @@ def test_recompile_after_changing_the_model_trains_the_changed_model() -> None:
         torch.testing.assert_close(loss, eager_loss.detach())
         for n, p in model.named_parameters():
             torch.testing.assert_close(grads[n], p.grad)
+
+
+def test_a_pipeline_refuses_to_run_a_model_edited_after_compile() -> None:
+    # the stages hold the model's own objects: after `model.b = ...` the first pipeline used
+    # to run the old layer while pipe.parameters() handed the optimizer the new one
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(8, 8)
+    first = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=4)
+    model.a.weight = nn.Parameter(torch.randn(16, 8))  # a module the stage calls: followed
+    model.zero_grad()
+    loss = first.step(x)
+    torch.testing.assert_close(loss, model(x).detach())
+    model.b = nn.Linear(16, 16)
+    with pytest.raises(vf.VarunaFxError, match=r"Scaled\.b is not the submodule.*compile again"):
+        first.step(x)
+    with pytest.raises(vf.VarunaFxError, match="compile again"):
+        first(x)
+    second = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=4)
+    model.zero_grad()
+    torch.testing.assert_close(second.step(x), model(x).detach())
+    model.double()
+    with pytest.raises(vf.VarunaFxError, match=r"float64.*compile again"):
+        second.step(x.double())
+
+
+# -- state written by forward under fx: rebound buffers, no_grad blocks ----------------------
+
+
+class RebindsBuffers(nn.Module):
+    def __init__(self, twice: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 1)
+        self.register_buffer("ema", torch.zeros(16))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.twice = twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        if self.twice:  # two in-place writes: a stage may not receive the buffer between them
+            self.ema.mul_(0.9).add_(h.detach().mean(0) * 0.1)
+        else:  # fx proxies have no in-place operators: these rebind the attribute
+            self.steps += 1
+            self.ema = 0.9 * self.ema + 0.1 * h.detach().mean(0)
+        h = torch.relu(self.b(h)) + self.ema
+        return self.c(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("twice,stages", tiered(
+    product([False, True], [2, 3]), [(False, 2), (True, 2)], lambda c: "-".join(map(str, c))))
+def test_buffers_rebound_or_written_twice_in_forward_follow_eager(twice: bool,
+                                                                  stages: int) -> None:
+    torch.manual_seed(0)
+    model, x = RebindsBuffers(twice), torch.randn(8, 8)
+    eager = copy.deepcopy(model)
+    pipe = vf.compile(model, example_inputs=(x,), stages=stages, micro_batch_size=8,
+                      recompute=False, tracer="fx")
+    assert type(model.ema) is torch.Tensor and type(model.steps) is torch.Tensor  # no proxies
+    for _ in range(2):
+        eager.zero_grad()
+        pipe.zero_grad()
+        eager_loss = eager(x)
+        eager_loss.backward()
+        loss = pipe.step(x)
+    assert int(model.steps) == (0 if twice else 2)
+    assert_like_eager(pipe, model, eager, loss, eager_loss)
+
+
+class StoresActivation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = self.a(x)
+        return self.last.pow(2).mean()
+
+
+def test_an_activation_stored_on_the_model_is_refused_by_fx_and_left_alone() -> None:
+    model = StoresActivation()
+    with pytest.raises(vf.CaptureError, match=r"self\.last.*register_buffer"):
+        vf.compile(model, example_inputs=(torch.randn(4, 8),), stages=1, tracer="fx")
+    assert model.last is None  # tracing used to leave an fx Proxy there
+
+
+class NoGradBlock(nn.Module):
+    def __init__(self, reads_activation: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 1)
+        self.reads_activation = reads_activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        with torch.no_grad():
+            # a frozen branch (no gradient to b, nor through it to a), or a mask from the input
+            t = self.b(h) if self.reads_activation else (x[:, :1] > 0).float()
+        return self.c(torch.relu(self.b(h)) * t).pow(2).mean()
+
+
+@pytest.mark.parametrize("reads_activation", [True, False])
+def test_no_grad_block_in_forward_follows_eager(reads_activation: bool) -> None:
+    # torch.fx records no grad mode: the pipeline used to back-propagate through the block
+    torch.manual_seed(0)
+    model, x = NoGradBlock(reads_activation), torch.randn(8, 8)
+    eager = copy.deepcopy(model)
+    eager_loss = eager(x)
+    eager_loss.backward()
+    if reads_activation:
+        with pytest.raises(vf.CaptureError, match=r"torch\.no_grad\(\).*t = self\.b\(h\)"):
+            vf.compile(model, example_inputs=(x,), stages=2, tracer="fx")
+    pipe = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=4)
+    assert pipe.captured.tracer == ("export" if reads_activation else "fx")
+    assert_like_eager(pipe, model, eager, pipe.step(x), eager_loss)

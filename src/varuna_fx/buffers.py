@@ -39,19 +39,22 @@ class MicroBatchStateWarning(UserWarning):
     cannot follow eager on the whole batch."""
 
 
+def written_buffer(node: fx.Node) -> str | None:
+    """The attribute path of the buffer an in-place node writes (``self.calls.add_(1)``,
+    or ``add_`` in ``self.ema.mul_(0.9).add_(v)``), else None."""
+    if not info(node).mutates:
+        return None
+    base = node.args[0] if node.args else None
+    while isinstance(base, fx.Node) and base.op in ("call_method", "call_function") \
+            and base.args:
+        base = base.args[0]  # views and earlier writes of the same tensor
+    return str(base.target) if isinstance(base, fx.Node) and base.op == "get_attr" else None
+
+
 def mutated_buffers(gm: fx.GraphModule) -> list[str]:
     """Buffers the graph writes in place (``self.calls.add_(1)``), by the attribute path."""
-    found = []
-    for node in gm.graph.nodes:
-        if not info(node).mutates:
-            continue
-        base = node.args[0] if node.args else None
-        while isinstance(base, fx.Node) and base.op in ("call_method", "call_function") \
-                and base.args:
-            base = base.args[0]  # views and earlier writes of the same tensor
-        if isinstance(base, fx.Node) and base.op == "get_attr":
-            found.append(str(base.target))
-    return list(dict.fromkeys(found))
+    found = [written_buffer(node) for node in gm.graph.nodes]
+    return list(dict.fromkeys(b for b in found if b is not None))
 
 
 def warn_micro_batch_state(model: nn.Module, gm: fx.GraphModule,

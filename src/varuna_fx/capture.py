@@ -32,6 +32,7 @@ from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from .errors import CaptureError, InputError
+from .grad_mode import check_no_grad_blocks
 from .mutations import keep_mutations
 
 TRACERS = ("fx", "export", "auto")
@@ -169,12 +170,18 @@ class _Tracer(fx.Tracer):
     # so they may be sliced by traced sizes and are owned by the stages that read them.
     proxy_buffer_attributes = True
 
+    def __init__(self) -> None:
+        super().__init__()
+        # nodes made under torch.no_grad() in forward (fx records no grad mode: grad_mode.py)
+        self.no_grad_nodes: set[fx.Node] = set()
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any,
                     name: str | None = None, type_expr: Any = None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if not node.stack_trace:
             node.stack_trace = _user_stack_trace()
+        if not torch.is_grad_enabled():
+            self.no_grad_nodes.add(node)
         return node
 
 
@@ -209,15 +216,76 @@ def _capture_fx(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Cap
                 raise InputError(f"example_inputs give no value for '{name}'")
             concrete[name] = param.default
     tracer = _Tracer()
+    before = _module_attributes(model)
     try:
-        graph = tracer.trace(model, concrete_args=concrete or None)
+        # grad mode as in training (compile may be called under no_grad); forward's own
+        # no_grad blocks show in tracer.no_grad_nodes
+        with torch.enable_grad():
+            graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as exc:  # fx raises many kinds: TraceError, TypeError, AttributeError...
         raise CaptureError(_describe_failure("torch.fx", exc, model, alone)) from None
+    finally:
+        assigned = _restore_proxy_attributes(model, before)
+    _write_assigned_buffers(model, graph, assigned, alone)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _drop_concrete_placeholders(gm, bound)
     keep_mutations(gm)  # dead-code elimination that keeps `y.relu_()` statements
+    check_no_grad_blocks(gm, tracer.no_grad_nodes, alone)
     out_spec = _flatten_output(gm)
     return Captured(gm, list(bound.tensors), out_spec, "fx", signature, bound.constants)
+
+
+_Attributes = list[tuple[str, dict[str, Any], dict[str, Any]]]
+
+
+def _module_attributes(model: nn.Module) -> _Attributes:
+    """Every module's attribute dicts (own, parameters, buffers, submodules), copied."""
+    return [(name, d, dict(d)) for name, m in model.named_modules(remove_duplicate=False)
+            for d in (m.__dict__, m._parameters, m._buffers, m._modules)]
+
+
+def _restore_proxy_attributes(model: nn.Module, before: _Attributes
+                              ) -> list[tuple[str, str, fx.Proxy | Any]]:
+    """Undo what tracing assigned into the model that holds an fx value (``self.steps += 1``
+    on a buffer, ``self.last = h``): fx's proxies have no in-place operators, so forward
+    rebinds the attribute to a proxy, which left the user's model holding graph objects.
+    Returns (module path, attribute, assigned value) for each such assignment."""
+    assigned = []
+    for path, now, then in before:
+        changed = [k for k, v in now.items() if then.get(k, _MISSING) is not v
+                   and any(isinstance(x, fx.Proxy) for x in pytree.tree_leaves(v))]
+        for key in changed:
+            assigned.append((path, key, now[key]))
+            if key in then:
+                now[key] = then[key]
+            else:
+                del now[key]
+    return assigned
+
+
+_MISSING = object()
+
+
+def _write_assigned_buffers(model: nn.Module, graph: fx.Graph,
+                            assigned: list[tuple[str, str, Any]], alone: bool) -> None:
+    """A buffer rebound in forward (``self.ema = 0.9 * self.ema + ...``, or ``+=``, which is
+    in place in eager) is written in place with the new value, where forward assigned it;
+    reads after the assignment already read the new value. Any other attribute that forward
+    sets to a traced value cannot be kept by a graph."""
+    for path, key, value in assigned:
+        owner = model.get_submodule(path)
+        fqn = f"{path}.{key}" if path else key
+        if key in owner._buffers and isinstance(value, fx.Proxy):
+            with graph.inserting_after(value.node):
+                buffer = graph.get_attr(fqn)
+            with graph.inserting_after(buffer):
+                graph.call_method("copy_", (buffer, value.node))
+            continue
+        raise CaptureError(
+            f"{type(model).__name__}.forward assigns a traced value to self.{fqn}"
+            f"{_defined_at(model)}: torch.fx cannot keep tensors stored on the model. Register "
+            "it as a buffer (register_buffer) and update it in place, or return it"
+            + (" (or try tracer='export' or 'auto')" if alone else ""))
 
 
 def _drop_concrete_placeholders(gm: fx.GraphModule, bound: BoundInputs) -> None:

@@ -18,6 +18,7 @@ from .codegen import Stage
 from .errors import InputError, VarunaFxError
 from .init_skipping import any_marked, loaded, raise_unloaded, unloaded
 from .ir import info
+from .model_edits import ModelEdits
 from .modes import Modes, capture_if_changed, evaluation_stages, module_modes
 from .plan import Plan
 from .runtime import preemption
@@ -72,6 +73,8 @@ class Pipeline:
         self.replica_index = runtime.replica_index
         # stages whose parameters live in this process (all of them in one process)
         self.local_stages = runtime.local_stages
+        # what the stages hold, so a step after the model was edited asks for a new compile
+        self._edits = ModelEdits(model, [stages[s].module for s in self.local_stages])
         # every parameter and persistent buffer with its full shape, and which ones no stage
         # reads (stage 0 holds those)
         self.state_layout = state_layout or StateLayout.of(model, canonical, stages)
@@ -198,6 +201,7 @@ class Pipeline:
                 "model only plans. Build the model with real parameters (or "
                 "model.to_empty(device=...) and initialise them) and call vf.compile again"
             )
+        self._edits.check()
         self._check_loaded()
 
     def _check_loaded(self) -> None:

@@ -4,7 +4,9 @@ The partitioner (``partition.py``) sees only arrays; this pass is the bridge. Po
 non-replicable compute nodes in graph (topological) order. A value produced at position ``p``
 and last used at ``q`` (the output node counts as position N, on the last stage) crosses every
 cut between them; a value that is not a single tensor (a tuple, an int computed from an
-activation) may not cross, so those cuts are forbidden.
+activation) may not cross, so those cuts are forbidden. Nor may a buffer written in place cross
+before its next in-place write (``self.ema.mul_(0.9).add_(v)``): the receiving stage would
+write a copy it received, never the buffer.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
+from ..buffers import written_buffer
 from ..costmodel import DeviceSpec, NodeTimes, step_time
 from ..ir import info
 from ..memory_model import SharedWeight
@@ -102,6 +105,12 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
         else:
             forbidden[p + 1] += 1
             forbidden[last + 1] -= 1
+        if written_buffer(node) is not None:
+            rewrites = [position[u] for u in node.users if u in position and info(u).mutates
+                        and u.args and u.args[0] is node]
+            if rewrites:
+                forbidden[p + 1] += 1
+                forbidden[max(rewrites) + 1] -= 1
     cut = np.cumsum(crossing)[: n + 1]
     cut[np.cumsum(forbidden)[: n + 1] > 0] = np.inf
     cut[0] = cut[n] = 0.0

@@ -1,0 +1,69 @@
+"""Edits to the model after ``vf.compile``: a pipeline never silently runs what it replaced.
+
+The stage modules hold the model's own submodules, parameters and buffers (the same objects).
+Replacing one afterwards (``model.block = NewBlock()``, ``model.lin.weight = nn.Parameter(...)``
+for a weight a graph reads directly) leaves the stages running the old object while
+``pipe.parameters()`` -- read from the model by name -- hands the optimizer the new one, which
+never gets a gradient; ``model.double()`` after compile changes dtypes the plan was made for.
+Eager would run the edited model, so each step checks that every object its stages hold is
+still where the model keeps it, with the dtype, shape and device it had (dictionary lookups
+along each path: microseconds), and asks for a new compile otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import InputError
+
+
+class ModelEdits:
+    """The paths (in the model) of everything the stages hold, and each tensor's form."""
+
+    def __init__(self, model: nn.Module, stage_modules: Iterable[nn.Module]) -> None:
+        self.model = model
+        self.held: list[tuple[nn.Module, str, str, tuple | None]] = []
+        for module in stage_modules:
+            held = [*((n, "_modules", m) for n, m in module.named_modules() if n),
+                    *((n, "_parameters", p) for n, p in
+                      module.named_parameters(remove_duplicate=False)),
+                    *((n, "_buffers", b) for n, b in module.named_buffers(remove_duplicate=False))]
+            for path, kind, obj in held:
+                if _lookup(model, path, kind) is obj:  # else not the model's name for it
+                    form = _form(obj) if isinstance(obj, torch.Tensor) else None
+                    self.held.append((module, path, kind, form))
+
+    def check(self) -> None:
+        """Raise InputError naming the first edit, if the model was edited since compile."""
+        for module, path, kind, form in self.held:
+            now = _lookup(self.model, path, kind)
+            if now is not _lookup(module, path, kind):
+                what = {"_modules": "submodule", "_parameters": "parameter",
+                        "_buffers": "buffer"}[kind]
+                raise InputError(
+                    f"{type(self.model).__name__}.{path} is not the {what} this pipeline was "
+                    "compiled with (it was replaced or reassigned after vf.compile): the "
+                    "stages would run the old one. Call vf.compile again on the edited model "
+                    "(and make the optimizer from the new pipe.parameters())")
+            if form is not None and _form(now) != form:
+                raise InputError(
+                    f"{type(self.model).__name__}.{path} changed from (shape, dtype, device) "
+                    f"{form} at compile to {_form(now)} (model.to()/.double()/.half() or a "
+                    "resize after vf.compile): call vf.compile again on the changed model")
+
+
+def _lookup(root: nn.Module, path: str, kind: str) -> Any:
+    """The object at ``path`` (a submodule, parameter or buffer by ``kind``), or None."""
+    parts = path.split(".")
+    current: Any = root
+    for part in parts[:-1]:
+        current = current._modules.get(part) if isinstance(current, nn.Module) else None
+    return getattr(current, kind).get(parts[-1]) if isinstance(current, nn.Module) else None
+
+
+def _form(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, t.device
