@@ -1,7 +1,8 @@
 """Seeded random models for the randomized equivalence test (issue 9).
 
 ``Program.generate(seed)`` draws a small model: a DAG of Linear layers, activations, in-place
-ops, residual adds, concat/split, dropout, LayerNorm, shared modules, tied weights, buffers,
+ops, residual adds, concat/split, dropout, LayerNorm, shared modules, tied weights, buffers
+(read, or updated by forward: in place, rebound, counted), torch.no_grad() blocks,
 reductions, reshapes and masks over (batch, width) or (batch, seq, width) inputs, given by
 position or keyword, with tensor/tuple/dict/nested outputs holding None, constants, inputs or
 integer tensors, or a loss the model computes itself (``FEATURES``). The program renders as the
@@ -10,8 +11,8 @@ exactly that source, so a failing seed prints a model one can read, paste and de
 
 ``Case.generate(seed)`` adds a pipeline configuration (stages P in 1..4, lowered to what the
 model allows; schedule; recompute; micro-batch size; fx or torch.export) and ``run_case``
-checks it against eager PyTorch with ``torch.testing.assert_close``: two training steps (loss
-and every parameter gradient; SGD in between) and the eval-mode output.
+checks it against eager PyTorch with ``torch.testing.assert_close``: two training steps (loss,
+every parameter gradient and every buffer; SGD in between) and the eval-mode output.
 
 Dropout: the library seeds each random op from (step seed, op, micro-batch) (runtime/rng.py),
 so its masks cannot equal eager's whole-batch masks. Eager equality is therefore checked with
@@ -49,6 +50,10 @@ FEATURES = (
     "nested_output", "model_loss", "none_output", "const_output", "input_output", "int_output",
     "keyword_inputs", "float64", "sequence",
     "param_matmul", "buffer", "reduction", "reshape", "masked",
+    # state written by forward (a buffer updated in place or rebound: with micro_batch_size =
+    # batch, as eager updates once per batch) and torch.no_grad() blocks (a frozen branch
+    # reading parameters needs torch.export: such cases trace with tracer="auto")
+    "buffer_update", "no_grad", "no_grad_frozen",
     # case-level: an in-place op at P > 1 (its input may be received from another stage);
     # captured by torch.export; torch.export and dropout
     "inplace_received", "export_tracer", "export_dropout",
@@ -66,6 +71,7 @@ OBSERVED = frozenset({"unread_parameters"})  # known only once a case ran
 OUTPUT_KINDS = ("tuple_output", "dict_output", "nested_output", "model_loss")
 DROPOUT = frozenset({"dropout", "functional_dropout"})
 INPLACE = frozenset({"inplace", "inplace_module", "iadd", "inplace_statement"})
+STATE = ("buffer_update", "no_grad", "no_grad_frozen")  # drawn in a quarter of the programs
 
 WIDTH = 8       # the width of the inputs and of every Linear's output
 MAX_WIDTH = 16  # concat never makes a value wider
@@ -195,6 +201,8 @@ class _Generator:
         self.linears: list[tuple[str, int]] = []  # (attribute, in width)
         # a third of the programs use in-place ops (else nearly all would, with ~10 ops each)
         self.inplace = rng.random() < 0.35
+        # from a generator of their own, so the programs without them stay as they were
+        self.state = random.Random(seed * 104_729 + 5).random() < 0.25
         self.counter = 0
         for _ in range(rng.randint(3, 12)):
             self._one_op()
@@ -256,9 +264,11 @@ class _Generator:
             "inplace_module": self._inplace_module, "iadd": self._iadd,
             "inplace_statement": self._inplace_statement, "param_matmul": self._param_matmul,
             "buffer": self._buffer, "reduction": self._reduction, "reshape": self._reshape,
-            "masked": self._masked,
+            "masked": self._masked, "buffer_update": self._buffer_update,
+            "no_grad": self._no_grad,
         }
-        names = [n for n in ops if n in self.enabled and (self.inplace or n not in INPLACE)]
+        names = [n for n in ops if n in self.enabled and (self.inplace or n not in INPLACE)
+                 and (self.state or n not in STATE)]
         # Linear most (it makes values in-place ops may write into), then in-place ops in the
         # programs that have them, as they need such a value nothing has read yet
         weights = [3 if n == "linear" or n in INPLACE else 1 for n in names]
@@ -455,6 +465,49 @@ class _Generator:
         self._emit(f"{out.name} = {form}", "reshape")
         return True
 
+    def _buffer_update(self) -> bool:
+        # an EMA of a value, as a running statistic: in place (two writes), rebound, or a
+        # counter (`+=` on a buffer, which fx traces as a rebinding); later ops read the new value
+        v = self._pick()
+        assert v is not None
+        n, w = v.name, v.width
+        name = f"buf{len(self.program.init_lines)}"
+        mean = f"{n}.detach().reshape(-1, {w}).mean(dim=0)"
+        form = self.rng.choice(["inplace", "rebind", "counter", "no_grad"])
+        if form == "counter":
+            self.program.init_lines.append(
+                f'self.register_buffer("{name}", torch.zeros((), dtype=torch.long))')
+            lines = [f"self.{name} += 1", f"h{self.counter + 1} = {n} * (1.0 + 0.1 * self.{name})"]
+        else:
+            self.program.init_lines.append(f'self.register_buffer("{name}", torch.zeros({w}))')
+            update = {
+                "inplace": f"self.{name}.mul_(0.9).add_({mean} * 0.1)",
+                "rebind": f"self.{name} = 0.9 * self.{name} + 0.1 * {mean}",
+                "no_grad": f"with torch.no_grad():\n    self.{name}.mul_(0.9).add_({mean})",
+            }[form]
+            lines = [update, f"h{self.counter + 1} = {n} + self.{name}"]
+        out = self._new(w, False, v)
+        assert out.name == f"h{self.counter}"
+        self._emit("\n".join(lines), "buffer_update")
+        return True
+
+    def _no_grad(self) -> bool:
+        # a block computing without gradients: from detached values (fx keeps it), or a frozen
+        # branch through a Linear (no gradient to it, nor through it)
+        v = self._pick()
+        assert v is not None
+        frozen = [(name, width) for name, width in self.linears if width == v.width]
+        if frozen and self.rng.random() < 0.5:
+            name, _ = self.rng.choice(frozen)
+            out = self._new(WIDTH, False)
+            self._emit(f"with torch.no_grad():\n    {out.name} = torch.tanh(self.{name}({v.name}))",
+                       "no_grad", "no_grad_frozen")
+        else:
+            out = self._new(v.width, False)
+            self._emit(f"with torch.no_grad():\n    {out.name} = {v.name}.detach() * 0.5 + 1.0",
+                       "no_grad")
+        return True
+
     def _masked(self) -> bool:
         v = self._pick()
         assert v is not None
@@ -583,7 +636,7 @@ class Case:
     schedule: str
     recompute: bool
     micro_batch_size: int
-    tracer: str = "fx"
+    tracer: str = "fx"  # or "export"; "auto" where fx must refuse the model
     enabled: frozenset[str] = ENABLED
     error: str | None = None  # after check_case: a one-line summary of the failure
     observed: set[str] = field(default_factory=set)  # features seen while running it
@@ -609,10 +662,15 @@ class Case:
             max_stages = 1
         export = "export_tracer" in enabled and rng.random() < 0.1 and (
             "export_dropout" in enabled or not program.features & DROPOUT)
-        return Case(seed, program, stages=rng.randint(1, max_stages),
+        case = Case(seed, program, stages=rng.randint(1, max_stages),
                     schedule=rng.choice(SCHEDULES), recompute=rng.random() < 0.5,
                     micro_batch_size=rng.choice([1, 2, 4, 8]),
                     tracer="export" if export else "fx", enabled=enabled)
+        if "buffer_update" in program.features:  # eager updates once per batch
+            case.micro_batch_size = BATCH
+        if "no_grad_frozen" in program.features and case.tracer == "fx":
+            case.tracer = "auto"  # fx refuses the block; torch.export records grad mode
+        return case
 
     def __str__(self) -> str:
         return (f"case seed={self.seed}: stages={self.stages} schedule={self.schedule} "
@@ -694,6 +752,13 @@ def _assert_outputs(got: Any, want: Any, what: str) -> None:
     torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}")
 
 
+def _assert_buffers(got: nn.Module, want: nn.Module, what: str, **tol: float) -> None:
+    expected = dict(want.named_buffers())
+    for name, b in got.named_buffers():
+        torch.testing.assert_close(b, expected[name], msg=lambda m, n=name: f"{what} {n}: {m}",
+                                   **tol)
+
+
 def _set_dropout(model: nn.Module, p: float) -> None:
     for m in model.modules():
         if isinstance(m, nn.Dropout):
@@ -717,7 +782,8 @@ def run_case(case: Case) -> None:
 
     # 1. train mode, dropout off: two steps' losses and every gradient equal eager's
     zero_model, zero_pipe = model, pipe
-    if "functional_dropout" in features or (dropout and case.tracer == "export"):
+    exported = pipe.captured.tracer == "export"  # it bakes nn.Dropout's p into the graph
+    if "functional_dropout" in features or (dropout and exported):
         zero_model = program.build(dropout_p=0.0)
         zero_pipe = _compile(case, zero_model, inputs)
     _set_dropout(zero_model, 0.0)
@@ -740,6 +806,7 @@ def run_case(case: Case) -> None:
                                    msg=lambda m, s=step: f"step {s} loss: {m}", **tol)
         _assert_grads(_grads(zero_pipe.named_parameters()), expected, f"step {step} grad",
                       all_params, **tol)
+        _assert_buffers(zero_model, eager_model, f"step {step} buffer", **tol)
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -748,8 +815,10 @@ def run_case(case: Case) -> None:
     # 2. eval mode (dropout active in train mode): the output equals eager's
     pipe.eval()
     model.eval()
+    eager_model = copy.deepcopy(model)  # forward may update buffers: both start equal
     with torch.no_grad():
-        _assert_outputs(_call(pipe, inputs), _call(model, inputs), "eval output")
+        _assert_outputs(_call(pipe, inputs), _call(eager_model, inputs), "eval output")
+    _assert_buffers(model, eager_model, "eval buffer")
     pipe.train()
     model.train()
 
@@ -757,7 +826,10 @@ def run_case(case: Case) -> None:
     if dropout:
         reference = _compile(case, model, inputs, stages=1, schedule="gpipe", recompute=False)
         results = []
+        state = {n: b.clone() for n, b in model.named_buffers()}
         for p in (reference, pipe):
+            for n, b in model.named_buffers():  # both runs start from the same buffers
+                b.copy_(state[n])
             p.zero_grad()
             torch.manual_seed(1234)
             loss = _call(p.step, inputs, target=target)

@@ -418,3 +418,92 @@ def test_no_grad_block_in_forward_follows_eager(reads_activation: bool) -> None:
     pipe = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=4)
     assert pipe.captured.tracer == ("export" if reads_activation else "fx")
     assert_like_eager(pipe, model, eager, pipe.step(x), eager_loss)
+
+
+class ReadsThenWrites(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 + self.calls.float()  # read before the write, used on the last stage
+        self.calls.add_(1)
+        return (self.c(self.b(self.a(x))) * scale).pow(2).mean()
+
+
+def test_a_buffer_read_before_its_write_is_not_recomputed_after_it() -> None:
+    # `scale` depends only on a buffer, so it was copied into the last stage, which computed
+    # it after stage 0 had written the buffer: scale 2 instead of 1 (loss 4x eager's)
+    torch.manual_seed(0)
+    model, x = ReadsThenWrites(), torch.randn(8, 8)
+    eager = copy.deepcopy(model)
+    eager_loss = eager(x)
+    eager_loss.backward()
+    pipe = vf.compile(model, example_inputs=(x,), stages=3, micro_batch_size=8)
+    assert_like_eager(pipe, model, eager, pipe.step(x), eager_loss)
+
+
+class NoGradStatistic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.no_grad():  # torch.export: a subgraph whose result nothing reads
+            self.ema.mul_(0.9).add_(h.mean(dim=0) * 0.1)
+        return self.b(torch.relu(h)).pow(2).mean()
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_buffer_written_in_a_no_grad_block_is_written(stages: int) -> None:
+    torch.manual_seed(0)
+    model, x = NoGradStatistic(), torch.randn(8, 8)
+    eager = copy.deepcopy(model)
+    eager_loss = eager(x)
+    eager_loss.backward()
+    pipe = vf.compile(model, example_inputs=(x,), stages=stages, micro_batch_size=8)
+    assert pipe.captured.tracer == "export"
+    assert_like_eager(pipe, model, eager, pipe.step(x), eager_loss)
+    assert model.ema.abs().sum() > 0
+
+
+class DetachedAcross(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 1)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        stat = h.detach().mean(dim=0) * 0.1  # made on the first stage, written on the last
+        h = self.c(torch.relu(self.b(torch.relu(h))))
+        self.ema.mul_(0.9).add_(stat)
+        return self.d(h + self.ema).pow(2).mean()
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_detached_value_crosses_stages_without_gradient(tracer: str) -> None:
+    # it was received as a leaf requiring grad, so the buffer written from it required grad
+    # too, holding the step's autograd graph (and deepcopy of the model failed)
+    torch.manual_seed(0)
+    model, x = DetachedAcross(), torch.randn(8, 8)
+    eager = copy.deepcopy(model)
+    pipe = vf.compile(model, example_inputs=(x,), stages=3, micro_batch_size=8, tracer=tracer)
+    for _ in range(2):
+        eager.zero_grad()
+        pipe.zero_grad()
+        eager_loss = eager(x)
+        eager_loss.backward()
+        loss = pipe.step(x)
+    assert not model.ema.requires_grad
+    assert_like_eager(pipe, model, eager, loss, eager_loss)
+    copy.deepcopy(model)

@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from .ir import info
+from .mutations import hop_written_inputs
 
 
 @contextlib.contextmanager
@@ -39,22 +40,28 @@ class MicroBatchStateWarning(UserWarning):
     cannot follow eager on the whole batch."""
 
 
-def written_buffer(node: fx.Node) -> str | None:
-    """The attribute path of the buffer an in-place node writes (``self.calls.add_(1)``,
-    or ``add_`` in ``self.ema.mul_(0.9).add_(v)``), else None."""
+def written_buffers(node: fx.Node) -> list[str]:
+    """The attribute paths of the buffers an in-place node writes (``self.calls.add_(1)``, or
+    ``add_`` in ``self.ema.mul_(0.9).add_(v)``, or a torch.no_grad() block's writes)."""
     if not info(node).mutates:
-        return None
-    base = node.args[0] if node.args else None
-    while isinstance(base, fx.Node) and base.op in ("call_method", "call_function") \
-            and base.args:
-        base = base.args[0]  # views and earlier writes of the same tensor
-    return str(base.target) if isinstance(base, fx.Node) and base.op == "get_attr" else None
+        return []
+    bases = [node.args[0]] if node.args else []
+    if isinstance(node.target, torch._ops.HigherOrderOperator):  # a write inside a subgraph
+        root = node.graph.owning_module
+        bases = list(hop_written_inputs(node, root)) if root is not None else []
+    found = []
+    for base in bases:
+        while isinstance(base, fx.Node) and base.op in ("call_method", "call_function") \
+                and base.args:
+            base = base.args[0]  # views and earlier writes of the same tensor
+        if isinstance(base, fx.Node) and base.op == "get_attr":
+            found.append(str(base.target))
+    return found
 
 
 def mutated_buffers(gm: fx.GraphModule) -> list[str]:
     """Buffers the graph writes in place (``self.calls.add_(1)``), by the attribute path."""
-    found = [written_buffer(node) for node in gm.graph.nodes]
-    return list(dict.fromkeys(b for b in found if b is not None))
+    return list(dict.fromkeys(b for node in gm.graph.nodes for b in written_buffers(node)))
 
 
 def warn_micro_batch_state(model: nn.Module, gm: fx.GraphModule,

@@ -40,6 +40,8 @@ def setitem_value(base: Any, index: Any, value: Any) -> Any:
 
 def is_mutating(node: fx.Node, root: torch.nn.Module) -> bool:
     """Whether the node writes into one of its inputs (or a module's state)."""
+    if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+        return bool(hop_written_inputs(node, root))
     if node.op == "call_method":
         name = str(node.target)
         return name.endswith("_") and not name.endswith("__")
@@ -59,6 +61,38 @@ def is_mutating(node: fx.Node, root: torch.nn.Module) -> bool:
         return getattr(module, "inplace", False) is True or \
             any(True for _ in module.buffers(recurse=True))
     return False
+
+
+def hop_written_inputs(node: fx.Node, root: torch.nn.Module) -> list[fx.Node]:
+    """The inputs a higher-order op writes in place inside its subgraph. torch.export puts a
+    ``torch.no_grad()`` block into ``wrap_with_set_grad_enabled(False, submod, *inputs)``, so
+    ``self.ema.mul_(0.9).add_(v)`` in such a block is a write into an input of ``submod``; if
+    the op's result is unused, dead-code elimination dropped the write."""
+    sub = next((a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"
+                and isinstance(_attribute(root, str(a.target)), fx.GraphModule)), None)
+    if sub is None:
+        return []
+    module = _attribute(root, str(sub.target))
+    operands = [a for a in node.args[node.args.index(sub) + 1:]]
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    written = set()
+    for inner in module.graph.nodes:
+        if inner.op != "placeholder" and is_mutating(inner, module):
+            base = inner.args[0] if inner.args else None
+            while isinstance(base, fx.Node) and base.op in ("call_method", "call_function") \
+                    and base.args and base not in placeholders:
+                base = base.args[0]  # views and earlier writes of the same tensor
+            if base in placeholders:
+                written.add(placeholders.index(base))
+    return [operands[i] for i in sorted(written)
+            if i < len(operands) and isinstance(operands[i], fx.Node)]
+
+
+def _attribute(root: torch.nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def _returns_its_first_input(node: fx.Node) -> bool:

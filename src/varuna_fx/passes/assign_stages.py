@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
-from ..buffers import written_buffer
+from ..buffers import written_buffers
 from ..costmodel import DeviceSpec, NodeTimes, step_time
 from ..ir import info
 from ..memory_model import SharedWeight
@@ -105,7 +105,7 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
         else:
             forbidden[p + 1] += 1
             forbidden[last + 1] -= 1
-        if written_buffer(node) is not None:
+        if written_buffers(node):
             rewrites = [position[u] for u in node.users if u in position and info(u).mutates
                         and u.args and u.args[0] is node]
             if rewrites:

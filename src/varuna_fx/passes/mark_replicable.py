@@ -7,6 +7,8 @@ non-tensor values (shapes, ints) off the network and frees the partitioner from 
 they flow. A node is replicable when all its inputs are, it is not random, it does no
 matmul-class work and it is not a module call with state; a node reading a trainable parameter
 qualifies only if it is a pure view of it (a transpose), so no work on weights is duplicated.
+Nor does a node reading a buffer the graph writes (``self.steps += 1`` reads ``steps`` before
+writing it): a copy on a later stage would run after the write and read the new value.
 
 A replicable node is computed only inside the stages that use it, so one nobody uses is never
 computed: it is erased, with the ``get_attr`` reads that fed only it. Otherwise its parameter
@@ -22,19 +24,26 @@ import inspect
 import torch
 import torch.fx as fx
 
+from ..buffers import mutated_buffers
 from ..ir import info
 
 
 def mark_replicable(gm: fx.GraphModule) -> None:
     trainable = {name for name, p in gm.named_parameters(remove_duplicate=False)
                  if p.requires_grad}
+    written = set(mutated_buffers(gm))
     reads_weight: dict[fx.Node, bool] = {}
+    reads_written: dict[fx.Node, bool] = {}  # through replicable nodes
     for node in gm.graph.nodes:
         meta = info(node)
         inputs = node.all_input_nodes
         reads_weight[node] = (
             (node.op == "get_attr" and str(node.target) in trainable)
             or any(reads_weight[i] for i in inputs)
+        )
+        reads_written[node] = (
+            (node.op == "get_attr" and str(node.target) in written)
+            or any(reads_written[i] and info(i).replicable for i in inputs)
         )
         if node.op in ("placeholder", "get_attr"):
             meta.replicable = True
@@ -48,6 +57,7 @@ def mark_replicable(gm: fx.GraphModule) -> None:
                 and meta.matmul_flops.const == 0 and meta.matmul_flops.per_sample == 0
                 and not _stateful_module(gm, node)
                 and (not reads_weight[node] or _is_free(meta))
+                and not reads_written[node]
             )
     _erase_unused_replicable(gm)
 

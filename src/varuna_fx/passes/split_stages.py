@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
 import torch.fx as fx
 
 from ..ir import NodeInfo, StageSpec, TensorInfo, Transfer, copied_meta, copy_info, info
@@ -43,10 +44,30 @@ def requiring_grad(gm: fx.GraphModule, trainable: set[str]) -> set[fx.Node]:
     for node in gm.graph.nodes:
         floating = any(t.dtype.is_floating_point or t.dtype.is_complex
                        for t in info(node).outputs)
-        if floating and (any(p in trainable for p in info(node).params)
-                         or any(i in found for i in node.all_input_nodes)):
+        if floating and not _cuts_gradient(node) and (
+                any(p in trainable for p in info(node).params)
+                or any(i in found for i in node.all_input_nodes)):
             found.add(node)
     return found
+
+
+_DETACH = {torch.detach, torch.Tensor.detach, torch.ops.aten.detach.default}
+
+
+def _cuts_gradient(node: fx.Node) -> bool:
+    """``h.detach()``, ``h.data`` and export's ``torch.no_grad()`` blocks: no gradient flows
+    out, so a value made from them is sent as data (a stage that received it as a leaf
+    requiring grad wrote that into a buffer: ``self.ema = 0.9 * self.ema + h.detach()``)."""
+    if node.op == "call_method":
+        return node.target == "detach"
+    if node.op != "call_function":
+        return False
+    if node.target in _DETACH:
+        return True
+    if node.target is getattr:
+        return node.args[1:2] == ("data",)
+    return node.target is getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None) \
+        and node.args[:1] == (False,)
 
 
 def split_stages(gm: fx.GraphModule, num_stages: int, trainable: set[str],
