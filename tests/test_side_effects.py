@@ -507,3 +507,28 @@ def test_a_detached_value_crosses_stages_without_gradient(tracer: str) -> None:
     assert not model.ema.requires_grad
     assert_like_eager(pipe, model, eager, loss, eager_loss)
     copy.deepcopy(model)
+
+
+def test_unfreezing_after_compile_asks_for_a_new_compile() -> None:
+    # the plan decides from requires_grad at compile which values carry gradients between
+    # stages: `a`, unfrozen later, silently got no gradient
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(8, 8)
+    model.a.requires_grad_(False)
+    pipe = vf.compile(model, example_inputs=(x,), stages=3, micro_batch_size=4)
+    pipe.step(x)
+    model.b.requires_grad_(False)  # freezing is followed: no gradient, as in eager
+    model.zero_grad()
+    pipe.step(x)
+    assert model.b.weight.grad is None and model.c.weight.grad is not None
+    model.requires_grad_(True)
+    with pytest.raises(vf.VarunaFxError, match=r"Scaled\.a\.weight requires grad now"):
+        pipe.step(x)
+    pipe = vf.compile(model, example_inputs=(x,), stages=3, micro_batch_size=4)
+    model.zero_grad()
+    loss = pipe.step(x)
+    eager = copy.deepcopy(model)
+    eager.zero_grad()
+    eager_loss = eager(x)
+    eager_loss.backward()
+    assert_like_eager(pipe, model, eager, loss, eager_loss)

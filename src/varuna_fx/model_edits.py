@@ -49,10 +49,16 @@ class ModelEdits:
                     "compiled with (it was replaced or reassigned after vf.compile): the "
                     "stages would run the old one. Call vf.compile again on the edited model "
                     "(and make the optimizer from the new pipe.parameters())")
-            if form is not None and _form(now) != form:
+            if kind == "_parameters" and now.requires_grad and not frozen_ok(form):
+                raise InputError(
+                    f"{type(self.model).__name__}.{path} requires grad now but was frozen "
+                    "(requires_grad=False) at vf.compile: the plan sends it no gradient, so it "
+                    "would silently not train. Call vf.compile again after unfreezing (and make "
+                    "the optimizer from the new pipe.parameters())")
+            if form is not None and _form(now)[:3] != form[:3]:
                 raise InputError(
                     f"{type(self.model).__name__}.{path} changed from (shape, dtype, device) "
-                    f"{form} at compile to {_form(now)} (model.to()/.double()/.half() or a "
+                    f"{form[:3]} at compile to {_form(now)[:3]} (model.to()/.double()/.half() or a "
                     "resize after vf.compile): call vf.compile again on the changed model")
 
 
@@ -66,4 +72,11 @@ def _lookup(root: nn.Module, path: str, kind: str) -> Any:
 
 
 def _form(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), t.dtype, t.device
+    """(shape, dtype, device, requires_grad)."""
+    return tuple(t.shape), t.dtype, t.device, t.requires_grad
+
+
+def frozen_ok(form: tuple | None) -> bool:
+    """Whether the tensor required grad at compile (freezing it later is followed: its
+    gradient stays None, as in eager)."""
+    return form is None or form[3]
