@@ -33,7 +33,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from .errors import CaptureError, InputError
 from .grad_mode import check_no_grad_blocks
-from .mutations import keep_mutations
+from .mutations import keep_mutations, place_write_backs
 
 TRACERS = ("fx", "export", "auto")
 
@@ -370,6 +370,7 @@ def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) ->
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
     gm.graph._codegen = fx.graph.CodeGen()
+    place_write_backs(gm)
     keep_mutations(gm)
     _name_after_modules(gm)
     # A fresh GraphModule: the unlifted one carries pre-hooks that check the pytree input spec.

@@ -108,6 +108,41 @@ def _returns_its_first_input(node: fx.Node) -> bool:
     return True
 
 
+def place_write_backs(gm: fx.GraphModule) -> None:
+    """torch.export writes a buffer that forward rebinds or updates (``self.steps += 1``,
+    ``self.ema = ...``) back with ``copy_(buffer, new)`` at the very end of the graph. There it
+    pinned the last stage to hold the buffer and, with a write in place early on, forbade every
+    cut in between. Each write-back moves to right after the new value and the last read of
+    the buffer before it; one that copies a buffer onto itself (the value is the buffer, written
+    in place) is dropped."""
+    graph = gm.graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default \
+                or node.users or len(node.args) < 2:
+            continue
+        buffer, value = node.args[0], node.args[1]
+        if not (isinstance(buffer, fx.Node) and buffer.op == "get_attr"
+                and isinstance(value, fx.Node)):
+            continue
+        if _aliases(value, buffer):
+            graph.erase_node(node)
+            continue
+        after = max([value, *(u for u in buffer.users if u is not node)], key=position.get)
+        if position[after] < position[node] - 1:
+            after.append(node)
+    gm.recompile()
+
+
+def _aliases(value: fx.Node, buffer: fx.Node) -> bool:
+    """Whether ``value`` is ``buffer`` written in place (``add_(buffer, 1)``)."""
+    while isinstance(value, fx.Node) and value is not buffer and value.op == "call_function" \
+            and isinstance(value.target, torch._ops.OpOverload) and value.args \
+            and _returns_its_first_input(value) and value.target._schema.is_mutable:
+        value = value.args[0]
+    return value is buffer
+
+
 def keep_mutations(gm: fx.GraphModule) -> None:
     """Dead-code elimination that keeps mutations, with reads after a mutation rewired."""
     graph = gm.graph

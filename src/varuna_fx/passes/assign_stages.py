@@ -111,6 +111,9 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
             if rewrites:
                 forbidden[p + 1] += 1
                 forbidden[max(rewrites) + 1] -= 1
+    for first, last in _written_buffer_spans(nodes, position).values():
+        forbidden[first + 1] += 1
+        forbidden[last + 1] -= 1
     cut = np.cumsum(crossing)[: n + 1]
     cut[np.cumsum(forbidden)[: n + 1] > 0] = np.inf
     cut[0] = cut[n] = 0.0
@@ -121,6 +124,21 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
         last_stage_compute=last_compute, workspace_bytes=workspace,
         shared=shared_weights(nodes, trainable),
     )
+
+
+def _written_buffer_spans(nodes: list[fx.Node], position: dict[fx.Node, int]
+                          ) -> dict[str, tuple[int, int]]:
+    """(first, last) position of the nodes reading or writing each buffer the graph writes.
+    Every stage reading a buffer holds its own copy on its rank, so a buffer written on one
+    stage and read on another would be read stale from the next step on: one stage does all."""
+    written = {b for node in nodes for b in written_buffers(node)}
+    spans: dict[str, tuple[int, int]] = {}
+    for node in nodes:
+        for name in [*written_buffers(node), *(b for b in params_read(node) if b in written)]:
+            p = position[node]
+            first, last = spans.get(name, (p, p))
+            spans[name] = (min(first, p), max(last, p))
+    return spans
 
 
 def shared_weights(nodes: list[fx.Node], trainable: set[str]) -> tuple[SharedWeight, ...]:
