@@ -314,6 +314,13 @@ def test_a_pipeline_refuses_to_run_a_model_edited_after_compile() -> None:
     model.zero_grad()
     loss = first.step(x)
     torch.testing.assert_close(loss, model(x).detach())
+    model.act.negative_slope = 0.5  # a module the graph calls: its own code follows it
+    first.step(x)
+    model.alpha = 5.0  # traced into the graph as a constant
+    with pytest.raises(vf.VarunaFxError, match=r"Scaled\.alpha changed from 1\.0 to 5\.0"):
+        first.step(x)
+    model.alpha = 1.0
+    first.step(x)
     model.b = nn.Linear(16, 16)
     with pytest.raises(vf.VarunaFxError, match=r"Scaled\.b is not the submodule.*compile again"):
         first.step(x)

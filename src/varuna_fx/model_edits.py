@@ -24,8 +24,15 @@ from .errors import InputError
 class ModelEdits:
     """The paths (in the model) of everything the stages hold, and each tensor's form."""
 
-    def __init__(self, model: nn.Module, stage_modules: Iterable[nn.Module]) -> None:
+    def __init__(self, model: nn.Module, stage_modules: Iterable[nn.Module],
+                 called: Iterable[str] = ()) -> None:
+        """``called``: the modules the graph calls (their own code runs at each step, so
+        their settings are followed); every other module's code was traced into the graph
+        with its plain settings (``self.alpha``, a torch.export Dropout's ``p``) baked in."""
         self.model = model
+        leaves = set(called)
+        self.settings = [(name, m, _settings(m)) for name, m in model.named_modules()
+                         if name not in leaves]
         self.held: list[tuple[nn.Module, str, str, tuple | None]] = []
         for module in stage_modules:
             held = [*((n, "_modules", m) for n, m in module.named_modules() if n),
@@ -39,6 +46,15 @@ class ModelEdits:
 
     def check(self) -> None:
         """Raise InputError naming the first edit, if the model was edited since compile."""
+        for name, module, settings in self.settings:
+            now = _settings(module)
+            if now != settings:
+                key = next(k for k in {**settings, **now} if settings.get(k) != now.get(k))
+                path = f"{name}.{key}" if name else key
+                raise InputError(
+                    f"{type(self.model).__name__}.{path} changed from {settings.get(key)!r} to "
+                    f"{now.get(key)!r} after vf.compile: the graph holds the value it had when "
+                    "traced. Call vf.compile again on the changed model")
         for module, path, kind, form in self.held:
             now = _lookup(self.model, path, kind)
             if now is not _lookup(module, path, kind):
@@ -60,6 +76,20 @@ class ModelEdits:
                     f"{type(self.model).__name__}.{path} changed from (shape, dtype, device) "
                     f"{form[:3]} at compile to {_form(now)[:3]} (model.to()/.double()/.half() or a "
                     "resize after vf.compile): call vf.compile again on the changed model")
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _settings(module: nn.Module) -> dict[str, Any]:
+    """A module's plain attributes (numbers, strings, tuples of them), but its mode."""
+    return {k: v for k, v in vars(module).items() if k != "training" and _plain(v)}
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
 
 
 def _lookup(root: nn.Module, path: str, kind: str) -> Any:

@@ -74,7 +74,9 @@ class Pipeline:
         # stages whose parameters live in this process (all of them in one process)
         self.local_stages = runtime.local_stages
         # what the stages hold, so a step after the model was edited asks for a new compile
-        self._edits = ModelEdits(model, [stages[s].module for s in self.local_stages])
+        self._edits = ModelEdits(model, [stages[s].module for s in self.local_stages],
+                                 [str(n.target) for n in captured.gm.graph.nodes
+                                  if n.op == "call_module"])
         # every parameter and persistent buffer with its full shape, and which ones no stage
         # reads (stage 0 holds those)
         self.state_layout = state_layout or StateLayout.of(model, canonical, stages)
