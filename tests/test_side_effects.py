@@ -583,3 +583,30 @@ def test_written_buffers_on_three_ranks_match_eager(tmp_path: Path) -> None:
             for k, g in got["grads"].items():
                 torch.testing.assert_close(g, grads[k].grad,
                                            msg=lambda m, w=what, k=k: f"{w} {k}.grad: {m}")
+
+
+class CountsCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # Python state: eager counts calls, a traced graph cannot
+        h = torch.relu(self.a(x))
+        return self.b(h * 2.0 if self.training else h).pow(2).mean()
+
+
+@pytest.mark.parametrize("tracer", tiered(["fx", "export"], ["fx"]))
+def test_tracing_leaves_python_state_alone(tracer: str) -> None:
+    # each capture (compile, and eval mode's own graph) ran forward's Python: the counter
+    # moved, which then looked like an edit of the model after compile
+    model, x = CountsCalls(), torch.randn(8, 8)
+    pipe = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=4, tracer=tracer)
+    assert model.calls == 0
+    pipe.eval()
+    pipe(x)
+    pipe.train()
+    pipe.step(x)
+    assert model.calls == 0

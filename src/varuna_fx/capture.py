@@ -33,6 +33,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from .errors import CaptureError, InputError
 from .grad_mode import check_no_grad_blocks
+from .model_edits import settings_kept
 from .mutations import keep_mutations, place_write_backs
 
 TRACERS = ("fx", "export", "auto")
@@ -124,6 +125,11 @@ def bind_inputs(model: nn.Module, inputs: Any, kw_inputs: dict[str, Any] | None 
 
 
 def capture(model: nn.Module, bound: BoundInputs, tracer: str = "auto") -> Captured:
+    with settings_kept(model):
+        return _capture(model, bound, tracer)
+
+
+def _capture(model: nn.Module, bound: BoundInputs, tracer: str) -> Captured:
     if tracer not in TRACERS:
         raise CaptureError(f"tracer={tracer!r} is unknown; use one of {TRACERS}")
     if tracer == "fx":

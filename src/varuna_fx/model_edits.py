@@ -12,13 +12,35 @@ along each path: microseconds), and asks for a new compile otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import InputError
+
+
+@contextlib.contextmanager
+def settings_kept(model: nn.Module) -> Iterator[None]:
+    """Put every module's plain attributes back after the body: tracing runs forward's Python,
+    and a counter it bumps (``self.calls += 1`` on an int) must not change the user's model,
+    nor look like an edit to a pipeline compiled earlier."""
+    before = [(m, plain_settings(m)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, settings in before:
+            now = plain_settings(module)
+            for key in now.keys() - settings.keys():
+                del module.__dict__[key]
+            for key, value in settings.items():
+                if now.get(key, _GONE) is not value:
+                    module.__dict__[key] = value
+
+
+_GONE = object()
 
 
 class ModelEdits:
@@ -31,7 +53,7 @@ class ModelEdits:
         with its plain settings (``self.alpha``, a torch.export Dropout's ``p``) baked in."""
         self.model = model
         leaves = set(called)
-        self.settings = [(name, m, _settings(m)) for name, m in model.named_modules()
+        self.settings = [(name, m, plain_settings(m)) for name, m in model.named_modules()
                          if name not in leaves]
         self.held: list[tuple[nn.Module, str, str, tuple | None]] = []
         for module in stage_modules:
@@ -47,7 +69,7 @@ class ModelEdits:
     def check(self) -> None:
         """Raise InputError naming the first edit, if the model was edited since compile."""
         for name, module, settings in self.settings:
-            now = _settings(module)
+            now = plain_settings(module)
             if now != settings:
                 key = next(k for k in {**settings, **now} if settings.get(k) != now.get(k))
                 path = f"{name}.{key}" if name else key
@@ -81,7 +103,7 @@ class ModelEdits:
 _PLAIN = (bool, int, float, str, type(None))
 
 
-def _settings(module: nn.Module) -> dict[str, Any]:
+def plain_settings(module: nn.Module) -> dict[str, Any]:
     """A module's plain attributes (numbers, strings, tuples of them), but its mode."""
     return {k: v for k, v in vars(module).items() if k != "training" and _plain(v)}
 
