@@ -23,9 +23,11 @@ and its spread the range of its per-round medians, so a reader can tell a real g
   block; ``pipelining ZB`` (ScheduleInterleavedZeroBubble, 2 stages per rank) with ``--zb``;
 - ``DDP`` and ``FSDP2`` (``fully_shard``): the whole model on each rank, half the batch each.
 
-A step is forward + backward of the whole batch (no optimizer) everywhere. The profile for the
-``profile=True`` variants is measured first, in a launch of its own (not in the timed runs),
-and cached; each measured run loads it and measures only the link. The simulator's error is
+A step is forward + backward of the whole batch (no optimizer) everywhere. Rank i is pinned to
+core i (``--no-pin``: not), for every variant alike, as if on two machines. The profile for the
+``profile=True`` variants is measured in a launch of its own (never in the timed runs) right
+before each link's measured launch (``--profile-once``: once, before the first link) and
+cached; the measured launch loads it and measures only the link. The simulator's error is
 ``predicted / measured - 1`` of every variant that has a prediction. Results: a table per link
 (ratios vs pipelining 1F1B), JSON in ``bench/figures/network.json`` and a chart
 ``bench/figures/network.png``.
