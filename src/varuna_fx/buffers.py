@@ -9,6 +9,7 @@ update in the graph (BatchNorm's running statistics and ``num_batches_tracked``,
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 from collections.abc import Iterator
 
@@ -46,17 +47,54 @@ def written_buffers(node: fx.Node) -> list[str]:
     if not info(node).mutates:
         return []
     bases = [node.args[0]] if node.args else []
+    root = node.graph.owning_module
     if isinstance(node.target, torch._ops.HigherOrderOperator):  # a write inside a subgraph
-        root = node.graph.owning_module
         bases = list(hop_written_inputs(node, root)) if root is not None else []
     found = []
     for base in bases:
-        while isinstance(base, fx.Node) and base.op in ("call_method", "call_function") \
-                and base.args:
+        while isinstance(base, fx.Node) and _aliases_first_input(base):
             base = base.args[0]  # views and earlier writes of the same tensor
-        if isinstance(base, fx.Node) and base.op == "get_attr":
+        if isinstance(base, fx.Node) and base.op == "get_attr" and root is not None \
+                and _is_buffer(root, str(base.target)):
             found.append(str(base.target))
     return found
+
+
+# views of their first input (fx call_method / call_function forms); in-place ops return it
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t",
+                 "select", "narrow", "expand", "expand_as", "squeeze", "unsqueeze", "flatten",
+                 "unflatten", "unbind", "split", "chunk", "__getitem__", "as_strided", "diagonal",
+                 "movedim", "swapaxes", "detach", "contiguous"}
+
+
+def _aliases_first_input(node: fx.Node) -> bool:
+    """Whether ``node``'s value is (a view of, or an in-place write into) its first input:
+    the chain from a write back to the buffer it writes goes only through such nodes (an
+    ``add_`` on ``F.embedding(ids, weight)`` writes an activation, not the weight)."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    target = node.target
+    if node.op == "call_method":
+        name = str(target)
+        return name in _VIEW_METHODS or (name.endswith("_") and not name.endswith("__"))
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        returns = target._schema.returns
+        return bool(returns) and returns[0].alias_info is not None
+    if target is operator.getitem or getattr(target, "__name__", "") == "setitem_value":
+        return True
+    name = getattr(target, "__name__", "")
+    return name in _VIEW_METHODS or (name.endswith("_") and not name.endswith("__"))
+
+
+def _is_buffer(root: nn.Module, target: str) -> bool:
+    owner, _, name = target.rpartition(".")
+    try:
+        module = root.get_submodule(owner) if owner else root
+    except AttributeError:
+        return False
+    return name in module._buffers
 
 
 def mutated_buffers(gm: fx.GraphModule) -> list[str]:

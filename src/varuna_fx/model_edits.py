@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from .errors import InputError
@@ -47,14 +48,14 @@ class ModelEdits:
     """The paths (in the model) of everything the stages hold, and each tensor's form."""
 
     def __init__(self, model: nn.Module, stage_modules: Iterable[nn.Module],
-                 called: Iterable[str] = ()) -> None:
-        """``called``: the modules the graph calls (their own code runs at each step, so
-        their settings are followed); every other module's code was traced into the graph
-        with its plain settings (``self.alpha``, a torch.export Dropout's ``p``) baked in."""
+                 traced: Iterable[str] = ()) -> None:
+        """``traced``: the modules whose code was traced into the graph, their plain settings
+        (``self.alpha``, a torch.export Dropout's ``p``) baked in (see :func:`traced_modules`;
+        a module the graph calls runs its own code at each step and follows its settings)."""
         self.model = model
-        leaves = set(called)
+        paths = set(traced)
         self.settings = [(name, m, plain_settings(m)) for name, m in model.named_modules()
-                         if name not in leaves]
+                         if name in paths]
         self.held: list[tuple[nn.Module, str, str, tuple | None]] = []
         for module in stage_modules:
             held = [*((n, "_modules", m) for n, m in module.named_modules() if n),
@@ -98,6 +99,17 @@ class ModelEdits:
                     f"{type(self.model).__name__}.{path} changed from (shape, dtype, device) "
                     f"{form[:3]} at compile to {_form(now)[:3]} (model.to()/.double()/.half() or a "
                     "resize after vf.compile): call vf.compile again on the changed model")
+
+
+def traced_modules(gm: fx.GraphModule) -> set[str]:
+    """The paths of the modules whose forward was traced into ``gm`` (the root, and every
+    module in a node's ``nn_module_stack``), without those it calls (``call_module``)."""
+    paths = {""}
+    for node in gm.graph.nodes:
+        for entry in (node.meta.get("nn_module_stack") or {}).values():
+            path = str(entry[0]) if isinstance(entry, tuple) and entry else ""
+            paths.add(path.replace("L['self'].", "").replace("L__self__.", ""))
+    return paths - {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
 
 
 _PLAIN = (bool, int, float, str, type(None))

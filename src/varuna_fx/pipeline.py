@@ -18,7 +18,7 @@ from .codegen import Stage
 from .errors import InputError, VarunaFxError
 from .init_skipping import any_marked, loaded, raise_unloaded, unloaded
 from .ir import info
-from .model_edits import ModelEdits
+from .model_edits import ModelEdits, traced_modules
 from .modes import Modes, capture_if_changed, evaluation_stages, module_modes
 from .plan import Plan
 from .runtime import preemption
@@ -75,8 +75,7 @@ class Pipeline:
         self.local_stages = runtime.local_stages
         # what the stages hold, so a step after the model was edited asks for a new compile
         self._edits = ModelEdits(model, [stages[s].module for s in self.local_stages],
-                                 [str(n.target) for n in captured.gm.graph.nodes
-                                  if n.op == "call_module"])
+                                 traced_modules(captured.gm))
         # every parameter and persistent buffer with its full shape, and which ones no stage
         # reads (stage 0 holds those)
         self.state_layout = state_layout or StateLayout.of(model, canonical, stages)
