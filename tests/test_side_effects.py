@@ -321,6 +321,12 @@ def test_a_pipeline_refuses_to_run_a_model_edited_after_compile() -> None:
         first.step(x)
     model.alpha = 1.0
     first.step(x)
+    hook = model.register_forward_hook(lambda module, args, out: out * 2.0)  # traced: stale
+    with pytest.raises(vf.VarunaFxError, match="hook was added to or removed from Scaled"):
+        first.step(x)
+    hook.remove()
+    model.act.register_forward_hook(lambda module, args, out: out)  # a called module: runs
+    first.step(x)
     model.b = nn.Linear(16, 16)
     with pytest.raises(vf.VarunaFxError, match=r"Scaled\.b is not the submodule.*compile again"):
         first.step(x)

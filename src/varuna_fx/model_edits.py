@@ -54,8 +54,8 @@ class ModelEdits:
         a module the graph calls runs its own code at each step and follows its settings)."""
         self.model = model
         paths = set(traced)
-        self.settings = [(name, m, plain_settings(m)) for name, m in model.named_modules()
-                         if name in paths]
+        self.settings = [(name, m, plain_settings(m), _hooks(m))
+                         for name, m in model.named_modules() if name in paths]
         self.held: list[tuple[nn.Module, str, str, tuple | None]] = []
         for module in stage_modules:
             held = [*((n, "_modules", m) for n, m in module.named_modules() if n),
@@ -69,7 +69,12 @@ class ModelEdits:
 
     def check(self) -> None:
         """Raise InputError naming the first edit, if the model was edited since compile."""
-        for name, module, settings in self.settings:
+        for name, module, settings, hooks in self.settings:
+            if _hooks(module) != hooks:
+                raise InputError(
+                    f"a hook was added to or removed from {type(self.model).__name__}"
+                    f"{'.' + name if name else ''} after vf.compile: its code was traced "
+                    "into the graph with the hooks it had then. Call vf.compile again")
             now = plain_settings(module)
             if now != settings:
                 key = next(k for k in {**settings, **now} if settings.get(k) != now.get(k))
@@ -113,6 +118,13 @@ def traced_modules(gm: fx.GraphModule) -> set[str]:
 
 
 _PLAIN = (bool, int, float, str, type(None))
+
+
+def _hooks(module: nn.Module) -> tuple:
+    """The ids of a module's hooks: a traced module's hooks ran while tracing, so they are in
+    the graph as they were (a module the graph calls runs its hooks itself at each step)."""
+    return tuple(tuple(d) for d in (module._forward_hooks, module._forward_pre_hooks,
+                                    module._backward_hooks, module._backward_pre_hooks))
 
 
 def plain_settings(module: nn.Module) -> dict[str, Any]:
