@@ -50,6 +50,7 @@ from ..schedule import (
     peak_stash_counts,
     schedule_names,
     simulate,
+    simulate_step,
 )
 from .balance import Balancer, StagePlan
 from .costs import CostTable, UnitArrays
@@ -400,7 +401,10 @@ class Planner:
         assert plan is not None
         net = self.links(c.stages, c.data_parallel)
         backward, weight = self.backward_costs(plan, sched.name)
-        sim = simulate(
+        # an order made for this candidate is timed once: no compiled simulation (the cached
+        # cost-free ones, timed for many candidates, keep theirs); the same floats either way
+        made = c.stages > 1 and depends_on_costs(sched.name)
+        sim = (simulate_step if made else simulate)(
             sched, forward=plan.sim_forward(rc), backward=backward,
             recompute=plan.recompute, send_bytes=plan.send_bytes, latency=net.latency,
             bandwidth=net.bandwidths if c.stages > 1 else math.inf, weight_grad=weight,

@@ -23,11 +23,14 @@ from varuna_fx.schedule.generators import (
 from varuna_fx.schedule.render import gantt, text_grid
 from varuna_fx.schedule.simulate import (
     SimResult,
+    StepTiming,
     analytic_bubble,
     peak_stash,
     peak_stash_counts,
     simulate,
     simulate_costs,
+    simulate_costs_step,
+    simulate_step,
 )
 from varuna_fx.schedule.validate import execution_order, validate
 
@@ -38,6 +41,7 @@ __all__ = [
     "Schedule",
     "ScheduleCosts",
     "SimResult",
+    "StepTiming",
     "analytic_bubble",
     "build_schedule",
     "cheaper",
@@ -53,6 +57,8 @@ __all__ = [
     "schedule_names",
     "simulate",
     "simulate_costs",
+    "simulate_costs_step",
+    "simulate_step",
     "text_grid",
     "validate",
     "with_micro_batches",

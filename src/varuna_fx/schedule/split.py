@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind, Schedule
 from varuna_fx.schedule.costs import ScheduleCosts
-from varuna_fx.schedule.simulate import peak_stash_counts, simulate_costs
+from varuna_fx.schedule.simulate import peak_stash_counts, simulate_costs_step
 from varuna_fx.schedule.varuna import fastest
 
 _INF = float("inf")
@@ -197,18 +197,24 @@ def split_backward(bases: list[list[list[Action]]], costs: ScheduleCosts,
     """The fastest (simulated with ``costs``) placement of ``W`` into any of ``bases`` (F/R/B
     orders), the one holding fewer micro-batches on ties. ``fit``: also try filling only the
     gaps a ``W`` fits in (False: a cheaper estimate, as the planner's listed rows use)."""
-    found = []
+    found: list[tuple[float, int, list[list[Action]]]] = []
     for base in bases:
         p = len(base)
         plain = Schedule(name, p, m, tuple(recompute), base)
         caps = [max(peak_stash_counts(plain))] * p
         eager = _eager(base)
-        timed = [(simulate_costs(Schedule(name, p, m, tuple(recompute), eager,
-                                          split_backward=True), costs).step_time, eager)]
+        # (each placement is timed once: no compiled simulation)
+        timed = [(simulate_costs_step(Schedule(name, p, m, tuple(recompute), eager,
+                                               split_backward=True), costs).step_time, eager)]
         for gaps in (False, True)[:2 if fit else 1]:
             lists, step = _fill(base, costs, recompute, caps, gaps)
             timed.append((step, lists))
         for step, lists in timed:
-            sched = Schedule(name, p, m, tuple(recompute), lists, split_backward=True)
-            found.append((step, max(peak_stash_counts(sched)), len(found), lists))
-    return fastest(found)
+            found.append((step, len(found), lists))
+
+    def stash(index: int) -> int:
+        lists = found[index][2]
+        return max(peak_stash_counts(Schedule(name, len(lists), m, tuple(recompute), lists,
+                                              split_backward=True)))
+
+    return fastest(found, stash)
