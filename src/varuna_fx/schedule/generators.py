@@ -187,9 +187,11 @@ def build_schedule(
         # cost-aware base orders also from the shorter backward (B = I only), where the
         # gradients come back sooner; the split pass keeps the better
         bases = [per_stage]
-        if effort != "rough":  # (a rough estimate: one base, W right after B or in gaps)
+        # (a rough estimate: one base, W right after B or in gaps; an order that does not
+        # depend on costs is the same from any)
+        if effort != "rough" and base not in _COST_FREE:
             bases.append(generate(num_stages, num_micro_batches, rc, costs.input_grad_only()))
-            if bases[1] == bases[0]:  # orders that do not depend on costs
+            if bases[1] == bases[0]:
                 bases.pop()
         per_stage = split_backward(bases, costs, rc, name, num_micro_batches,
                                    fit=effort != "rough")

@@ -50,13 +50,15 @@ def peak_stash(acts: list[Action], split: bool = False) -> int:
     A stage runs its actions one at a time, so the count only changes in list order and the
     peak does not depend on the timings at all.
     """
-    release = Kind.W if split else Kind.B
+    forward, release = Kind.F, Kind.W if split else Kind.B  # (a member by attribute is slow)
     live = peak = 0
     for act in acts:
-        if act.kind is Kind.F:
+        kind = act.kind
+        if kind is forward:
             live += 1
-            peak = max(peak, live)
-        elif act.kind is release:
+            if live > peak:
+                peak = live
+        elif kind is release:
             live -= 1
     return peak
 
@@ -277,42 +279,56 @@ def simulate_step(
     arrival, and a link's messages queue in their receiver's list order, so the times do not
     depend on which valid global order visits the actions. This one sweeps the stages
     round-robin, each as far as its dependencies are done (compiling the schedule first
-    cost several times the simulation at P=25, m=32, and each order is timed once)."""
-    check_complete(schedule)  # (a third of the time here: an invalid order must not be priced)
+    cost several times the simulation at P=25, m=32, and each order is timed once). The
+    sweep checks what ``check_complete`` does on the way (each action once, on its stage,
+    after its F / R / B); on anything wrong, ``check_complete`` says what."""
     p, m = schedule.num_stages, schedule.num_micro_batches
+    per_stage = schedule.per_stage
+    if p < 1 or m < 1 or len(per_stage) != p or (
+            not isinstance(schedule.recompute, bool) and len(schedule.recompute) != p):
+        check_complete(schedule)  # raises
     fwd = _per_stage(forward, p, "forward")
     rec = fwd if recompute is None else _per_stage(recompute, p, "recompute")
     bwd = _per_stage(backward, p, "backward")
+    split = schedule.split_backward
     wgt = [0.0] * p
-    if schedule.split_backward:
+    if split:
         wgt = [b / 2 for b in bwd] if weight_grad is None else \
             _per_stage(weight_grad, p, "weight_grad")
         bwd = [b - w for b, w in zip(bwd, wgt)]
     wire = _link_costs(p, send_bytes, 0.0, bandwidth)
     comm = [float(latency) + w for w in wire]
+    recomputes = [schedule.recomputes(s) for s in range(p)]
     # per link direction: when it is next free (forward: link s-1 into stage s; backward:
     # link s into stage s), as ``simulate``'s ``free``
     free_f, free_b = [0.0] * p, [0.0] * p
     f_end: list[list[float | None]] = [[None] * m for _ in range(p)]  # None: not run yet
     b_end: list[list[float | None]] = [[None] * m for _ in range(p)]
+    r_ran, w_ran = [bytearray(m) for _ in range(p)], [bytearray(m) for _ in range(p)]
     stage_end = [0.0] * p
     heads = [0] * p
-    per_stage = schedule.per_stage
     left = sum(len(acts) for acts in per_stage)
     kind_f, kind_r, kind_b = Kind.F, Kind.R, Kind.B
-    while left:
+    valid = True
+    while left and valid:
         progressed = False
         for s in range(p):
             acts, h = per_stage[s], heads[s]
             n, t = len(acts), stage_end[s]
             up, down = f_end[s - 1] if s > 0 else None, b_end[s + 1] if s < p - 1 else None
-            own_f, own_b = f_end[s], b_end[s]
+            own_f, own_b, own_r, own_w = f_end[s], b_end[s], r_ran[s], w_ran[s]
             while h < n:
                 act = acts[h]
-                kind = act.kind
+                kind, i = act.kind, act.mb
+                if act.stage != s or not 0 <= i < m:
+                    valid = False
+                    break
                 if kind is kind_f:
+                    if own_f[i] is not None:
+                        valid = False
+                        break
                     if up is not None:
-                        ready = up[act.mb]
+                        ready = up[i]
                         if ready is None:
                             break
                         f = free_f[s]
@@ -323,10 +339,14 @@ def simulate_step(
                         if ready > t:
                             t = ready
                     t += fwd[s]
-                    own_f[act.mb] = t
+                    own_f[i] = t
                 elif kind is kind_b:
+                    if own_b[i] is not None or (
+                            not own_r[i] if recomputes[s] else own_f[i] is None):
+                        valid = False
+                        break
                     if down is not None:
-                        ready = down[act.mb]
+                        ready = down[i]
                         if ready is None:
                             break
                         f = free_b[s]
@@ -337,22 +357,41 @@ def simulate_step(
                         if ready > t:
                             t = ready
                     t += bwd[s]
-                    own_b[act.mb] = t
+                    own_b[i] = t
+                elif kind is kind_r:
+                    if not recomputes[s] or own_r[i] or own_f[i] is None:
+                        valid = False
+                        break
+                    own_r[i] = 1
+                    t += rec[s]
                 else:
-                    t += rec[s] if kind is kind_r else wgt[s]
+                    if not split or own_w[i] or own_b[i] is None:
+                        valid = False
+                        break
+                    own_w[i] = 1
+                    t += wgt[s]
                 h += 1
             if h != heads[s]:
                 left -= h - heads[s]
                 heads[s], stage_end[s] = h, t
                 progressed = True
-        if not progressed:
+            if not valid:
+                break
+        if valid and not progressed:
+            check_complete(schedule)  # (actions missing can stall it)
             execution_order(schedule)  # raises, naming what each stage waits for
             raise ScheduleError("internal error: simulate_step stalled on a valid order")
+    # every action ran once, after the ones it needs: now each ran (R, W where needed)
+    if not valid or any(None in f_end[s] or None in b_end[s]
+                        or (recomputes[s] and 0 in r_ran[s]) or (split and 0 in w_ran[s])
+                        for s in range(p)):
+        check_complete(schedule)  # raises, naming what is wrong
+        raise ScheduleError("internal error: simulate_step rejected a complete schedule")
     step = max(stage_end)
     # a complete schedule runs every F and B once per micro-batch, R where the stage
     # recomputes and W where the backward is split: ``simulate``'s per-stage counts
-    busy = [m * fwd[s] + (m if schedule.recomputes(s) else 0) * rec[s] + m * bwd[s]
-            + (m if schedule.split_backward else 0) * wgt[s] for s in range(p)]
+    busy = [m * fwd[s] + (m if recomputes[s] else 0) * rec[s] + m * bwd[s]
+            + (m if split else 0) * wgt[s] for s in range(p)]
     idle = [step - b for b in busy]
     bubble = sum(idle) / (p * step) if step > 0 else 0.0
     return StepTiming(step, bubble)

@@ -102,8 +102,10 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
     r_done = [[False] * m for _ in range(p)]
     grad_at = [[_INF] * m for _ in range(p)]  # when B(s, i)'s gradient is here
     r_at = [[_INF] * m for _ in range(p)]  # when R(s, i) may start (just in time)
-    # forwards run in micro-batch order, so B(s, i) joins its list in order
-    b_waiting: list[list[int]] = [[] for _ in range(p)]
+    # B(s, i) whose gradient is on its way and, where the stage recomputes, whose R is done:
+    # ready once the gradient is here; sorted, so the first ready is the lowest (picking
+    # scans these few, not every forward in flight: most are not armed yet)
+    b_armed: list[list[int]] = [[] for _ in range(p)]
     r_waiting: list[list[int]] = [[] for _ in range(p)]  # kept sorted
     running = [-1] * p  # kind of the task running on each stage, -1: idle
     running_mb = [0] * p
@@ -151,14 +153,18 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
                         heapq.heappush(wakes, (arrive, s + 1))
                 else:  # the last stage's backward only needs its own forward
                     grad_at[s][i] = t
-                    b_waiting[s].append(i)
+                    bisect.insort(b_armed[s], i)
             elif kind == _R:
                 r_done[s][i] = True
+                if grad_at[s][i] < _INF:
+                    bisect.insort(b_armed[s], i)
             else:
                 in_flight[s] -= 1
                 if s > 0:
                     arrive = t + link[s - 1]
                     grad_at[s - 1][i] = arrive
+                    if not rc[s - 1] or r_done[s - 1][i]:
+                        bisect.insort(b_armed[s - 1], i)
                     if arrive <= now:
                         if -(s - 1) not in todo:
                             heapq.heappush(todo, -(s - 1))
@@ -179,19 +185,12 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
             # pick the most urgent task ready now: B > R > F, lowest micro-batch first
             kind = -1
             i = 0
-            waiting = b_waiting[s]
-            here = grad_at[s]
-            if rc[s]:
-                done = r_done[s]
-                for k, j in enumerate(waiting):
-                    if here[j] <= now and done[j]:
-                        del waiting[k]
-                        kind, i = _B, j
-                        break
-            else:
-                for k, j in enumerate(waiting):
+            armed = b_armed[s]
+            if armed:
+                here = grad_at[s]
+                for k, j in enumerate(armed):
                     if here[j] <= now:
-                        del waiting[k]
+                        del armed[k]
                         kind, i = _B, j
                         break
             if kind < 0:
@@ -216,8 +215,6 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
                         continue
                     kind, i = _F, nf
                     next_f[s] = nf + 1
-                    if s < last:
-                        waiting.append(nf)  # ready once its gradient (and R) are here
             # start it
             ready = 0.0  # (simulated: when its input is here)
             if kind == _B:
