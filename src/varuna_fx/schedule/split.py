@@ -120,8 +120,9 @@ def _fill(base: list[list[Action]], costs: ScheduleCosts, recompute: Sequence[bo
     heapq.heapify(heap)
     total = sum(lengths)
     placed = 0
-    while heap:
-        s = heapq.heappop(heap)[1]
+    item = heapq.heappop(heap) if heap else None
+    while item is not None:
+        s = item[1]
         # act: a pending W when the next forward would hold too many micro-batches, or
         # when the next action's data is not here yet (and, with ``fit``, the W fits in
         # the gap); else the next action, when its data is here
@@ -133,8 +134,14 @@ def _fill(base: list[list[Action]], costs: ScheduleCosts, recompute: Sequence[bo
             a = weights[s][pending[s].popleft()]
         else:
             a = base[s][h]
-            r = ready_at(s, a)
-            if a.kind is _F and live[s] >= caps[s] and pending[s]:
+            kind = a.kind  # (``ready_at``, inlined here and below: once per action)
+            if kind is _F:
+                r = f_end[s - 1][a.mb] + link[s - 1] if s > 0 else 0.0
+            elif kind is _B:
+                r = b_end[s + 1][a.mb] + link[s] if s < last else 0.0
+            else:
+                r = 0.0
+            if kind is _F and live[s] >= caps[s] and pending[s]:
                 a = weights[s][pending[s].popleft()]
             elif r == _INF:
                 raise ScheduleError("internal error: split-backward placement stalled")
@@ -191,10 +198,25 @@ def _fill(base: list[list[Action]], costs: ScheduleCosts, recompute: Sequence[bo
                 heapq.heappush(heap, (free[waiter], waiter))
         elif kind is _R:
             placed += 1
-        if can_act(s):
-            heapq.heappush(heap, (free[s], s))
-        elif head[s] < lengths[s]:
-            waiting[awaited(s)] = s
+        h = head[s]  # can it act again (``can_act``)?
+        if h >= lengths[s]:
+            again = bool(pending[s])
+        else:
+            a = base[s][h]
+            kind = a.kind
+            if kind is _F:
+                again = (live[s] >= caps[s] and bool(pending[s])) or \
+                    (f_end[s - 1][a.mb] + link[s - 1] if s > 0 else 0.0) != _INF
+            elif kind is _B:
+                again = (b_end[s + 1][a.mb] + link[s] if s < last else 0.0) != _INF
+            else:
+                again = True
+        if again:  # (push and pop at once: it is often the next to act)
+            item = heapq.heappushpop(heap, (free[s], s))
+        else:
+            if h < lengths[s]:
+                waiting[awaited(s)] = s
+            item = heapq.heappop(heap) if heap else None
     if placed < total or any(pending):
         raise ScheduleError("internal error: split-backward placement stalled")
     return out, step
