@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from varuna_fx.errors import ScheduleError
+from varuna_fx.schedule import split as split_module
+from varuna_fx.schedule import varuna as varuna_module
 from varuna_fx.schedule.actions import Action, Kind, Schedule
 from varuna_fx.schedule.costs import ScheduleCosts
 from varuna_fx.schedule.split import split_backward
@@ -206,6 +208,14 @@ def build_schedule(
     sched = Schedule(name, num_stages, num_micro_batches, flag, per_stage, split_backward=split)
     sched.costs = costs
     return sched
+
+
+def clear_caches() -> None:
+    """Forget the orders and actions the generators keep for reuse, so that the next search
+    starts cold (benchmarks timing several searches in one process call this)."""
+    varuna_module._MEMO.clear()
+    varuna_module._actions.cache_clear()
+    split_module._weight_actions.cache_clear()
 
 
 def with_micro_batches(schedule: Schedule, num_micro_batches: int) -> Schedule:

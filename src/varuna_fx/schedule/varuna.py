@@ -114,8 +114,9 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
     # Event queues. An idle stage is asked for a task only when something it waits for has
     # arrived or it has just finished one, since nothing else can make a task ready: asking
     # every stage at every event made the planner's many orders take minutes (P=56, m=64).
-    busy: list[tuple[float, int]] = []  # (end, stage) of the running tasks
-    wakes: list[tuple[float, int]] = [(0.0, s) for s in range(p)]  # (arrival, stage)
+    # (time, stage) where a running task ends, (time, P + stage) where something the stage
+    # waits for arrives: one heap, so that an instant's ends come first, by stage
+    events: list[tuple[float, int]] = [(0.0, p + s) for s in range(p)]
     todo: list[int] = []  # -stage: the stages to ask at ``now``, downstream first
     # the simulator's timing (see above): ends of F and B per stage and micro-batch, when
     # each stage's last task ends, when each link is free (forward, backward)
@@ -128,19 +129,18 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
     feeding = feed >= 0
     remaining = sum(2 * m + (m if rc[s] else 0) for s in range(p))
     while remaining:
-        if not busy and not wakes:
+        if not events:
             raise ScheduleError("internal error: varuna schedule generation stalled")
-        now = busy[0][0] if busy else _INF
-        if wakes and wakes[0][0] < now:
-            now = wakes[0][0]
+        now = events[0][0]
         # Something a stage waits for arrives at t: at ``now``, the stage is asked in this
         # instant's downstream-first pass; later, it wakes then.
-        finished = []
-        while busy and busy[0][0] <= now:
-            finished.append(heapq.heappop(busy)[1])
-        if len(finished) > 1:
-            finished.sort()
-        for s in finished:  # complete the task: release what it makes ready, after links
+        while events and events[0][0] <= now:
+            s = heapq.heappop(events)[1]
+            if s >= p:  # a wake
+                if p - s not in todo:
+                    heapq.heappush(todo, p - s)
+                continue
+            # a task ends: release what it makes ready, after the link times
             kind, i, t = running[s], running_mb[s], ends[s]
             if kind == _F:
                 if s < last:
@@ -150,7 +150,7 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
                         if -(s + 1) not in todo:
                             heapq.heappush(todo, -(s + 1))
                     elif arrive < _INF:
-                        heapq.heappush(wakes, (arrive, s + 1))
+                        heapq.heappush(events, (arrive, p + s + 1))
                 else:  # the last stage's backward only needs its own forward
                     grad_at[s][i] = t
                     bisect.insort(b_armed[s], i)
@@ -169,13 +169,9 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
                         if -(s - 1) not in todo:
                             heapq.heappush(todo, -(s - 1))
                     elif arrive < _INF:
-                        heapq.heappush(wakes, (arrive, s - 1))
+                        heapq.heappush(events, (arrive, p + s - 1))
             running[s] = -1
             remaining -= 1
-            if -s not in todo:
-                heapq.heappush(todo, -s)
-        while wakes and wakes[0][0] <= now:
-            s = heapq.heappop(wakes)[1]
             if -s not in todo:
                 heapq.heappush(todo, -s)
         while todo:  # downstream first: B starts release upstream R at this same instant
@@ -230,7 +226,7 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
                         if -(s - 1) not in todo:
                             heapq.heappush(todo, -(s - 1))
                     elif when < _INF:
-                        heapq.heappush(wakes, (when, s - 1))
+                        heapq.heappush(events, (when, p + s - 1))
                 cost = b_cost[s]
                 order[s].append(act_b[s][i])
                 if s < last:
@@ -256,7 +252,7 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
                 order[s].append(act_r[s][i])
             running[s], running_mb[s] = kind, i
             ends[s] = now + cost
-            heapq.heappush(busy, (now + cost, s))
+            heapq.heappush(events, (now + cost, s))
             begin = sim_stage[s]
             if ready > begin:
                 begin = ready
@@ -321,13 +317,13 @@ def varuna_order(num_stages: int, num_micro_batches: int,
         key = (*shape, k)
         if key in _MEMO:
             _MEMO.move_to_end(key)
-        else:
-            slack, jit, feed = _VARIANTS[k]
-            cap = [min(m, p - s + (m if slack is None else slack)) for s in range(p)]
-            _MEMO[key] = _generate(costs, m, rc, cap, jit, feed)
-            if len(_MEMO) > _MEMO_SIZE:
-                _MEMO.popitem(last=False)
-        made[k] = _MEMO[key]
+            made[k] = _MEMO[key]
+            continue
+        slack, jit, feed = _VARIANTS[k]
+        cap = [min(m, p - s + (m if slack is None else slack)) for s in range(p)]
+        made[k] = _MEMO[key] = _generate(costs, m, rc, cap, jit, feed)
+        while len(_MEMO) > _MEMO_SIZE:
+            _MEMO.popitem(last=False)
     best = fastest([(made[k].step, k, made[k].order) for k in tried],
                    lambda k: made[k].stash)
     return [list(acts) for acts in best]
