@@ -177,6 +177,7 @@ class Planner:
         self.spec = spec or cluster.spec
         self.schedule = schedule  # a schedule name, or "auto": each candidate weighs them all
         self.schedules = considered_schedules(schedule)
+        self._rank = {name: k for k, name in enumerate(self.schedules)}  # (ties: see _key)
         self.recompute = recompute
         self.network = network
         self.memory_cap = float(cluster.gpu_memory)
@@ -603,7 +604,7 @@ class Planner:
         """Time per sample; ties go to fewer devices, fewer stages, bigger micro-batches,
         then the schedule listed first (plain before split backward)."""
         per_sample = float(f"{seconds / c.samples:.9g}")
-        rank = self.schedules.index(c.schedule) if c.schedule in self.schedules else 0
+        rank = self._rank.get(c.schedule, 0)
         return (per_sample, c.stages * c.data_parallel, c.stages, -c.micro_batch_size, rank)
 
     def _fits(self, c: Candidate, counts: Sequence[int], cap: float | None = None) -> bool:

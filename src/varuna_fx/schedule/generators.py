@@ -14,6 +14,7 @@ Every base schedule has a split-backward variant named ``<base>-zb`` (``varuna-z
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from varuna_fx.errors import ScheduleError
@@ -184,7 +185,8 @@ def build_schedule(
     base = name[: -len(SPLIT_SUFFIX)] if split else name
     generate = CHEAPER[effort].get(base, SCHEDULES[base]) if effort != "full" \
         else SCHEDULES[base]
-    per_stage = generate(num_stages, num_micro_batches, rc, costs)
+    per_stage = _cost_free(base, num_stages, num_micro_batches, rc) if base in _COST_FREE \
+        else generate(num_stages, num_micro_batches, rc, costs)
     if split:
         # cost-aware base orders also from the shorter backward (B = I only), where the
         # gradients come back sooner; the split pass keeps the better
@@ -210,10 +212,30 @@ def build_schedule(
     return sched
 
 
+# Orders that do not depend on costs, by (name, P, m, recompute flags): a planner weighing
+# split backward asks for the same 1F1B or GPipe base for every candidate of one shape.
+_COST_FREE_MEMO: OrderedDict[tuple[object, ...], StageLists] = OrderedDict()
+_COST_FREE_SIZE = 32
+
+
+def _cost_free(base: str, num_stages: int, num_micro_batches: int,
+               rc: tuple[bool, ...]) -> StageLists:
+    key = (base, num_stages, num_micro_batches, rc)
+    if key in _COST_FREE_MEMO:
+        _COST_FREE_MEMO.move_to_end(key)
+    else:
+        _COST_FREE_MEMO[key] = SCHEDULES[base](num_stages, num_micro_batches, rc,
+                                               ScheduleCosts.unit(num_stages))
+        while len(_COST_FREE_MEMO) > _COST_FREE_SIZE:
+            _COST_FREE_MEMO.popitem(last=False)
+    return [list(acts) for acts in _COST_FREE_MEMO[key]]  # (callers may edit their lists)
+
+
 def clear_caches() -> None:
     """Forget the orders and actions the generators keep for reuse, so that the next search
     starts cold (benchmarks timing several searches in one process call this)."""
     varuna_module._MEMO.clear()
+    _COST_FREE_MEMO.clear()
     varuna_module._actions.cache_clear()
     split_module._weight_actions.cache_clear()
 
