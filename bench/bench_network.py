@@ -23,9 +23,11 @@ and its spread the range of its per-round medians, so a reader can tell a real g
   block; ``pipelining ZB`` (ScheduleInterleavedZeroBubble, 2 stages per rank) with ``--zb``;
 - ``DDP`` and ``FSDP2`` (``fully_shard``): the whole model on each rank, half the batch each.
 
-A step is forward + backward of the whole batch (no optimizer) everywhere. The profile for the
-``profile=True`` variants is measured first, in a launch of its own (not in the timed runs),
-and cached; each measured run loads it and measures only the link. The simulator's error is
+A step is forward + backward of the whole batch (no optimizer) everywhere. Rank i is pinned to
+core i (``--no-pin``: not), for every variant alike, as if on two machines. The profile for the
+``profile=True`` variants is measured in a launch of its own (never in the timed runs) right
+before each link's measured launch (``--profile-once``: once, before the first link) and
+cached; the measured launch loads it and measures only the link. The simulator's error is
 ``predicted / measured - 1`` of every variant that has a prediction. Results: a table per link
 (ratios vs pipelining 1F1B), JSON in ``bench/figures/network.json`` and a chart
 ``bench/figures/network.png``.
@@ -278,6 +280,9 @@ def worker(args: argparse.Namespace) -> None:
 
     init_process_group(timeout=300.0)
     rank = dist.get_rank()
+    if args.pin:  # each rank on a core of its own, as on two machines; every variant alike
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     schedules = known_schedules(args.schedules.split(","))
     rows = []
     for case in make_cases(args.models.split(",")):
@@ -335,7 +340,8 @@ def launch(args: argparse.Namespace, link: str | None, cache: str, out: Path | N
     extra = ["--worker", "--link", link or "unshaped", "--models", args.models,
              "--schedules", args.schedules, "--steps", str(args.steps), "--warmup",
              str(args.warmup), "--rounds", str(args.rounds), *(["--zb"] if args.zb else []),
-             *(["--profile-only"] if profile_only else []), *(["--out", str(out)] if out else [])]
+             *(["--profile-only"] if profile_only else []), *(["--out", str(out)] if out else []),
+             *(["--pin"] if args.pin else [])]
     base = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE": cache,
             "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
             "MASTER_PORT": str(PORT), "PYTHONPATH": str(HERE.parent / "src")}
@@ -549,6 +555,13 @@ def main() -> None:
                         help="2 rounds of 1 timed step, links unshaped and 100mbit (a smoke "
                              "run: ratios within ~the printed spread)")
     parser.add_argument("--zb", action="store_true", help="also pipelining's zero-bubble")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="pin rank i to core i (default; --no-pin lets the kernel move "
+                             "them, and both ranks' threads may then share one core)")
+    parser.add_argument("--profile-once", action="store_true",
+                        help="profile once before the first link (default: in a launch of "
+                             "its own right before each link's measured launch, so profile "
+                             "and measurement see the machine in the same state)")
     parser.add_argument("--write", "--append", dest="write", action="store_true",
                         help="put this run's tables into bench/RESULTS.md (replacing the "
                              "previous run's)")
@@ -569,6 +582,8 @@ def main() -> None:
         if args.links == parser.get_default("links"):
             args.links = "unshaped,100mbit"
         settings = " --quick"
+    settings += "".join(flag for flag, on in ((" --no-pin", not args.pin),
+                                              (" --profile-once", args.profile_once)) if on)
     if args.report:  # tables and chart again from a saved run
         rows = json.loads((HERE / "figures" / "network.json").read_text())
         chart(rows, HERE / "figures" / "network.png")
@@ -584,10 +599,14 @@ def main() -> None:
     figures.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=args.prefix) as tmp:
         started = time.time()
-        cache = args.cache or tmp  # profiles (link-independent) may be kept between runs
-        launch(args, None, cache, None, profile_only=True)  # the profile, in its own launch
-        print(f"profiled in {time.time() - started:.0f} s", flush=True)
-        for link in args.links.split(","):
+        for i, link in enumerate(args.links.split(",")):
+            # profiles are link-independent, but the machine drifts over minutes: by default
+            # each link's profile is measured (in a launch of its own, never in the timed
+            # one) just before that link's runs; --cache keeps and reuses them
+            cache = args.cache or str(Path(tmp) / ("profile" if args.profile_once else link))
+            if i == 0 or not (args.profile_once or args.cache):
+                launch(args, None, cache, None, profile_only=True)
+                print(f"profiled in {time.time() - started:.0f} s", flush=True)
             out = Path(tmp) / f"{link}.json"
             launch(args, None if link == "unshaped" else link, cache, out)
             rows += json.loads(out.read_text())
