@@ -18,6 +18,7 @@ from varuna_fx.schedule import (
     analytic_bubble,
     build_schedule,
     gantt,
+    peak_stash_counts,
     simulate,
     simulate_costs,
     text_grid,
@@ -297,9 +298,11 @@ def test_generators_time_their_orders_as_the_simulator_does() -> None:
             weight_grad=[rng.uniform(0, 2) for _ in range(p)],
             links=[rng.choice([0.0, rng.uniform(0, 3)]) for _ in range(p - 1)])
         cap = [rng.choice([m, p - s + 1]) for s in range(p)]
-        order, step = _generate(costs, m, rc, cap, rng.random() < 0.5, rng.choice([-1.0, 2.0]))
+        order, step, stash = _generate(costs, m, rc, cap, rng.random() < 0.5,
+                                       rng.choice([-1.0, 2.0]))
         sched = Schedule("varuna", p, m, tuple(rc), order)
         assert step == simulate_costs(sched, costs).step_time
+        assert stash == max(peak_stash_counts(sched))  # counted while made (ties go by it)
         lists, step = _fill(order, costs, rc, [m] * p, rng.random() < 0.5)
         split = Schedule("varuna-zb", p, m, tuple(rc), lists, split_backward=True)
         assert step == simulate_costs(split, costs).step_time

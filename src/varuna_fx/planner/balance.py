@@ -100,6 +100,18 @@ class Balancer:
         self.max_unit = float(last.max()) if len(last) else 0.0
         self.total = float(self.prefix[-1])
         self.last_total = float(self.last_prefix[-1])
+        self._prefix = self.prefix.tolist()  # (list indexing: the greedy's inner loop)
+        self._suffix = np.asarray(self.suffix)
+        self._values = np.asarray(self.value)
+        # Where a stage starting at i stops fitting does not depend on the threshold the
+        # bisection tries, so it is found once per (stash count, memory cap) for every start
+        # instead of once per greedy step (10^5 calls per search). Exact when the peak grows
+        # with the stage's end (nonnegative bytes, as costs.py fits them), so that the
+        # farthest fitting end below any limit is min(limit, the farthest overall);
+        # otherwise every step asks the model, as it always did.
+        self._monotone = all(bool(np.all(np.asarray(a) >= 0)) for a in (
+            units.weights, units.activations, units.workspace, units.cut))
+        self._fitting: dict[tuple[int, float], list[int]] = {}
 
     def lower_bound(self, stages: int) -> float:
         """No partition into ``stages`` has a smaller bottleneck (compute only; every unit
@@ -110,13 +122,30 @@ class Balancer:
         """Whether [i, N) fits as the last stage (no recompute, its own stash count)."""
         return self.model.reach(i, stash, False, memory_cap, self.count) == self.count
 
+    def _fitting_ends(self, memory_cap: float, stash: int) -> list[int] | None:
+        """For every start i, the farthest end of a stage (not the last) that fits holding
+        ``stash`` micro-batches, i if none does; None where the peak may not grow with the
+        end (see ``__init__``)."""
+        if not self._monotone:
+            return None
+        key = (stash, memory_cap)
+        if key not in self._fitting:
+            n = self.count
+            self._fitting[key] = [self.model.reach(i, stash, self.recompute, memory_cap, n)
+                                  for i in range(n)] + [n]
+        return self._fitting[key]
+
     def _end(self, i: int, threshold: float, memory_cap: float, stash: int,
              latest: int) -> int:
         """The farthest end (<= latest) of a stage starting at i that costs <= threshold and
         fits holding ``stash`` micro-batches (i if none)."""
-        limit = self.prefix[i] + threshold
+        limit = self._prefix[i] + threshold
         j = min(bisect_right(self.suffix, limit) - 1, latest)
-        j = self.model.reach(i, stash, self.recompute, memory_cap, j)
+        fitting = self._fitting_ends(memory_cap, stash)
+        if fitting is None:
+            j = self.model.reach(i, stash, self.recompute, memory_cap, j)
+        else:  # what reach(i, ..., j) answers: the peak grows with j
+            j = min(j, fitting[i]) if j > i else i
         while j > i and self.value[j] > limit:  # a costly send just before: end earlier
             j -= 1
         return j
@@ -127,8 +156,16 @@ class Balancer:
         n = self.count
         bounds = [0]
         i = 0
+        prefix, suffix, value = self._prefix, self.suffix, self.value
         for k in range(stages - 1):
-            j = self._end(i, threshold, memory_cap, stash_counts[k], n - (stages - k - 1))
+            fitting = self._fitting_ends(memory_cap, stash_counts[k])
+            if fitting is None:
+                j = self._end(i, threshold, memory_cap, stash_counts[k], n - (stages - k - 1))
+            else:  # ``_end``, inlined: the bisection's inner loop (10^5 steps per search)
+                limit = prefix[i] + threshold
+                j = min(bisect_right(suffix, limit) - 1, n - (stages - k - 1), fitting[i])
+                while j > i and value[j] > limit:
+                    j -= 1
             if j <= i:
                 return None
             bounds.append(j)
@@ -165,7 +202,21 @@ class Balancer:
         """For every start i, the farthest end of a stage costing <= threshold that fits as a
         stage holding ``stash`` micro-batches (not the last one)."""
         n = self.count
-        return [self._end(i, threshold, memory_cap, stash, n) for i in range(n)] + [0]
+        fitting = self._fitting_ends(memory_cap, stash)
+        if fitting is None:
+            return [self._end(i, threshold, memory_cap, stash, n) for i in range(n)] + [0]
+        # ``_end`` for every start at once (same comparisons on the same floats)
+        starts = np.arange(n)
+        limit = self.prefix[:n] + threshold
+        ends = np.minimum(np.searchsorted(self._suffix, limit, side="right") - 1, n)
+        ends = np.where(ends > starts, np.minimum(ends, fitting[:n]), starts)
+        found = ends.tolist()
+        for i in np.flatnonzero((ends > starts) & (self._values[ends] > limit)).tolist():
+            j, bound = found[i], limit[i]
+            while j > i and self.value[j] > bound:  # a costly send just before
+                j -= 1
+            found[i] = j
+        return [*found, 0]
 
     def balanced(self, threshold: float, stages: int, memory_cap: float,
                  stash_counts: Sequence[int]) -> list[int] | None:

@@ -13,6 +13,7 @@ from varuna_fx.schedule.generators import (
     build_schedule,
     cheaper,
     check_schedule_name,
+    clear_caches,
     depends_on_costs,
     has_quick,
     is_split,
@@ -23,11 +24,14 @@ from varuna_fx.schedule.generators import (
 from varuna_fx.schedule.render import gantt, text_grid
 from varuna_fx.schedule.simulate import (
     SimResult,
+    StepTiming,
     analytic_bubble,
     peak_stash,
     peak_stash_counts,
     simulate,
     simulate_costs,
+    simulate_costs_step,
+    simulate_step,
 )
 from varuna_fx.schedule.validate import execution_order, validate
 
@@ -38,10 +42,12 @@ __all__ = [
     "Schedule",
     "ScheduleCosts",
     "SimResult",
+    "StepTiming",
     "analytic_bubble",
     "build_schedule",
     "cheaper",
     "check_schedule_name",
+    "clear_caches",
     "depends_on_costs",
     "execution_order",
     "gantt",
@@ -53,6 +59,8 @@ __all__ = [
     "schedule_names",
     "simulate",
     "simulate_costs",
+    "simulate_costs_step",
+    "simulate_step",
     "text_grid",
     "validate",
     "with_micro_batches",

@@ -14,9 +14,12 @@ Every base schedule has a split-backward variant named ``<base>-zb`` (``varuna-z
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from varuna_fx.errors import ScheduleError
+from varuna_fx.schedule import split as split_module
+from varuna_fx.schedule import varuna as varuna_module
 from varuna_fx.schedule.actions import Action, Kind, Schedule
 from varuna_fx.schedule.costs import ScheduleCosts
 from varuna_fx.schedule.split import split_backward
@@ -182,14 +185,17 @@ def build_schedule(
     base = name[: -len(SPLIT_SUFFIX)] if split else name
     generate = CHEAPER[effort].get(base, SCHEDULES[base]) if effort != "full" \
         else SCHEDULES[base]
-    per_stage = generate(num_stages, num_micro_batches, rc, costs)
+    per_stage = _cost_free(base, num_stages, num_micro_batches, rc) if base in _COST_FREE \
+        else generate(num_stages, num_micro_batches, rc, costs)
     if split:
         # cost-aware base orders also from the shorter backward (B = I only), where the
         # gradients come back sooner; the split pass keeps the better
         bases = [per_stage]
-        if effort != "rough":  # (a rough estimate: one base, W right after B or in gaps)
+        # (a rough estimate: one base, W right after B or in gaps; an order that does not
+        # depend on costs is the same from any)
+        if effort != "rough" and base not in _COST_FREE:
             bases.append(generate(num_stages, num_micro_batches, rc, costs.input_grad_only()))
-            if bases[1] == bases[0]:  # orders that do not depend on costs
+            if bases[1] == bases[0]:
                 bases.pop()
         per_stage = split_backward(bases, costs, rc, name, num_micro_batches,
                                    fit=effort != "rough")
@@ -204,6 +210,34 @@ def build_schedule(
     sched = Schedule(name, num_stages, num_micro_batches, flag, per_stage, split_backward=split)
     sched.costs = costs
     return sched
+
+
+# Orders that do not depend on costs, by (name, P, m, recompute flags): a planner weighing
+# split backward asks for the same 1F1B or GPipe base for every candidate of one shape.
+_COST_FREE_MEMO: OrderedDict[tuple[object, ...], StageLists] = OrderedDict()
+_COST_FREE_SIZE = 32
+
+
+def _cost_free(base: str, num_stages: int, num_micro_batches: int,
+               rc: tuple[bool, ...]) -> StageLists:
+    key = (base, num_stages, num_micro_batches, rc)
+    if key in _COST_FREE_MEMO:
+        _COST_FREE_MEMO.move_to_end(key)
+    else:
+        _COST_FREE_MEMO[key] = SCHEDULES[base](num_stages, num_micro_batches, rc,
+                                               ScheduleCosts.unit(num_stages))
+        while len(_COST_FREE_MEMO) > _COST_FREE_SIZE:
+            _COST_FREE_MEMO.popitem(last=False)
+    return [list(acts) for acts in _COST_FREE_MEMO[key]]  # (callers may edit their lists)
+
+
+def clear_caches() -> None:
+    """Forget the orders and actions the generators keep for reuse, so that the next search
+    starts cold (benchmarks timing several searches in one process call this)."""
+    varuna_module._MEMO.clear()
+    _COST_FREE_MEMO.clear()
+    varuna_module._actions.cache_clear()
+    split_module._weight_actions.cache_clear()
 
 
 def with_micro_batches(schedule: Schedule, num_micro_batches: int) -> Schedule:

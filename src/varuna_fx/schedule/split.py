@@ -22,37 +22,35 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Sequence
+from functools import lru_cache
 
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind, Schedule
 from varuna_fx.schedule.costs import ScheduleCosts
-from varuna_fx.schedule.simulate import peak_stash_counts, simulate_costs
+from varuna_fx.schedule.simulate import peak_stash_counts, simulate_costs_step
 from varuna_fx.schedule.varuna import fastest
 
 _INF = float("inf")
 _F, _R, _B, _W = Kind.F, Kind.R, Kind.B, Kind.W  # (an Enum member by attribute is slow)
 
 
-def _eager(base: list[list[Action]]) -> list[list[Action]]:
+@lru_cache(maxsize=16)
+def _weight_actions(p: int, m: int) -> list[list[Action]]:
+    """The W actions of a (P, m) schedule, made once: every placement holds the same ones."""
+    return [[Action(s, _W, i) for i in range(m)] for s in range(p)]
+
+
+def _eager(base: list[list[Action]], m: int) -> list[list[Action]]:
+    weights = _weight_actions(len(base), m)
     out: list[list[Action]] = []
-    for acts in base:
+    for s, acts in enumerate(base):
         stage: list[Action] = []
         for a in acts:
             stage.append(a)
-            if a.kind is Kind.B:
-                stage.append(Action(a.stage, Kind.W, a.mb))
+            if a.kind is _B:
+                stage.append(weights[s][a.mb])
         out.append(stage)
     return out
-
-
-def _cost(costs: ScheduleCosts, a: Action) -> float:
-    if a.kind is Kind.F:
-        return costs.f(a.stage)
-    if a.kind is Kind.R:
-        return costs.r(a.stage)
-    if a.kind is Kind.B:
-        return costs.b(a.stage, split=True)
-    return costs.w(a.stage)
 
 
 def _fill(base: list[list[Action]], costs: ScheduleCosts, recompute: Sequence[bool],
@@ -63,129 +61,162 @@ def _fill(base: list[list[Action]], costs: ScheduleCosts, recompute: Sequence[bo
     Of the stages that can act, the one free earliest (then the lowest) acts next; a stage
     whose next action waits for data not yet placed is set aside until its producer is
     placed (a heap of the stages that can act, instead of sorting all at every action:
-    P=56, m=64 took seconds per order)."""
+    P=56, m=64 took seconds per order). The planner's hot path with Varuna's generator, so
+    one loop over plain lists: no per-action helper calls."""
     p = len(base)
     m = 1 + max((a.mb for acts in base for a in acts), default=0)
+    last = p - 1
+    lengths = [len(acts) for acts in base]
     head = [0] * p
     pending: list[deque[int]] = [deque() for _ in range(p)]
     live = [0] * p  # micro-batches whose F started and whose W has not
     free = [0.0] * p  # when the stage finishes what it runs
-    ends = {_F: [[_INF] * m for _ in range(p)], _B: [[_INF] * m for _ in range(p)]}
+    f_end = [[_INF] * m for _ in range(p)]  # when F(s, i) / B(s, i) ends as placed
+    b_end = [[_INF] * m for _ in range(p)]
     link = [costs.link(s) for s in range(p - 1)]
-    cost = {_F: [costs.f(s) for s in range(p)], _R: [costs.r(s) for s in range(p)],
-            _B: [costs.b(s, split=True) for s in range(p)],
-            _W: [costs.w(s) for s in range(p)]}
-    weight = cost[_W]
+    f_cost = [costs.f(s) for s in range(p)]
+    r_cost = [costs.r(s) for s in range(p)]
+    b_cost = [costs.b(s, split=True) for s in range(p)]
+    weight = [costs.w(s) for s in range(p)]
+    weights = _weight_actions(p, m)
     out: list[list[Action]] = [[] for _ in range(p)]
     # the simulator's timing of the lists as they grow (the order actions are placed in
     # respects every dependency, and a link's messages cross in their receiver's order)
-    sim_ends = {kind: [[0.0] * m for _ in range(p)] for kind in (_F, _B)}
+    sim_f = [[0.0] * m for _ in range(p)]
+    sim_b = [[0.0] * m for _ in range(p)]
     sim_stage = [0.0] * p
-    sim_free = [[0.0] * p, [0.0] * p]
+    free_f, free_b = [0.0] * p, [0.0] * p  # per link: when it is next free, each way
     step = 0.0
 
-    def producer(a: Action) -> tuple[Kind, int] | None:
-        if a.kind is _F and a.stage > 0:
-            return _F, a.stage - 1
-        if a.kind is _B and a.stage < p - 1:
-            return _B, a.stage + 1
-        return None
-
-    def ready_at(a: Action) -> float:
+    def ready_at(s: int, a: Action) -> float:
         """When ``a``'s cross-stage data is here (inf while its producer has not run)."""
-        src = producer(a)
-        if src is None:
-            return 0.0
-        kind, at = src
-        return ends[kind][at][a.mb] + link[min(at, a.stage)]
-
-    def run(s: int, a: Action, t: float) -> None:
-        nonlocal step
-        out[s].append(a)
-        end = t + cost[a.kind][s]
-        if a.kind is _F or a.kind is _B:
-            ends[a.kind][s][a.mb] = end
-        free[s] = end
         if a.kind is _F:
-            live[s] += 1
-        elif a.kind is _B:
-            pending[s].append(a.mb)
-        elif a.kind is _W:
-            live[s] -= 1
-        ready = 0.0
-        src = producer(a)
-        if src is not None:
-            kind, at = src
-            way, k = (0, at) if kind is _F else (1, s)
-            ready = sim_ends[kind][at][a.mb]
-            if sim_free[way][k] > ready:
-                ready = sim_free[way][k]
-            sim_free[way][k] = ready + link[k]
-            ready += link[k]
-        begin = sim_stage[s] if sim_stage[s] >= ready else ready
-        sim_stage[s] = begin + cost[a.kind][s]
-        if a.kind is _F or a.kind is _B:
-            sim_ends[a.kind][s][a.mb] = sim_stage[s]
-        if sim_stage[s] > step:
-            step = sim_stage[s]
-
-    def act(s: int) -> bool:
-        """Let stage ``s`` act (True), or say it cannot yet (False)."""
-        if head[s] >= len(base[s]):
-            if not pending[s]:
-                return False
-            run(s, Action(s, _W, pending[s].popleft()), free[s])
-            return True
-        a = base[s][head[s]]
-        r = ready_at(a)
-        if a.kind is _F and live[s] >= caps[s] and pending[s]:
-            run(s, Action(s, _W, pending[s].popleft()), free[s])
-        elif r == _INF:
-            return False
-        elif pending[s] and r > free[s] and (not fit or r - free[s] >= weight[s]):
-            run(s, Action(s, _W, pending[s].popleft()), free[s])  # fill the gap
-        else:
-            run(s, a, max(r, free[s]))
-            head[s] += 1
-        return True
+            return f_end[s - 1][a.mb] + link[s - 1] if s > 0 else 0.0
+        if a.kind is _B:
+            return b_end[s + 1][a.mb] + link[s] if s < last else 0.0
+        return 0.0
 
     def can_act(s: int) -> bool:
-        if head[s] >= len(base[s]):
+        if head[s] >= lengths[s]:
             return bool(pending[s])
         a = base[s][head[s]]
         if a.kind is _F and live[s] >= caps[s] and pending[s]:
             return True
-        return ready_at(a) != _INF
+        return ready_at(s, a) != _INF
 
-    # stages waiting for a producer, by (kind, producer stage, micro-batch)
-    waiting: dict[tuple[Kind, int, int], int] = {}
+    def awaited(s: int) -> int:
+        """The key of the producer ``s``'s next action waits for: 2 (stage * m + mb), + 1
+        for a backward."""
+        a = base[s][head[s]]
+        if a.kind is _F:
+            return 2 * ((s - 1) * m + a.mb)
+        return 2 * ((s + 1) * m + a.mb) + 1
+
+    waiting: dict[int, int] = {}  # producer key -> the stage waiting for it
     heap = [(0.0, s) for s in range(p) if can_act(s)]
     for s in range(p):
-        if not can_act(s) and head[s] < len(base[s]):
-            src = producer(base[s][head[s]])
-            assert src is not None
-            waiting[(*src, base[s][head[s]].mb)] = s
+        if not can_act(s) and head[s] < lengths[s]:
+            waiting[awaited(s)] = s
     heapq.heapify(heap)
-    total = sum(len(acts) for acts in base)
+    total = sum(lengths)
     placed = 0
-    while heap:
-        _, s = heapq.heappop(heap)
-        before = len(out[s])
-        if not act(s):  # (only stages that can act are in the heap)
-            raise ScheduleError("internal error: split-backward placement stalled")
-        a = out[s][before]
-        if a.kind is not _W:
+    item = heapq.heappop(heap) if heap else None
+    while item is not None:
+        s = item[1]
+        # act: a pending W when the next forward would hold too many micro-batches, or
+        # when the next action's data is not here yet (and, with ``fit``, the W fits in
+        # the gap); else the next action, when its data is here
+        t = free[s]
+        h = head[s]
+        if h >= lengths[s]:
+            if not pending[s]:
+                raise ScheduleError("internal error: split-backward placement stalled")
+            a = weights[s][pending[s].popleft()]
+        else:
+            a = base[s][h]
+            kind = a.kind  # (``ready_at``, inlined here and below: once per action)
+            if kind is _F:
+                r = f_end[s - 1][a.mb] + link[s - 1] if s > 0 else 0.0
+            elif kind is _B:
+                r = b_end[s + 1][a.mb] + link[s] if s < last else 0.0
+            else:
+                r = 0.0
+            if kind is _F and live[s] >= caps[s] and pending[s]:
+                a = weights[s][pending[s].popleft()]
+            elif r == _INF:
+                raise ScheduleError("internal error: split-backward placement stalled")
+            elif pending[s] and r > t and (not fit or r - t >= weight[s]):
+                a = weights[s][pending[s].popleft()]  # fill the gap
+            else:
+                t = max(r, t)
+                head[s] = h + 1
+        # run it from t, and time it as the simulator does
+        kind, i = a.kind, a.mb
+        out[s].append(a)
+        ready = 0.0
+        if kind is _F:
+            cost = f_cost[s]
+            f_end[s][i] = t + cost
+            live[s] += 1
+            if s > 0:
+                ready = sim_f[s - 1][i]
+                if free_f[s - 1] > ready:
+                    ready = free_f[s - 1]
+                free_f[s - 1] = ready + link[s - 1]
+                ready += link[s - 1]
+        elif kind is _B:
+            cost = b_cost[s]
+            b_end[s][i] = t + cost
+            pending[s].append(i)
+            if s < last:
+                ready = sim_b[s + 1][i]
+                if free_b[s] > ready:
+                    ready = free_b[s]
+                free_b[s] = ready + link[s]
+                ready += link[s]
+        elif kind is _R:
+            cost = r_cost[s]
+        else:
+            cost = weight[s]
+            live[s] -= 1
+        free[s] = t + cost
+        begin = sim_stage[s] if sim_stage[s] >= ready else ready
+        end = sim_stage[s] = begin + cost
+        if end > step:
+            step = end
+        if kind is _F:
+            sim_f[s][i] = end
             placed += 1
-        if a.kind is _F or a.kind is _B:  # a consumer may be able to act now
-            waiter = waiting.pop((a.kind, s, a.mb), None)
+            waiter = waiting.pop(2 * (s * m + i), None)  # a consumer may be able to act now
             if waiter is not None:
                 heapq.heappush(heap, (free[waiter], waiter))
-        if can_act(s):
-            heapq.heappush(heap, (free[s], s))
-        elif head[s] < len(base[s]):
-            src = producer(base[s][head[s]])
-            assert src is not None
-            waiting[(*src, base[s][head[s]].mb)] = s
+        elif kind is _B:
+            sim_b[s][i] = end
+            placed += 1
+            waiter = waiting.pop(2 * (s * m + i) + 1, None)
+            if waiter is not None:
+                heapq.heappush(heap, (free[waiter], waiter))
+        elif kind is _R:
+            placed += 1
+        h = head[s]  # can it act again (``can_act``)?
+        if h >= lengths[s]:
+            again = bool(pending[s])
+        else:
+            a = base[s][h]
+            kind = a.kind
+            if kind is _F:
+                again = (live[s] >= caps[s] and bool(pending[s])) or \
+                    (f_end[s - 1][a.mb] + link[s - 1] if s > 0 else 0.0) != _INF
+            elif kind is _B:
+                again = (b_end[s + 1][a.mb] + link[s] if s < last else 0.0) != _INF
+            else:
+                again = True
+        if again:  # (push and pop at once: it is often the next to act)
+            item = heapq.heappushpop(heap, (free[s], s))
+        else:
+            if h < lengths[s]:
+                waiting[awaited(s)] = s
+            item = heapq.heappop(heap) if heap else None
     if placed < total or any(pending):
         raise ScheduleError("internal error: split-backward placement stalled")
     return out, step
@@ -197,18 +228,24 @@ def split_backward(bases: list[list[list[Action]]], costs: ScheduleCosts,
     """The fastest (simulated with ``costs``) placement of ``W`` into any of ``bases`` (F/R/B
     orders), the one holding fewer micro-batches on ties. ``fit``: also try filling only the
     gaps a ``W`` fits in (False: a cheaper estimate, as the planner's listed rows use)."""
-    found = []
+    found: list[tuple[float, int, list[list[Action]]]] = []
     for base in bases:
         p = len(base)
         plain = Schedule(name, p, m, tuple(recompute), base)
         caps = [max(peak_stash_counts(plain))] * p
-        eager = _eager(base)
-        timed = [(simulate_costs(Schedule(name, p, m, tuple(recompute), eager,
-                                          split_backward=True), costs).step_time, eager)]
+        eager = _eager(base, m)
+        # (each placement is timed once: no compiled simulation)
+        timed = [(simulate_costs_step(Schedule(name, p, m, tuple(recompute), eager,
+                                               split_backward=True), costs).step_time, eager)]
         for gaps in (False, True)[:2 if fit else 1]:
             lists, step = _fill(base, costs, recompute, caps, gaps)
             timed.append((step, lists))
         for step, lists in timed:
-            sched = Schedule(name, p, m, tuple(recompute), lists, split_backward=True)
-            found.append((step, max(peak_stash_counts(sched)), len(found), lists))
-    return fastest(found)
+            found.append((step, len(found), lists))
+
+    def stash(index: int) -> int:
+        lists = found[index][2]
+        return max(peak_stash_counts(Schedule(name, len(lists), m, tuple(recompute), lists,
+                                              split_backward=True)))
+
+    return fastest(found, stash)

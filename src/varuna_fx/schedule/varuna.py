@@ -37,12 +37,13 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import NamedTuple
 
 from varuna_fx.errors import ScheduleError
-from varuna_fx.schedule.actions import Action, Kind, Schedule
+from varuna_fx.schedule.actions import Action, Kind
 from varuna_fx.schedule.costs import ScheduleCosts
-from varuna_fx.schedule.simulate import peak_stash_counts
 
 _INF = float("inf")
 
@@ -50,213 +51,220 @@ _INF = float("inf")
 _F, _R, _B = 0, 1, 2  # task kinds inside the simulation (Action objects only in the order)
 
 
-class _State:
-    """Mutable bookkeeping of the event simulation (one instance per generated order).
+class Generated(NamedTuple):
+    """One variant's order, its step as ``simulate`` times it with the costs it was made from,
+    and the most micro-batches any stage holds at once (``max(peak_stash_counts)``)."""
 
-    Hot path of the planner (an order per finalist, 6 variants, 10^4 tasks at P=56, m=64):
-    costs are plain lists, the tasks waiting for data are lists sorted by micro-batch (the
-    first ready one is the lowest), and the Action objects are made once per order for all
-    variants (``actions``)."""
-
-    def __init__(self, costs: ScheduleCosts, num_micro_batches: int,
-                 recompute: Sequence[bool], cap: Sequence[int], jit: bool = True,
-                 feed: float = -1.0,
-                 actions: list[list[list[Action]]] | None = None) -> None:
-        p, m = costs.num_stages, num_micro_batches
-        self.p, self.m, self.rc, self.cap = p, m, list(recompute), list(cap)
-        self.jit, self.feed = jit, feed
-        self.f_cost = [costs.f(s) for s in range(p)]
-        self.r_cost = [costs.r(s) for s in range(p)]
-        self.b_cost = [costs.b(s) for s in range(p)]
-        self.link = [costs.link(s) for s in range(p - 1)]
-        self.actions = actions or _actions(p, m)  # [kind][stage][micro-batch]
-        self.r_need = [[_INF] * m for _ in range(p)]  # when R(s, i) must end at the latest
-        self.next_f = [0] * p  # next forward to run (forwards go in micro-batch order)
-        self.in_flight = [0] * p  # forwards started whose backward has not ended
-        self.f_arrive = [[_INF] * m for _ in range(p)]  # when F(s, i)'s input is here
-        self.r_done = [[False] * m for _ in range(p)]
-        self.grad_at = [[_INF] * m for _ in range(p)]  # when B(s, i)'s gradient is here
-        self.r_at = [[_INF] * m for _ in range(p)]  # when R(s, i) may start (just in time)
-        # forwards run in micro-batch order, so B(s, i) joins its list in order
-        self.b_waiting: list[list[int]] = [[] for _ in range(p)]
-        self.r_waiting: list[list[int]] = [[] for _ in range(p)]  # kept sorted
-        self.running: list[tuple[int, int] | None] = [None] * p  # (kind, micro-batch)
-        self.ends = [0.0] * p
-        self.order: list[list[Action]] = [[] for _ in range(p)]
-        # Event queues. An idle stage is asked for a task only when something it waits for has
-        # arrived or it has just finished one, since nothing else can make a task ready: asking
-        # every stage at every event made the planner's many orders take minutes (P=56, m=64).
-        self.busy: list[tuple[float, int]] = []  # (end, stage) of the running tasks
-        self.wakes: list[tuple[float, int]] = [(0.0, s) for s in range(p)]  # (arrival, stage)
-        self.now = 0.0
-        self.todo: list[int] = []  # -stage: the stages to ask at ``now``, downstream first
-        for i in range(m):
-            self.f_arrive[0][i] = 0.0
-        # The order's step as ``simulate`` times it, computed while the order is made (each
-        # task's simulated start needs only tasks started before it): choosing among the
-        # variants then needs no separate simulation. Same rules and arithmetic as
-        # ``simulate.simulate`` with these costs: a task starts when its stage's previous one
-        # has ended and its input has crossed the link, one message at a time each way.
-        self.sim_end = [[[0.0] * m for _ in range(p)] for _ in range(3)]  # [kind][stage][mb]
-        self.sim_stage = [0.0] * p  # when the stage's last task ends (simulated)
-        self.sim_free = [[0.0] * p, [0.0] * p]  # when each link is free: forward, backward
-        self.sim_step = 0.0
-
-    def at(self, t: float, stage: int) -> None:
-        """Something ``stage`` waits for arrives at ``t``."""
-        if t <= self.now:  # this instant: ask it in the current downstream-first pass
-            if -stage not in self.todo:
-                heapq.heappush(self.todo, -stage)
-        elif t < _INF:
-            heapq.heappush(self.wakes, (t, stage))
-
-    def complete(self, s: int, kind: int, i: int, t: float) -> None:
-        """Mark the task done at ``t`` and release whatever it makes ready (after link times)."""
-        if kind == _F:
-            if s + 1 < self.p:
-                arrive = t + self.link[s]
-                self.f_arrive[s + 1][i] = arrive
-                self.at(arrive, s + 1)
-            else:  # the last stage's backward only needs its own forward
-                self.grad_at[s][i] = t
-                self.b_waiting[s].append(i)
-        elif kind == _R:
-            self.r_done[s][i] = True
-        else:
-            self.in_flight[s] -= 1
-            if s > 0:
-                arrive = t + self.link[s - 1]
-                self.grad_at[s - 1][i] = arrive
-                self.at(arrive, s - 1)
-
-    def start(self, s: int, kind: int, i: int, t: float) -> None:
-        if kind == _B:
-            if s > 0 and self.rc[s - 1]:
-                # Upstream rebuilds its activations while this backward runs, ending (at
-                # best) when the gradient arrives: just in time, not earlier.
-                arrive = t + self.b_cost[s] + self.link[s - 1]
-                self.r_need[s - 1][i] = arrive
-                r_at = max(t, arrive - self.r_cost[s - 1]) if self.jit else t
-                self.r_at[s - 1][i] = r_at
-                bisect.insort(self.r_waiting[s - 1], i)
-                self.at(r_at, s - 1)
-            end = t + self.b_cost[s]
-        elif kind == _F:
-            self.in_flight[s] += 1
-            end = t + self.f_cost[s]
-        else:
-            end = t + self.r_cost[s]
-        self.running[s] = (kind, i)
-        self.ends[s] = end
-        self._simulate(s, kind, i)
-        self.order[s].append(self.actions[kind][s][i])
-        heapq.heappush(self.busy, (end, s))
-
-    def _simulate(self, s: int, kind: int, i: int) -> None:
-        ready = 0.0
-        if kind == _F and s > 0:
-            ready = self.sim_end[_F][s - 1][i]
-            free = self.sim_free[0]
-            if free[s - 1] > ready:
-                ready = free[s - 1]
-            free[s - 1] = ready + self.link[s - 1]
-            ready += self.link[s - 1]
-        elif kind == _B and s < self.p - 1:
-            ready = self.sim_end[_B][s + 1][i]
-            free = self.sim_free[1]
-            if free[s] > ready:
-                ready = free[s]
-            free[s] = ready + self.link[s]
-            ready += self.link[s]
-        begin = self.sim_stage[s]
-        if ready > begin:
-            begin = ready
-        cost = self.f_cost[s] if kind == _F else self.b_cost[s] if kind == _B else self.r_cost[s]
-        end = begin + cost
-        self.sim_end[kind][s][i] = end
-        self.sim_stage[s] = end
-        if end > self.sim_step:
-            self.sim_step = end
-
-    def pick(self, s: int, t: float) -> tuple[int, int] | None:
-        """The most urgent task of stage ``s`` ready at ``t`` (B > R > F, lowest mb first)."""
-        waiting = self.b_waiting[s]
-        grad_at = self.grad_at[s]
-        if self.rc[s]:
-            done = self.r_done[s]
-            for k, i in enumerate(waiting):
-                if grad_at[i] <= t and done[i]:
-                    del waiting[k]
-                    return _B, i
-        else:
-            for k, i in enumerate(waiting):
-                if grad_at[i] <= t:
-                    del waiting[k]
-                    return _B, i
-        i = self.next_f[s]
-        f_ready = i < self.m and self.f_arrive[s][i] <= t and self.in_flight[s] < self.cap[s]
-        r_at = self.r_at[s]
-        for k, j in enumerate(self.r_waiting[s]):
-            if r_at[j] <= t:
-                # feed: a forward goes first when the recompute still ends before its
-                # gradient arrives, so the downstream stage is not starved of work
-                feed = self.feed
-                slack = self.r_need[s][j] - t - self.f_cost[s] - self.r_cost[s]
-                tolerate = feed == _INF or slack >= -feed * self.f_cost[s]
-                if not (feed >= 0 and f_ready and tolerate):
-                    del self.r_waiting[s][k]
-                    return _R, j
-                break
-        if f_ready:
-            self.next_f[s] += 1
-            if s < self.p - 1:
-                self.b_waiting[s].append(i)  # ready once its gradient (and R) are here
-            return _F, i
-        return None
+    order: list[list[Action]]
+    step: float
+    stash: int
 
 
-def _actions(p: int, m: int) -> list[list[list[Action]]]:
-    return [[[Action(s, kind, i) for i in range(m)] for s in range(p)]
-            for kind in (Kind.F, Kind.R, Kind.B)]
+@lru_cache(maxsize=16)
+def _actions(p: int, m: int) -> tuple[list[list[Action]], ...]:
+    """[kind][stage][micro-batch] Action objects, made once per (P, m): every order of that
+    shape holds the same (frozen) actions, and making 3 P m of them per order cost a tenth of
+    generating it."""
+    return tuple([[Action(s, kind, i) for i in range(m)] for s in range(p)]
+                 for kind in (Kind.F, Kind.R, Kind.B))
 
 
 def _order(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
-           cap: Sequence[int], jit: bool = True, feed: float = -1.0,
-           actions: list[list[list[Action]]] | None = None) -> list[list[Action]]:
-    return _generate(costs, m, recompute, cap, jit, feed, actions)[0]
+           cap: Sequence[int], jit: bool = True, feed: float = -1.0) -> list[list[Action]]:
+    return _generate(costs, m, recompute, cap, jit, feed).order
 
 
 def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
-              cap: Sequence[int], jit: bool = True, feed: float = -1.0,
-              actions: list[list[list[Action]]] | None = None
-              ) -> tuple[list[list[Action]], float]:
-    """The order, and its step as ``simulate`` would time it with ``costs``."""
-    st = _State(costs, m, recompute, cap, jit, feed, actions)
-    remaining = sum(2 * m + (m if recompute[s] else 0) for s in range(st.p))
-    busy, wakes, todo, running = st.busy, st.wakes, st.todo, st.running
+              cap: Sequence[int], jit: bool = True, feed: float = -1.0) -> Generated:
+    """The event simulation of the module docstring with one variant's rules.
+
+    The planner's hot path (an order per finalist, several variants each, 10^4 tasks at P=56,
+    m=64), so it is one function over plain lists (no per-task method calls or attribute
+    lookups): costs per stage, the tasks waiting for data in lists sorted by micro-batch (the
+    first ready one is the lowest). While the order is made, each task's start as
+    ``simulate`` would time it is computed too (it needs only tasks started before it), so
+    choosing among the variants needs no separate simulation: same rules and arithmetic as
+    ``simulate.simulate``, a task starting when its stage's previous one has ended and its
+    input has crossed the link, one message at a time each way."""
+    p = costs.num_stages
+    rc, cap = list(recompute), list(cap)
+    f_cost = [costs.f(s) for s in range(p)]
+    r_cost = [costs.r(s) for s in range(p)]
+    b_cost = [costs.b(s) for s in range(p)]
+    link = [costs.link(s) for s in range(p - 1)]
+    act_f, act_r, act_b = _actions(p, m)
+    last = p - 1
+    r_need = [[_INF] * m for _ in range(p)]  # when R(s, i) must end at the latest
+    next_f = [0] * p  # next forward to run (forwards go in micro-batch order)
+    in_flight = [0] * p  # forwards started whose backward has not ended
+    f_arrive = [[_INF] * m for _ in range(p)]  # when F(s, i)'s input is here
+    f_arrive[0] = [0.0] * m
+    r_done = [[False] * m for _ in range(p)]
+    grad_at = [[_INF] * m for _ in range(p)]  # when B(s, i)'s gradient is here
+    r_at = [[_INF] * m for _ in range(p)]  # when R(s, i) may start (just in time)
+    # B(s, i) whose gradient is on its way and, where the stage recomputes, whose R is done:
+    # ready once the gradient is here; sorted, so the first ready is the lowest (picking
+    # scans these few, not every forward in flight: most are not armed yet)
+    b_armed: list[list[int]] = [[] for _ in range(p)]
+    r_waiting: list[list[int]] = [[] for _ in range(p)]  # kept sorted
+    running = [-1] * p  # kind of the task running on each stage, -1: idle
+    running_mb = [0] * p
+    ends = [0.0] * p
+    order: list[list[Action]] = [[] for _ in range(p)]
+    # Event queues. An idle stage is asked for a task only when something it waits for has
+    # arrived or it has just finished one, since nothing else can make a task ready: asking
+    # every stage at every event made the planner's many orders take minutes (P=56, m=64).
+    # (time, stage) where a running task ends, (time, P + stage) where something the stage
+    # waits for arrives: one heap, so that an instant's ends come first, by stage
+    events: list[tuple[float, int]] = [(0.0, p + s) for s in range(p)]
+    todo: list[int] = []  # -stage: the stages to ask at ``now``, downstream first
+    # the simulator's timing (see above): ends of F and B per stage and micro-batch, when
+    # each stage's last task ends, when each link is free (forward, backward)
+    sim_f = [[0.0] * m for _ in range(p)]
+    sim_b = [[0.0] * m for _ in range(p)]
+    sim_stage = [0.0] * p
+    free_f, free_b = [0.0] * p, [0.0] * p
+    step = 0.0
+    stash = 0  # most forwards in flight on a stage: its peak stash count
+    feeding = feed >= 0
+    remaining = sum(2 * m + (m if rc[s] else 0) for s in range(p))
     while remaining:
-        if not busy and not wakes:
+        if not events:
             raise ScheduleError("internal error: varuna schedule generation stalled")
-        t = min(busy[0][0] if busy else _INF, wakes[0][0] if wakes else _INF)
-        st.now = t
-        finished = []
-        while busy and busy[0][0] <= t:
-            finished.append(heapq.heappop(busy)[1])
-        for s in sorted(finished):
-            kind, i = running[s]  # type: ignore[misc]
-            st.complete(s, kind, i, st.ends[s])
-            running[s] = None
+        now = events[0][0]
+        # Something a stage waits for arrives at t: at ``now``, the stage is asked in this
+        # instant's downstream-first pass; later, it wakes then.
+        while events and events[0][0] <= now:
+            s = heapq.heappop(events)[1]
+            if s >= p:  # a wake
+                if p - s not in todo:
+                    heapq.heappush(todo, p - s)
+                continue
+            # a task ends: release what it makes ready, after the link times
+            kind, i, t = running[s], running_mb[s], ends[s]
+            if kind == _F:
+                if s < last:
+                    arrive = t + link[s]
+                    f_arrive[s + 1][i] = arrive
+                    if arrive <= now:
+                        if -(s + 1) not in todo:
+                            heapq.heappush(todo, -(s + 1))
+                    elif arrive < _INF:
+                        heapq.heappush(events, (arrive, p + s + 1))
+                else:  # the last stage's backward only needs its own forward
+                    grad_at[s][i] = t
+                    bisect.insort(b_armed[s], i)
+            elif kind == _R:
+                r_done[s][i] = True
+                if grad_at[s][i] < _INF:
+                    bisect.insort(b_armed[s], i)
+            else:
+                in_flight[s] -= 1
+                if s > 0:
+                    arrive = t + link[s - 1]
+                    grad_at[s - 1][i] = arrive
+                    if not rc[s - 1] or r_done[s - 1][i]:
+                        bisect.insort(b_armed[s - 1], i)
+                    if arrive <= now:
+                        if -(s - 1) not in todo:
+                            heapq.heappush(todo, -(s - 1))
+                    elif arrive < _INF:
+                        heapq.heappush(events, (arrive, p + s - 1))
+            running[s] = -1
             remaining -= 1
-            st.at(t, s)
-        while wakes and wakes[0][0] <= t:
-            st.at(t, heapq.heappop(wakes)[1])
+            if -s not in todo:
+                heapq.heappush(todo, -s)
         while todo:  # downstream first: B starts release upstream R at this same instant
             s = -heapq.heappop(todo)
-            if running[s] is None:
-                task = st.pick(s, t)
-                if task is not None:
-                    st.start(s, task[0], task[1], t)
-    return st.order, st.sim_step
+            if running[s] >= 0:
+                continue
+            # pick the most urgent task ready now: B > R > F, lowest micro-batch first
+            kind = -1
+            i = 0
+            armed = b_armed[s]
+            if armed:
+                here = grad_at[s]
+                for k, j in enumerate(armed):
+                    if here[j] <= now:
+                        del armed[k]
+                        kind, i = _B, j
+                        break
+            if kind < 0:
+                nf = next_f[s]
+                f_ready = nf < m and f_arrive[s][nf] <= now and in_flight[s] < cap[s]
+                rs_waiting = r_waiting[s]
+                if rs_waiting:
+                    at = r_at[s]
+                    for k, j in enumerate(rs_waiting):
+                        if at[j] <= now:
+                            # feed: a forward goes first when the recompute still ends
+                            # before its gradient arrives, so the downstream stage is not
+                            # starved of work
+                            slack = r_need[s][j] - now - f_cost[s] - r_cost[s]
+                            tolerate = feed == _INF or slack >= -feed * f_cost[s]
+                            if not (feeding and f_ready and tolerate):
+                                del rs_waiting[k]
+                                kind, i = _R, j
+                            break
+                if kind < 0:
+                    if not f_ready:
+                        continue
+                    kind, i = _F, nf
+                    next_f[s] = nf + 1
+            # start it
+            ready = 0.0  # (simulated: when its input is here)
+            if kind == _B:
+                if s > 0 and rc[s - 1]:
+                    # Upstream rebuilds its activations while this backward runs, ending
+                    # (at best) when the gradient arrives: just in time, not earlier.
+                    arrive = now + b_cost[s] + link[s - 1]
+                    r_need[s - 1][i] = arrive
+                    when = max(now, arrive - r_cost[s - 1]) if jit else now
+                    r_at[s - 1][i] = when
+                    bisect.insort(r_waiting[s - 1], i)
+                    if when <= now:
+                        if -(s - 1) not in todo:
+                            heapq.heappush(todo, -(s - 1))
+                    elif when < _INF:
+                        heapq.heappush(events, (when, p + s - 1))
+                cost = b_cost[s]
+                order[s].append(act_b[s][i])
+                if s < last:
+                    ready = sim_b[s + 1][i]
+                    if free_b[s] > ready:
+                        ready = free_b[s]
+                    free_b[s] = ready + link[s]
+                    ready += link[s]
+            elif kind == _F:
+                in_flight[s] += 1
+                if in_flight[s] > stash:
+                    stash = in_flight[s]
+                cost = f_cost[s]
+                order[s].append(act_f[s][i])
+                if s > 0:
+                    ready = sim_f[s - 1][i]
+                    if free_f[s - 1] > ready:
+                        ready = free_f[s - 1]
+                    free_f[s - 1] = ready + link[s - 1]
+                    ready += link[s - 1]
+            else:
+                cost = r_cost[s]
+                order[s].append(act_r[s][i])
+            running[s], running_mb[s] = kind, i
+            ends[s] = now + cost
+            heapq.heappush(events, (now + cost, s))
+            begin = sim_stage[s]
+            if ready > begin:
+                begin = ready
+            end = begin + cost
+            if kind == _F:
+                sim_f[s][i] = end
+            elif kind == _B:
+                sim_b[s][i] = end
+            sim_stage[s] = end
+            if end > step:
+                step = end
+    return Generated(order, step, stash)
 
 
 # (in-flight slack over 1F1B's P - s or None: unbounded, just-in-time R, feed tolerance in
@@ -282,8 +290,12 @@ QUICK_VARIANTS: tuple[int, ...] = (2, 3, 4)
 # Cheaper still, for rows a planner only lists: the variant that won most often (within 3.7%
 # of the full set on 16 of those 18 finalists, but 34% slower on one).
 ROUGH_VARIANTS: tuple[int, ...] = (2,)
-_MEMO: OrderedDict[tuple[object, ...], list[list[Action]]] = OrderedDict()
-_MEMO_SIZE = 16
+# Orders already made, per variant: the same ones are asked for again, by the split backward
+# (its base order), by a plan priced with the partition the planner chose, and by the
+# planner's full order of a candidate it first estimated with the quick variants (three of
+# the six). Keyed by everything ``_generate`` reads, so a hit is the order it would make.
+_MEMO: OrderedDict[tuple[object, ...], Generated] = OrderedDict()
+_MEMO_SIZE = 96  # sixteen full variant sets
 
 
 def varuna_order(num_stages: int, num_micro_batches: int,
@@ -298,32 +310,32 @@ def varuna_order(num_stages: int, num_micro_batches: int,
     rc = [bool(recompute) and s < p - 1 for s in range(p)] if isinstance(recompute, bool) \
         else [bool(r) and s < p - 1 for s, r in enumerate(recompute)]
     tried = tuple(range(len(_VARIANTS))) if variants is None else tuple(variants)
-    # the same order is asked for again: by the split backward (its base order) and by a
-    # plan priced with the partition the planner chose
-    key = (p, m, tuple(rc), costs.forward, costs.backward,
-           tuple(costs.r(s) for s in range(p)), tuple(costs.link(s) for s in range(p - 1)),
-           tried)
-    if key in _MEMO:
-        _MEMO.move_to_end(key)
-        return [list(acts) for acts in _MEMO[key]]
-    found = []
-    actions = _actions(p, m)  # shared by the variants' orders
+    shape = (p, m, tuple(rc), costs.forward, costs.backward,
+             tuple(costs.r(s) for s in range(p)), tuple(costs.link(s) for s in range(p - 1)))
+    made: dict[int, Generated] = {}
     for k in tried:  # the paper's plain rule is first
+        key = (*shape, k)
+        if key in _MEMO:
+            _MEMO.move_to_end(key)
+            made[k] = _MEMO[key]
+            continue
         slack, jit, feed = _VARIANTS[k]
         cap = [min(m, p - s + (m if slack is None else slack)) for s in range(p)]
-        order, step = _generate(costs, m, rc, cap, jit, feed, actions)
-        stash = max(peak_stash_counts(Schedule("varuna", p, m, tuple(rc), order)))
-        found.append((step, stash, k, order))
-    best = fastest(found)
-    _MEMO[key] = best
-    if len(_MEMO) > _MEMO_SIZE:
-        _MEMO.popitem(last=False)
+        made[k] = _MEMO[key] = _generate(costs, m, rc, cap, jit, feed)
+        while len(_MEMO) > _MEMO_SIZE:
+            _MEMO.popitem(last=False)
+    best = fastest([(made[k].step, k, made[k].order) for k in tried],
+                   lambda k: made[k].stash)
     return [list(acts) for acts in best]
 
 
-def fastest(found: list[tuple[float, int, int, list[list[Action]]]]) -> list[list[Action]]:
+def fastest(found: Sequence[tuple[float, int, list[list[Action]]]],
+            stash: Callable[[int], int]) -> list[list[Action]]:
     """The order of the shortest step; on ties (within 1e-9) the smaller peak stash, then
-    the earlier variant. ``found``: (step time, peak stash count, index, order)."""
+    the earlier index. ``found``: (step time, index, order); ``stash(index)``: that order's
+    peak stash count (asked only of tied orders: counting it is a pass over the order)."""
     best = min(t for t, *_ in found)
     tied = [f for f in found if f[0] <= best * (1 + 1e-9)]
-    return min(tied, key=lambda f: (f[1], f[2]))[3]
+    if len(tied) == 1:
+        return tied[0][2]
+    return min(tied, key=lambda f: (stash(f[1]), f[1]))[2]
