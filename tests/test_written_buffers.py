@@ -1,0 +1,274 @@
+"""Buffers written by forward and torch.no_grad() blocks against eager (fx and torch.export):
+rebound buffers, writes in place, reads before a write, detached values crossing stages, and
+written buffers on several ranks."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import varuna_fx as vf
+from test_side_effects import assert_like_eager
+from tiers import product, tiered
+from varuna_fx.buffers import MicroBatchStateWarning
+
+# -- state written by forward under fx: rebound buffers, no_grad blocks ----------------------
+
+
+class RebindsBuffers(nn.Module):
+    def __init__(self, twice: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 1)
+        self.register_buffer("ema", torch.zeros(16))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.twice = twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        if self.twice:  # two in-place writes: a stage may not receive the buffer between them
+            self.ema.mul_(0.9).add_(h.detach().mean(0) * 0.1)
+        else:  # fx proxies have no in-place operators: these rebind the attribute
+            self.steps += 1
+            self.ema = 0.9 * self.ema + 0.1 * h.detach().mean(0)
+        h = torch.relu(self.b(h)) + self.ema
+        return self.c(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("twice,stages,tracer", tiered(
+    product([False, True], [2, 3], ["fx", "export"]),
+    [(False, 2, "fx"), (True, 2, "fx"), (False, 3, "export")], lambda c: "-".join(map(str, c))))
+def test_buffers_rebound_or_written_twice_in_forward_follow_eager(twice: bool, stages: int,
+                                                                  tracer: str) -> None:
+    torch.manual_seed(0)
+    model, x = RebindsBuffers(twice), torch.randn(8, 8)
+    eager = copy.deepcopy(model)
+    pipe = vf.compile(model, example_inputs=(x,), stages=stages, micro_batch_size=8,
+                      recompute=False, tracer=tracer)
+    assert type(model.ema) is torch.Tensor and type(model.steps) is torch.Tensor  # no proxies
+    # one stage reads and writes each: on separate ranks a reader would keep a stale copy
+    # (torch.export writes buffers back at the end of its graph: that pinned the last stage)
+    for name in ("ema", "steps"):
+        assert sum(name in s.spec.buffer_names for s in pipe.stages) <= 1, name
+    for _ in range(2):
+        eager.zero_grad()
+        pipe.zero_grad()
+        eager_loss = eager(x)
+        eager_loss.backward()
+        loss = pipe.step(x)
+    assert int(model.steps) == (0 if twice else 2)
+    assert_like_eager(pipe, model, eager, loss, eager_loss)
+
+
+class StoresActivation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = self.a(x)
+        return self.last.pow(2).mean()
+
+
+def test_an_activation_stored_on_the_model_is_refused_by_fx_and_left_alone() -> None:
+    model = StoresActivation()
+    with pytest.raises(vf.CaptureError, match=r"self\.last.*register_buffer"):
+        vf.compile(model, example_inputs=(torch.randn(4, 8),), stages=1, tracer="fx")
+    assert model.last is None  # tracing used to leave an fx Proxy there
+
+
+class NoGradBlock(nn.Module):
+    def __init__(self, reads_activation: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 1)
+        self.reads_activation = reads_activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        with torch.no_grad():
+            # a frozen branch (no gradient to b, nor through it to a), or a mask from the input
+            t = self.b(h) if self.reads_activation else (x[:, :1] > 0).float()
+        return self.c(torch.relu(self.b(h)) * t).pow(2).mean()
+
+
+@pytest.mark.parametrize("reads_activation", [True, False])
+def test_no_grad_block_in_forward_follows_eager(reads_activation: bool) -> None:
+    # torch.fx records no grad mode: the pipeline used to back-propagate through the block
+    torch.manual_seed(0)
+    model, x = NoGradBlock(reads_activation), torch.randn(8, 8)
+    eager = copy.deepcopy(model)
+    eager_loss = eager(x)
+    eager_loss.backward()
+    if reads_activation:
+        with pytest.raises(vf.CaptureError, match=r"torch\.no_grad\(\).*t = self\.b\(h\)"):
+            vf.compile(model, example_inputs=(x,), stages=2, tracer="fx")
+    pipe = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=4)
+    assert pipe.captured.tracer == ("export" if reads_activation else "fx")
+    assert_like_eager(pipe, model, eager, pipe.step(x), eager_loss)
+
+
+class ReadsThenWrites(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 + self.calls.float()  # read before the write, used on the last stage
+        self.calls.add_(1)
+        return (self.c(self.b(self.a(x))) * scale).pow(2).mean()
+
+
+def test_a_buffer_read_before_its_write_is_not_recomputed_after_it() -> None:
+    # `scale` depends only on a buffer, so it was copied into the last stage, which computed
+    # it after stage 0 had written the buffer: scale 2 instead of 1 (loss 4x eager's)
+    torch.manual_seed(0)
+    model, x = ReadsThenWrites(), torch.randn(8, 8)
+    eager = copy.deepcopy(model)
+    eager_loss = eager(x)
+    eager_loss.backward()
+    pipe = vf.compile(model, example_inputs=(x,), stages=3, micro_batch_size=8)
+    assert_like_eager(pipe, model, eager, pipe.step(x), eager_loss)
+
+
+class NoGradStatistic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.no_grad():  # torch.export: a subgraph whose result nothing reads
+            self.ema.mul_(0.9).add_(h.mean(dim=0) * 0.1)
+        return self.b(torch.relu(h)).pow(2).mean()
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_buffer_written_in_a_no_grad_block_is_written(stages: int) -> None:
+    torch.manual_seed(0)
+    model, x = NoGradStatistic(), torch.randn(8, 8)
+    eager = copy.deepcopy(model)
+    eager_loss = eager(x)
+    eager_loss.backward()
+    pipe = vf.compile(model, example_inputs=(x,), stages=stages, micro_batch_size=8)
+    assert pipe.captured.tracer == "export"
+    assert_like_eager(pipe, model, eager, pipe.step(x), eager_loss)
+    assert model.ema.abs().sum() > 0
+
+
+class DetachedAcross(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 1)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        stat = h.detach().mean(dim=0) * 0.1  # made on the first stage, written on the last
+        h = self.c(torch.relu(self.b(torch.relu(h))))
+        self.ema.mul_(0.9).add_(stat)
+        return self.d(h + self.ema).pow(2).mean()
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_detached_value_crosses_stages_without_gradient(tracer: str) -> None:
+    # it was received as a leaf requiring grad, so the buffer written from it required grad
+    # too, holding the step's autograd graph (and deepcopy of the model failed)
+    torch.manual_seed(0)
+    model, x = DetachedAcross(), torch.randn(8, 8)
+    eager = copy.deepcopy(model)
+    pipe = vf.compile(model, example_inputs=(x,), stages=3, micro_batch_size=8, tracer=tracer)
+    for _ in range(2):
+        eager.zero_grad()
+        pipe.zero_grad()
+        eager_loss = eager(x)
+        eager_loss.backward()
+        loss = pipe.step(x)
+    assert not model.ema.requires_grad
+    assert_like_eager(pipe, model, eager, loss, eager_loss)
+    copy.deepcopy(model)
+
+
+WRITTEN_BUFFER_MODELS = {"rebinds": RebindsBuffers, "reads_then_writes": ReadsThenWrites,
+                         "detached_across": DetachedAcross}
+WRITTEN_BUFFER_JOBS = [("rebinds", "fx"), ("rebinds", "export"), ("reads_then_writes", "fx"),
+                       ("detached_across", "export")]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_written_buffers_on_three_ranks_match_eager(tmp_path: Path) -> None:
+    # each rank holds its own copy of a buffer its stage reads: one stage reads and writes a
+    # written buffer, else a reader's copy goes stale from the second step on
+    from dist_utils import launch
+
+    ranks = launch("written_buffers.py", 3, [str(tmp_path)], timeout=300)
+    logs = "\n".join(f"--- rank {r.rank} ---\n{r.output[-2000:]}" for r in ranks)
+    assert all(r.returncode == 0 for r in ranks), logs
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(3)]
+    for name, tracer in WRITTEN_BUFFER_JOBS:
+        torch.manual_seed(0)
+        model, x = WRITTEN_BUFFER_MODELS[name](), torch.randn(8, 8)
+        losses = []
+        for _ in range(3):
+            model.zero_grad()
+            loss = model(x)
+            loss.backward()
+            losses.append(float(loss))
+        state, grads = model.state_dict(), dict(model.named_parameters())
+        for rank, result in enumerate(results):
+            got = result[f"{name}-{tracer}"]
+            what = f"{name} {tracer} rank {rank}"
+            torch.testing.assert_close(got["losses"], losses, msg=lambda m, w=what: f"{w}: {m}")
+            for k, v in got["state"].items():
+                torch.testing.assert_close(v, state[k], msg=lambda m, w=what, k=k: f"{w} {k}: {m}")
+            for k, g in got["grads"].items():
+                torch.testing.assert_close(g, grads[k].grad,
+                                           msg=lambda m, w=what, k=k: f"{w} {k}.grad: {m}")
+
+
+class WritesAnEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(ids, self.emb.weight)
+        h.mul_(2.0)  # writes the activation, not the weight it was looked up in
+        h = self.b(torch.relu(self.a(h)))
+        return (h @ self.emb.weight.t()).pow(2).mean()
+
+
+@pytest.mark.parametrize("tracer", tiered(["fx", "export"], ["export"]))
+def test_an_in_place_write_after_a_lookup_is_not_a_buffer_write(tracer: str) -> None:
+    # the write was traced back through any op to the weight: a warning named emb.weight as
+    # a buffer written per micro-batch, and the weight's readers were kept on one stage
+    torch.manual_seed(0)
+    model, ids = WritesAnEmbedding(), torch.randint(0, 20, (8, 5))
+    eager = copy.deepcopy(model)
+    eager_loss = eager(ids)
+    eager_loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MicroBatchStateWarning)
+        pipe = vf.compile(model, example_inputs=(ids,), stages=3, micro_batch_size=4,
+                          tracer=tracer)
+    assert_like_eager(pipe, model, eager, pipe.step(ids), eager_loss)
