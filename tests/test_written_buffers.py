@@ -231,7 +231,7 @@ def test_written_buffers_on_three_ranks_match_eager(tmp_path: Path) -> None:
             model.zero_grad()
             loss = model(x)
             loss.backward()
-            losses.append(float(loss))
+            losses.append(loss.item())
         state, grads = model.state_dict(), dict(model.named_parameters())
         for rank, result in enumerate(results):
             got = result[f"{name}-{tracer}"]
