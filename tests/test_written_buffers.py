@@ -272,3 +272,36 @@ def test_an_in_place_write_after_a_lookup_is_not_a_buffer_write(tracer: str) -> 
         pipe = vf.compile(model, example_inputs=(ids,), stages=3, micro_batch_size=4,
                           tracer=tracer)
     assert_like_eager(pipe, model, eager, pipe.step(ids), eager_loss)
+
+
+class _CountingStack(nn.Module):
+    """Reads its buffer at the first operation and writes it at the last: one stage only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * (1 + self.count)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        self.count.add_(x.detach().mean())
+        return x
+
+
+@pytest.mark.parametrize("stages", [2, 10])
+def test_too_few_cuts_because_of_a_written_buffer_names_the_buffer(stages: int) -> None:
+    # the error says which buffer holds the model together and what to change
+    with pytest.raises(vf.PartitionError, match=r"buffer 'count' is written in forward.*"
+                                                r"close together"):
+        vf.compile(_CountingStack(), example_inputs=(torch.randn(4, 8),),
+                   loss_fn=lambda out, target: out.pow(2).mean(), stages=stages)
+
+
+def test_a_model_without_written_buffers_does_not_mention_them() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    with pytest.raises(vf.PartitionError) as raised:
+        vf.compile(model, example_inputs=(torch.randn(4, 8),),
+                   loss_fn=lambda out, target: out.pow(2).mean(), stages=40)
+    assert "buffer" not in str(raised.value)

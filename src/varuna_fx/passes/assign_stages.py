@@ -111,7 +111,8 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
             if rewrites:
                 forbidden[p + 1] += 1
                 forbidden[max(rewrites) + 1] -= 1
-    for first, last in _written_buffer_spans(nodes, position).values():
+    spans = written_buffer_spans(nodes, position)
+    for first, last in spans.values():
         forbidden[first + 1] += 1
         forbidden[last + 1] -= 1
     cut = np.cumsum(crossing)[: n + 1]
@@ -122,11 +123,11 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
         bandwidth=setting.bandwidth, memory_cap=setting.memory_cap,
         stash_counts=setting.stash_counts, recompute=setting.recompute,
         last_stage_compute=last_compute, workspace_bytes=workspace,
-        shared=shared_weights(nodes, trainable),
+        shared=shared_weights(nodes, trainable), written_spans=spans,
     )
 
 
-def _written_buffer_spans(nodes: list[fx.Node], position: dict[fx.Node, int]
+def written_buffer_spans(nodes: list[fx.Node], position: dict[fx.Node, int]
                           ) -> dict[str, tuple[int, int]]:
     """(first, last) position of the nodes reading or writing each buffer the graph writes.
     Every stage reading a buffer holds its own copy on its rank, so a buffer written on one

@@ -21,8 +21,8 @@ Nothing here knows about graphs: tests feed it synthetic arrays.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -57,6 +57,9 @@ class PartitionCosts:
     # weights read by several nodes: a stage reading one whose first reader is on an earlier
     # stage holds its own copy (``weight_bytes`` counts it where first read)
     shared: tuple[SharedWeight, ...] = ()
+    # buffers forward writes: (first, last) node reading or writing each; the nodes between
+    # stay on one stage (their cuts are forbidden), named when that leaves too few cuts
+    written_spans: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.compute)
@@ -315,11 +318,27 @@ def _fewest_bytes(cost: Callable[[int], np.ndarray], cut: np.ndarray, num_stages
     return bounds[::-1]
 
 
+def held_together(spans: Mapping[str, tuple[int, int]], n: int) -> str:
+    """The sentence naming a buffer written in forward whose reads and writes span at least
+    half of the ``n`` nodes (so they, not the model's shape, leave few cuts), or ''."""
+    wide = sorted(((last - first, name) for name, (first, last) in spans.items()
+                   if n > 1 and last - first >= n // 2), reverse=True)
+    if not wide:
+        return ""
+    name = wide[0][1]
+    first, last = spans[name]
+    return (f". The buffer {name!r} is written in forward and read or written from operation "
+            f"{first + 1} to {last + 1} of {n}: those stay on one stage, because each stage "
+            "holds its own copy of the buffers it reads. Read and update such a buffer close "
+            "together in forward to allow more stages")
+
+
 def _explain_infeasible(costs: PartitionCosts, num_stages: int) -> None:
     if not np.isfinite(costs.memory_cap):
         raise PartitionError(
             f"cannot cut the model into {num_stages} stages: too few places where only tensors "
             "cross between operations; use fewer stages"
+            f"{held_together(costs.written_spans, len(costs.compute))}"
         )
     unconstrained = dataclasses.replace(costs, memory_cap=float("inf"))
     loose = partition(unconstrained, num_stages)
