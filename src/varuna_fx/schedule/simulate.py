@@ -176,6 +176,28 @@ def _link_costs(
     return [latency + (size / bw if size else 0.0) for size, bw in zip(sizes, bws)]
 
 
+def _action_costs(schedule: Schedule, forward: Sequence[float], backward: Sequence[float],
+                  recompute: Sequence[float] | None, weight_grad: Sequence[float] | None
+                  ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per-stage F, R, B and W seconds; with a split backward, B is the backward less its
+    weight part (default half), else W is 0."""
+    p = schedule.num_stages
+    fwd = _per_stage(forward, p, "forward")
+    rec = fwd if recompute is None else _per_stage(recompute, p, "recompute")
+    bwd = _per_stage(backward, p, "backward")
+    wgt = [0.0] * p
+    if schedule.split_backward:
+        wgt = [b / 2 for b in bwd] if weight_grad is None else \
+            _per_stage(weight_grad, p, "weight_grad")
+        bwd = [b - w for b, w in zip(bwd, wgt)]
+    return fwd, rec, bwd, wgt
+
+
+def _bubble(idle: Sequence[float], step: float) -> float:
+    """The idle share of all stages' time over the step."""
+    return sum(idle) / (len(idle) * step) if step > 0 else 0.0
+
+
 def simulate(
     schedule: Schedule,
     forward: Sequence[float],
@@ -197,14 +219,7 @@ def simulate(
     """
     comp = compiled(schedule)
     p = schedule.num_stages
-    fwd = _per_stage(forward, p, "forward")
-    rec = fwd if recompute is None else _per_stage(recompute, p, "recompute")
-    bwd = _per_stage(backward, p, "backward")
-    wgt = [0.0] * p
-    if schedule.split_backward:
-        wgt = [b / 2 for b in bwd] if weight_grad is None else \
-            _per_stage(weight_grad, p, "weight_grad")
-        bwd = [b - w for b, w in zip(bwd, wgt)]
+    fwd, rec, bwd, wgt = _action_costs(schedule, forward, backward, recompute, weight_grad)
     cost = fwd + rec + bwd + wgt
     wire = _link_costs(p, send_bytes, 0.0, bandwidth)  # seconds a message occupies the link
     comm = [0.0] + [float(latency) + w for w in wire] * 2  # forward links, then backward
@@ -233,7 +248,7 @@ def simulate(
         for s, (nf, nr, nb, nw) in enumerate(comp.counts)
     ]
     idle = [step - b for b in busy]
-    bubble = sum(idle) / (p * step) if step > 0 else 0.0
+    bubble = _bubble(idle, step)
     peak_bytes = None
     if stash_bytes is not None:
         sizes = _per_stage(stash_bytes, p, "stash_bytes")
@@ -287,15 +302,8 @@ def simulate_step(
     if p < 1 or m < 1 or len(per_stage) != p or (
             not isinstance(schedule.recompute, bool) and len(schedule.recompute) != p):
         check_complete(schedule)  # raises
-    fwd = _per_stage(forward, p, "forward")
-    rec = fwd if recompute is None else _per_stage(recompute, p, "recompute")
-    bwd = _per_stage(backward, p, "backward")
+    fwd, rec, bwd, wgt = _action_costs(schedule, forward, backward, recompute, weight_grad)
     split = schedule.split_backward
-    wgt = [0.0] * p
-    if split:
-        wgt = [b / 2 for b in bwd] if weight_grad is None else \
-            _per_stage(weight_grad, p, "weight_grad")
-        bwd = [b - w for b, w in zip(bwd, wgt)]
     wire = _link_costs(p, send_bytes, 0.0, bandwidth)
     comm = [float(latency) + w for w in wire]
     recomputes = [schedule.recomputes(s) for s in range(p)]
@@ -392,9 +400,7 @@ def simulate_step(
     # recomputes and W where the backward is split: ``simulate``'s per-stage counts
     busy = [m * fwd[s] + (m if recomputes[s] else 0) * rec[s] + m * bwd[s]
             + (m if split else 0) * wgt[s] for s in range(p)]
-    idle = [step - b for b in busy]
-    bubble = sum(idle) / (p * step) if step > 0 else 0.0
-    return StepTiming(step, bubble)
+    return StepTiming(step, _bubble([step - b for b in busy], step))
 
 
 def analytic_bubble(num_stages: int, num_micro_batches: int) -> float:
