@@ -16,6 +16,15 @@ from tiers import product, tiered
 from varuna_fx.buffers import MicroBatchStateWarning
 
 
+def eager_step(model: nn.Module, *inputs: torch.Tensor) -> tuple[nn.Module, torch.Tensor]:
+    """A copy of ``model`` (taken before any compile touches it) after eager forward and
+    backward on ``inputs``, with its loss: what a pipeline's step must match."""
+    eager = copy.deepcopy(model)
+    loss = eager(*inputs)
+    loss.backward()
+    return eager, loss
+
+
 def assert_like_eager(pipe: vf.Pipeline, model: nn.Module, eager: nn.Module, loss: torch.Tensor,
                       eager_loss: torch.Tensor) -> None:
     torch.testing.assert_close(loss, eager_loss.detach())
@@ -122,9 +131,7 @@ def test_in_place_statements_and_buffer_writes_happen_as_in_eager(tracer: str, s
                                                                  recompute: bool) -> None:
     torch.manual_seed(0)
     model, x = InPlace(), torch.randn(8, 8)
-    eager = copy.deepcopy(model)
-    eager_loss = eager(x)
-    eager_loss.backward()
+    eager, eager_loss = eager_step(model, x)
     pipe = vf.compile(model, example_inputs=(x,), stages=stages, micro_batch_size=8,
                       recompute=recompute, tracer=tracer)
     assert int(model.calls) == 0  # compile writes nothing
@@ -159,9 +166,7 @@ def test_buffer_read_only_on_a_dead_path_compiles_and_matches_eager(tracer: str,
                                                                    stages: int) -> None:
     torch.manual_seed(0)
     model, x = DeadBufferRead(), torch.randn(8, 8)
-    eager = copy.deepcopy(model)
-    eager_loss = eager(x)
-    eager_loss.backward()
+    eager, eager_loss = eager_step(model, x)
     pipe = vf.compile(model, example_inputs=(x,), stages=stages, micro_batch_size=4,
                       tracer=tracer)
     loss = pipe.step(x)

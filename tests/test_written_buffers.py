@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import varuna_fx as vf
-from test_side_effects import assert_like_eager
+from test_side_effects import assert_like_eager, eager_step
 from tiers import product, tiered
 from varuna_fx.buffers import MicroBatchStateWarning
 
@@ -106,9 +106,7 @@ def test_no_grad_block_in_forward_follows_eager(reads_activation: bool) -> None:
     # torch.fx records no grad mode: the pipeline used to back-propagate through the block
     torch.manual_seed(0)
     model, x = NoGradBlock(reads_activation), torch.randn(8, 8)
-    eager = copy.deepcopy(model)
-    eager_loss = eager(x)
-    eager_loss.backward()
+    eager, eager_loss = eager_step(model, x)
     if reads_activation:
         with pytest.raises(vf.CaptureError, match=r"torch\.no_grad\(\).*t = self\.b\(h\)"):
             vf.compile(model, example_inputs=(x,), stages=2, tracer="fx")
@@ -136,9 +134,7 @@ def test_a_buffer_read_before_its_write_is_not_recomputed_after_it() -> None:
     # it after stage 0 had written the buffer: scale 2 instead of 1 (loss 4x eager's)
     torch.manual_seed(0)
     model, x = ReadsThenWrites(), torch.randn(8, 8)
-    eager = copy.deepcopy(model)
-    eager_loss = eager(x)
-    eager_loss.backward()
+    eager, eager_loss = eager_step(model, x)
     pipe = vf.compile(model, example_inputs=(x,), stages=3, micro_batch_size=8)
     assert_like_eager(pipe, model, eager, pipe.step(x), eager_loss)
 
@@ -161,9 +157,7 @@ class NoGradStatistic(nn.Module):
 def test_a_buffer_written_in_a_no_grad_block_is_written(stages: int) -> None:
     torch.manual_seed(0)
     model, x = NoGradStatistic(), torch.randn(8, 8)
-    eager = copy.deepcopy(model)
-    eager_loss = eager(x)
-    eager_loss.backward()
+    eager, eager_loss = eager_step(model, x)
     pipe = vf.compile(model, example_inputs=(x,), stages=stages, micro_batch_size=8)
     assert pipe.captured.tracer == "export"
     assert_like_eager(pipe, model, eager, pipe.step(x), eager_loss)
@@ -264,9 +258,7 @@ def test_an_in_place_write_after_a_lookup_is_not_a_buffer_write(tracer: str) -> 
     # a buffer written per micro-batch, and the weight's readers were kept on one stage
     torch.manual_seed(0)
     model, ids = WritesAnEmbedding(), torch.randint(0, 20, (8, 5))
-    eager = copy.deepcopy(model)
-    eager_loss = eager(ids)
-    eager_loss.backward()
+    eager, eager_loss = eager_step(model, ids)
     with warnings.catch_warnings():
         warnings.simplefilter("error", MicroBatchStateWarning)
         pipe = vf.compile(model, example_inputs=(ids,), stages=3, micro_batch_size=4,
