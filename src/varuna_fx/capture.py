@@ -16,12 +16,14 @@ cannot trace such as every HuggingFace transformers 5.x model); ``"auto"`` tries
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import linecache
 import os
 import re
 import sys
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +31,14 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from .errors import CaptureError, InputError
 from .grad_mode import check_no_grad_blocks
 from .model_edits import settings_kept
+from .ir import info as node_info
 from .mutations import keep_mutations, place_write_backs
 
 TRACERS = ("fx", "export", "auto")
@@ -258,8 +263,11 @@ def _restore_proxy_attributes(model: nn.Module, before: _Attributes
     Returns (module path, attribute, assigned value) for each such assignment."""
     assigned = []
     for path, now, then in before:
+        buffers = now is model.get_submodule(path)._buffers
+        # a traced value, or (a buffer rebound to) a tensor fx did not trace (torch.zeros(4))
         changed = [k for k, v in now.items() if then.get(k, _MISSING) is not v
-                   and any(isinstance(x, fx.Proxy) for x in pytree.tree_leaves(v))]
+                   and (any(isinstance(x, fx.Proxy) for x in pytree.tree_leaves(v))
+                        or (buffers and k in then and isinstance(v, torch.Tensor)))]
         for key in changed:
             assigned.append((path, key, now[key]))
             if key in then:
@@ -285,8 +293,17 @@ def _write_assigned_buffers(model: nn.Module, graph: fx.Graph,
             with graph.inserting_after(value.node):
                 buffer = graph.get_attr(fqn)
             with graph.inserting_after(buffer):
-                graph.call_method("copy_", (buffer, value.node))
+                write = graph.call_method("copy_", (buffer, value.node))
+            node_info(write).rebinds = fqn  # annotate_shapes checks its shape and dtype
+            write.stack_trace = value.node.stack_trace
             continue
+        if key in owner._buffers and isinstance(value, torch.Tensor):
+            raise CaptureError(
+                f"{type(model).__name__}.forward rebinds buffer self.{fqn} to a tensor that does "
+                f"not depend on the inputs or the model{_defined_at(model)}: torch.fx does not "
+                f"trace making it (torch.zeros(...) and the like), so the graph cannot write it. "
+                f"Write it in place (self.{key}.zero_(), self.{key}.copy_(...))"
+                + (" or try tracer='export'" if alone else ""))
         raise CaptureError(
             f"{type(model).__name__}.forward assigns a traced value to self.{fqn}"
             f"{_defined_at(model)}: torch.fx cannot keep tensors stored on the model. Register "
@@ -352,12 +369,14 @@ def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) ->
     batch = torch.export.Dim("batch", min=1)
     dynamic = {name: ({0: batch} if name in bound.tensors else None) for name in kwargs}
     try:
-        program = torch.export.export(
-            model, args=(), kwargs=kwargs, dynamic_shapes=dynamic, strict=False
-        )
+        with _rebinding_recorded(model) as rebound:
+            program = torch.export.export(
+                model, args=(), kwargs=kwargs, dynamic_shapes=dynamic, strict=False
+            )
     except Exception as exc:
         raise CaptureError(_describe_failure("torch.export", exc, model, alone)) from None
     gm = program.module()
+    _mark_rebinds(model, gm, rebound, alone)
     info = gm.graph._codegen.pytree_info
     leaves = pytree.tree_leaves(((), kwargs))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -382,6 +401,49 @@ def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) ->
     # A fresh GraphModule: the unlifted one carries pre-hooks that check the pytree input spec.
     gm = fx.GraphModule(gm, gm.graph, type(model).__name__)
     return Captured(gm, list(bound.tensors), info.out_spec, "export", signature, bound.constants)
+
+
+@contextlib.contextmanager
+def _rebinding_recorded(model: nn.Module) -> Iterator[list[str]]:
+    """The FQNs of the buffers forward rebinds while torch.export traces it (``self.ema =
+    ...``): assignments of a fake tensor to a registered buffer (export's own swaps of real
+    tensors are not forward's)."""
+    paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    found: list[str] = []
+
+    def record(module: nn.Module, name: str, value: Any) -> None:
+        if isinstance(value, (FakeTensor, FunctionalTensor)) and id(module) in paths \
+                and name in module._buffers:
+            found.append(f"{paths[id(module)]}.{name}".lstrip("."))
+
+    hook = torch.nn.modules.module.register_module_buffer_registration_hook(record)
+    try:
+        yield found
+    finally:
+        hook.remove()
+
+
+def _mark_rebinds(model: nn.Module, gm: fx.GraphModule, rebound: list[str],
+                  alone: bool) -> None:
+    """Mark the write-back of each buffer forward rebinds: torch.export writes it with
+    ``copy_`` after the whole graph, a write annotate_shapes checks to keep the buffer's shape
+    and dtype. torch.export (2.13) writes back only the root module's buffers: a submodule's
+    rebinding (``self.block.ema = ...``) vanished from its graph, so it is refused."""
+    last_writes = {}
+    for node in gm.graph.nodes:  # the write-back is the buffer's last write
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
+                and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
+            last_writes[str(node.args[0].target)] = node
+    for fqn in dict.fromkeys(rebound):
+        if fqn not in last_writes:
+            owner, _, key = fqn.rpartition(".")
+            raise CaptureError(
+                f"{type(model).__name__}.{fqn} is a buffer that forward rebinds "
+                f"(self.{key} = ... in {type(model.get_submodule(owner)).__name__}.forward): "
+                "torch.export drops that assignment for a submodule's buffer, so the pipeline "
+                f"would never update it. Write it in place (self.{key}.copy_(new_value))"
+                + (" or use tracer='fx'" if alone else ""))
+        node_info(last_writes[fqn]).rebinds = fqn
 
 
 def _leaf_names(kwargs: dict[str, Any]) -> list[str]:

@@ -86,6 +86,8 @@ class NodeInfo:
     elementwise_flops: Affine = ZERO  # one per output element for everything else
     random: bool = False  # dropout & co: the RNG state must be replayed on recompute
     mutates: bool = False  # writes into an input or module state (mutations.py)
+    # capture: the buffer this write stores the tensor forward rebinds it to (`self.ema = ...`)
+    rebinds: str = ""
     # annotate_costs
     fwd_flops: Affine = ZERO
     bwd_flops: Affine = ZERO

@@ -83,6 +83,11 @@ class _FakeRun(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         self.recorder.reset()
+        if info(n).rebinds:  # before copy_ fails or casts
+            buffer, value = self.fetch_args_kwargs_from_env(n)[0][:2]
+            _check_rebinding(self.module, n, (tuple(buffer.shape), buffer.dtype),
+                             (tuple(value.shape), value.dtype)
+                             if isinstance(value, torch.Tensor) else None)
         try:
             with _shape_only_momentum(self.module, n):
                 value = super().run_node(n)
@@ -105,6 +110,28 @@ class _FakeRun(fx.Interpreter):
             random=random,
         )
         return value
+
+
+def _check_rebinding(gm: fx.GraphModule, n: fx.Node, buffer: tuple[tuple[int, ...], torch.dtype],
+                     value: tuple[tuple[int, ...], torch.dtype] | None) -> None:
+    """A pipeline's stages hold each buffer and write the tensor forward rebinds it to into it
+    in place (``self.ema = ...``): eager's rebinding only for a tensor of the buffer's shape
+    and dtype (another would be cast, broadcast or fail, where eager swaps the tensor).
+    ``buffer``/``value``: (shape, dtype) of each; ``value`` None when it is no tensor."""
+    if value == buffer:
+        return
+    def form(f: tuple[tuple[int, ...], torch.dtype]) -> str:
+        return f"a {str(f[1]).removeprefix('torch.')} tensor of shape {f[0]}"
+    name = info(n).rebinds
+    where = " ".join(s.strip() for s in n.meta.get("stack_trace", "").strip().splitlines()[-2:])
+    raise CaptureError(
+        f"{type(gm).__name__}.forward rebinds buffer self.{name} ({form(buffer)}) to "
+        f"{form(value) if value else 'a non-tensor'}{' (' + where + ')' if where else ''}: a "
+        "pipeline keeps a buffer's shape and dtype (its stage holds it and writes the new value "
+        "in place). Give the buffer its final shape and dtype before vf.compile "
+        f"(register_buffer, or model.{name} = model.{name}.to(...)), or convert in forward: "
+        f"self.{name} = (...).to(self.{name}.dtype); a value whose shape changes is better "
+        "returned than stored")
 
 
 @contextlib.contextmanager
@@ -217,6 +244,11 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
     b1 = bound.batch_size
     b2 = 2 * b1 + 1
     first, second = _observe(gm, bound, b1, b2)
+    for node in gm.graph.nodes:  # fake runs check this too; the disk cache skips them
+        if info(node).rebinds and node in first:
+            buffer, value = node.args[0], node.args[1]
+            for seen in (first, second):
+                _check_rebinding(gm, node, _form(seen, buffer), _form(seen, value))
     for node in gm.graph.nodes:
         meta = info(node)
         frames = node.meta.get("stack_trace", "")
@@ -241,6 +273,13 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
         meta = info(node)
         meta.in_bytes = sum((info(i).out_bytes for i in node.all_input_nodes
                              if i.op != "get_attr"), Affine())
+
+
+def _form(seen: dict[fx.Node, _Observed], node: Any
+          ) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """(shape, dtype) of a node's tensor value in one run, or None for a non-tensor."""
+    o = seen.get(node) if isinstance(node, fx.Node) else None
+    return (tuple(o.shapes[0]), o.dtypes[0]) if o is not None and o.is_tensor else None
 
 
 def _fit_shape(s1: tuple[int, ...], s2: tuple[int, ...], b1: int, b2: int) -> tuple[sympy.Expr, ...]:
