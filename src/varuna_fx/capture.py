@@ -37,8 +37,8 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from .errors import CaptureError, InputError
 from .grad_mode import check_no_grad_blocks
-from .model_edits import settings_kept
 from .ir import info as node_info
+from .model_edits import settings_kept
 from .mutations import keep_mutations, place_write_backs
 
 TRACERS = ("fx", "export", "auto")
