@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import varuna_fx as vf
-from test_side_effects import Scaled, assert_like_eager
-from tiers import tiered
+from test_side_effects import Scaled, assert_like_eager, eager_step
+from tiers import product, tiered
 
 
 def test_a_pipeline_refuses_to_run_a_model_edited_after_compile() -> None:
@@ -100,3 +100,74 @@ def test_tracing_leaves_python_state_alone(tracer: str) -> None:
     pipe.train()
     pipe.step(x)
     assert model.calls == 0
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def gate(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h * self.gate(h) + torch.tensor([0.5] * 8)  # fx keeps a _tensor_constant
+
+
+class TwoGated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = _Gated()
+        self.second = _Gated()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.second(self.first(x))).pow(2).mean()
+
+
+def _patched(model: TwoGated, edit: str) -> None:
+    if edit == "model.forward":
+        model.forward = lambda x: model.head(model.first(x)).pow(2).mean()  # type: ignore
+    elif edit == "block.forward":
+        model.second.forward = lambda x: x  # type: ignore[method-assign]
+    elif edit == "block.gate":
+        model.second.gate = torch.tanh  # type: ignore[method-assign]
+    elif edit == "class method":
+        _Gated.gate = lambda self, h: torch.tanh(h)  # type: ignore[method-assign]
+    else:  # "class"
+        model.second.__class__ = type("Other", (_Gated,), {"forward": lambda self, x: x})
+
+
+@pytest.mark.parametrize("edit,tracer", tiered(
+    product(["model.forward", "block.forward", "block.gate", "class method", "class"],
+            ["fx", "export"]),
+    [("model.forward", "fx"), ("block.gate", "export"), ("class method", "fx")],
+    lambda c: "-".join(c)))
+def test_code_monkeypatched_after_compile_asks_for_a_new_compile(edit: str, tracer: str) -> None:
+    # the graph holds the code traced at compile: the pipeline kept running the old forward
+    torch.manual_seed(0)
+    model, x = TwoGated(), torch.randn(8, 8)
+    pipe = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=4, tracer=tracer)
+    pipe.eval()
+    pipe(x)  # evaluation's own capture adds nothing to the model that looks like an edit
+    pipe.train()
+    pipe.step(x)
+    original = _Gated.gate
+    try:
+        _patched(model, edit)
+        with pytest.raises(vf.VarunaFxError, match=r"after vf\.compile.*compile again"):
+            pipe.step(x)
+    finally:
+        _Gated.gate = original  # type: ignore[method-assign]
+
+
+def test_a_called_module_monkeypatched_after_compile_runs_its_new_code() -> None:
+    # fx calls nn.Linear (call_module): the stage calls the model's object, which runs the patch
+    torch.manual_seed(0)
+    model, x = TwoGated(), torch.randn(8, 8)
+    pipe = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=4, tracer="fx")
+    model.head.forward = lambda h: h.sum(1, keepdim=True)  # type: ignore[method-assign]
+    eager, eager_loss = eager_step(model, x)
+    model.zero_grad()
+    assert_like_eager(pipe, model, eager, pipe.step(x), eager_loss)

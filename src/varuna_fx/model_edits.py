@@ -28,13 +28,15 @@ def settings_kept(model: nn.Module) -> Iterator[None]:
     """Put every module's plain attributes back after the body: tracing runs forward's Python,
     and a counter it bumps (``self.calls += 1`` on an int) must not change the user's model,
     nor look like an edit to a pipeline compiled earlier."""
-    before = [(m, plain_settings(m)) for m in model.modules()]
+    before = [(m, plain_settings(m), set(vars(m))) for m in model.modules()]
     try:
         yield
     finally:
-        for module, settings in before:
+        for module, settings, keys in before:
             now = plain_settings(module)
-            for key in now.keys() - settings.keys():
+            # and whatever tracing added (fx keeps a tensor made in forward as the root's
+            # `_tensor_constant0`; the graph module has its own reference)
+            for key in vars(module).keys() - keys:
                 del module.__dict__[key]
             for key, value in settings.items():
                 if now.get(key, _GONE) is not value:
@@ -54,8 +56,12 @@ class ModelEdits:
         a module the graph calls runs its own code at each step and follows its settings)."""
         self.model = model
         paths = set(traced)
-        self.settings = [(name, m, plain_settings(m), _hooks(m))
+        self.settings = [(name, m, plain_settings(m), _hooks(m), _code(m))
                          for name, m in model.named_modules() if name in paths]
+        # the classes whose methods were traced (a method replaced on the class runs no more)
+        classes = {c for *_, m, _s, _h, _c in self.settings for c in type(m).__mro__
+                   if c not in _FRAMEWORK_CLASSES}
+        self.classes = [(c, dict(vars(c))) for c in classes]
         self.held: list[tuple[nn.Module, str, str, tuple | None]] = []
         for module in stage_modules:
             held = [*((n, "_modules", m) for n, m in module.named_modules() if n),
@@ -69,7 +75,32 @@ class ModelEdits:
 
     def check(self) -> None:
         """Raise InputError naming the first edit, if the model was edited since compile."""
-        for name, module, settings, hooks in self.settings:
+        for cls, members in self.classes:
+            if len(vars(cls)) != len(members) or \
+                    any(vars(cls).get(k, _GONE) is not v for k, v in members.items()):
+                key = next((k for k in {**members, **vars(cls)}
+                            if vars(cls).get(k, _GONE) is not members.get(k, _GONE)), "")
+                raise InputError(
+                    f"{cls.__name__}.{key} was replaced, added or deleted after vf.compile "
+                    f"({cls.__name__}'s code was traced into the graph as it was then, so the "
+                    "pipeline would keep running the old code). Call vf.compile again")
+        for name, module, settings, hooks, code in self.settings:
+            if type(module) is not code[0]:
+                raise InputError(
+                    f"the class of {type(self.model).__name__ if name else 'the model'}"
+                    f"{'.' + name if name else ''} changed from {code[0].__name__} to "
+                    f"{type(module).__name__} after vf.compile: the graph holds the code traced "
+                    "at compile. Call vf.compile again")
+            if not _same_code(module, code):
+                before, now = dict(code[2]), dict(_code(module)[2])
+                key = next((k for k in {**before, **now}
+                            if before.get(k, _GONE) is not now.get(k, _GONE)), "__class__")
+                path = f"{name}.{key}" if name else key
+                raise InputError(
+                    f"{type(self.model).__name__}.{path} was replaced, added or deleted after "
+                    "vf.compile (a method or function forward uses, such as forward itself, "
+                    "was monkeypatched): the graph holds the code traced at compile, so the "
+                    "pipeline would keep running the old one. Call vf.compile again")
             if _hooks(module) != hooks:
                 raise InputError(
                     f"a hook was added to or removed from {type(self.model).__name__}"
@@ -125,6 +156,27 @@ def _hooks(module: nn.Module) -> tuple:
     the graph as they were (a module the graph calls runs its hooks itself at each step)."""
     return tuple(tuple(d) for d in (module._forward_hooks, module._forward_pre_hooks,
                                     module._backward_hooks, module._backward_pre_hooks))
+
+
+# nn.Module's own methods (a patched __call__ would change the stages too) and what every
+# class has: their members are never traced code of the model
+_FRAMEWORK_CLASSES = (object, nn.Module, fx.GraphModule)
+
+
+def _code(module: nn.Module) -> tuple:
+    """What a traced module's forward runs besides its plain settings, tensors and hooks: its
+    class and the other objects in its ``__dict__`` (an instance ``forward = new_fn``, an
+    ``act = F.gelu``, a ``functools.partial``), compared by identity (:func:`_same_code`)."""
+    d = vars(module)
+    return type(module), len(d), tuple((k, v) for k, v in d.items() if not _plain(v))
+
+
+def _same_code(module: nn.Module, code: tuple) -> bool:
+    """Whether ``_code(module)`` would equal ``code``, without building it (every step asks):
+    a key added or deleted changes the length, a plain one the plain settings."""
+    d = vars(module)
+    return type(module) is code[0] and len(d) == code[1] and \
+        all(d.get(k, _GONE) is v for k, v in code[2])
 
 
 def plain_settings(module: nn.Module) -> dict[str, Any]:
