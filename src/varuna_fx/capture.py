@@ -38,7 +38,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from .errors import CaptureError, InputError
 from .grad_mode import check_no_grad_blocks
 from .ir import info as node_info
-from .model_edits import settings_kept
+from .model_edits import settings_kept, traced_modules
 from .mutations import keep_mutations, place_write_backs
 
 TRACERS = ("fx", "export", "auto")
@@ -138,20 +138,83 @@ def _capture(model: nn.Module, bound: BoundInputs, tracer: str) -> Captured:
     if tracer not in TRACERS:
         raise CaptureError(f"tracer={tracer!r} is unknown; use one of {TRACERS}")
     if tracer == "fx":
-        return _check_output(model, _capture_fx(model, bound))
+        return _check_output(model, _check_hooks(model, _capture_fx(model, bound)))
     if tracer == "export":
-        return _check_output(model, _capture_export(model, bound))
+        return _check_output(model, _check_hooks(model, _capture_export(model, bound)))
     try:
-        captured = _capture_fx(model, bound, alone=False)
+        captured = _check_hooks(model, _capture_fx(model, bound, alone=False))
     except CaptureError as fx_error:
         try:
-            captured = _capture_export(model, bound, alone=False)
+            captured = _check_hooks(model, _capture_export(model, bound, alone=False))
         except CaptureError as export_error:
             raise CaptureError(
                 f"neither tracer could capture {type(model).__name__}.\n"
                 f"  fx: {fx_error}\n  export: {export_error}"
             ) from None
     return _check_output(model, captured)
+
+
+def _check_hooks(model: nn.Module, captured: Captured) -> Captured:
+    """Hooks the graph would silently drop are refused. A module the graph calls
+    (``call_module``) runs all its hooks at each step; one traced into the graph ran its
+    forward hooks while traced (they are in the graph), but its backward hooks act on autograd
+    nodes that tracing never makes; torch.fx traces the model's own ``forward`` without
+    ``__call__``, so the model's forward hooks never ran (torch.export's pre-hook case is
+    :func:`_check_root_pre_hooks`)."""
+    traced = traced_modules(captured.gm)
+    for path, module in model.named_modules():
+        if path not in traced:
+            continue
+        where = f"{type(model).__name__}{'.' + path if path else ''}"
+        for kind, hooks in (("hook", module._backward_hooks),
+                            ("pre-hook", module._backward_pre_hooks)):
+            for hook in hooks.values():
+                raise CaptureError(
+                    f"{where} ({type(module).__name__}) has the backward {kind} "
+                    f"{_hook_name(hook)}, and its code is traced into the graph, where module "
+                    "backward hooks do not run: the pipeline would silently skip it. Remove it, "
+                    "or hook a tensor instead (tensor.register_hook in forward, or "
+                    "parameter.register_hook)")
+        if path or captured.tracer != "fx":
+            continue
+        for kind, hooks in (("pre-hook", module._forward_pre_hooks),
+                            ("hook", module._forward_hooks)):
+            for key, hook in hooks.items():
+                exported = kind == "hook" or key in module._forward_pre_hooks_with_kwargs
+                raise CaptureError(
+                    f"{where} has the forward {kind} {_hook_name(hook)}: torch.fx traces the "
+                    "model's forward without its hooks, so the pipeline would silently skip it. "
+                    f"{_hook_advice(hook)}Register it on a submodule or apply it in forward"
+                    + (", or use tracer='export' (or 'auto')" if exported else ""))
+    return captured
+
+
+def _check_root_pre_hooks(model: nn.Module, alone: bool) -> None:
+    """torch.export gets the inputs by keyword: a forward pre-hook of the model itself would
+    see no positional arguments (and fail, or act on none)."""
+    for key, hook in model._forward_pre_hooks.items():
+        if key not in model._forward_pre_hooks_with_kwargs:
+            raise CaptureError(
+                f"{type(model).__name__} has the forward pre-hook {_hook_name(hook)}: with "
+                "torch.export the pipeline passes the model's inputs by keyword, so it would "
+                f"see no positional arguments. {_hook_advice(hook)}Register it with "
+                "with_kwargs=True or on a submodule, or apply it in forward"
+                + (" (or use tracer='fx')" if alone else ""))
+
+
+def _hook_advice(hook: Any) -> str:
+    if type(hook).__name__ in ("WeightNorm", "SpectralNorm"):
+        return ("torch.nn.utils.weight_norm/spectral_norm work by such a hook: use "
+                "torch.nn.utils.parametrizations.weight_norm/spectral_norm instead. ")
+    return ""
+
+
+def _hook_name(hook: Any) -> str:
+    """A hook's name and where it is defined, as far as known."""
+    function = getattr(hook, "__func__", hook)
+    name = getattr(function, "__qualname__", None) or type(hook).__qualname__
+    code = getattr(function, "__code__", None)
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code else name
 
 
 def _check_output(model: nn.Module, captured: Captured) -> Captured:
@@ -368,6 +431,7 @@ def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) ->
     # graph runs at any micro-batch size instead of being specialised to the example's.
     batch = torch.export.Dim("batch", min=1)
     dynamic = {name: ({0: batch} if name in bound.tensors else None) for name in kwargs}
+    _check_root_pre_hooks(model, alone)
     try:
         with _rebinding_recorded(model) as rebound:
             program = torch.export.export(
