@@ -291,6 +291,15 @@ def test_too_few_cuts_because_of_a_written_buffer_names_the_buffer(stages: int) 
                    loss_fn=lambda out, target: out.pow(2).mean(), stages=stages)
 
 
+def test_the_search_names_the_buffer_that_leaves_too_few_cuts() -> None:
+    # with GPUs to search over, the planner refuses first: it only said "use at most 1 stages"
+    with pytest.raises(vf.PartitionError, match=r"at most 1 stages\. The buffer 'count' is "
+                                                r"written in forward.*close together"):
+        vf.compile(_CountingStack(), cluster=vf.Cluster(gpus=8, device="cpu"),
+                   example_inputs=(torch.randn(4, 8),),
+                   loss_fn=lambda out, target: out.pow(2).mean(), stages=3)
+
+
 def test_a_model_without_written_buffers_does_not_mention_them() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
     with pytest.raises(vf.PartitionError) as raised:

@@ -168,6 +168,9 @@ class CostTable:
     grads: np.ndarray  # [N] gradient bytes, where first read
     shared: tuple[SharedWeight, ...]  # weights read by several nodes
     measured: MeasuredTimes | None = None
+    # buffers forward writes: (first, last) node using each (PartitionCosts.written_spans),
+    # named when the cuts they forbid leave too few units for the stages asked for
+    written_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, gm: fx.GraphModule) -> CostTable:
@@ -196,6 +199,7 @@ class CostTable:
             units=np.zeros(0, dtype=np.int64),
             grads=_gradient_bytes(nodes, trainable_names(gm)),
             shared=pc[0].shared,
+            written_spans=dict(pc[0].written_spans),
         )
         table.units = table._candidate_cuts()
         return table

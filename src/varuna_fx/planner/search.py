@@ -38,6 +38,7 @@ import numpy as np
 from ..cluster import Cluster
 from ..costmodel import DeviceSpec
 from ..errors import PartitionError
+from ..passes.partition import held_together
 from ..plan import Alternative
 from ..schedule import (
     Schedule,
@@ -474,6 +475,7 @@ class Planner:
                 raise PartitionError(
                     f"stages={space.stages} is more than the {most} places the model can be cut "
                     f"(operations of the model between cuts): use at most {most} stages"
+                    f"{held_together(self.table.written_spans, len(self.table.names))}"
                 )
             depths: list[int] = [space.stages]
         else:
