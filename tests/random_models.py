@@ -46,7 +46,8 @@ from varuna_fx.errors import PartitionError
 FEATURES = (
     "linear", "activation", "activation_module", "residual_add", "elementwise", "concat",
     "split", "layernorm", "dropout", "functional_dropout", "shared_module", "tied_weights",
-    "inplace", "inplace_module", "iadd", "inplace_statement", "tuple_output", "dict_output",
+    "inplace", "inplace_module", "iadd", "inplace_statement", "inplace_view", "tuple_output",
+    "dict_output",
     "nested_output", "model_loss", "none_output", "const_output", "input_output", "int_output",
     "keyword_inputs", "float64", "sequence",
     "param_matmul", "buffer", "reduction", "reshape", "masked",
@@ -70,7 +71,7 @@ ENABLED = frozenset(FEATURES) - frozenset(PENDING_FIXES)
 OBSERVED = frozenset({"unread_parameters"})  # known only once a case ran
 OUTPUT_KINDS = ("tuple_output", "dict_output", "nested_output", "model_loss")
 DROPOUT = frozenset({"dropout", "functional_dropout"})
-INPLACE = frozenset({"inplace", "inplace_module", "iadd", "inplace_statement"})
+INPLACE = frozenset({"inplace", "inplace_module", "iadd", "inplace_statement", "inplace_view"})
 STATE = ("buffer_update", "no_grad", "no_grad_frozen")  # drawn in a quarter of the programs
 
 WIDTH = 8       # the width of the inputs and of every Linear's output
@@ -265,7 +266,7 @@ class _Generator:
             "inplace_statement": self._inplace_statement, "param_matmul": self._param_matmul,
             "buffer": self._buffer, "reduction": self._reduction, "reshape": self._reshape,
             "masked": self._masked, "buffer_update": self._buffer_update,
-            "no_grad": self._no_grad,
+            "no_grad": self._no_grad, "inplace_view": self._inplace_view,
         }
         names = [n for n in ops if n in self.enabled and (self.inplace or n not in INPLACE)
                  and (self.state or n not in STATE)]
@@ -571,6 +572,18 @@ class _Generator:
         line = self.rng.choice([f"{v.name}.relu_()", f"{v.name}.mul_(2.0)",
                                 f"torch.relu_({v.name})", f"{v.name}.sub_(1.0)"])
         self._emit(f"{line}  # statement", "inplace_statement")
+        return True
+
+    def _inplace_view(self) -> bool:
+        # a write into a view writes the value viewed (at P > 1 it was lost: the silent branch)
+        v = self._pick(fresh=True)
+        if v is None:
+            return False
+        v = self._retire(v)
+        line = self.rng.choice([f"{v.name}.narrow(-1, 0, 2).mul_(2.0)",
+                                f"{v.name}[..., :2].zero_()", f"{v.name}.select(-1, 1).add_(1.0)",
+                                f"{v.name}[..., 0].fill_(0.5)"])
+        self._emit(f"{line}  # into a view", "inplace_view")
         return True
 
     # -- output --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from .ir import info
-from .mutations import hop_written_inputs
+from .mutations import VIEW_METHODS, hop_written_inputs
 
 
 @contextlib.contextmanager
@@ -60,13 +60,6 @@ def written_buffers(node: fx.Node) -> list[str]:
     return found
 
 
-# views of their first input (fx call_method / call_function forms); in-place ops return it
-_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t",
-                 "select", "narrow", "expand", "expand_as", "squeeze", "unsqueeze", "flatten",
-                 "unflatten", "unbind", "split", "chunk", "__getitem__", "as_strided", "diagonal",
-                 "movedim", "swapaxes", "detach", "contiguous"}
-
-
 def _aliases_first_input(node: fx.Node) -> bool:
     """Whether ``node``'s value is (a view of, or an in-place write into) its first input:
     the chain from a write back to the buffer it writes goes only through such nodes (an
@@ -76,7 +69,7 @@ def _aliases_first_input(node: fx.Node) -> bool:
     target = node.target
     if node.op == "call_method":
         name = str(target)
-        return name in _VIEW_METHODS or (name.endswith("_") and not name.endswith("__"))
+        return name in VIEW_METHODS or (name.endswith("_") and not name.endswith("__"))
     if node.op != "call_function":
         return False
     if isinstance(target, torch._ops.OpOverload):
@@ -85,7 +78,7 @@ def _aliases_first_input(node: fx.Node) -> bool:
     if target is operator.getitem or getattr(target, "__name__", "") == "setitem_value":
         return True
     name = getattr(target, "__name__", "")
-    return name in _VIEW_METHODS or (name.endswith("_") and not name.endswith("__"))
+    return name in VIEW_METHODS or (name.endswith("_") and not name.endswith("__"))
 
 
 def _is_buffer(root: nn.Module, target: str) -> bool:

@@ -32,6 +32,20 @@ _INPLACE_OPERATORS = {
 }
 
 
+# views of their first input (fx call_method / call_function forms); in-place ops return it
+VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t",
+                "select", "narrow", "expand", "expand_as", "squeeze", "unsqueeze", "flatten",
+                "unflatten", "unbind", "split", "chunk", "__getitem__", "as_strided", "diagonal",
+                "movedim", "swapaxes", "detach", "contiguous"}
+
+
+def after_write(base: Any, write: Any) -> Any:
+    """``base``, read after ``write`` wrote into a view of it (``h[:, 0] = 0`` as torch.export
+    records it: ``fill_(select(h))``): the graph edge that orders later reads of ``h`` after
+    the write, and sends ``h`` to later stages only once written."""
+    return base
+
+
 def setitem_value(base: Any, index: Any, value: Any) -> Any:
     """``base[index] = value``, returning ``base`` so later reads can depend on the write."""
     base[index] = value
@@ -143,6 +157,58 @@ def _aliases(value: fx.Node, buffer: fx.Node) -> bool:
     return value is buffer
 
 
+def _order_reads_of_viewed(graph: fx.Graph, write: fx.Node,
+                           position: dict[fx.Node, int]) -> None:
+    """A write into a view (``h[:, 0] = 0``, ``h.narrow(1, 0, 2).mul_(0)``) writes the tensors
+    viewed: later reads of each read ``after_write(h, write)``. Without that edge nothing
+    ordered them after the write: a stage sent ``h`` as it was before it, or a later stage read
+    it first. A buffer's writes stay on the one stage that holds it, in graph order. The
+    partition keeps the views, the write and these reads on one stage (``view_write_chain``):
+    a view sent to another stage arrives as a tensor of its own, and a write into it would
+    reach nothing."""
+    viewed = view_write_chain(write)[1:]
+    if viewed[-1].op == "get_attr":
+        return
+    for base in viewed[1:]:  # reads of viewed[0], the view written, now read `write`
+        later = [u for u in base.users if position.get(u, -1) > position[write]]
+        if not later:
+            continue
+        with graph.inserting_after(write):
+            written = graph.call_function(after_write, (base, write))
+        written.meta = {k: v for k, v in base.meta.items() if k != "varuna"}
+        for user in later:
+            user.replace_input_with(base, written)
+
+
+def view_write_chain(write: fx.Node) -> list[fx.Node]:
+    """``write``, the views it writes through and the tensor they view: ``[fill_, select,
+    slice, h]`` for ``h[:, 0] = 0``; ``[write, h]`` for a write into ``h`` itself."""
+    chain = [write]
+    base = write.args[0] if write.args else None
+    while isinstance(base, fx.Node):
+        chain.append(base)
+        if not _is_view(base):
+            break
+        base = base.args[0]
+    return chain
+
+
+def _is_view(node: Any) -> bool:
+    """Whether ``node`` is a view of its first input (and writes nothing)."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    target = node.target
+    if node.op == "call_method":
+        return str(target) in VIEW_METHODS
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        returns = target._schema.returns
+        alias = returns[0].alias_info if returns else None
+        return alias is not None and not alias.is_write
+    return target is operator.getitem or getattr(target, "__name__", "") in VIEW_METHODS
+
+
 def keep_mutations(gm: fx.GraphModule) -> None:
     """Dead-code elimination that keeps mutations, with reads after a mutation rewired."""
     graph = gm.graph
@@ -163,5 +229,7 @@ def keep_mutations(gm: fx.GraphModule) -> None:
         for user in list(base.users):
             if user is not node and position[user] > position[node]:
                 user.replace_input_with(base, node)
+        if _is_view(base):
+            _order_reads_of_viewed(graph, node, position)
     graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_mutating(n, gm))
     gm.recompile()

@@ -20,6 +20,7 @@ from ..buffers import written_buffers
 from ..costmodel import DeviceSpec, NodeTimes, step_time
 from ..ir import info
 from ..memory_model import SharedWeight
+from ..mutations import after_write, view_write_chain
 from .partition import Partition, PartitionCosts, partition
 
 # Weights, their gradients and Adam's two moments, all in the parameters' dtype.
@@ -111,6 +112,13 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
             if rewrites:
                 forbidden[p + 1] += 1
                 forbidden[max(rewrites) + 1] -= 1
+    for node in nodes:  # a write into a view, with the views and the reads after it
+        chain = view_write_chain(node) if info(node).mutates else []
+        if len(chain) > 2 and chain[-1].op != "get_attr":
+            held = [*chain[:-1], *(u for u in node.users if u.target is after_write)]
+            at = [position[x] for x in held if x in position]
+            forbidden[min(at) + 1] += 1
+            forbidden[max(at) + 1] -= 1
     spans = written_buffer_spans(nodes, position)
     for first, last in spans.values():
         forbidden[first + 1] += 1
