@@ -1,7 +1,9 @@
-"""Module hooks and parametrizations against eager (capture's _check_hooks): hooks a graph
-runs (forward hooks of traced and called modules, the legacy weight_norm/spectral_norm
-pre-hooks, parametrizations, a called module's backward hook) give eager's losses, gradients,
-buffers and outputs; hooks a graph would silently drop are refused at compile."""
+"""Module hooks, parametrizations and other code around forward against eager (capture.py):
+hooks a graph runs (forward hooks of traced and called modules, the legacy
+weight_norm/spectral_norm pre-hooks, parametrizations, a called module's backward hook) give
+eager's losses, gradients, buffers and outputs; hooks a graph would silently drop, a
+``__call__`` override and ``torch.autocast`` blocks (which torch.fx does not record) are
+refused at compile."""
 
 from __future__ import annotations
 
@@ -178,3 +180,56 @@ def test_a_root_forward_hook_is_kept_by_auto_through_torch_export() -> None:
     pipe = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=8, tracer="auto")
     assert pipe.captured.tracer == "export"
     torch.testing.assert_close(pipe.step(x), model(x).detach())
+
+
+# -- other code torch.fx does not record: __call__ overrides, torch.autocast blocks ------------
+
+
+class DoublesInCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).pow(2).mean()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().__call__(x * 2.0)
+
+
+class AutocastBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.relu(self.a(x))
+        return self.b(h.float()).pow(2).mean()
+
+
+@pytest.mark.parametrize("model,match", [
+    (DoublesInCall, r"DoublesInCall overrides __call__ \(DoublesInCall\.__call__ at .*\): "
+                    r"torch\.fx traces forward only.*tracer='export'"),
+    (AutocastBlock, r"AutocastBlock\.forward runs operations in a torch\.autocast block "
+                    r"\(File .*test_hooks\.py.*h = torch\.relu\(self\.a\(x\)\)\).*full precision"),
+], ids=["call", "autocast"])
+def test_code_fx_does_not_record_is_refused_and_auto_exports_it(model: type[nn.Module],
+                                                                match: str) -> None:
+    # fx silently ran forward without the __call__ wrapper / in float32
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    with pytest.raises(vf.CaptureError, match=match):
+        vf.compile(model(), example_inputs=(x,), stages=2, tracer="fx")
+    user = model()
+    pipe = vf.compile(user, example_inputs=(x,), stages=2, micro_batch_size=8, tracer="auto")
+    assert pipe.captured.tracer == "export"
+    eager = model()
+    eager.load_state_dict(user.state_dict())
+    eager_loss = eager(x)
+    eager_loss.backward()
+    torch.testing.assert_close(pipe.step(x), eager_loss.detach())
+    want = dict(eager.named_parameters())
+    for name, p in user.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, msg=name)

@@ -248,6 +248,9 @@ class _Tracer(fx.Tracer):
         super().__init__()
         # nodes made under torch.no_grad() in forward (fx records no grad mode: grad_mode.py)
         self.no_grad_nodes: set[fx.Node] = set()
+        # the first node made inside a torch.autocast block in forward (fx records none)
+        self.autocast_start = _autocast_state()
+        self.autocast_node: fx.Node | None = None
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any,
                     name: str | None = None, type_expr: Any = None) -> fx.Node:
@@ -256,7 +259,14 @@ class _Tracer(fx.Tracer):
             node.stack_trace = _user_stack_trace()
         if not torch.is_grad_enabled():
             self.no_grad_nodes.add(node)
+        if self.autocast_node is None and _autocast_state() != self.autocast_start:
+            self.autocast_node = node
         return node
+
+
+def _autocast_state() -> tuple:
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                 for d in ("cpu", "cuda"))
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -305,6 +315,20 @@ def _capture_fx(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Cap
     _drop_concrete_placeholders(gm, bound)
     keep_mutations(gm)  # dead-code elimination that keeps `y.relu_()` statements
     check_no_grad_blocks(gm, tracer.no_grad_nodes, alone)
+    if tracer.autocast_node is not None:
+        where = " ".join(x.strip() for x in tracer.autocast_node.stack_trace.splitlines()[-2:])
+        raise CaptureError(
+            f"{type(model).__name__}.forward runs operations in a torch.autocast block"
+            f"{' (' + where + ')' if where else ''}: torch.fx does not record autocast, so the "
+            "pipeline would run them in full precision. Use tracer='export'"
+            + (" or 'auto'" if alone else "") + ", or vf.compile(..., precision='bf16'/'fp16') "
+            "for the whole model")
+    if type(model).__call__ is not nn.Module.__call__:
+        raise CaptureError(
+            f"{type(model).__name__} overrides __call__{_defined_at(model, '__call__')}: "
+            "torch.fx traces "
+            "forward only, so what __call__ adds would be skipped. Move it into forward"
+            + (", or use tracer='export' or 'auto'" if alone else ""))
     out_spec = _flatten_output(gm)
     return Captured(gm, list(bound.tensors), out_spec, "fx", signature, bound.constants)
 
@@ -565,15 +589,16 @@ def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     return user[-1] if user else None
 
 
-def _defined_at(model: nn.Module) -> str:
-    """' (forward at file:line)' for the model's forward, or '' when its source is unknown."""
+def _defined_at(model: nn.Module, method: str = "forward") -> str:
+    """' (forward at file:line)' for the model's forward (or another method), or '' when its
+    source is unknown."""
     try:
-        forward = inspect.unwrap(type(model).forward)
-        path = inspect.getsourcefile(forward)
-        line = inspect.getsourcelines(forward)[1]
+        function = inspect.unwrap(getattr(type(model), method))
+        path = inspect.getsourcefile(function)
+        line = inspect.getsourcelines(function)[1]
     except (TypeError, OSError, AttributeError):
         return ""
-    return f" ({type(model).__name__}.forward at {path}:{line})"
+    return f" ({type(model).__name__}.{method} at {path}:{line})"
 
 
 def _describe_failure(tracer: str, exc: BaseException, model: nn.Module,
