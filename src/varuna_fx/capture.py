@@ -16,6 +16,7 @@ cannot trace such as every HuggingFace transformers 5.x model); ``"auto"`` tries
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import linecache
@@ -23,7 +24,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,9 +249,18 @@ class _Tracer(fx.Tracer):
         super().__init__()
         # nodes made under torch.no_grad() in forward (fx records no grad mode: grad_mode.py)
         self.no_grad_nodes: set[fx.Node] = set()
+        self.typed_dicts: list[dict] = []  # see create_arg
         # the first node made inside a torch.autocast block in forward (fx records none)
         self.autocast_start = _autocast_state()
         self.autocast_node: fx.Node | None = None
+
+    def create_arg(self, a: Any) -> Any:
+        # fx stores a dict subclass (a HuggingFace ModelOutput dataclass) as a plain dict:
+        # keep the object, so the pipeline returns the type forward does (_flatten_output)
+        if isinstance(a, dict) and type(a) not in _PLAIN_DICTS \
+                and type(a) in pytree.SUPPORTED_NODES:
+            self.typed_dicts.append(a)
+        return super().create_arg(a)
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any,
                     name: str | None = None, type_expr: Any = None) -> fx.Node:
@@ -329,7 +339,7 @@ def _capture_fx(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Cap
             "torch.fx traces "
             "forward only, so what __call__ adds would be skipped. Move it into forward"
             + (", or use tracer='export' or 'auto'" if alone else ""))
-    out_spec = _flatten_output(gm)
+    out_spec = _flatten_output(gm, tracer.typed_dicts[-1:])
     return Captured(gm, list(bound.tensors), out_spec, "fx", signature, bound.constants)
 
 
@@ -437,9 +447,20 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _flatten_output(gm: fx.GraphModule) -> pytree.TreeSpec:
+_PLAIN_DICTS = (dict, collections.OrderedDict, collections.defaultdict, immutable_dict)
+
+
+def _flatten_output(gm: fx.GraphModule, typed: Sequence[dict] = ()) -> pytree.TreeSpec:
+    """The output node returns a flat tuple; the spec rebuilds forward's structure. ``typed``:
+    the dict subclass forward returned as fx saw it (values: proxies), when it did."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    leaves, spec = pytree.tree_flatten(_plain(output.args[0]))
+    value = output.args[0]
+    if typed and isinstance(value, dict) and list(value) == list(typed[0]):
+        leaves, spec = pytree.tree_flatten(typed[0])
+        output.args = (tuple(x.node if isinstance(x, fx.Proxy) else x for x in leaves),)
+        gm.recompile()
+        return spec
+    leaves, spec = pytree.tree_flatten(_plain(value))
     output.args = (tuple(leaves),)
     gm.recompile()
     return spec
