@@ -25,22 +25,23 @@ from .errors import InputError
 
 @contextlib.contextmanager
 def settings_kept(model: nn.Module) -> Iterator[None]:
-    """Put every module's plain attributes back after the body: tracing runs forward's Python,
-    and a counter it bumps (``self.calls += 1`` on an int) must not change the user's model,
-    nor look like an edit to a pipeline compiled earlier."""
-    before = [(m, plain_settings(m), set(vars(m))) for m in model.modules()]
+    """Put every module's attributes back after the body, the same objects: tracing runs
+    forward's Python, and a counter it bumps (``self.calls += 1`` on an int) must not change
+    the user's model, nor look like an edit to a pipeline compiled earlier; torch.export puts
+    back copies of every dict and list attribute (a HuggingFace model's ``_tp_plan``)."""
+    before = [(m, dict(vars(m))) for m in model.modules()]
     try:
         yield
     finally:
-        for module, settings, keys in before:
-            now = plain_settings(module)
+        for module, attributes in before:
+            now = vars(module)
             # and whatever tracing added (fx keeps a tensor made in forward as the root's
             # `_tensor_constant0`; the graph module has its own reference)
-            for key in vars(module).keys() - keys:
-                del module.__dict__[key]
-            for key, value in settings.items():
+            for key in now.keys() - attributes.keys():
+                del now[key]
+            for key, value in attributes.items():
                 if now.get(key, _GONE) is not value:
-                    module.__dict__[key] = value
+                    now[key] = value
 
 
 _GONE = object()
