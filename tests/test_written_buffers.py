@@ -396,3 +396,47 @@ def test_torch_export_dropping_a_submodule_buffer_rebinding_is_refused() -> None
                                               r"that forward rebinds.*copy_"):
         vf.compile(RebindsInASubmodule(), example_inputs=(torch.randn(8, 8),), stages=2,
                    tracer="export")
+
+
+# -- a parameter written in place in forward --------------------------------------------------
+
+
+class ClipsAWeight(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 1)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "no_grad":  # WGAN-style clipping
+            with torch.no_grad():
+                self.b.weight.clamp_(-0.1, 0.1)
+        else:
+            self.b.weight.data.mul_(0.9)
+        return self.c(torch.relu(self.b(torch.relu(self.a(x))))).pow(2).mean()
+
+
+@pytest.mark.parametrize("how,tracer", [("data", "fx"), ("no_grad", "export")])
+def test_a_parameter_written_in_forward_is_refused(how: str, tracer: str) -> None:
+    # recompute wrote w.data.mul_(0.9) twice per step; under torch.export the linear read the
+    # clamped weight from the no_grad block, and b.weight got no gradient at P = 3
+    with pytest.raises(vf.CaptureError, match=r"ClipsAWeight\.forward writes the parameter "
+                                              r"b\.weight in place.*outside forward"):
+        vf.compile(ClipsAWeight(how), example_inputs=(torch.randn(4, 8),), stages=3,
+                   tracer=tracer)
+
+
+def test_an_embedding_with_max_norm_follows_eager() -> None:
+    # torch.export shows its renorm as an in-place write into the weight: same values on replay
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8, max_norm=1.0), nn.Flatten(), nn.Linear(40, 1))
+    ids = torch.randint(0, 20, (4, 5))
+    eager = copy.deepcopy(model)
+    pipe = vf.compile(model, example_inputs=(ids,), loss_fn=lambda out, t: out.pow(2).mean(),
+                      stages=3, micro_batch_size=2, recompute=True, tracer="export")
+    loss = pipe.step(ids, target=torch.zeros(4))
+    eager_loss = eager(ids).pow(2).mean()
+    eager_loss.backward()
+    assert_like_eager(pipe, model, eager, loss, eager_loss)

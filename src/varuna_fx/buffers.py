@@ -44,6 +44,16 @@ class MicroBatchStateWarning(UserWarning):
 def written_buffers(node: fx.Node) -> list[str]:
     """The attribute paths of the buffers an in-place node writes (``self.calls.add_(1)``, or
     ``add_`` in ``self.ema.mul_(0.9).add_(v)``, or a torch.no_grad() block's writes)."""
+    return _written_attributes(node, "_buffers")
+
+
+def written_parameters(node: fx.Node) -> list[str]:
+    """The attribute paths of the parameters an in-place node writes (``w.clamp_(...)`` in a
+    torch.no_grad() block, ``w.data.mul_(0.9)``)."""
+    return _written_attributes(node, "_parameters")
+
+
+def _written_attributes(node: fx.Node, kind: str) -> list[str]:
     if not info(node).mutates:
         return []
     bases = [node.args[0]] if node.args else []
@@ -55,7 +65,7 @@ def written_buffers(node: fx.Node) -> list[str]:
         while isinstance(base, fx.Node) and _aliases_first_input(base):
             base = base.args[0]  # views and earlier writes of the same tensor
         if isinstance(base, fx.Node) and base.op == "get_attr" and root is not None \
-                and _is_buffer(root, str(base.target)):
+                and _is_attribute(root, str(base.target), kind):
             found.append(str(base.target))
     return found
 
@@ -77,17 +87,21 @@ def _aliases_first_input(node: fx.Node) -> bool:
         return bool(returns) and returns[0].alias_info is not None
     if target is operator.getitem or getattr(target, "__name__", "") == "setitem_value":
         return True
+    if target is getattr:  # fx's `w.data`
+        return len(node.args) > 1 and node.args[1] == "data"
     name = getattr(target, "__name__", "")
     return name in VIEW_METHODS or (name.endswith("_") and not name.endswith("__"))
 
 
-def _is_buffer(root: nn.Module, target: str) -> bool:
+def _is_attribute(root: nn.Module, target: str, kind: str) -> bool:
+    """Whether ``target`` names one of ``root``'s buffers (``kind="_buffers"``) or
+    parameters (``"_parameters"``)."""
     owner, _, name = target.rpartition(".")
     try:
         module = root.get_submodule(owner) if owner else root
     except AttributeError:
         return False
-    return name in module._buffers
+    return name in getattr(module, kind)
 
 
 def mutated_buffers(gm: fx.GraphModule) -> list[str]:

@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
+from .buffers import written_parameters
 from .errors import CaptureError, InputError
 from .grad_mode import check_no_grad_blocks
 from .ir import info as node_info
@@ -139,20 +140,25 @@ def _capture(model: nn.Module, bound: BoundInputs, tracer: str) -> Captured:
     if tracer not in TRACERS:
         raise CaptureError(f"tracer={tracer!r} is unknown; use one of {TRACERS}")
     if tracer == "fx":
-        return _check_output(model, _check_hooks(model, _capture_fx(model, bound)))
+        return _check_output(model, _checked(model, _capture_fx(model, bound)))
     if tracer == "export":
-        return _check_output(model, _check_hooks(model, _capture_export(model, bound)))
+        return _check_output(model, _checked(model, _capture_export(model, bound)))
     try:
-        captured = _check_hooks(model, _capture_fx(model, bound, alone=False))
+        captured = _checked(model, _capture_fx(model, bound, alone=False))
     except CaptureError as fx_error:
         try:
-            captured = _check_hooks(model, _capture_export(model, bound, alone=False))
+            captured = _checked(model, _capture_export(model, bound, alone=False))
         except CaptureError as export_error:
             raise CaptureError(
                 f"neither tracer could capture {type(model).__name__}.\n"
                 f"  fx: {fx_error}\n  export: {export_error}"
             ) from None
     return _check_output(model, captured)
+
+
+def _checked(model: nn.Module, captured: Captured) -> Captured:
+    """What either tracer captured, refused if it would silently differ from eager."""
+    return _check_parameter_writes(model, _check_hooks(model, captured))
 
 
 def _check_hooks(model: nn.Module, captured: Captured) -> Captured:
@@ -201,6 +207,28 @@ def _check_root_pre_hooks(model: nn.Module, alone: bool) -> None:
                 f"see no positional arguments. {_hook_advice(hook)}Register it with "
                 "with_kwargs=True or on a submodule, or apply it in forward"
                 + (" (or use tracer='fx')" if alone else ""))
+
+
+def _check_parameter_writes(model: nn.Module, captured: Captured) -> Captured:
+    """A parameter written in place in forward (``w.clamp_()`` under torch.no_grad(),
+    ``w.data.mul_(0.9)``) is written again by every micro-batch and every recompute, and the
+    graph's later reads of it read the write, which carries no gradient: refused.
+    ``embedding_renorm_`` (``nn.Embedding(max_norm=...)``) gives the same weights however
+    often it runs."""
+    for node in captured.gm.graph.nodes:
+        if node.target is torch.ops.aten.embedding_renorm_.default:
+            continue
+        for name in written_parameters(node):
+            where = " ".join(x.strip() for x in node.stack_trace.splitlines()[-2:]) \
+                if node.stack_trace else ""
+            raise CaptureError(
+                f"{type(model).__name__}.forward writes the parameter {name} in place"
+                f"{' (' + where + ')' if where else ''}: a pipeline runs forward once per "
+                "micro-batch and again to recompute, so it would be written more often than "
+                "in eager, and later reads of it would not carry its gradient. Write it "
+                "outside forward, after optimizer.step() (with torch.no_grad(): "
+                f"model.{name}.clamp_(...))")
+    return captured
 
 
 def _hook_advice(hook: Any) -> str:
