@@ -233,3 +233,23 @@ def test_code_fx_does_not_record_is_refused_and_auto_exports_it(model: type[nn.M
     want = dict(eager.named_parameters())
     for name, p in user.named_parameters():
         torch.testing.assert_close(p.grad, want[name].grad, msg=name)
+
+
+class HooksAnActivation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        h.register_hook(lambda grad: grad * 3.0)
+        return self.b(h).pow(2).mean()
+
+
+def test_a_tensor_hook_registered_in_forward_is_refused_by_torch_export() -> None:
+    # torch.export registered it on a fake tensor: a.weight's gradient came out 3x too small
+    with pytest.raises(vf.CaptureError, match=r"HooksAnActivation\.forward registers a "
+                                              r"gradient hook on a tensor \(.*test_hooks\.py:\d+\)"):
+        vf.compile(HooksAnActivation(), example_inputs=(torch.randn(4, 8),), stages=2,
+                   tracer="export")

@@ -9,7 +9,6 @@ update in the graph (BatchNorm's running statistics and ``num_batches_tracked``,
 from __future__ import annotations
 
 import contextlib
-import operator
 import warnings
 from collections.abc import Iterator
 
@@ -18,7 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from .ir import info
-from .mutations import VIEW_METHODS, hop_written_inputs
+from .mutations import aliases_first_input, hop_written_inputs, written_arguments
 
 
 @contextlib.contextmanager
@@ -60,37 +59,16 @@ def _written_attributes(node: fx.Node, kind: str) -> list[str]:
     root = node.graph.owning_module
     if isinstance(node.target, torch._ops.HigherOrderOperator):  # a write inside a subgraph
         bases = list(hop_written_inputs(node, root)) if root is not None else []
+    elif isinstance(node.target, torch._ops.OpOverload):  # `out=` ops write their out
+        bases = written_arguments(node)
     found = []
     for base in bases:
-        while isinstance(base, fx.Node) and _aliases_first_input(base):
+        while isinstance(base, fx.Node) and aliases_first_input(base):
             base = base.args[0]  # views and earlier writes of the same tensor
         if isinstance(base, fx.Node) and base.op == "get_attr" and root is not None \
                 and _is_attribute(root, str(base.target), kind):
             found.append(str(base.target))
     return found
-
-
-def _aliases_first_input(node: fx.Node) -> bool:
-    """Whether ``node``'s value is (a view of, or an in-place write into) its first input:
-    the chain from a write back to the buffer it writes goes only through such nodes (an
-    ``add_`` on ``F.embedding(ids, weight)`` writes an activation, not the weight)."""
-    if not node.args or not isinstance(node.args[0], fx.Node):
-        return False
-    target = node.target
-    if node.op == "call_method":
-        name = str(target)
-        return name in VIEW_METHODS or (name.endswith("_") and not name.endswith("__"))
-    if node.op != "call_function":
-        return False
-    if isinstance(target, torch._ops.OpOverload):
-        returns = target._schema.returns
-        return bool(returns) and returns[0].alias_info is not None
-    if target is operator.getitem or getattr(target, "__name__", "") == "setitem_value":
-        return True
-    if target is getattr:  # fx's `w.data`
-        return len(node.args) > 1 and node.args[1] == "data"
-    name = getattr(target, "__name__", "")
-    return name in VIEW_METHODS or (name.endswith("_") and not name.endswith("__"))
 
 
 def _is_attribute(root: nn.Module, target: str, kind: str) -> bool:

@@ -506,12 +506,19 @@ def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) ->
     dynamic = {name: ({0: batch} if name in bound.tensors else None) for name in kwargs}
     _check_root_pre_hooks(model, alone)
     try:
-        with _rebinding_recorded(model) as rebound:
+        with _rebinding_recorded(model) as rebound, _tensor_hooks_recorded() as hooked:
             program = torch.export.export(
                 model, args=(), kwargs=kwargs, dynamic_shapes=dynamic, strict=False
             )
     except Exception as exc:
         raise CaptureError(_describe_failure("torch.export", exc, model, alone)) from None
+    if hooked:
+        raise CaptureError(
+            f"{type(model).__name__}.forward registers a gradient hook on a tensor ({hooked[0]}):"
+            " torch.export does not record it, so the pipeline would silently skip it (and "
+            "torch.fx cannot trace it). Register hooks on parameters outside forward "
+            "(parameter.register_hook), or write the gradient change as a "
+            "torch.autograd.Function")
     gm = program.module()
     _mark_rebinds(model, gm, rebound, alone)
     info = gm.graph._codegen.pytree_info
@@ -558,6 +565,25 @@ def _rebinding_recorded(model: nn.Module) -> Iterator[list[str]]:
         yield found
     finally:
         hook.remove()
+
+
+@contextlib.contextmanager
+def _tensor_hooks_recorded() -> Iterator[list[str]]:
+    """Where forward calls ``tensor.register_hook`` while torch.export traces it: on a fake
+    tensor, so the hook is in no graph."""
+    found: list[str] = []
+    original = torch.Tensor.register_hook
+
+    def recording(self: torch.Tensor, hook: Any) -> Any:
+        caller = sys._getframe(1)
+        found.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
+        return original(self, hook)
+
+    torch.Tensor.register_hook = recording  # type: ignore[method-assign]
+    try:
+        yield found
+    finally:
+        torch.Tensor.register_hook = original  # type: ignore[method-assign]
 
 
 def _mark_rebinds(model: nn.Module, gm: fx.GraphModule, rebound: list[str],

@@ -92,14 +92,50 @@ def hop_written_inputs(node: fx.Node, root: torch.nn.Module) -> list[fx.Node]:
     written = set()
     for inner in module.graph.nodes:
         if inner.op != "placeholder" and is_mutating(inner, module):
-            base = inner.args[0] if inner.args else None
-            while isinstance(base, fx.Node) and base.op in ("call_method", "call_function") \
-                    and base.args and base not in placeholders:
-                base = base.args[0]  # views and earlier writes of the same tensor
-            if base in placeholders:
-                written.add(placeholders.index(base))
+            for base in written_arguments(inner):
+                while isinstance(base, fx.Node) and base not in placeholders \
+                        and aliases_first_input(base):
+                    base = base.args[0]  # views and earlier writes of the same tensor
+                if base in placeholders:
+                    written.add(placeholders.index(base))
     return [operands[i] for i in sorted(written)
             if i < len(operands) and isinstance(operands[i], fx.Node)]
+
+
+def aliases_first_input(node: fx.Node) -> bool:
+    """Whether ``node``'s value is (a view of, or an in-place write into) its first input:
+    the chain from a write back to the buffer it writes goes only through such nodes (an
+    ``add_`` on ``F.embedding(ids, weight)`` writes an activation, not the weight)."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    target = node.target
+    if node.op == "call_method":
+        name = str(target)
+        return name in VIEW_METHODS or (name.endswith("_") and not name.endswith("__"))
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        returns = target._schema.returns
+        return bool(returns) and returns[0].alias_info is not None
+    if target is operator.getitem or getattr(target, "__name__", "") == "setitem_value":
+        return True
+    if target is getattr:  # fx's `w.data`
+        return len(node.args) > 1 and node.args[1] == "data"
+    name = getattr(target, "__name__", "")
+    return name in VIEW_METHODS or (name.endswith("_") and not name.endswith("__"))
+
+
+def written_arguments(node: fx.Node) -> list[Any]:
+    """The arguments an in-place node writes: by its schema for an aten op
+    (``mv.out(self, vec, *, out)`` writes ``out``, not its first argument), else the first."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return [node.args[0]] if node.args else []
+    written = []
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written.append(node.args[i] if i < len(node.args) and not argument.kwarg_only
+                           else node.kwargs.get(argument.name))
+    return written
 
 
 def _attribute(root: torch.nn.Module, target: str) -> Any:
