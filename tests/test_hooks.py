@@ -141,7 +141,7 @@ REFUSED: list[tuple[str, str, Callable[[Hooked], object], str]] = [
     # a module backward hook acts on autograd nodes that tracing never makes
     ("traced_backward_hook", "fx", lambda m: m.block.register_full_backward_hook(_backward_hook),
      r"Hooked\.block \(_Block\) has the backward hook _backward_hook.*traced into the graph.*"
-     r"tensor\.register_hook"),
+     r"parameter\.register_hook"),
     ("traced_backward_pre_hook", "export",
      lambda m: m.block.register_full_backward_pre_hook(lambda module, gout: None),
      r"Hooked\.block \(_Block\) has the backward pre-hook"),

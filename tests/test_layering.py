@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).parent.parent / "src" / "varuna_fx"
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["errors", "ir", "rng", "where", "placement", "costmodel", "memory_model",
               "cluster", "factory", "examples", "schedule", "buffers", "mutations", "grad_mode", "model_edits",
+              "untraced",
               "morphing", "init_skipping",
               "files"]),
     ("capture", ["capture"]),

@@ -1,0 +1,175 @@
+"""Code and state around ``forward`` that a captured graph would silently lose, found at
+capture: refused with an error naming it and what to do, or marked for a later check.
+
+* Hooks: a module the graph calls (``call_module``) runs all its hooks at each step; one
+  traced into the graph ran its forward hooks while traced, but not its backward hooks;
+  torch.fx traces the model's own ``forward`` without ``__call__`` (so without its hooks);
+  torch.export passes the inputs by keyword (a positional forward pre-hook sees none) and
+  registers a ``tensor.register_hook`` in forward on a fake tensor.
+* State: a parameter written in place in forward would be written again per micro-batch and
+  recompute; a buffer forward rebinds is written in place by its stage, which torch.export
+  (2.13) leaves out for a submodule's buffer, and which must keep its shape and dtype
+  (``NodeInfo.rebinds``, checked by ``annotate_shapes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
+
+from .buffers import written_parameters
+from .errors import CaptureError
+from .ir import info as node_info
+from .model_edits import traced_modules
+
+
+def check_hooks(model: nn.Module, gm: fx.GraphModule, tracer: str) -> None:
+    """Hooks the graph would silently drop are refused. A module the graph calls
+    (``call_module``) runs all its hooks at each step; one traced into the graph ran its
+    forward hooks while traced (they are in the graph), but its backward hooks act on autograd
+    nodes that tracing never makes; torch.fx traces the model's own ``forward`` without
+    ``__call__``, so the model's forward hooks never ran (torch.export's pre-hook case is
+    :func:`check_root_pre_hooks`)."""
+    traced = traced_modules(gm)
+    for path, module in model.named_modules():
+        if path not in traced:
+            continue
+        where = f"{type(model).__name__}{'.' + path if path else ''}"
+        for kind, hooks in (("hook", module._backward_hooks),
+                            ("pre-hook", module._backward_pre_hooks)):
+            for hook in hooks.values():
+                raise CaptureError(
+                    f"{where} ({type(module).__name__}) has the backward {kind} "
+                    f"{_hook_name(hook)}, and its code is traced into the graph, where module "
+                    "backward hooks do not run: the pipeline would silently skip it. Remove it, "
+                    "or hook its parameters instead (parameter.register_hook)")
+        if path or tracer != "fx":
+            continue
+        for kind, hooks in (("pre-hook", module._forward_pre_hooks),
+                            ("hook", module._forward_hooks)):
+            for key, hook in hooks.items():
+                exported = kind == "hook" or key in module._forward_pre_hooks_with_kwargs
+                raise CaptureError(
+                    f"{where} has the forward {kind} {_hook_name(hook)}: torch.fx traces the "
+                    "model's forward without its hooks, so the pipeline would silently skip it. "
+                    f"{_hook_advice(hook)}Register it on a submodule or apply it in forward"
+                    + (", or use tracer='export' (or 'auto')" if exported else ""))
+
+
+def check_root_pre_hooks(model: nn.Module, alone: bool) -> None:
+    """torch.export gets the inputs by keyword: a forward pre-hook of the model itself would
+    see no positional arguments (and fail, or act on none)."""
+    for key, hook in model._forward_pre_hooks.items():
+        if key not in model._forward_pre_hooks_with_kwargs:
+            raise CaptureError(
+                f"{type(model).__name__} has the forward pre-hook {_hook_name(hook)}: with "
+                "torch.export the pipeline passes the model's inputs by keyword, so it would "
+                f"see no positional arguments. {_hook_advice(hook)}Register it with "
+                "with_kwargs=True or on a submodule, or apply it in forward"
+                + (" (or use tracer='fx')" if alone else ""))
+
+
+def check_parameter_writes(model: nn.Module, gm: fx.GraphModule) -> None:
+    """A parameter written in place in forward (``w.clamp_()`` under torch.no_grad(),
+    ``w.data.mul_(0.9)``) is written again by every micro-batch and every recompute, and the
+    graph's later reads of it read the write, which carries no gradient: refused.
+    ``embedding_renorm_`` (``nn.Embedding(max_norm=...)``) gives the same weights however
+    often it runs."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.embedding_renorm_.default:
+            continue
+        for name in written_parameters(node):
+            where = " ".join(x.strip() for x in node.stack_trace.splitlines()[-2:]) \
+                if node.stack_trace else ""
+            raise CaptureError(
+                f"{type(model).__name__}.forward writes the parameter {name} in place"
+                f"{' (' + where + ')' if where else ''}: a pipeline runs forward once per "
+                "micro-batch and again to recompute, so it would be written more often than "
+                "in eager, and later reads of it would not carry its gradient. Write it "
+                "outside forward, after optimizer.step() (with torch.no_grad(): "
+                f"model.{name}.clamp_(...))")
+
+
+def _hook_advice(hook: Any) -> str:
+    if type(hook).__name__ in ("WeightNorm", "SpectralNorm"):
+        return ("torch.nn.utils.weight_norm/spectral_norm work by such a hook: use "
+                "torch.nn.utils.parametrizations.weight_norm/spectral_norm instead. ")
+    return ""
+
+
+def _hook_name(hook: Any) -> str:
+    """A hook's name and where it is defined, as far as known."""
+    function = getattr(hook, "__func__", hook)
+    name = getattr(function, "__qualname__", None) or type(hook).__qualname__
+    code = getattr(function, "__code__", None)
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code else name
+
+
+@contextlib.contextmanager
+def rebinding_recorded(model: nn.Module) -> Iterator[list[str]]:
+    """The FQNs of the buffers forward rebinds while torch.export traces it (``self.ema =
+    ...``): assignments of a fake tensor to a registered buffer (export's own swaps of real
+    tensors are not forward's)."""
+    paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    found: list[str] = []
+
+    def record(module: nn.Module, name: str, value: Any) -> None:
+        if isinstance(value, (FakeTensor, FunctionalTensor)) and id(module) in paths \
+                and name in module._buffers:
+            found.append(f"{paths[id(module)]}.{name}".lstrip("."))
+
+    hook = torch.nn.modules.module.register_module_buffer_registration_hook(record)
+    try:
+        yield found
+    finally:
+        hook.remove()
+
+
+@contextlib.contextmanager
+def tensor_hooks_recorded() -> Iterator[list[str]]:
+    """Where forward calls ``tensor.register_hook`` while torch.export traces it: on a fake
+    tensor, so the hook is in no graph."""
+    found: list[str] = []
+    original = torch.Tensor.register_hook
+
+    def recording(self: torch.Tensor, hook: Any) -> Any:
+        caller = sys._getframe(1)
+        found.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
+        return original(self, hook)
+
+    torch.Tensor.register_hook = recording  # type: ignore[method-assign]
+    try:
+        yield found
+    finally:
+        torch.Tensor.register_hook = original  # type: ignore[method-assign]
+
+
+def mark_rebinds(model: nn.Module, gm: fx.GraphModule, rebound: list[str],
+                  alone: bool) -> None:
+    """Mark the write-back of each buffer forward rebinds: torch.export writes it with
+    ``copy_`` after the whole graph, a write annotate_shapes checks to keep the buffer's shape
+    and dtype. torch.export (2.13) writes back only the root module's buffers: a submodule's
+    rebinding (``self.block.ema = ...``) vanished from its graph, so it is refused."""
+    last_writes = {}
+    for node in gm.graph.nodes:  # the write-back is the buffer's last write
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
+                and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
+            last_writes[str(node.args[0].target)] = node
+    for fqn in dict.fromkeys(rebound):
+        if fqn not in last_writes:
+            owner, _, key = fqn.rpartition(".")
+            raise CaptureError(
+                f"{type(model).__name__}.{fqn} is a buffer that forward rebinds "
+                f"(self.{key} = ... in {type(model.get_submodule(owner)).__name__}.forward): "
+                "torch.export drops that assignment for a submodule's buffer, so the pipeline "
+                f"would never update it. Write it in place (self.{key}.copy_(new_value))"
+                + (" or use tracer='fx'" if alone else ""))
+        node_info(last_writes[fqn]).rebinds = fqn
