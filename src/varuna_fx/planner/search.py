@@ -400,7 +400,7 @@ class Planner:
         for name in names:
             if p > 1 and not depends_on_costs(name) and (name, p, m) in self._schedules:
                 counts = self._schedules[name, p, m][1]
-            elif p > 1 and not is_split(name):
+            elif p > 1 and name == "varuna":
                 counts = [m] * (p - 1) + [1]
             else:
                 counts = [m] * p
