@@ -17,6 +17,13 @@ all-reduce, draining sends). ``replay wall`` simulates the order each rank ran w
 and the step's outside time: it tells whether the schedule and link model are right when the
 costs are (compare with ``step``); ``replay cpu`` does the same with the CPU times: what the
 step would take with a core per rank (compare with ``predicted``: the cost model's error). A shared machine inflates wall over cpu; the cpu columns stay comparable.
+
+``--launches N`` repeats the timed two-rank launch N times with the same profile and prints one
+line per launch and schedule: the step, its prediction, and every action's CPU time over the
+profile's -- how far the same command moves between launches on this machine, which bounds the
+simulator error it can show. Before them, one process runs each model's two stages alone
+(``LocalRuntime``: no second rank sharing the chip, no messages) and its step is compared with
+the profile's total work, ``m * sum(F + B)`` over the stages: the cost model's own error.
 """
 
 from __future__ import annotations
@@ -98,6 +105,81 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(gathered[0] + gathered[1]))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def local_worker(args: argparse.Namespace) -> None:
+    """One process, both stages (no torchrun): the measured step against the profile's total
+    work. Loads the profile the two-rank launch measured (same cache)."""
+    import copy
+
+    import torch
+
+    torch.set_num_threads(1)
+    from bench_network import M, make_cases
+
+    import varuna_fx as vf
+
+    out = []
+    for case in make_cases(args.models.split(",")):
+        x, y = case["x"], case["y"]
+        pipe = vf.compile(copy.deepcopy(case["model"]), example_inputs=(x,),
+                          loss_fn=case["loss"], stages=2, micro_batch_size=x.shape[0] // M,
+                          schedule="varuna", recompute=False, profile=True)
+        costs = pipe.plan.schedule.costs
+        work = M * sum(f + b for f, b in zip(costs.forward, costs.backward))
+        steps = []
+        for k in range(args.warmup + args.rounds * args.steps):
+            start = time.perf_counter()
+            pipe.zero_grad()
+            pipe.step(x, target=y)
+            if k >= args.warmup:
+                steps.append(time.perf_counter() - start)
+        out.append({"model": case["name"], "steps": steps, "work": work})
+    Path(args.out).write_text(json.dumps(out))
+
+
+def launch_summary(launches: list[list[dict]], local: list[dict]) -> list[str]:
+    """One line per launch and schedule: step vs prediction, action CPU times over profile."""
+    lines = ["\n### the same command, launch after launch (ms per step; actions: median CPU "
+             "time / profile, stage 0 and 1)\n"]
+    for r in local:
+        step = statistics.median(r["steps"])
+        lines.append(f"- {r['model']}, one process (both stages, no second rank): step "
+                     f"{step * 1e3:.1f} ms, profile's total work {r['work'] * 1e3:.1f} ms, "
+                     f"error {100 * (r['work'] / step - 1):+.1f}%")
+    lines += ["", "| model | schedule | launch | step | predicted | error | F cpu/profile | "
+              "B cpu/profile |", "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    errors: dict[tuple[str, str], list[float]] = {}
+    for k, rows in enumerate(launches):
+        for r0 in (r for r in rows if r["rank"] == 0):
+            r1 = next(r for r in rows if r["rank"] == 1 and (r["model"], r["schedule"])
+                      == (r0["model"], r0["schedule"]))
+            step = statistics.median(max(a, b) for a, b in zip(r0["steps"], r1["steps"]))
+            error = r0["predicted"] / step - 1
+            errors.setdefault((r0["model"], r0["schedule"]), []).append(step)
+            ratios = {}
+            prof = r0["profile"]
+            split = any(what == "W" for tr in r0["traces"] for what, *_ in tr)
+            for kind in ("F", "B"):
+                parts = []
+                for stage, r in enumerate((r0, r1)):
+                    cpu = [c for tr in r["traces"] for c in
+                           (c for _, c in action_times(tr).get(kind, []))]
+                    if prof is None or not cpu:
+                        parts.append("-")
+                        continue
+                    ref = prof[kind][stage] - (prof["W"][stage] if split and kind == "B" else 0)
+                    parts.append(f"{statistics.median(cpu) / ref:.2f}" if ref > 0 else "-")
+                ratios[kind] = ", ".join(parts)
+            lines.append(f"| {r0['model']} | {r0['schedule']} | {k} | {step * 1e3:.1f} | "
+                         f"{r0['predicted'] * 1e3:.1f} | {100 * error:+.1f}% | "
+                         f"{ratios['F']} | {ratios['B']} |")
+    for (model, sched), steps in errors.items():
+        if len(steps) > 1:
+            lines.append(f"- {model} {sched}: step {min(steps) * 1e3:.0f}-{max(steps) * 1e3:.0f} "
+                         f"ms over {len(steps)} launches ({100 * (max(steps) / min(steps) - 1):.0f}%"
+                         " apart)")
+    return lines
 
 
 def action_times(trace: list[tuple]) -> dict[str, list[tuple[float, float]]]:
@@ -207,6 +289,17 @@ def launch(args: argparse.Namespace, cache: str, out: str, profile_only: bool) -
         raise SystemExit("a rank failed")
 
 
+def run_local(args: argparse.Namespace, cache: str, out: str) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    subprocess.run([sys.executable, __file__, "--local-worker", "--models", args.models,
+                    "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup",
+                    str(args.warmup), "--out", out],
+                   env={**env, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE": cache,
+                        "PYTHONPATH": str(HERE.parent / "src")},
+                   check=True, timeout=args.timeout)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt")
@@ -218,12 +311,19 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=PORT)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--report", default="", help="only analyse this saved JSON")
+    parser.add_argument("--launches", type=int, default=1,
+                        help="repeat the timed launch, same profile; with > 1 also time one "
+                             "process running both stages")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--local-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.local_worker:
+        local_worker(args)
         return
     if args.report:
         rows = json.loads(Path(args.report).read_text())
@@ -232,13 +332,23 @@ def main() -> None:
             cache = args.cache or tmp
             load = os.getloadavg()[0]
             launch(args, cache, "", profile_only=True)
-            out = os.path.join(tmp, "rows.json")
-            launch(args, cache, out, profile_only=False)
-            rows = json.loads(Path(out).read_text())
+            local = []
+            if args.launches > 1:
+                out = os.path.join(tmp, "local.json")
+                run_local(args, cache, out)
+                local = json.loads(Path(out).read_text())
+            launches = []
+            for k in range(args.launches):
+                out = os.path.join(tmp, f"rows{k}.json")
+                launch(args, cache, out, profile_only=False)
+                launches.append(json.loads(Path(out).read_text()))
+            rows = launches[0]
             (HERE / "figures").mkdir(exist_ok=True)
             (HERE / "figures" / "step_breakdown.json").write_text(json.dumps(rows))
             print(f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     print("\n".join(analyse(rows)))
+    if not args.report and args.launches > 1:
+        print("\n".join(launch_summary(launches, local)))
 
 
 if __name__ == "__main__":
