@@ -17,6 +17,7 @@ exactly (``repr``), to compare two trees' choices: run this script with each tre
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import statistics
 import time
@@ -43,6 +44,9 @@ def main() -> None:
     parser.add_argument("--gpu-memory", default="16GiB")
     parser.add_argument("--inter-node-bandwidth", default="10Gbit/s")
     parser.add_argument("--device-type", default=None)
+    parser.add_argument("--devices", type=int, default=1024, help="GPUs in the cluster")
+    parser.add_argument("--profile", default=None,
+                        help="write a cProfile of the (last) search here (pstats format)")
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--json", default=None, help="write the chosen rows here")
@@ -62,7 +66,7 @@ def main() -> None:
     table = CostTable.build(graph.gm)
     tabled = time.perf_counter() - start
 
-    cluster = vf.Cluster(gpus=1024, gpus_per_node=8, gpu_memory=args.gpu_memory,
+    cluster = vf.Cluster(gpus=args.devices, gpus_per_node=8, gpu_memory=args.gpu_memory,
                          inter_node_bandwidth=args.inter_node_bandwidth,
                          device_type=args.device_type)
     walls, cpus = [], []
@@ -70,7 +74,13 @@ def main() -> None:
         cold()
         planner = Planner(table, cluster, schedule=args.schedule, recompute=True)
         cpu = time.process_time()
-        result = planner.search(Space(cluster.gpus, 8, args.global_batch_size), top=args.top)
+        space = Space(cluster.gpus, 8, args.global_batch_size)
+        if args.profile:
+            profiler = cProfile.Profile()
+            result = profiler.runcall(planner.search, space, top=args.top)
+            profiler.dump_stats(args.profile)
+        else:
+            result = planner.search(space, top=args.top)
         cpus.append(time.process_time() - cpu)
         walls.append(result.seconds)
     best = result.best

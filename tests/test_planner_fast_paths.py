@@ -195,6 +195,14 @@ def test_where_stages_stop_fitting_is_found_once_with_the_same_partitions(
         return out
 
     fast = run()
+    # every start at once is every start asked one at a time (where it is used: the peak
+    # grows with the end)
+    for recompute in (True, False):
+        balancer = Balancer(units, shared, bandwidth, recompute)
+        for cap in caps if balancer._monotone else []:
+            for stash in (1, 3):
+                assert balancer._reach_all(stash, cap) == [
+                    balancer.model.reach(i, stash, recompute, cap, n) for i in range(n)]
     monkeypatch.setattr(Balancer, "_fitting_ends", lambda self, cap, stash: None)
     assert fast == run()
     assert fast[-1] is (seed != 5)  # the negative activation turned the memo off

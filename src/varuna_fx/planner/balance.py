@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..memory_model import MemoryModel, SharedWeight, peak_bytes
+from ..memory_model import _ROUNDING, MemoryModel, SharedWeight, peak_bytes
 from .costs import UnitArrays
 
 _TOLERANCE = 1e-4  # relative precision of the bottleneck
@@ -130,10 +130,46 @@ class Balancer:
             return None
         key = (stash, memory_cap)
         if key not in self._fitting:
-            n = self.count
-            self._fitting[key] = [self.model.reach(i, stash, self.recompute, memory_cap, n)
-                                  for i in range(n)] + [n]
+            self._fitting[key] = self._reach_all(stash, memory_cap) + [self.count]
         return self._fitting[key]
+
+    def _reach_all(self, stash: int, cap: float) -> list[int]:
+        """``[model.reach(i, stash, recompute, cap, U) for i in range(U)]`` with every start
+        at once: the same bisections of the same prefix sums (``np.searchsorted`` is
+        ``bisect_right``), then the exact peaks of every start's undecided ends in one call
+        of ``model.peak`` (the same elementwise formula, so the same comparisons). A
+        memory-tight search asks for a few dozen (stash count, cap) pairs, each a Python
+        loop over 10^3 starts before."""
+        model, n = self.model, self.count
+        if n == 0:
+            return []
+        if cap == np.inf:
+            return [n] * n
+        linear = peak_bytes(model.weight_prefix, 0.0, model.act_prefix, 0.0, float(stash),
+                            self.recompute)
+        entering = peak_bytes(0.0, model.cut, 0.0, 0.0, float(stash), self.recompute)
+        starts = np.arange(n)
+        base = linear[:n] - entering[:n]
+        room = _ROUNDING * (abs(cap) + model.extra_bound)  # (as reach leaves it)
+        hi = np.minimum(n, np.searchsorted(linear, cap + base + room, side="right") - 1)
+        lo = np.minimum(hi, np.maximum(
+            starts, np.searchsorted(linear, cap - model.extra_bound - room + base,
+                                    side="right") - 1))
+        found = np.where(hi <= starts, starts, hi)
+        open_ = np.flatnonzero((hi > starts) & (lo < hi))
+        if len(open_):
+            widths = hi[open_] - lo[open_]
+            first = np.repeat(open_, widths)
+            offsets = np.arange(int(widths.sum())) - np.repeat(np.cumsum(widths) - widths,
+                                                                widths)
+            ends = np.repeat(lo[open_] + 1, widths) + offsets
+            fits = model.peak(first, ends, float(stash), self.recompute) <= cap
+            at = 0
+            for i, width in zip(open_.tolist(), widths.tolist()):
+                chunk = fits[at:at + width]
+                at += width
+                found[i] = hi[i] if chunk.all() else lo[i] + int(np.argmin(chunk))
+        return found.tolist()
 
     def _end(self, i: int, threshold: float, memory_cap: float, stash: int,
              latest: int) -> int:

@@ -12,6 +12,10 @@ level and pushes it back:
    ...) + the all-reduce of the largest unit's gradients``;
 1. partitioned (cost arrays depend only on b, partitions only on (b, P): both cached):
    ``max_s [fill before stage s + m * busy_s + drain after it] + all-reduce``;
+   at 0 and 1 also the link queue (``Planner._link_queue``): one micro-batch's round trip
+   plus m - 1 messages queued on the slowest link, which binds for deep pipelines with
+   many micro-batches on slow links (with the partition's own cuts where no order can
+   make the search re-partition it);
 2. checked against memory with the schedule's real stash counts (re-partitioned to fit if
    needed), and bounded by Little's law (stage s holds at most k_s micro-batches, each for at
    least its forward-to-backward round trip);
@@ -264,6 +268,11 @@ class Planner:
                                        + self._least_cut(b) * net.inverse_bandwidth)
         return self._hop_sums[key]
 
+    def _slowest(self, stages: int, replicas: int) -> float:
+        """Seconds per byte on the slowest pipeline link (0 with one stage)."""
+        net = self.links(stages, replicas)
+        return 1.0 / min(net.bandwidths) if net.bandwidths else 0.0
+
     def _least_cut(self, b: int) -> float:
         """The fewest bytes any cut sends at micro-batch size b."""
         cut = self.balancer(b).units.cut[1:-1]
@@ -278,7 +287,8 @@ class Planner:
         # the last stage does not recompute: some stage is busy >= (busy - its R) / P
         bottleneck = plain if p == 1 else max(largest, busy / (p + 1))
         hops = self._hops(c.micro_batch_size, p, c.data_parallel)
-        pipeline = max(m * bottleneck, chain + hops, around + hops + m * last if p > 1 else 0.0)
+        pipeline = max(m * bottleneck, self._link_queue(c),
+                       around + hops + m * last if p > 1 else 0.0)
         stage_grads = max(grads / p, unit_grads)
         return pipeline + self.links(p, c.data_parallel).allreduce(stage_grads, c.data_parallel)
 
@@ -310,9 +320,12 @@ class Planner:
         latency, inverse, ar_bw, ar_lat = (np.array(values)[pair] for values in zip(
             *((n.latency, n.inverse_bandwidth, n.allreduce_bandwidth, n.allreduce_latency)
               for n in nets)))
+        slowest = np.array([self._slowest(*one) for one in pairs])[pair]
         bottleneck = np.where(p == 1, plain, np.maximum(largest, busy / (p + 1)))
         hops = np.where(p == 1, 0.0, 2 * ((p - 1) * latency + least * inverse))
-        pipeline = np.maximum(np.maximum(m * bottleneck, chain + hops),
+        with np.errstate(invalid="ignore"):  # (0 * inf where it is not used)
+            queue = np.where((p > 1) & (m > 1), (m - 1) * (least * slowest), 0.0)
+        pipeline = np.maximum(np.maximum(m * bottleneck, chain + hops + queue),
                               np.where(p > 1, around + hops + m * last, 0.0))
         stage_grads = np.maximum(grads / p, unit_grads)
         ring = 2 * (d - 1)
@@ -321,7 +334,10 @@ class Planner:
                                  ring / d * stage_grads / ar_bw + ring * ar_lat)
         return (pipeline + allreduce).tolist()
 
-    def bound_from_stages(self, c: Candidate) -> float:
+    def bound_from_stages(self, c: Candidate, final: bool = False) -> float:
+        """Level 1's key. ``final``: the partition is taken to be the one that will be
+        simulated even where an order might make ``finish`` re-partition it (see
+        ``search``: only for rows that are listed, not for the exact ones)."""
         plan = c.plan
         assert plan is not None
         net = self.links(c.stages, c.data_parallel)
@@ -336,7 +352,87 @@ class Planner:
         # gradient runs back upstream; a split backward's W (busy - back) may overlap that
         later = np.maximum(m * busy, m * (busy - (plan.backward - back)) + drain) \
             if self._split_bound(c) else m * busy + drain
-        return float(np.max(fill + later)) + self.allreduce(c)
+        pipeline = max(float(np.max(fill + later)), self._link_queue(c),
+                       self._plan_queue(c, hop, back, final))
+        return pipeline + self.allreduce(c)
+
+    def _plan_queue(self, c: Candidate, hop: np.ndarray, back: np.ndarray,
+                    final: bool = False) -> float:
+        """``_link_queue`` with this partition's own bytes on each link, where the partition
+        is the one that will be simulated (``final``, or ``_final``: it fits holding the
+        most micro-batches any order can hold, so no order makes ``finish`` re-partition
+        it); the same proof, each term now this partition's own. (The
+        balancer prices every cut at the intra-node bandwidth, so a partition may send a
+        large activation over a slow link: 72 MiB at 1 Gbit/s is 0.6 s per message, and
+        those candidates' orders were most of a memory-tight search on a slow link.) 0
+        where it may be re-partitioned. Kept a hair (1e-12 relative) below the sum, so that
+        summation order never lifts it above the simulated step."""
+        plan = c.plan
+        assert plan is not None
+        p, m = c.stages, c.num_micro_batches
+        if p == 1 or m == 1 or not (final or self._final(c)):
+            return 0.0
+        net = self.links(p, c.data_parallel)
+        wire = max(nb / bw for nb, bw in zip(plan.send_bytes, net.bandwidths))
+        trip = float(plan.sim_forward(self.recompute).sum() + back.sum() + 2 * hop.sum())
+        return (trip + (m - 1) * wire) * (1 - 1e-12)
+
+    def _final(self, c: Candidate) -> bool:
+        """Whether ``c``'s partition fits holding the most micro-batches any order of its
+        schedule can hold (``_most_held``), so that no order makes ``finish`` re-partition
+        it (a stage's peak grows with its stash count where its bytes are nonnegative)."""
+        plan = c.plan
+        assert plan is not None
+        if np.any(plan.input_bytes < 0) or np.any(plan.activations < 0):
+            return False
+        most = plan.memory(self._most_held(c), self.recompute)
+        return bool(np.all(most <= self.memory_cap))
+
+    def _most_held(self, c: Candidate) -> list[int]:
+        """Per stage, the most micro-batches an order of ``c``'s schedule can hold at once:
+        m (no more exist), except on the last stage of Varuna's order, which holds one: its
+        B is ready as its F ends and B goes before F (a split backward holds a micro-batch
+        until its W, which may wait); a cost-free order's own counts where it is made
+        already (not made for this: most candidates never need it). Before a
+        schedule="auto" search branches ``c``: the most of any."""
+        p, m = c.stages, c.num_micro_batches
+        names = [c.schedule] if c.schedule else self.schedules
+        most = [1] * p
+        for name in names:
+            if p > 1 and not depends_on_costs(name) and (name, p, m) in self._schedules:
+                counts = self._schedules[name, p, m][1]
+            elif p > 1 and name == "varuna":
+                counts = [m] * (p - 1) + [1]
+            else:
+                counts = [m] * p
+            most = [max(a, b) for a, b in zip(most, counts)]
+        return most
+
+    def _link_queue(self, c: Candidate) -> float:
+        """One micro-batch's round trip through every stage and link, and the other m - 1
+        queued on the slowest link: a lower bound of the pipeline part of any partition of
+        ``c`` (the search may re-partition a candidate for memory after bounding it, so this
+        must not depend on which cuts the partition picked).
+
+        Why: a link carries one message at a time each way (``simulate``: the next waits
+        until the previous one's bytes have crossed, ``bytes / bandwidth``; the latency
+        overlaps), so on link s the m forward messages take at least ``m * wire_s`` from
+        the first one's start to the last one's arrival. The first starts at the earliest
+        when one micro-batch's forwards up to stage s and the links between are done; the
+        last one's micro-batch then still runs its forwards after stage s, every backward
+        (the part the stage upstream waits for) and crosses every link back. So a step
+        lasts at least one round trip plus ``(m - 1) * wire_s`` (the backward direction
+        gives the same sum). The round trip is at least ``chain + hops`` of
+        ``_totals_at`` and ``_hops``; ``wire_s`` is at least the fewest bytes any cut
+        sends over the slowest link's bandwidth. Slow links make this the binding bound of
+        deep pipelines with many micro-batches, for which orders of 10^5 tasks were
+        otherwise made (minutes of search at 1 Gbit/s and 8 GiB)."""
+        b, p, m = c.micro_batch_size, c.stages, c.num_micro_batches
+        chain = self._totals_at(b, self._split_bound(c) is not None)[3]
+        hops = self._hops(b, p, c.data_parallel)
+        queue = (m - 1) * (self._least_cut(b) * self._slowest(p, c.data_parallel)) \
+            if p > 1 and m > 1 else 0.0
+        return chain + hops + queue
 
     def bound_from_stash(self, c: Candidate, counts: list[int]) -> float:
         """Little's law: stage s holds at most counts[s] micro-batches, each for at least the
@@ -507,7 +603,10 @@ class Planner:
         order, whose step e is at most QUICK_SLACK above the full order's, so it waits in
         the heap at max(its bound, e / (1 + QUICK_SLACK)), a lower bound of its full step;
         popped there while exact rows are missing, it gets the full order. Once they are
-        found, what is left only fills the listed rows: the "rough" order's step."""
+        found, what is left only fills the listed rows: the "quick" order's step (so that
+        a row does not depend on whether it was popped before or after the exact ones),
+        or the "rough" one's where the candidate's own partition is certainly slower than
+        its key (``_suspect``: far down the list or off it)."""
         start = time.perf_counter()
         result = SearchResult(top=[])
         pool = self.candidates(space)
@@ -567,13 +666,22 @@ class Planner:
                         push(max(bound, step / (1 + QUICK_SLACK)), 3, c)
                     elif step is not None:  # (the quick order is the full one)
                         push(step, 4, c)
-                else:  # only listed: the rough estimate is its row
-                    step = self.finish(c, "rough")
+                else:  # only listed: the quick estimate is its row, or the rough one
+                    # where its own partition cannot be fast (see ``_suspect``)
+                    step = self.finish(c, "rough" if self._suspect(c, bound) else "quick")
                     if step is not None:
                         push(step, 4, c)
         result.seconds = time.perf_counter() - start
         result.alternatives = [c.alternative(i == 0) for i, c in enumerate(result.top)]
         return result
+
+    def _suspect(self, c: Candidate, bound: float) -> bool:
+        """Whether ``c``'s step is above ``bound`` for certain if its partition is not made
+        again for an order's stash counts (its own cuts queue on a slow link, see
+        ``_plan_queue``): its row then gets the rough estimate, as it will be far down the
+        list or off it (72 MiB crossing 1 Gbit/s per micro-batch: the quick orders of such
+        deep pipelines were most of a memory-tight search on a slow link)."""
+        return self._key(self.bound_from_stages(c, final=True), c) > self._key(bound, c)
 
     def best_schedule(self, c: Candidate) -> str:
         """The schedule ``c`` (P, D, b, m; given, not searched) runs fastest with, among those
