@@ -7,6 +7,7 @@ refused at compile."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrizations
+from torch.utils.checkpoint import checkpoint
 
 import varuna_fx as vf
 from tiers import product, tiered
@@ -253,3 +255,40 @@ def test_a_tensor_hook_registered_in_forward_is_refused_by_torch_export() -> Non
                                               r"gradient hook on a tensor \(.*test_hooks\.py:\d+\)"):
         vf.compile(HooksAnActivation(), example_inputs=(torch.randn(4, 8),), stages=2,
                    tracer="export")
+
+
+class Checkpoints(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.a, x, use_reentrant=self.reentrant)
+        return self.b(torch.relu(h)).pow(2).mean()
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export", "auto"])
+def test_a_reentrant_checkpoint_in_forward_is_refused(tracer: str) -> None:
+    # torch.export recorded its function as a no-grad block: with a loss that also depends on
+    # b, a.weight silently got no gradient (torch.fx said "use tracer='export'")
+    with pytest.raises(vf.CaptureError, match=r"Checkpoints\.forward uses torch\.utils\."
+                                              r"checkpoint with use_reentrant=True "
+                                              r"\(.*test_hooks\.py:\d+\)"):
+        vf.compile(Checkpoints(reentrant=True), example_inputs=(torch.randn(4, 8),), stages=1,
+                   tracer=tracer)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_non_reentrant_checkpoint_in_forward_follows_eager(tracer: str) -> None:
+    torch.manual_seed(0)
+    model, x = Checkpoints(reentrant=False), torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    pipe = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=4, tracer=tracer)
+    eager_loss = eager(x)
+    eager_loss.backward()
+    torch.testing.assert_close(pipe.step(x), eager_loss.detach())
+    want = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, msg=name)

@@ -39,11 +39,14 @@ from .ir import info as node_info
 from .model_edits import settings_kept
 from .mutations import keep_mutations, place_write_backs
 from .untraced import (
+    attribute_assignments_recorded,
     check_hooks,
     check_parameter_writes,
     check_root_pre_hooks,
     mark_rebinds,
     rebinding_recorded,
+    recomputed_by_hooks,
+    reentrant_checkpoints_recorded,
     tensor_hooks_recorded,
 )
 
@@ -136,8 +139,21 @@ def bind_inputs(model: nn.Module, inputs: Any, kw_inputs: dict[str, Any] | None 
 
 
 def capture(model: nn.Module, bound: BoundInputs, tracer: str = "auto") -> Captured:
-    with settings_kept(model):
-        return _capture(model, bound, tracer)
+    with settings_kept(model), reentrant_checkpoints_recorded() as reentrant:
+        try:
+            captured = _capture(model, bound, tracer)
+        except CaptureError:
+            if not reentrant:
+                raise
+    if reentrant:  # whatever either tracer made of it, the gradients would be wrong
+        raise CaptureError(
+            f"{type(model).__name__}.forward uses torch.utils.checkpoint with "
+            f"use_reentrant=True ({reentrant[0]}): traced, its function runs under "
+            "torch.no_grad(), so its parameters would silently get no gradient. Drop it -- "
+            "varuna_fx recomputes activations itself (recompute=True or 'auto'); for a "
+            "HuggingFace model call model.gradient_checkpointing_disable() -- or pass "
+            "use_reentrant=False")
+    return captured
 
 
 def _capture(model: nn.Module, bound: BoundInputs, tracer: str) -> Captured:
@@ -353,8 +369,7 @@ def _write_assigned_buffers(model: nn.Module, graph: fx.Graph,
         raise CaptureError(
             f"{type(model).__name__}.forward assigns a traced value to self.{fqn}"
             f"{_defined_at(model)}: torch.fx cannot keep tensors stored on the model. Register "
-            "it as a buffer (register_buffer) and update it in place, or return it"
-            + (" (or try tracer='export' or 'auto')" if alone else ""))
+            "it as a buffer (register_buffer) and update it in place, or return it")
 
 
 def _drop_concrete_placeholders(gm: fx.GraphModule, bound: BoundInputs) -> None:
@@ -427,7 +442,8 @@ def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) ->
     dynamic = {name: ({0: batch} if name in bound.tensors else None) for name in kwargs}
     check_root_pre_hooks(model, alone)
     try:
-        with rebinding_recorded(model) as rebound, tensor_hooks_recorded() as hooked:
+        with rebinding_recorded(model) as rebound, tensor_hooks_recorded() as hooked, \
+                attribute_assignments_recorded() as assigned:
             program = torch.export.export(
                 model, args=(), kwargs=kwargs, dynamic_shapes=dynamic, strict=False
             )
@@ -440,6 +456,13 @@ def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) ->
             "torch.fx cannot trace it). Register hooks on parameters outside forward "
             "(parameter.register_hook), or write the gradient change as a "
             "torch.autograd.Function")
+    assigned = [a for a in assigned if a not in recomputed_by_hooks(model)]
+    if assigned:
+        raise CaptureError(
+            f"{type(model).__name__}.forward stores a tensor on the model ({assigned[0]} = ...)"
+            f"{_defined_at(model)}: torch.export does not keep attributes set in forward, so "
+            "after a pipeline step it would silently be missing or stale. Register it as a "
+            "buffer (register_buffer) and update it in place, or return it")
     gm = program.module()
     mark_rebinds(model, gm, rebound, alone)
     info = gm.graph._codegen.pytree_info

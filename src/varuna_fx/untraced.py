@@ -15,7 +15,10 @@ capture: refused with an error naming it and what to do, or marked for a later c
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -150,6 +153,73 @@ def tensor_hooks_recorded() -> Iterator[list[str]]:
         yield found
     finally:
         torch.Tensor.register_hook = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def reentrant_checkpoints_recorded() -> Iterator[list[str]]:
+    """Where forward runs ``torch.utils.checkpoint(..., use_reentrant=True)`` (HuggingFace's
+    ``gradient_checkpointing_enable()`` default in many versions) while either tracer traces
+    it: its function runs under torch.no_grad() and only a reentrant backward would give its
+    parameters their gradients, so torch.export records a block without gradients (and
+    torch.fx refuses the no_grad block)."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    found: list[str] = []
+    original = CheckpointFunction.__dict__["forward"]
+
+    def recording(ctx: Any, run_function: Any, *args: Any) -> Any:
+        found.append(_first_frame_outside_torch())
+        return original.__func__(ctx, run_function, *args)
+
+    CheckpointFunction.forward = staticmethod(recording)  # type: ignore[method-assign]
+    try:
+        yield found
+    finally:
+        CheckpointFunction.forward = original  # type: ignore[method-assign]
+
+
+def _first_frame_outside_torch() -> str:
+    """file:line of the innermost caller that is not torch's own code (the model's call)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frame = sys._getframe(1)
+    while frame.f_back is not None and (frame.f_code.co_filename.startswith(torch_dir)
+                                        or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+_ASSIGNED = re.compile(r"The tensor attributes? (.+) (?:was|were) assigned during export")
+
+
+@contextlib.contextmanager
+def attribute_assignments_recorded() -> Iterator[list[str]]:
+    """The tensor attributes forward sets while torch.export traces it (``self.last_hidden =
+    h``, not a registered buffer): torch.export restores the model's attributes afterwards and
+    only warns, so after a pipeline step they would silently not be set. Found from that
+    warning (torch's own before/after comparison of every module's attributes); every other
+    warning is passed on."""
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        # every time, not once per place: a second compile of the model must see it too
+        warnings.filterwarnings("always", message=".*assigned during export")
+        yield found
+    for warning in caught:
+        match = _ASSIGNED.search(str(warning.message))
+        if match:
+            found.extend(name.strip() for name in match.group(1).split(","))
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                   warning.lineno, source=warning.source)
+
+
+def recomputed_by_hooks(model: nn.Module) -> set[str]:
+    """Attributes the legacy ``weight_norm``/``spectral_norm`` forward pre-hooks set before
+    each call (``self.lin.weight``, from ``weight_g``/``weight_v``): the graph computes them
+    where the module reads them, and the next forward sets them again."""
+    return {f"self.{path + '.' if path else ''}{hook.name}"
+            for path, module in model.named_modules()
+            for hook in module._forward_pre_hooks.values()
+            if type(hook).__name__ in ("WeightNorm", "SpectralNorm")}
 
 
 def mark_rebinds(model: nn.Module, gm: fx.GraphModule, rebound: list[str],
