@@ -14,7 +14,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["errors", "ir", "rng", "where", "placement", "costmodel", "memory_model",
               "cluster", "factory", "examples", "schedule", "buffers", "mutations", "grad_mode", "model_edits",
               "untraced",
-              "morphing", "init_skipping",
+              "morphing", "init_skipping", "loss_weights",
               "files"]),
     ("capture", ["capture"]),
     ("passes", ["passes"]),

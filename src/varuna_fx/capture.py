@@ -480,6 +480,11 @@ def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) ->
     for node in list(gm.graph.nodes):  # torch.export's runtime input guards: not part of the model
         if node.op == "call_module" and node.target == "_guards_fn":
             gm.graph.erase_node(node)
+        # and its checks that a `.to(...)`'s input has the dtype seen at export: under
+        # precision="bf16"/"fp16" autocast makes it another, and they raised a bare
+        # "Tensor dtype mismatch" on the first step (eager autocast runs the same code)
+        elif node.op == "call_function" and node.target is _ASSERT_METADATA and not node.users:
+            gm.graph.erase_node(node)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
     gm.graph._codegen = fx.graph.CodeGen()
@@ -489,6 +494,9 @@ def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) ->
     # A fresh GraphModule: the unlifted one carries pre-hooks that check the pytree input spec.
     gm = fx.GraphModule(gm, gm.graph, type(model).__name__)
     return Captured(gm, list(bound.tensors), info.out_spec, "export", signature, bound.constants)
+
+
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 
 def _leaf_names(kwargs: dict[str, Any]) -> list[str]:

@@ -18,6 +18,7 @@ from .codegen import Stage
 from .errors import InputError, VarunaFxError
 from .init_skipping import any_marked, loaded, raise_unloaded, unloaded
 from .ir import info
+from .loss_weights import find_mean_loss
 from .model_edits import ModelEdits, traced_modules
 from .modes import Modes, capture_if_changed, evaluation_stages, module_modes
 from .plan import Plan
@@ -51,6 +52,8 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
     else:
         runtime = LocalRuntime(stages, plan, assemble=assemble, loss_fn=loss_fn,
                                offload_stash=offload_stash, precision=precision)
+    runtime.mean_loss = find_mean_loss(captured.gm, captured.out_spec, captured.input_names,
+                                       loss_fn)
     return Pipeline(model, captured, stages, plan, canonical, runtime, assemble, layout)
 
 

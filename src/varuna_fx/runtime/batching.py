@@ -167,10 +167,17 @@ def _planned_shape(planned: TensorInfo, batch: int) -> tuple[int, ...]:
 
 def micro_batch_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None, target: Any,
                      count: int, autocast: Callable[[], Any],
-                     scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float = 1.0, weight: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss to report, the loss to back-propagate): the latter is divided by the number
-    of micro-batches (the step's loss is their mean) and multiplied by the fp16 loss scale."""
+    of micro-batches (the step's loss is their mean) and multiplied by the fp16 loss scale.
+    ``weight``: this micro-batch's share of the step's loss instead of ``1/count`` (a mean
+    over kept targets, ``loss_weights.py``); the reported loss is scaled so that the mean of
+    the reported losses is the weighted sum."""
     with autocast():
         raw = extract_loss(output, loss_fn, target)
-    seed = raw / count
-    return raw.detach(), seed * scale if scale != 1.0 else seed
+    if weight is None:
+        seed, report = raw / count, raw.detach()
+    else:
+        seed, report = raw * weight, raw.detach() * (weight * count)
+    return report, seed * scale if scale != 1.0 else seed

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..codegen import Stage
+from ..loss_weights import MeanLoss
 from ..plan import Plan
 from .batching import micro_batch_loss, split_batch, split_target
 from .precision import LossScaler
@@ -39,6 +40,7 @@ class Runtime(Protocol):
     stage_index: int  # the stage this process runs (0 in one process)
     replica_index: int
     local_stages: list[int]  # stages whose parameters live in this process
+    mean_loss: MeanLoss | None
 
     def step(self, inputs: dict[str, torch.Tensor], target: Any = None,
              flags: Sequence[bool | Callable[[], bool]] = ()) -> torch.Tensor: ...
@@ -74,6 +76,9 @@ class StepLoop:
     stage_index: int = 0
     replica_index: int = 0
     local_stages: list[int]
+    # the model's loss when it is a mean over the targets each micro-batch keeps (labels not
+    # -100): micro-batches are weighted by their counts (loss_weights.py)
+    mean_loss: MeanLoss | None = None
 
     @property
     def random(self) -> bool:
@@ -90,6 +95,8 @@ class StepLoop:
         micro = split_batch(inputs, b)
         m = len(micro)
         targets = split_target(target, b, m)
+        # every rank has the whole batch, so every rank weighs (and refuses) alike
+        weights = self.mean_loss.weights(micro) if self.mean_loss is not None else None
         self.set_seed(step_seed(self.replica_index) if self.random else 0)
         losses: dict[int, torch.Tensor] = {}
 
@@ -98,7 +105,8 @@ class StepLoop:
             if self.device is not None and isinstance(target_i, torch.Tensor):
                 target_i = target_i.to(self.device)
             losses[i], scaled = micro_batch_loss(self.assemble(outputs), self.loss_fn,
-                                                 target_i, m, self.autocast, self.scaler.scale)
+                                                 target_i, m, self.autocast, self.scaler.scale,
+                                                 None if weights is None else weights[i])
             return scaled
 
         self.run_actions(micro, loss_of)

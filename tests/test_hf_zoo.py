@@ -1,0 +1,280 @@
+"""Hugging Face architectures beyond the registry against eager on the whole batch, and losses
+that are means over the labels a micro-batch keeps (-100 padding; ``loss_weights.py``)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import varuna_fx as vf
+from tiers import tiered
+
+tf = pytest.importorskip("transformers")
+tf.logging.set_verbosity_error()
+
+V, B, S = 96, 4, 8
+
+
+def _ids(seed: int, length: int = S) -> torch.Tensor:
+    return torch.randint(3, V, (B, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _padded(labels: torch.Tensor) -> torch.Tensor:
+    """Labels of unequal lengths: the first micro-batch keeps fewer than the second."""
+    labels = labels.clone()
+    labels[:2, S // 2:] = -100
+    return labels
+
+
+def _decoder(**extra: object) -> dict[str, object]:
+    return dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                vocab_size=V, max_position_embeddings=32, use_cache=False, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0, **extra)
+
+
+def _encoder(**extra: object) -> dict[str, object]:
+    return dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                vocab_size=V, max_position_embeddings=40, pad_token_id=0,
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)
+
+
+def _lm(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    ids = _ids(1)
+    return model, {"input_ids": ids, "labels": _padded(ids)}
+
+
+def _seq2seq(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    return model, {"input_ids": _ids(1), "labels": _padded(_ids(2))}
+
+
+def _image(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return model, {"pixel_values": torch.randn(B, 3, 16, 16, generator=g),
+                   "labels": torch.randint(0, 5, (B,), generator=g)}
+
+
+def _classify(model: nn.Module, problem: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    labels = {"regression": lambda: torch.randn(B, 3, generator=g),
+              "single_label_classification": lambda: torch.randint(0, 3, (B,), generator=g),
+              "multi_label_classification":
+                  lambda: torch.randint(0, 2, (B, 3), generator=g).float()}[problem]()
+    return model, {"input_ids": _ids(1), "labels": labels}
+
+
+# name -> a builder of (model, inputs); every text model's labels are padded with -100
+ZOO: dict[str, Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]] = {
+    "qwen2": lambda: _lm(tf.Qwen2ForCausalLM(tf.Qwen2Config(**_decoder(num_key_value_heads=1)))),
+    "mistral": lambda: _lm(tf.MistralForCausalLM(tf.MistralConfig(
+        **_decoder(num_key_value_heads=1, sliding_window=4)))),
+    "gemma": lambda: _lm(tf.GemmaForCausalLM(tf.GemmaConfig(
+        **_decoder(num_key_value_heads=1, head_dim=16)))),
+    "phi": lambda: _lm(tf.PhiForCausalLM(tf.PhiConfig(
+        **_decoder(resid_pdrop=0.0, embd_pdrop=0.0)))),
+    "gpt_neox": lambda: _lm(tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
+        **_decoder(hidden_dropout=0.0, attention_dropout=0.0)))),
+    "opt": lambda: _lm(tf.OPTForCausalLM(tf.OPTConfig(
+        num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=V,
+        max_position_embeddings=32, use_cache=False, word_embed_proj_dim=32, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, dropout=0.0, attention_dropout=0.0))),
+    "falcon": lambda: _lm(tf.FalconForCausalLM(tf.FalconConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=V,
+        use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_dropout=0.0,
+        attention_dropout=0.0))),
+    "bloom": lambda: _lm(tf.BloomForCausalLM(tf.BloomConfig(
+        n_layer=2, hidden_size=32, n_head=2, vocab_size=V, use_cache=False, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, hidden_dropout=0.0, attention_dropout=0.0))),
+    "gptj": lambda: _lm(tf.GPTJForCausalLM(tf.GPTJConfig(
+        n_layer=2, n_embd=32, n_head=2, rotary_dim=8, vocab_size=V, n_positions=32,
+        use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0))),
+    "roberta": lambda: _lm(tf.RobertaForMaskedLM(tf.RobertaConfig(
+        **_encoder(), bos_token_id=1, eos_token_id=2))),
+    "distilbert": lambda: _lm(tf.DistilBertForMaskedLM(tf.DistilBertConfig(
+        n_layers=2, dim=32, hidden_dim=64, n_heads=2, vocab_size=V, max_position_embeddings=32,
+        pad_token_id=0, dropout=0.0, attention_dropout=0.0))),
+    "albert": lambda: _lm(tf.AlbertForMaskedLM(tf.AlbertConfig(
+        **_encoder(), embedding_size=16))),
+    "electra": lambda: _lm(tf.ElectraForMaskedLM(tf.ElectraConfig(
+        **_encoder(), embedding_size=16))),
+    "deberta_v2": lambda: _lm(tf.DebertaV2ForMaskedLM(tf.DebertaV2Config(
+        **_encoder(), relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"],
+        max_relative_positions=16))),
+    "t5": lambda: _seq2seq(tf.T5ForConditionalGeneration(tf.T5Config(
+        vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
+        num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        eos_token_id=2, use_cache=False))),
+    "bart": lambda: _seq2seq(tf.BartForConditionalGeneration(tf.BartConfig(
+        vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+        use_cache=False))),
+    "vit": lambda: _image(tf.ViTForImageClassification(tf.ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=64, num_labels=5, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))),
+    "convnext": lambda: _image(tf.ConvNextForImageClassification(tf.ConvNextConfig(
+        num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5, image_size=16, num_stages=2))),
+    "bert_regression": lambda: _classify(tf.BertForSequenceClassification(tf.BertConfig(
+        **_encoder(), num_labels=3, problem_type="regression")), "regression"),
+    "llama_single_label": lambda: _classify(tf.LlamaForSequenceClassification(tf.LlamaConfig(
+        **_decoder(), num_labels=3, problem_type="single_label_classification")),
+        "single_label_classification"),
+    "bert_multi_label": lambda: _classify(tf.BertForSequenceClassification(tf.BertConfig(
+        **_encoder(), num_labels=3, problem_type="multi_label_classification")),
+        "multi_label_classification"),
+}
+
+# (model, stages, schedule, recompute): each model under one configuration, all of them
+# covering P 1..3, every schedule family and recompute on and off
+SWEEP = [
+    ("qwen2", 2, "varuna", True), ("mistral", 3, "1f1b", False), ("gemma", 2, "gpipe", False),
+    ("phi", 3, "varuna-zb", True), ("gpt_neox", 2, "1f1b", True), ("opt", 3, "varuna", False),
+    ("falcon", 2, "varuna-zb", False), ("bloom", 3, "gpipe", True), ("gptj", 1, "varuna", False),
+    ("roberta", 2, "1f1b", False), ("distilbert", 3, "varuna", True),
+    ("albert", 3, "1f1b", True), ("electra", 2, "gpipe", True),
+    ("deberta_v2", 2, "varuna", False), ("t5", 3, "varuna", True), ("bart", 2, "1f1b-zb", False),
+    ("vit", 3, "gpipe", False), ("convnext", 2, "varuna", True),
+    ("bert_regression", 2, "1f1b", False), ("llama_single_label", 3, "varuna-zb", True),
+    ("bert_multi_label", 2, "gpipe-zb", True),
+]
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_like_eager(model: nn.Module, inputs: dict[str, torch.Tensor], **compile_kw: object
+                      ) -> vf.Pipeline:
+    """Step and eval-mode forward of a pipeline of ``model`` equal eager's on the whole batch."""
+    eager = copy.deepcopy(model)
+    want_loss = eager(**inputs).loss
+    want_loss.backward()
+    want = _grads(eager)
+    pipe = vf.compile(model, example_inputs=inputs, micro_batch_size=2, **compile_kw)
+    torch.testing.assert_close(pipe.step(**inputs), want_loss.detach(), rtol=1e-5, atol=1e-6)
+    names = set()
+    for name, p in pipe.named_parameters():
+        names.add(name)
+        if name in want:
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+        else:
+            assert p.grad is None or not p.grad.any(), name
+    assert set(want) <= names
+    pipe.eval()
+    eager.eval()
+    with torch.no_grad():
+        out, expected = pipe(**inputs), eager(**inputs)
+    assert type(out) is type(expected)
+    torch.testing.assert_close(out.to_tuple(), expected.to_tuple(), rtol=1e-5, atol=1e-5)
+    return pipe
+
+
+@pytest.mark.parametrize("name,stages,schedule,recompute", tiered(
+    SWEEP, [SWEEP[2]], lambda c: f"{c[0]}-P{c[1]}-{c[2]}-{'rc' if c[3] else 'norc'}"))
+def test_hf_model_matches_eager(name: str, stages: int, schedule: str, recompute: bool) -> None:
+    torch.manual_seed(0)
+    model, inputs = ZOO[name]()
+    _check_like_eager(model, inputs, stages=stages, schedule=schedule, recompute=recompute)
+
+
+# -- losses that are means over the labels a micro-batch keeps ------------------------------
+
+
+class TokenLM(nn.Module):
+    """A model with its own code (torch.fx traces it) and an HF-style loss: the mean over the
+    labels that are not ignore_index, by ``F.cross_entropy`` or a loss module."""
+
+    def __init__(self, how: str = "function", aux: float = 0.0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, 16)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, V)
+        self.how, self.aux = how, aux
+        self.loss = nn.CrossEntropyLoss(ignore_index=-1)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = torch.tanh(self.mix(self.embed(input_ids)))
+        logits = self.head(h)
+        if self.how == "module":
+            loss = self.loss(logits.flatten(0, 1), labels.flatten())
+        else:
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten()).float()
+        if self.aux:  # another term: no weighting of micro-batch means gives eager's loss
+            loss = loss + self.aux * h.pow(2).mean()
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("how,tracer", tiered(
+    [("function", "fx"), ("module", "fx"), ("function", "export")], [("function", "fx")]))
+def test_mean_over_kept_labels_is_weighted_by_each_micro_batch_count(how: str,
+                                                                      tracer: str) -> None:
+    # the pipeline averaged the micro-batches' means: 2 labels kept in one, 8 in the other,
+    # and the step's loss and gradients were silently another number than eager's
+    torch.manual_seed(0)
+    ids = _ids(1)
+    labels = ids.clone()
+    labels[:2, 1:] = -1 if how == "module" else -100
+    model = TokenLM(how)
+    eager = copy.deepcopy(model)
+    want_loss = eager(ids, labels)["loss"]
+    want_loss.backward()
+    pipe = vf.compile(model, example_inputs={"input_ids": ids, "labels": labels}, stages=2,
+                      micro_batch_size=2, tracer=tracer)
+    for _ in range(2):  # again: the weights are the step's, not remembered
+        pipe.zero_grad()
+        loss = pipe.step(input_ids=ids, labels=labels)
+        torch.testing.assert_close(loss, want_loss.detach())
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(dict(pipe.named_parameters())[name].grad, p.grad,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_mean_over_kept_labels_mixed_with_another_term_refuses_uneven_micro_batches() -> None:
+    torch.manual_seed(0)
+    ids = _ids(1)
+    model = TokenLM(aux=0.1)
+    pipe = vf.compile(model, example_inputs={"input_ids": ids, "labels": ids}, stages=2,
+                      micro_batch_size=2)
+    # equal counts: the plain mean over micro-batches is eager's
+    eager = copy.deepcopy(model)
+    torch.testing.assert_close(pipe.step(input_ids=ids, labels=ids),
+                               eager(ids, ids)["loss"].detach())
+    labels = ids.clone()
+    labels[0, 3:] = -100
+    with pytest.raises(vf.VarunaFxError, match=r"not ignore_index \(-100\).*different numbers "
+                                               r"of them \(11, 16\)"):
+        pipe.step(input_ids=ids, labels=labels)
+    # one micro-batch holding the whole batch is exact whatever the counts
+    whole = vf.compile(model, example_inputs={"input_ids": ids, "labels": labels}, stages=2,
+                       micro_batch_size=4)
+    torch.testing.assert_close(whole.step(input_ids=ids, labels=labels),
+                               eager(ids, labels)["loss"].detach())
+
+
+@pytest.mark.slow  # a bf16 compile of an HF model (torch.export)
+def test_bf16_runs_a_torch_export_graph_like_eager_autocast() -> None:
+    # torch.export records a dtype check before each `.to(...)` (fp32 at export): under
+    # autocast the first step raised a bare "Tensor dtype mismatch! Expected: Float"
+    torch.manual_seed(0)
+    model, inputs = ZOO["qwen2"]()
+    eager = copy.deepcopy(model)
+    pipe = vf.compile(model, example_inputs=inputs, stages=2, micro_batch_size=2,
+                      precision="bf16")
+    loss = pipe.step(**inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = eager(**inputs).loss
+    want.backward()
+    torch.testing.assert_close(torch.as_tensor(loss), want.detach().float(), rtol=2e-2, atol=2e-2)
+    grads = dict(eager.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=0.1, atol=2e-2,
+                                   msg=lambda m, n=name: f"{n}: {m}")
