@@ -220,15 +220,18 @@ def test_mean_over_kept_labels_is_weighted_by_each_micro_batch_count(how: str,
     # and the step's loss and gradients were silently another number than eager's
     torch.manual_seed(0)
     ids = _ids(1)
-    labels = ids.clone()
-    labels[:2, 1:] = -1 if how == "module" else -100
+    ignore = -1 if how == "module" else -100
     model = TokenLM(how)
-    eager = copy.deepcopy(model)
-    want_loss = eager(ids, labels)["loss"]
-    want_loss.backward()
-    pipe = vf.compile(model, example_inputs={"input_ids": ids, "labels": labels}, stages=2,
+    pipe = vf.compile(model, example_inputs={"input_ids": ids, "labels": ids}, stages=2,
                       micro_batch_size=2, tracer=tracer)
-    for _ in range(2):  # again: the weights are the step's, not remembered
+    # 2 labels kept in the first micro-batch and 16 in the second; then none in the first
+    # (its mean is nan, eager's whole-batch loss is not); the weights are each step's own
+    for kept in (1, 0, 1):
+        labels = ids.clone()
+        labels[:2, kept:] = ignore
+        eager = copy.deepcopy(model)
+        want_loss = eager(ids, labels)["loss"]
+        want_loss.backward()
         pipe.zero_grad()
         loss = pipe.step(input_ids=ids, labels=labels)
         torch.testing.assert_close(loss, want_loss.detach())
@@ -278,3 +281,21 @@ def test_bf16_runs_a_torch_export_graph_like_eager_autocast() -> None:
         assert p.grad.dtype == torch.float32
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=0.1, atol=2e-2,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("share", ["same", "view"])
+def test_example_inputs_sharing_memory_stay_two_inputs_under_export(share: str) -> None:
+    # HF's causal-LM idiom `labels=input_ids`: torch.export read both through one placeholder,
+    # so the graph embedded `labels`, and steps with other labels were silently wrong
+    torch.manual_seed(0)
+    ids, other = _ids(1), _ids(2)
+    model = TokenLM()
+    eager = copy.deepcopy(model)
+    want = eager(ids, other)["loss"]
+    want.backward()
+    labels = ids if share == "same" else ids[:, :]
+    pipe = vf.compile(model, example_inputs={"input_ids": ids, "labels": labels}, stages=2,
+                      micro_batch_size=2, tracer="export")
+    torch.testing.assert_close(pipe.step(input_ids=ids, labels=other), want.detach())
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(dict(pipe.named_parameters())[name].grad, p.grad)

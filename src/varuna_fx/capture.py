@@ -435,7 +435,7 @@ def _flatten_output(gm: fx.GraphModule, typed: Sequence[dict] = ()) -> pytree.Tr
 
 def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Captured:
     signature = inspect.signature(model.forward)
-    kwargs = {**bound.tensors, **bound.constants}
+    kwargs = {**_unaliased(bound.tensors), **bound.constants}
     # dim 0 of every tensor input is the one batch dimension: export it symbolically, so the
     # graph runs at any micro-batch size instead of being specialised to the example's.
     batch = torch.export.Dim("batch", min=1)
@@ -497,6 +497,19 @@ def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) ->
 
 
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The example inputs, each with its own storage. torch.export reads inputs that share
+    memory (``labels=input_ids``, the Hugging Face causal-LM idiom) through one placeholder:
+    the graph then embedded ``labels``, and every step with other labels was silently wrong."""
+    seen: set[Any] = set()
+    out = {}
+    for name, t in tensors.items():
+        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+        out[name] = t.clone() if key in seen else t
+        seen.add(key)
+    return out
 
 
 def _leaf_names(kwargs: dict[str, Any]) -> list[str]:

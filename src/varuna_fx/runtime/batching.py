@@ -178,6 +178,8 @@ def micro_batch_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None, t
         raw = extract_loss(output, loss_fn, target)
     if weight is None:
         seed, report = raw / count, raw.detach()
+    elif weight == 0:  # no label kept: its mean is nan (0/0), its share nothing
+        seed, report = raw * 0.0, torch.zeros_like(raw.detach())
     else:
         seed, report = raw * weight, raw.detach() * (weight * count)
     return report, seed * scale if scale != 1.0 else seed
