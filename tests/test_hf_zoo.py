@@ -299,3 +299,24 @@ def test_example_inputs_sharing_memory_stay_two_inputs_under_export(share: str) 
     torch.testing.assert_close(pipe.step(input_ids=ids, labels=other), want.detach())
     for name, p in eager.named_parameters():
         torch.testing.assert_close(dict(pipe.named_parameters())[name].grad, p.grad)
+
+
+@pytest.mark.slow  # two HF compiles (the eval graph is captured again)
+def test_hidden_states_come_back_once_per_layer_after_compile() -> None:
+    # a HF model installs its output-capturing hooks on its first call and marks itself; the
+    # capture put the mark back but kept the hooks, so every later capture (the eval graph)
+    # and the user's own eager calls collected each layer's hidden state twice
+    torch.manual_seed(0)
+    model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**_decoder(num_key_value_heads=1,
+                                                          output_hidden_states=True)))
+    ids = _ids(1)
+    inputs = {"input_ids": ids, "labels": ids}
+    pristine = copy.deepcopy(model)
+    pipe = _check_like_eager(model, inputs, stages=2)  # eval mode: captured again
+    want = pristine(**inputs)
+    assert len(want.hidden_states) == 3
+    torch.testing.assert_close(model(**inputs).to_tuple(), want.to_tuple())  # eager after it
+    pipe.train()
+    with pytest.raises(vf.VarunaFxError, match=r"model\._output_capturing_hooks_installed was "
+                                               r"replaced, added or deleted after vf\.compile"):
+        pipe.step(**inputs)  # that eager call installed the hooks: a changed model

@@ -30,9 +30,19 @@ def settings_kept(model: nn.Module) -> Iterator[None]:
     the user's model, nor look like an edit to a pipeline compiled earlier; torch.export puts
     back copies of every dict and list attribute (a HuggingFace model's ``_tp_plan``)."""
     before = [(m, dict(vars(m))) for m in model.modules()]
+    # hooks forward registers (a HuggingFace model installs its output-capturing hooks on its
+    # first call and marks itself with an attribute, which the loop below puts back): the
+    # hook dicts are the same objects, changed in place. Kept, every capture added another
+    # set, and hidden states came back once per capture, in eager and in the pipeline.
+    hooks = [(d, dict(d)) for m in model.modules() for key, d in vars(m).items()
+             if "hooks" in key and isinstance(d, dict)]
     try:
         yield
     finally:
+        for d, contents in hooks:
+            if list(d.items()) != list(contents.items()):
+                d.clear()
+                d.update(contents)
         for module, attributes in before:
             now = vars(module)
             # and whatever tracing added (fx keeps a tensor made in forward as the root's
@@ -95,13 +105,18 @@ class ModelEdits:
             if not _same_code(module, code):
                 before, now = dict(code[2]), dict(_code(module)[2])
                 key = next((k for k in {**before, **now}
-                            if before.get(k, _GONE) is not now.get(k, _GONE)), "__class__")
+                            if before.get(k, _GONE) is not now.get(k, _GONE)), None)
+                if key is None:  # a plain attribute added or deleted (not the code itself)
+                    known = before.keys() | settings.keys() | {"training"}
+                    key = min(vars(module).keys() ^ known, default="__class__")
                 path = f"{name}.{key}" if name else key
                 raise InputError(
                     f"{type(self.model).__name__}.{path} was replaced, added or deleted after "
                     "vf.compile (a method or function forward uses, such as forward itself, "
-                    "was monkeypatched): the graph holds the code traced at compile, so the "
-                    "pipeline would keep running the old one. Call vf.compile again")
+                    "was monkeypatched, or a forward run since then set it, as a Hugging Face "
+                    "model marks itself when it installs output hooks): the graph holds the "
+                    "model traced at compile, so the pipeline would keep running the old one. "
+                    "Call vf.compile again")
             if _hooks(module) != hooks:
                 raise InputError(
                     f"a hook was added to or removed from {type(self.model).__name__}"
