@@ -320,3 +320,17 @@ def test_hidden_states_come_back_once_per_layer_after_compile() -> None:
     with pytest.raises(vf.VarunaFxError, match=r"model\._output_capturing_hooks_installed was "
                                                r"replaced, added or deleted after vf\.compile"):
         pipe.step(**inputs)  # that eager call installed the hooks: a changed model
+
+
+@pytest.mark.slow  # two failing traces of an HF model
+def test_a_model_returning_its_kv_cache_is_refused_naming_use_cache() -> None:
+    # a decoder built from its config has use_cache=True: the error named the cache class
+    # only, cut off mid-sentence, and said nothing about what to change
+    model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**{**_decoder(num_key_value_heads=1),
+                                                  "use_cache": True}))
+    ids = _ids(1)
+    with pytest.raises(vf.CaptureError, match=r"model\.config\.use_cache = False"):
+        vf.compile(model, example_inputs={"input_ids": ids, "labels": ids}, stages=2,
+                   micro_batch_size=2)
+    model.config.use_cache = False
+    _check_like_eager(model, {"input_ids": ids, "labels": ids}, stages=2)

@@ -594,7 +594,13 @@ def _describe_failure(tracer: str, exc: BaseException, model: nn.Module,
         where = _defined_at(model).replace(" (", " in ", 1).rstrip(")")
     data_dependent = any(key in f"{type(exc).__name__} {reason}" for key in (
         "control flow", "DataDependent", "data-dependent", "__bool__"))
-    if data_dependent:
+    if "cache_utils." in reason and "not a known type" in reason:
+        hint = (
+            "the model returns its key/value cache (a Hugging Face model with use_cache=True, "
+            "the default of its config), which is no tensor a pipeline could pass on: set "
+            "model.config.use_cache = False before vf.compile (training needs no cache)"
+        )
+    elif data_dependent:
         hint = (
             "Python control flow (if/while/bool()) that depends on tensor values cannot be "
             "traced: rewrite it with torch.where or torch.cond, move it out of forward, or make "
