@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -334,3 +335,36 @@ def test_a_model_returning_its_kv_cache_is_refused_naming_use_cache() -> None:
                    micro_batch_size=2)
     model.config.use_cache = False
     _check_like_eager(model, {"input_ids": ids, "labels": ids}, stages=2)
+
+
+def kept_labels_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels keeping 2 of 16 in the first micro-batch of 2, 16 in the other."""
+    ids = _ids(1)
+    labels = ids.clone()
+    labels[:2, 1:] = -100
+    return ids, labels
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_mean_over_kept_labels_on_two_ranks_matches_eager(tmp_path: Path) -> None:
+    # the last stage's rank weights the micro-batches: every rank has the batch and counts
+    from dist_utils import launch
+
+    ranks = launch("kept_labels.py", 2, [str(tmp_path)], timeout=300)
+    logs = "\n".join(f"--- rank {r.rank} ---\n{r.output[-2000:]}" for r in ranks)
+    assert all(r.returncode == 0 for r in ranks), logs
+    torch.manual_seed(0)
+    model, (ids, labels) = TokenLM(), kept_labels_batch()
+    loss = model(ids, labels)["loss"]
+    loss.backward()
+    grads = dict(model.named_parameters())
+    held = set()
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        torch.testing.assert_close(result["losses"], [loss.item()] * 2)
+        for name, grad in result["grads"].items():
+            held.add(name)
+            torch.testing.assert_close(grad, grads[name].grad,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+    assert held == set(grads)
