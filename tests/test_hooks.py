@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -153,6 +154,7 @@ REFUSED: list[tuple[str, str, Callable[[Hooked], object], str]] = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore:For backward hooks to be called")  # torch's, fx tracing
 @pytest.mark.parametrize("name,tracer,add,match", tiered(
     REFUSED, lambda c: c[0] in ("root_forward_hook", "root_pre_hook", "traced_backward_hook"),
     lambda c: f"{c[0]}-{c[1]}"))
@@ -269,6 +271,7 @@ class Checkpoints(nn.Module):
         return self.b(torch.relu(h)).pow(2).mean()
 
 
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, tracing
 @pytest.mark.parametrize("tracer", ["fx", "export", "auto"])
 def test_a_reentrant_checkpoint_in_forward_is_refused(tracer: str) -> None:
     # torch.export recorded its function as a no-grad block: with a loss that also depends on
@@ -292,3 +295,70 @@ def test_a_non_reentrant_checkpoint_in_forward_follows_eager(tracer: str) -> Non
     want = dict(eager.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name].grad, msg=name)
+
+
+def _double_the_models_output(module: nn.Module, args: tuple, out: torch.Tensor) -> Any:
+    return out * 2.0 if isinstance(module, Hooked) else None
+
+
+def _backward_noop(module: nn.Module, grad_in: tuple, grad_out: tuple) -> None:
+    return None
+
+
+def test_a_global_forward_hook_is_refused_by_fx_and_auto_exports_it() -> None:
+    # fx traced the model's forward without __call__: the global hook never ran on the model
+    # itself, so the loss came out half of eager's
+    torch.manual_seed(0)
+    user, x = Hooked(), torch.randn(8, 8)
+    eager = copy.deepcopy(user)
+    handle = nn.modules.module.register_module_forward_hook(_double_the_models_output)
+    try:
+        with pytest.raises(vf.CaptureError, match=r"global module forward hook "
+                                                  r"_double_the_models_output .*tracer='export'"):
+            vf.compile(user, example_inputs=(x,), stages=2, tracer="fx")
+        pipe = vf.compile(user, example_inputs=(x,), stages=2, micro_batch_size=8)
+        assert pipe.captured.tracer == "export"
+        eager_loss = eager(x)
+        eager_loss.backward()
+        torch.testing.assert_close(pipe.step(x), eager_loss.detach())
+    finally:
+        handle.remove()
+    want = dict(eager.named_parameters())
+    for name, p in user.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, msg=name)
+
+
+@pytest.mark.filterwarnings("ignore:For backward hooks to be called")  # torch's, fx tracing
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_global_backward_hook_is_refused(tracer: str) -> None:
+    handle = nn.modules.module.register_module_full_backward_hook(_backward_noop)
+    try:
+        with pytest.raises(vf.CaptureError, match=r"global module backward hook _backward_noop"):
+            vf.compile(Hooked(), example_inputs=(torch.randn(8, 8),), stages=2,
+                       tracer=tracer)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("edit", ["added", "removed"])
+def test_a_global_hook_added_or_removed_after_compile_asks_for_a_new_compile(
+        tracer: str, edit: str) -> None:
+    # torch.export inlined the modules' code: a hook added later never ran (and one removed
+    # later still did) in a pipeline compiled before
+    x = torch.randn(8, 8)
+    hook = nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    if edit == "added":
+        hook.remove()
+    try:
+        pipe = vf.compile(Hooked(), example_inputs=(x,), stages=2, micro_batch_size=8,
+                          tracer="export" if edit == "removed" else tracer)
+        if edit == "added":
+            hook = nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+        else:
+            hook.remove()
+        with pytest.raises(vf.InputError, match=r"global module hook .* was added or removed "
+                                                r"after vf\.compile"):
+            pipe.step(x)
+    finally:
+        hook.remove()

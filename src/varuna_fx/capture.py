@@ -40,6 +40,7 @@ from .model_edits import settings_kept
 from .mutations import keep_mutations, place_write_backs
 from .untraced import (
     attribute_assignments_recorded,
+    check_global_hooks,
     check_hooks,
     check_parameter_writes,
     check_root_pre_hooks,
@@ -179,6 +180,7 @@ def _capture(model: nn.Module, bound: BoundInputs, tracer: str) -> Captured:
 def _checked(model: nn.Module, captured: Captured) -> Captured:
     """What either tracer captured, refused if it would silently differ from eager."""
     check_hooks(model, captured.gm, captured.tracer)
+    check_global_hooks(captured.tracer)
     check_parameter_writes(model, captured.gm)
     return captured
 

@@ -66,6 +66,7 @@ class ModelEdits:
         (``self.alpha``, a torch.export Dropout's ``p``) baked in (see :func:`traced_modules`;
         a module the graph calls runs its own code at each step and follows its settings)."""
         self.model = model
+        self.global_hooks = global_hooks()
         paths = set(traced)
         self.settings = [(name, m, plain_settings(m), _hooks(m), _code(m))
                          for name, m in model.named_modules() if name in paths]
@@ -86,6 +87,11 @@ class ModelEdits:
 
     def check(self) -> None:
         """Raise InputError naming the first edit, if the model was edited since compile."""
+        if global_hooks() != self.global_hooks:
+            raise InputError(
+                "a global module hook (torch.nn.modules.module.register_module_forward_hook "
+                "and the like) was added or removed after vf.compile: the graph holds the "
+                "modules' code as traced with the hooks there were then. Call vf.compile again")
         for cls, members in self.classes:
             if len(vars(cls)) != len(members) or \
                     any(vars(cls).get(k, _GONE) is not v for k, v in members.items()):
@@ -165,6 +171,17 @@ def traced_modules(gm: fx.GraphModule) -> set[str]:
 
 
 _PLAIN = (bool, int, float, str, type(None))
+
+
+def global_hooks() -> tuple:
+    """The ids of the hooks registered for every module (``torch.nn.modules.module.
+    register_module_forward_hook`` and its siblings), forward pre-hooks, forward hooks,
+    backward pre-hooks, backward hooks."""
+    module = torch.nn.modules.module
+    return tuple(tuple(d) for d in (module._global_forward_pre_hooks,
+                                    module._global_forward_hooks,
+                                    module._global_backward_pre_hooks,
+                                    module._global_backward_hooks))
 
 
 def _hooks(module: nn.Module) -> tuple:

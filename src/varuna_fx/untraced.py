@@ -67,6 +67,32 @@ def check_hooks(model: nn.Module, gm: fx.GraphModule, tracer: str) -> None:
                     + (", or use tracer='export' (or 'auto')" if exported else ""))
 
 
+def check_global_hooks(tracer: str) -> None:
+    """Hooks registered for every module run on every module in eager; traced code runs no
+    module backward hooks, and torch.fx calls the model's own forward without ``__call__``,
+    so the model itself would skip global forward hooks."""
+    module = torch.nn.modules.module
+    for kind, hooks in (("backward pre-hook", module._global_backward_pre_hooks),
+                        ("backward hook", module._global_backward_hooks)):
+        for hook in hooks.values():
+            raise CaptureError(
+                f"the global module {kind} {_hook_name(hook)} is registered (torch.nn.modules."
+                "module.register_module_*backward*hook): module backward hooks do not run on "
+                "code traced into the graph, so the pipeline would silently skip it for most "
+                "modules. Remove it before vf.compile, or hook the parameters instead "
+                "(parameter.register_hook)")
+    if tracer != "fx":
+        return
+    for kind, hooks in (("forward pre-hook", module._global_forward_pre_hooks),
+                        ("forward hook", module._global_forward_hooks)):
+        for hook in hooks.values():
+            raise CaptureError(
+                f"the global module {kind} {_hook_name(hook)} is registered (torch.nn.modules."
+                "module.register_module_forward_*hook): torch.fx traces the model's forward "
+                "without its hooks, so the pipeline would silently skip it for the model "
+                "itself. Use tracer='export' (or 'auto'), or remove it before vf.compile")
+
+
 def check_root_pre_hooks(model: nn.Module, alone: bool) -> None:
     """torch.export gets the inputs by keyword: a forward pre-hook of the model itself would
     see no positional arguments (and fail, or act on none)."""
