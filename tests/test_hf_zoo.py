@@ -4,6 +4,7 @@ that are means over the labels a micro-batch keeps (-100 padding; ``loss_weights
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -368,3 +369,29 @@ def test_mean_over_kept_labels_on_two_ranks_matches_eager(tmp_path: Path) -> Non
             torch.testing.assert_close(grad, grads[name].grad,
                                        msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
     assert held == set(grads)
+
+
+@pytest.mark.slow  # two compiles of a mixture of experts
+def test_router_load_balancing_loss_warns_with_micro_batches() -> None:
+    # the auxiliary loss is a statistic over all tokens routed together: per micro-batch it
+    # is another number, and the gradients differed from eager without a word
+    from varuna_fx.buffers import MicroBatchStateWarning
+
+    torch.manual_seed(0)
+    model = tf.MixtralForCausalLM(tf.MixtralConfig(**_decoder(
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True)))
+    ids = _ids(1)
+    inputs = {"input_ids": ids, "labels": ids}
+    with pytest.warns(MicroBatchStateWarning, match="router load-balancing loss.*2 micro-batch"):
+        vf.compile(model, example_inputs=inputs, stages=2, micro_batch_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MicroBatchStateWarning)  # one micro-batch: eager's
+        eager = copy.deepcopy(model)
+        want = eager(**inputs).loss
+        want.backward()
+        pipe = vf.compile(model, example_inputs=inputs, stages=2, micro_batch_size=B)
+        torch.testing.assert_close(pipe.step(**inputs), want.detach())
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(dict(pipe.named_parameters())[name].grad, p.grad,
+                                       rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

@@ -36,8 +36,9 @@ def buffers_kept(module: nn.Module) -> Iterator[None]:
 
 
 class MicroBatchStateWarning(UserWarning):
-    """Module state updated per micro-batch (BatchNorm statistics, in-place buffer writes)
-    cannot follow eager on the whole batch."""
+    """Module state updated per micro-batch (BatchNorm statistics, in-place buffer writes) or
+    a loss over the whole batch's statistics (a router load-balancing loss) cannot follow
+    eager on the whole batch."""
 
 
 def written_buffers(node: fx.Node) -> list[str]:
@@ -87,6 +88,12 @@ def mutated_buffers(gm: fx.GraphModule) -> list[str]:
     return list(dict.fromkeys(b for node in gm.graph.nodes for b in written_buffers(node)))
 
 
+# Hugging Face's auxiliary loss of mixture-of-experts models (Mixtral, Qwen2-MoE, OLMoE...):
+# the fraction of tokens routed to each expert times their mean router probability, over the
+# whole batch: not a mean of per-sample terms. Found by name in the nodes' source lines.
+_ROUTER_BALANCE = "load_balancing_loss_func"
+
+
 def warn_micro_batch_state(model: nn.Module, gm: fx.GraphModule,
                            num_micro_batches: int) -> None:
     """Warn (at compile) when state updated per forward meets more than one micro-batch."""
@@ -102,6 +109,16 @@ def warn_micro_batch_state(model: nn.Module, gm: fx.GraphModule,
             "statistics per micro-batch, so training differs from eager on the whole batch. "
             "Compile with micro_batch_size equal to the batch for eager's numbers, or use "
             "GroupNorm/LayerNorm", MicroBatchStateWarning, stacklevel=3)
+    balancing = next((n for n in gm.graph.nodes
+                      if _ROUTER_BALANCE in (n.meta.get("stack_trace") or "")), None)
+    if balancing is not None:
+        warnings.warn(
+            f"{type(model).__name__} adds a router load-balancing loss ({_ROUTER_BALANCE}, a "
+            "mixture of experts with output_router_logits=True) and the plan splits each batch "
+            f"into {num_micro_batches} micro-batches: that loss is a statistic over all tokens "
+            "routed together, here each micro-batch's, so the loss and gradients differ from "
+            "eager on the whole batch. Compile with micro_batch_size equal to the batch for "
+            "eager's numbers", MicroBatchStateWarning, stacklevel=3)
     written = [b for b in mutated_buffers(gm)  # torch.export: BatchNorm's own counter
                if b.rpartition(".")[0] not in norms]
     if written:
