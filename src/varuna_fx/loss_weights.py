@@ -65,29 +65,33 @@ class MeanLoss:
     calls: list[_MeanCall]
     exact: bool  # the loss is one such mean: weighting micro-batches is exactly eager's
 
-    def counts(self, micro: dict[str, torch.Tensor]) -> list[float | None]:
-        """What each call divides by on this micro-batch (None: a fixed count, e.g. class
-        probabilities as targets)."""
+    def counts(self, micro: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
+        """What each call divides by on this micro-batch, as 0-d tensors where they are (None:
+        a fixed count, e.g. class probabilities as targets)."""
         with torch.no_grad():
             values = self.counting(*(micro[name] for name in self.inputs))
-        out: list[float | None] = []
-        for call in self.calls:
-            target = values[call.target]
-            if not isinstance(target, torch.Tensor) or target.is_floating_point():
-                out.append(None)
-                continue
-            kept = target != call.ignore_index
-            if call.weight is None:
-                out.append(float(kept.sum()))
-            else:
-                weight = values[call.weight]
-                out.append(float(weight[target[kept]].sum()))
+            out: list[torch.Tensor | None] = []
+            for call in self.calls:
+                target = values[call.target]
+                if not isinstance(target, torch.Tensor) or target.is_floating_point():
+                    out.append(None)
+                    continue
+                kept = target != call.ignore_index
+                if call.weight is None:
+                    out.append(kept.sum().double())
+                else:
+                    out.append(values[call.weight][target[kept]].sum().double())
         return out
 
     def weights(self, micro: list[dict[str, torch.Tensor]]) -> list[float] | None:
         """Each micro-batch's share of the step's loss, or None when the plain mean over
         micro-batches is already exact (every count equal)."""
-        per_mb = [self.counts(mb) for mb in micro]
+        tensors = [self.counts(mb) for mb in micro]
+        present = [c for counts in tensors for c in counts if c is not None]
+        if not present:
+            return None
+        numbers = iter(torch.stack(present).tolist())  # one device sync for the whole step
+        per_mb = [[None if c is None else next(numbers) for c in counts] for counts in tensors]
         uneven = [j for j, call in enumerate(self.calls)
                   if len({counts[j] for counts in per_mb}) > 1]
         if not uneven:
