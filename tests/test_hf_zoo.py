@@ -372,3 +372,17 @@ def test_router_load_balancing_loss_warns_with_micro_batches() -> None:
     inputs = {"input_ids": ids, "labels": ids}
     with pytest.warns(MicroBatchStateWarning, match="router load-balancing loss.*2 micro-batch"):
         vf.compile(model, example_inputs=inputs, stages=2, micro_batch_size=2)
+
+
+@pytest.mark.slow  # two failing traces of an HF model
+def test_code_fixing_the_batch_size_is_refused_saying_why() -> None:
+    # wav2vec2's SpecAugment draws its masks with numpy on the batch size: torch.export's
+    # error was only "Constraints violated (batch)!"
+    model = tf.Wav2Vec2ForSequenceClassification(tf.Wav2Vec2Config(
+        vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4),
+        num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, num_labels=3,
+        classifier_proj_size=8, layerdrop=0.0, mask_time_prob=0.05))
+    inputs = {"input_values": torch.randn(B, 400), "labels": torch.randint(0, 3, (B,))}
+    with pytest.raises(vf.CaptureError, match=r"fixes the batch size.*mask_time_prob"):
+        vf.compile(model, example_inputs=inputs, stages=2, micro_batch_size=2)

@@ -602,6 +602,13 @@ def _describe_failure(tracer: str, exc: BaseException, model: nn.Module,
             "the default of its config), which is no tensor a pipeline could pass on: set "
             "model.config.use_cache = False before vf.compile (training needs no cache)"
         )
+    elif "Constraints violated (batch)" in reason:
+        hint = (
+            "forward's code fixes the batch size (dim 0) to the example's, e.g. by computing "
+            "with it in Python or numpy (a Hugging Face wav2vec2's SpecAugment masking, "
+            "config.mask_time_prob > 0); a pipeline runs micro-batches of other sizes, so "
+            "compute it with torch operations on the tensors, or turn that feature off"
+        )
     elif data_dependent:
         hint = (
             "Python control flow (if/while/bool()) that depends on tensor values cannot be "
