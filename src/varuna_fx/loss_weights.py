@@ -64,12 +64,15 @@ class MeanLoss:
     inputs: list[str]
     calls: list[_MeanCall]
     exact: bool  # the loss is one such mean: weighting micro-batches is exactly eager's
+    read: frozenset[str] = frozenset()  # the inputs the counting graph reads
 
     def counts(self, micro: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
         """What each call divides by on this micro-batch, as 0-d tensors where they are (None:
         a fixed count, e.g. class probabilities as targets)."""
         with torch.no_grad():
-            values = self.counting(*(micro[name] for name in self.inputs))
+            # copies of what it reads: forward's own code may write them in place
+            values = self.counting(*(micro[name].clone() if name in self.read else micro[name]
+                                     for name in self.inputs))
             out: list[torch.Tensor | None] = []
             for call in self.calls:
                 target = values[call.target]
@@ -146,7 +149,8 @@ def find_mean_loss(gm: fx.GraphModule, out_spec: pytree.TreeSpec, input_names: l
         calls.append(_MeanCall(t, w, ignore_index, _where(node)))
     counting, inputs = _cut(gm, wanted)
     exact = len(found) == 1 and _through_transparent(loss) is found[0][0]
-    return MeanLoss(counting, inputs, calls, exact)
+    read = frozenset(n.name for n in counting.graph.nodes if n.op == "placeholder" and n.users)
+    return MeanLoss(counting, inputs, calls, exact, read)
 
 
 def _loss_leaf(spec: pytree.TreeSpec, count: int) -> int | None:
