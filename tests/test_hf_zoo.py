@@ -4,6 +4,7 @@ that are means over the labels a micro-batch keeps (-100 padding; ``loss_weights
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -386,3 +387,28 @@ def test_code_fixing_the_batch_size_is_refused_saying_why() -> None:
     inputs = {"input_values": torch.randn(B, 400), "labels": torch.randint(0, 3, (B,))}
     with pytest.raises(vf.CaptureError, match=r"fixes the batch size.*mask_time_prob"):
         vf.compile(model, example_inputs=inputs, stages=2, micro_batch_size=2)
+
+
+def test_loss_fn_with_uneven_ignored_labels_warns_once() -> None:
+    # a loss_fn runs outside the graph, so its mean over kept labels is not weighted: the
+    # pipeline's mean over micro-batches silently differed from eager's
+    from varuna_fx.buffers import MicroBatchStateWarning
+
+    torch.manual_seed(0)
+    ids, labels = kept_labels_batch()
+    model = TokenLM()
+
+    def loss_fn(out: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out["logits"].flatten(0, 1), target.flatten())
+
+    pipe = vf.compile(model, example_inputs={"input_ids": ids, "labels": ids}, stages=2,
+                      micro_batch_size=2, loss_fn=loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MicroBatchStateWarning)
+        pipe.step(input_ids=ids, labels=ids, target=ids)  # no -100: nothing to say
+    with pytest.warns(MicroBatchStateWarning, match=r"different numbers of -100 .* per "
+                                                    r"micro-batch \(14, 0\)"):
+        pipe.step(input_ids=ids, labels=ids, target=labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MicroBatchStateWarning)
+        pipe.step(input_ids=ids, labels=ids, target=labels)  # once per pipeline

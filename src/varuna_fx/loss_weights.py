@@ -25,6 +25,7 @@ averaged as DDP does.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from .buffers import MicroBatchStateWarning
 from .errors import InputError
 
 _aten = torch.ops.aten
@@ -276,3 +278,29 @@ def _where(node: fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""
     lines = [line.strip() for line in trace.splitlines() if line.strip().startswith("File")]
     return f"{node.name} ({lines[-1]})" if lines else node.name
+
+
+def warn_uneven_ignored_targets(targets: list[Any]) -> bool:
+    """Warn when the micro-batches' targets hold different numbers of -100 (the
+    ``ignore_index`` of ``cross_entropy``): a ``loss_fn`` averaging over the others is not
+    weighted (it runs outside the graph), so its mean over micro-batches would differ from
+    eager's. Returns whether it warned (once per pipeline is enough)."""
+    per_mb = [[t for t in pytree.tree_leaves(target) if isinstance(t, torch.Tensor)
+               and t.dim() > 0 and not t.is_floating_point() and not t.is_complex()]
+              for target in targets]
+    if not per_mb or not per_mb[0]:
+        return False
+    with torch.no_grad():
+        counts = torch.stack([torch.stack([(t == -100).sum() for t in leaves])
+                              for leaves in per_mb]).tolist()  # one device sync
+    if all(c == counts[0] for c in counts) or not any(map(any, counts)):
+        return False
+    warnings.warn(
+        "the step's targets hold different numbers of -100 (cross_entropy's ignore_index) "
+        f"per micro-batch ({', '.join(str(sum(c)) for c in counts)}): if loss_fn averages over "
+        "the other labels, the pipeline's mean over micro-batches differs from eager's loss on "
+        "the whole batch (micro-batches are not weighted by their counts for a loss_fn). "
+        "Return the loss from the model (it is weighted), use reduction='sum' divided by the "
+        "whole batch's count, or micro_batch_size equal to the batch",
+        MicroBatchStateWarning, stacklevel=4)
+    return True

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..codegen import Stage
-from ..loss_weights import MeanLoss
+from ..loss_weights import MeanLoss, warn_uneven_ignored_targets
 from ..plan import Plan
 from .batching import micro_batch_loss, split_batch, split_target
 from .precision import LossScaler
@@ -79,6 +79,7 @@ class StepLoop:
     # the model's loss when it is a mean over the targets each micro-batch keeps (labels not
     # -100): micro-batches are weighted by their counts (loss_weights.py)
     mean_loss: MeanLoss | None = None
+    _warned_ignored = False  # a loss_fn's targets with uneven -100 counts: warned once
 
     @property
     def random(self) -> bool:
@@ -97,6 +98,8 @@ class StepLoop:
         targets = split_target(target, b, m)
         # every rank has the whole batch, so every rank weighs (and refuses) alike
         weights = self.mean_loss.weights(micro) if self.mean_loss is not None else None
+        if self.loss_fn is not None and target is not None and not self._warned_ignored:
+            self._warned_ignored = warn_uneven_ignored_targets(targets)
         self.set_seed(step_seed(self.replica_index) if self.random else 0)
         losses: dict[int, torch.Tensor] = {}
 
