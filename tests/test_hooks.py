@@ -7,7 +7,6 @@ refused at compile."""
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +18,7 @@ from torch.nn.utils import parametrizations
 from torch.utils.checkpoint import checkpoint
 
 import varuna_fx as vf
+from test_side_effects import assert_like_eager, eager_step
 from tiers import product, tiered
 
 
@@ -287,14 +287,9 @@ def test_a_reentrant_checkpoint_in_forward_is_refused(tracer: str) -> None:
 def test_a_non_reentrant_checkpoint_in_forward_follows_eager(tracer: str) -> None:
     torch.manual_seed(0)
     model, x = Checkpoints(reentrant=False), torch.randn(4, 8)
-    eager = copy.deepcopy(model)
+    eager, eager_loss = eager_step(model, x)
     pipe = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=4, tracer=tracer)
-    eager_loss = eager(x)
-    eager_loss.backward()
-    torch.testing.assert_close(pipe.step(x), eager_loss.detach())
-    want = dict(eager.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[name].grad, msg=name)
+    assert_like_eager(pipe, model, eager, pipe.step(x), eager_loss)
 
 
 def _double_the_models_output(module: nn.Module, args: tuple, out: torch.Tensor) -> Any:
@@ -310,22 +305,17 @@ def test_a_global_forward_hook_is_refused_by_fx_and_auto_exports_it() -> None:
     # itself, so the loss came out half of eager's
     torch.manual_seed(0)
     user, x = Hooked(), torch.randn(8, 8)
-    eager = copy.deepcopy(user)
     handle = nn.modules.module.register_module_forward_hook(_double_the_models_output)
     try:
+        eager, eager_loss = eager_step(user, x)
         with pytest.raises(vf.CaptureError, match=r"global module forward hook "
                                                   r"_double_the_models_output .*tracer='export'"):
             vf.compile(user, example_inputs=(x,), stages=2, tracer="fx")
         pipe = vf.compile(user, example_inputs=(x,), stages=2, micro_batch_size=8)
         assert pipe.captured.tracer == "export"
-        eager_loss = eager(x)
-        eager_loss.backward()
-        torch.testing.assert_close(pipe.step(x), eager_loss.detach())
+        assert_like_eager(pipe, user, eager, pipe.step(x), eager_loss)
     finally:
         handle.remove()
-    want = dict(eager.named_parameters())
-    for name, p in user.named_parameters():
-        torch.testing.assert_close(p.grad, want[name].grad, msg=name)
 
 
 @pytest.mark.filterwarnings("ignore:For backward hooks to be called")  # torch's, fx tracing

@@ -48,6 +48,7 @@ from .untraced import (
     rebinding_recorded,
     recomputed_by_hooks,
     reentrant_checkpoints_recorded,
+    refuse_reentrant_checkpoint,
     tensor_hooks_recorded,
 )
 
@@ -146,14 +147,8 @@ def capture(model: nn.Module, bound: BoundInputs, tracer: str = "auto") -> Captu
         except CaptureError:
             if not reentrant:
                 raise
-    if reentrant:  # whatever either tracer made of it, the gradients would be wrong
-        raise CaptureError(
-            f"{type(model).__name__}.forward uses torch.utils.checkpoint with "
-            f"use_reentrant=True ({reentrant[0]}): traced, its function runs under "
-            "torch.no_grad(), so its parameters would silently get no gradient. Drop it -- "
-            "varuna_fx recomputes activations itself (recompute=True or 'auto'); for a "
-            "HuggingFace model call model.gradient_checkpointing_disable() -- or pass "
-            "use_reentrant=False")
+    if reentrant:
+        refuse_reentrant_checkpoint(model, reentrant[0])
     return captured
 
 
@@ -458,7 +453,8 @@ def _capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) ->
             "torch.fx cannot trace it). Register hooks on parameters outside forward "
             "(parameter.register_hook), or write the gradient change as a "
             "torch.autograd.Function")
-    assigned = [a for a in assigned if a not in recomputed_by_hooks(model)]
+    excused = recomputed_by_hooks(model)
+    assigned = [a for a in assigned if a not in excused]
     if assigned:
         raise CaptureError(
             f"{type(model).__name__}.forward stores a tensor on the model ({assigned[0]} = ...)"

@@ -72,25 +72,22 @@ def check_global_hooks(tracer: str) -> None:
     module backward hooks, and torch.fx calls the model's own forward without ``__call__``,
     so the model itself would skip global forward hooks."""
     module = torch.nn.modules.module
-    for kind, hooks in (("backward pre-hook", module._global_backward_pre_hooks),
-                        ("backward hook", module._global_backward_hooks)):
+    backward = ("module backward hooks do not run on code traced into the graph, so the "
+                "pipeline would silently skip it for most modules. Remove it before vf.compile, "
+                "or hook the parameters instead (parameter.register_hook)")
+    forward = ("torch.fx traces the model's forward without its hooks, so the pipeline would "
+               "silently skip it for the model itself. Use tracer='export' (or 'auto'), or "
+               "remove it before vf.compile")
+    refused = [("backward pre-hook", module._global_backward_pre_hooks, backward),
+               ("backward hook", module._global_backward_hooks, backward)]
+    if tracer == "fx":
+        refused += [("forward pre-hook", module._global_forward_pre_hooks, forward),
+                    ("forward hook", module._global_forward_hooks, forward)]
+    for kind, hooks, why in refused:
         for hook in hooks.values():
             raise CaptureError(
                 f"the global module {kind} {_hook_name(hook)} is registered (torch.nn.modules."
-                "module.register_module_*backward*hook): module backward hooks do not run on "
-                "code traced into the graph, so the pipeline would silently skip it for most "
-                "modules. Remove it before vf.compile, or hook the parameters instead "
-                "(parameter.register_hook)")
-    if tracer != "fx":
-        return
-    for kind, hooks in (("forward pre-hook", module._global_forward_pre_hooks),
-                        ("forward hook", module._global_forward_hooks)):
-        for hook in hooks.values():
-            raise CaptureError(
-                f"the global module {kind} {_hook_name(hook)} is registered (torch.nn.modules."
-                "module.register_module_forward_*hook): torch.fx traces the model's forward "
-                "without its hooks, so the pipeline would silently skip it for the model "
-                "itself. Use tracer='export' (or 'auto'), or remove it before vf.compile")
+                f"module.register_module_*hook): {why}")
 
 
 def check_root_pre_hooks(model: nn.Module, alone: bool) -> None:
@@ -163,26 +160,32 @@ def rebinding_recorded(model: nn.Module) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def tensor_hooks_recorded() -> Iterator[list[str]]:
-    """Where forward calls ``tensor.register_hook`` while torch.export traces it: on a fake
-    tensor, so the hook is in no graph."""
+def _calls_recorded(owner: type, name: str) -> Iterator[list[str]]:
+    """Where (file:line, the model's code) ``owner.name`` is called while the body runs: the
+    function is wrapped for that long, then put back as it was."""
     found: list[str] = []
-    original = torch.Tensor.register_hook
+    original = owner.__dict__[name]
+    function = original.__func__ if isinstance(original, staticmethod) else original
 
-    def recording(self: torch.Tensor, hook: Any) -> Any:
-        caller = sys._getframe(1)
-        found.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
-        return original(self, hook)
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        found.append(_first_frame_outside_torch())
+        return function(*args, **kwargs)
 
-    torch.Tensor.register_hook = recording  # type: ignore[method-assign]
+    setattr(owner, name, staticmethod(recording) if isinstance(original, staticmethod)
+            else recording)
     try:
         yield found
     finally:
-        torch.Tensor.register_hook = original  # type: ignore[method-assign]
+        setattr(owner, name, original)
 
 
-@contextlib.contextmanager
-def reentrant_checkpoints_recorded() -> Iterator[list[str]]:
+def tensor_hooks_recorded() -> contextlib.AbstractContextManager[list[str]]:
+    """Where forward calls ``tensor.register_hook`` while torch.export traces it: on a fake
+    tensor, so the hook is in no graph."""
+    return _calls_recorded(torch.Tensor, "register_hook")
+
+
+def reentrant_checkpoints_recorded() -> contextlib.AbstractContextManager[list[str]]:
     """Where forward runs ``torch.utils.checkpoint(..., use_reentrant=True)`` (HuggingFace's
     ``gradient_checkpointing_enable()`` default in many versions) while either tracer traces
     it: its function runs under torch.no_grad() and only a reentrant backward would give its
@@ -190,18 +193,17 @@ def reentrant_checkpoints_recorded() -> Iterator[list[str]]:
     torch.fx refuses the no_grad block)."""
     from torch.utils.checkpoint import CheckpointFunction
 
-    found: list[str] = []
-    original = CheckpointFunction.__dict__["forward"]
+    return _calls_recorded(CheckpointFunction, "forward")
 
-    def recording(ctx: Any, run_function: Any, *args: Any) -> Any:
-        found.append(_first_frame_outside_torch())
-        return original.__func__(ctx, run_function, *args)
 
-    CheckpointFunction.forward = staticmethod(recording)  # type: ignore[method-assign]
-    try:
-        yield found
-    finally:
-        CheckpointFunction.forward = original  # type: ignore[method-assign]
+def refuse_reentrant_checkpoint(model: nn.Module, where: str) -> None:
+    """Whatever either tracer made of a reentrant checkpoint, the gradients would be wrong."""
+    raise CaptureError(
+        f"{type(model).__name__}.forward uses torch.utils.checkpoint with use_reentrant=True "
+        f"({where}): traced, its function runs under torch.no_grad(), so its parameters would "
+        "silently get no gradient. Drop it -- varuna_fx recomputes activations itself "
+        "(recompute=True or 'auto'); for a HuggingFace model call "
+        "model.gradient_checkpointing_disable() -- or pass use_reentrant=False")
 
 
 def _first_frame_outside_torch() -> str:
