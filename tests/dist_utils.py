@@ -65,6 +65,15 @@ def launch(script: str, nproc: int, args: list[str], *, timeout: float = 120.0) 
     return results
 
 
+def launch_ok(script: str, nproc: int, args: list[str], *,
+              timeout: float = 120.0) -> list[RankResult]:
+    """:func:`launch`, failing the test with every rank's output unless all ranks exit 0."""
+    ranks = launch(script, nproc, args, timeout=timeout)
+    logs = "\n".join(f"--- rank {r.rank} ---\n{r.output[-2000:]}" for r in ranks)
+    assert all(r.returncode == 0 for r in ranks), logs
+    return ranks
+
+
 def run_jobs(tmp_path: Path, nproc: int, jobs: list[dict[str, Any]], *,
              timeout: float = 120.0) -> dict[str, list[dict[str, Any]]]:
     """Run ``train_gpt.py`` jobs on ``nproc`` ranks: {job name: [rank 0's result, ...]}."""
