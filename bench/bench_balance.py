@@ -29,9 +29,9 @@ from rich.console import Console
 from rich.table import Table
 
 import varuna_fx as vf
-from varuna_fx.costmodel import device_spec, step_time
+from varuna_fx.costs.roofline import device_spec, step_time
 from varuna_fx.examples import GPT, GPTConfig
-from varuna_fx.ir import info
+from varuna_fx.ir.nodes import info
 from varuna_fx.passes.assign_stages import CostSetting, compute_nodes, partition_costs
 from varuna_fx.passes.partition import PartitionCosts, partition
 from varuna_fx.schedule import build_schedule, peak_stash_counts

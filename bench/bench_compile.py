@@ -26,9 +26,9 @@ from rich.table import Table
 
 import varuna_fx as vf
 import varuna_fx.api as api
-import varuna_fx.configure as configure
-import varuna_fx.frontend as frontend
+import varuna_fx.passes.frontend as frontend
 import varuna_fx.pipeline as pipeline
+import varuna_fx.planner.configure as configure
 from varuna_fx.examples import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=48, n_embd=1024, n_head=16, vocab_size=50257, block_size=1024)

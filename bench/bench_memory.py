@@ -17,7 +17,7 @@ from rich.table import Table
 
 import varuna_fx as vf
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
-from varuna_fx.ir import info
+from varuna_fx.ir.nodes import info
 from varuna_fx.schedule import build_schedule, simulate
 
 P, M, MB = 4, 16, 2

@@ -276,7 +276,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from varuna_fx.runtime.setup import init_process_group
+    from varuna_fx.world.where import init_process_group
 
     init_process_group(timeout=300.0)
     rank = dist.get_rank()

@@ -27,11 +27,11 @@ from rich.console import Console
 
 import varuna_fx as vf
 import varuna_fx.schedule as schedules
-from varuna_fx.capture import bind_inputs, capture
+from varuna_fx.capture.trace import bind_inputs, capture
 from varuna_fx.examples import GPT, GPTConfig
-from varuna_fx.plan import alternatives_table
+from varuna_fx.launch.plan_command import stage_table
 from varuna_fx.planner import CostTable, Planner, Space, analyze
-from varuna_fx.planner.report import stage_table
+from varuna_fx.planner.plan import alternatives_table
 from varuna_fx.schedule import varuna as varuna_orders
 
 CFG = GPTConfig(n_layer=48, n_embd=1024, n_head=16, vocab_size=50257, block_size=1024)

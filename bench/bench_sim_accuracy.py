@@ -122,7 +122,7 @@ def worker(args: argparse.Namespace) -> None:
     """One rank of the two-process launch."""
     import torch.distributed as dist
 
-    from varuna_fx.runtime.setup import init_process_group
+    from varuna_fx.world.where import init_process_group
 
     init_process_group(600.0)
     rank = dist.get_rank()

@@ -56,7 +56,7 @@ def worker(args: argparse.Namespace) -> None:
     from bench_network import M, known_schedules, make_cases
 
     import varuna_fx as vf
-    from varuna_fx.runtime.setup import init_process_group
+    from varuna_fx.world.where import init_process_group
 
     init_process_group(timeout=300.0)
     rank = dist.get_rank()

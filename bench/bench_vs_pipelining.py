@@ -96,7 +96,7 @@ def ours(case: dict, schedule: str, m: int) -> tuple[Callable[[], float], str]:
 
 
 def first_module(stage: Any) -> str:
-    from varuna_fx.ir import info
+    from varuna_fx.ir.nodes import info
 
     paths = [info(n).module_path for n in stage.module.graph.nodes
              if n.op not in ("placeholder", "output", "get_attr") and info(n).module_path]

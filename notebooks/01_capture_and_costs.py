@@ -12,7 +12,7 @@ import sympy
 
 import varuna_fx as vf
 from varuna_fx.examples import demo_gpt, lm_loss
-from varuna_fx.ir import ZERO, info
+from varuna_fx.ir.nodes import ZERO, info
 from varuna_fx.planner import analyze
 
 model, tokens, targets = demo_gpt(n_layer=2)

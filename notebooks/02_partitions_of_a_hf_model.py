@@ -23,7 +23,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import varuna_fx as vf
-from varuna_fx.ir import info
+from varuna_fx.ir.nodes import info
 from varuna_fx.passes.assign_stages import CostSetting, compute_nodes, partition_costs
 
 torch.manual_seed(0)

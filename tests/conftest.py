@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-import varuna_fx.frontend
+import varuna_fx.passes.frontend
 
 FAST_TEST_CPU_LIMIT = 3.0  # seconds of CPU for one fast-tier test before it is listed
 _LAUNCHES = "launches a process"
@@ -93,7 +93,7 @@ def one_capture_per_model() -> Iterator[None]:
     Hugging Face model is about a second each time. Everything after capture still runs per
     compile, and the first compile of each model captures for real. The model is kept in the
     memo so its id cannot be reused by another model."""
-    real = varuna_fx.frontend.capture
+    real = varuna_fx.passes.frontend.capture
     memo: dict[tuple, tuple[Any, Any]] = {}
 
     def capture(model: Any, bound: Any, tracer: str = "auto") -> Any:
@@ -105,7 +105,7 @@ def one_capture_per_model() -> Iterator[None]:
         return memo[key][1]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(varuna_fx.frontend, "capture", capture)
+        patch.setattr(varuna_fx.passes.frontend, "capture", capture)
         yield
 
 

@@ -14,7 +14,7 @@ model allows; schedule; recompute; micro-batch size; fx or torch.export) and ``r
 checks it against eager PyTorch with ``torch.testing.assert_close``: two training steps (loss,
 every parameter gradient and every buffer; SGD in between) and the eval-mode output.
 
-Dropout: the library seeds each random op from (step seed, op, micro-batch) (runtime/rng.py),
+Dropout: the library seeds each random op from (step seed, op, micro-batch) (ir/rng.py),
 so its masks cannot equal eager's whole-batch masks. Eager equality is therefore checked with
 every dropout probability set to 0 (in train mode) and in eval mode; with dropout active, the
 pipeline is checked against itself: P, schedule and recompute must not change the loss or any

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from varuna_fx.capture import _Tracer
+from varuna_fx.capture.trace import _Tracer
 
 SRC = str(Path(__file__).parent.parent / "src")
 
@@ -36,7 +36,7 @@ def test_nodes_point_at_the_users_line_without_torch_frames() -> None:
         lines = traces[name].splitlines()
         assert lines[-2].strip().startswith(f'File "{__file__}"') and "in forward" in lines[-2]
         assert lines[-1].strip().endswith(f"# LINE: {marker}"), traces[name]
-        assert "/torch/" not in traces[name] and "capture.py" not in traces[name]
+        assert "/torch/" not in traces[name] and "capture/trace.py" not in traces[name]
 
 
 @pytest.mark.slow
@@ -44,7 +44,7 @@ def test_fx_capture_imports_no_compiler_stack() -> None:
     code = """
 import sys
 import torch
-from varuna_fx.capture import _Tracer
+from varuna_fx.capture.trace import _Tracer
 from varuna_fx.examples import GPT, GPTConfig
 _Tracer().trace(GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)))
 print(sorted(m for m in ("torch._dynamo", "torch._inductor", "torch.export._trace")

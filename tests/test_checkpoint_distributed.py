@@ -139,7 +139,7 @@ def test_sigterm_to_one_rank_under_torchrun_stops_all_at_one_step(tmp_path: Path
     job = {"name": "preempt", "kind": "preempt", "P": 2, "D": 1, "dir": str(ckpt),
            "every": 1000, "total": 100000}
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "varuna_fx.cli", "run", "--nproc", "2",
+        [sys.executable, "-m", "varuna_fx.launch.cli", "run", "--nproc", "2",
          str(SCRIPTS / SCRIPT), str(tmp_path), json.dumps([job])],
         env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

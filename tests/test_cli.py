@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from varuna_fx.cli import _SCHEDULE_HELP, build_parser, main
 from varuna_fx.examples import GPT, GPTConfig
+from varuna_fx.launch.cli import _SCHEDULE_HELP, build_parser, main
 from varuna_fx.schedule import schedule_names
 
 
@@ -126,7 +126,7 @@ def test_a_user_error_prints_what_to_change_without_a_traceback(
 
 
 def test_planner_messages_name_the_command_line_options() -> None:
-    from varuna_fx.planner.report import as_options
+    from varuna_fx.launch.plan_command import as_options
 
     assert as_options("fixed stages=3, micro_batch_size=2; try recompute=True") == (
         "fixed --stages=3, --micro-batch-size=2; try recompute (without --no-recompute)")

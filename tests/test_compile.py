@@ -123,7 +123,7 @@ def test_plan_table_lists_every_stage() -> None:
 
 
 def test_costs_are_symbolic_in_the_micro_batch_size() -> None:
-    from varuna_fx.ir import b, info
+    from varuna_fx.ir.nodes import b, info
 
     case = CASES["gpt_tied"]
     pipe = vf.compile(case.model, example_inputs=case.inputs, loss_fn=case.loss_fn, stages=2)

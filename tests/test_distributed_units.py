@@ -17,12 +17,12 @@ import varuna_fx as vf
 from dist_common import make_model_and_data
 from dist_utils import SCRIPTS
 from varuna_fx.examples import lm_loss
-from varuna_fx.ir import Affine, StageSpec, TensorInfo, Transfer, b
-from varuna_fx.placement import Placement, check_world_size
+from varuna_fx.ir.nodes import Affine, StageSpec, TensorInfo, Transfer, b
 from varuna_fx.runtime.acks import release_keys
 from varuna_fx.runtime.comm import _buckets, resolve_timeout
 from varuna_fx.runtime.precision import LossScaler
 from varuna_fx.schedule import Action, Kind, build_schedule
+from varuna_fx.schedule.placement import Placement, check_world_size
 
 # -- placement -------------------------------------------------------------------------------
 
@@ -199,7 +199,7 @@ def test_unknown_precision_is_rejected() -> None:
 def test_varuna_fx_run_launches_ranks(tmp_path: Path) -> None:
     """`varuna-fx run --nproc 2 script` (torchrun underneath) gives each rank its stage."""
     done = subprocess.run(
-        [sys.executable, "-m", "varuna_fx.cli", "run", "--nproc", "2",
+        [sys.executable, "-m", "varuna_fx.launch.cli", "run", "--nproc", "2",
          str(SCRIPTS / "cli_smoke.py"), str(tmp_path)],
         capture_output=True, text=True, timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from varuna_fx.elastic import elastic_launch, parse_nnodes
 from varuna_fx.errors import VarunaFxError
+from varuna_fx.launch.elastic import elastic_launch, parse_nnodes
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "dist_scripts" / "elastic_train.py"
@@ -35,7 +35,7 @@ def test_elastic_launch_arguments() -> None:
     assert "--local-addr=10.1.2.3" in host.argv and "--max-restarts=7" in host.argv
     conf = next(a for a in host.argv if a.startswith("--rdzv-conf="))
     assert "is_host=1" in conf and "last_call_timeout=1" in conf
-    # growing back needs the per-round store address (see varuna_fx.elastic)
+    # growing back needs the per-round store address (see varuna_fx.launch.elastic)
     assert host.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     other = elastic_launch(nproc=1, nnodes="2", rdzv_endpoint="10.1.2.3", rdzv_id="j",
                            local_addr="10.1.2.4", max_restarts=1, rdzv_conf="join_timeout=5")
@@ -82,7 +82,7 @@ def test_shrink_and_grow_two_nodes(tmp_path: Path) -> None:
     def agent(net: netns.NetNS, i: int) -> subprocess.Popen:
         out = tmp_path / f"node{i}.{len(outputs)}.out"
         outputs.append(out)
-        argv = [sys.executable, "-m", "varuna_fx.cli", "run", "--elastic", "--nproc", "1",
+        argv = [sys.executable, "-m", "varuna_fx.launch.cli", "run", "--elastic", "--nproc", "1",
                 "--nnodes", "1:2", "--rdzv-endpoint", f"{net.addr(0)}:29400",
                 "--local-addr", net.addr(i), str(SCRIPT), str(tmp_path / "ckpt"), str(log),
                 str(TOTAL), str(EVERY), "0.2", str(pause)]
@@ -129,7 +129,7 @@ def test_shrink_and_grow_two_nodes(tmp_path: Path) -> None:
 
 
 def test_run_refuses_elastic_flags_without_elastic() -> None:
-    from varuna_fx.cli import main
+    from varuna_fx.launch.cli import main
 
     with pytest.raises(SystemExit, match="--elastic"):
         main(["run", "--nproc", "1", "--nnodes", "1:2", "train.py"])

@@ -135,7 +135,7 @@ def other_graph_profile(_: Any) -> Any:
 
 
 def world_mismatch(_: Any) -> Any:
-    from varuna_fx.runtime.placement import check_world_size
+    from varuna_fx.schedule.placement import check_world_size
 
     return check_world_size(3, 2, 1)
 
@@ -267,7 +267,7 @@ CATALOGUE = [
         Cap, "returned 0", "return the loss"),
     row("Mixtral eager experts", lambda _: compile_module(*tiny_mixtral(), stages=1), Cap,
         "modeling_mixtral.py:", "for expert_idx in expert_hit", "data-dependent",
-        absent=("capture.py", "try tracer=")),
+        absent=("capture/trace.py", "try tracer=")),
     # -- the cluster ----------------------------------------------------------------------
     row("gpus=0", lambda _: vf.Cluster(gpus=0), E, "gpus=0", "positive integer"),
     row("gpus=True", lambda _: vf.Cluster(gpus=True), E, "gpus=True"),

@@ -60,7 +60,7 @@ def _join_as(rank: int, port: int, timeout: float) -> subprocess.Popen:
     code = (
         "import time\n"
         "import varuna_fx as vf\n"
-        "from varuna_fx.runtime.setup import init_process_group\n"
+        "from varuna_fx.world.where import init_process_group\n"
         "start = time.monotonic()\n"
         "try:\n"
         f"    init_process_group({timeout})\n"
@@ -98,7 +98,7 @@ def test_a_master_port_held_by_another_program_fails_within_the_timeout() -> Non
 def test_standalone_run_builds_a_loopback_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed.run
 
-    from varuna_fx.cli import cmd_run, main
+    from varuna_fx.launch.cli import cmd_run, main
 
     calls: list[list[str]] = []
     monkeypatch.setattr(torch.distributed.run, "main", lambda argv: calls.append(argv))
@@ -118,7 +118,7 @@ def test_store_servers_in_a_standalone_run_bind_loopback() -> None:
 
     import torch.distributed as dist
 
-    from varuna_fx.runtime.standalone import loopback_stores
+    from varuna_fx.launch.standalone import loopback_stores
 
     with loopback_stores():
         store = dist.TCPStore("localhost", 0, 1, True, timeout=timedelta(seconds=5))
@@ -133,7 +133,7 @@ def test_store_servers_in_a_standalone_run_bind_loopback() -> None:
 def test_varuna_fx_run_listens_on_loopback_only(tmp_path: Path) -> None:
     out = tmp_path / "listening.txt"
     done = subprocess.run(
-        [sys.executable, "-m", "varuna_fx.cli", "run", "--nproc", "2",
+        [sys.executable, "-m", "varuna_fx.launch.cli", "run", "--nproc", "2",
          str(SCRIPTS / "listen_probe.py"), str(out)],
         capture_output=True, text=True, timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": SRC},

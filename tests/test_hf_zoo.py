@@ -1,5 +1,5 @@
 """Hugging Face architectures beyond the registry against eager on the whole batch, and losses
-that are means over the labels a micro-batch keeps (-100 padding; ``loss_weights.py``)."""
+that are means over the labels a micro-batch keeps (-100 padding; ``runtime/loss_weights.py``)."""
 
 from __future__ import annotations
 
@@ -361,7 +361,7 @@ def test_mean_over_kept_labels_on_two_ranks_matches_eager(tmp_path: Path) -> Non
 def test_router_load_balancing_loss_warns_with_micro_batches() -> None:
     # the auxiliary loss is a statistic over all tokens routed together: per micro-batch it
     # is another number, and the gradients differed from eager without a word
-    from varuna_fx.buffers import MicroBatchStateWarning
+    from varuna_fx.capture.buffers import MicroBatchStateWarning
 
     torch.manual_seed(0)
     model = tf.MixtralForCausalLM(tf.MixtralConfig(**_decoder(
@@ -390,7 +390,7 @@ def test_code_fixing_the_batch_size_is_refused_saying_why() -> None:
 def test_loss_fn_with_uneven_ignored_labels_warns_once() -> None:
     # a loss_fn runs outside the graph, so its mean over kept labels is not weighted: the
     # pipeline's mean over micro-batches silently differed from eager's
-    from varuna_fx.buffers import MicroBatchStateWarning
+    from varuna_fx.capture.buffers import MicroBatchStateWarning
 
     torch.manual_seed(0)
     ids, labels = kept_labels_batch()

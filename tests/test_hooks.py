@@ -1,4 +1,4 @@
-"""Module hooks, parametrizations and other code around forward against eager (capture.py):
+"""Module hooks, parametrizations and other code around forward against eager (capture/trace.py):
 hooks a graph runs (forward hooks of traced and called modules, the legacy
 weight_norm/spectral_norm pre-hooks, parametrizations, a called module's backward hook) give
 eager's losses, gradients, buffers and outputs; hooks a graph would silently drop, a

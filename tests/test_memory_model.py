@@ -17,8 +17,8 @@ import varuna_fx as vf
 import varuna_fx.api as api
 from registry import CASES
 from tiers import tiered
-from varuna_fx.ir import info
-from varuna_fx.memory_model import MemoryModel, SharedWeight
+from varuna_fx.costs.memory import MemoryModel, SharedWeight
+from varuna_fx.ir.nodes import info
 from varuna_fx.passes.assign_stages import WEIGHT_COPIES, compute_nodes, partition_costs
 from varuna_fx.passes.partition import PartitionCosts, partition
 from varuna_fx.schedule import peak_stash_counts

@@ -1,4 +1,4 @@
-"""Edits to the model after compile (model_edits.py): a pipeline never runs what was replaced, changed
+"""Edits to the model after compile (capture/model_edits.py): a pipeline never runs what was replaced, changed
 or unfrozen since, and tracing leaves the model's Python state alone."""
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def _rank_main(out: Path) -> None:
     import torch.distributed as dist
 
     import varuna_fx as vf
-    from varuna_fx.runtime.setup import init_process_group
+    from varuna_fx.world.where import init_process_group
 
     init_process_group(timeout=60.0)  # so the timing below is the measurement alone
     start = time.perf_counter()

@@ -20,13 +20,13 @@ import torch
 from dist_common import eager_training
 from dist_utils import run_jobs
 from varuna_fx.errors import DistributedError
-from varuna_fx.ir import Affine, StageSpec, TensorInfo, Transfer, b
-from varuna_fx.placement import Placement
+from varuna_fx.ir.nodes import Affine, StageSpec, TensorInfo, Transfer, b
 from varuna_fx.runtime import executor as executor_module
 from varuna_fx.runtime.acks import release_keys
 from varuna_fx.runtime.executor import StageExecutor
 from varuna_fx.runtime.opportunistic import ENV, Cursor, rule_enabled, stash_peak
 from varuna_fx.schedule import Action, Kind, Schedule, build_schedule, peak_stash_counts
+from varuna_fx.schedule.placement import Placement
 
 CASES = [(name, P, m, rc) for name in ("varuna", "1f1b", "gpipe", "varuna-zb", "1f1b-zb")
          for P, m in ((2, 8), (3, 6), (4, 8)) for rc in (True, False)]

@@ -8,8 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
+from varuna_fx.costs.memory import SharedWeight
 from varuna_fx.errors import PartitionError
-from varuna_fx.memory_model import SharedWeight
 from varuna_fx.passes.partition import PartitionCosts, partition
 
 

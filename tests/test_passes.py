@@ -13,11 +13,11 @@ import torch
 import varuna_fx as vf
 from varuna_fx.api import PASSES
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
-from varuna_fx.ir import copy_graph_module, info
+from varuna_fx.ir.nodes import copy_graph_module, info
 from varuna_fx.passes.assign_stages import compute_nodes
 from varuna_fx.passes.check import InvariantError, check_graph
-from varuna_fx.placement import Placement
 from varuna_fx.schedule import with_micro_batches
+from varuna_fx.schedule.placement import Placement
 
 
 def small_gpt() -> tuple[torch.nn.Module, torch.Tensor]:

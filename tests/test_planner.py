@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import varuna_fx as vf
-from varuna_fx.costmodel import device_spec
+from varuna_fx.costs.roofline import device_spec
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.passes.assign_stages import CostSetting, partition_costs
 from varuna_fx.passes.partition import partition
@@ -234,7 +234,7 @@ def test_explicit_stages_on_one_local_device_keep_the_exploration_defaults() -> 
 
 @pytest.mark.slow  # analyses a model afresh (the CLI path)
 def test_plan_command_prints_the_choice(capsys: pytest.CaptureFixture[str]) -> None:
-    from varuna_fx.cli import main
+    from varuna_fx.launch.cli import main
 
     code = main(["plan", "--model", "varuna_fx.examples:demo_gpt", "--gpus", "16",
                  "--gpus-per-node", "4", "--global-batch-size", "32", "--device-type", "a100",

@@ -23,9 +23,9 @@ import torch
 import varuna_fx as vf
 import varuna_fx.planner.search as search_module
 from tiers import tiered
+from varuna_fx.costs.memory import SharedWeight
 from varuna_fx.errors import ScheduleError
 from varuna_fx.examples import GPT, GPTConfig
-from varuna_fx.memory_model import SharedWeight
 from varuna_fx.planner import Analyzed, CostTable, Planner, Space, analyze
 from varuna_fx.planner.balance import Balancer
 from varuna_fx.planner.costs import UnitArrays

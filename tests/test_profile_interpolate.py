@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from varuna_fx.ir import Affine
+from varuna_fx.ir.nodes import Affine
 from varuna_fx.planner.costs import MeasuredTimes, NodeArrays, interpolate, monotone
 from varuna_fx.planner.profile import ChunkProfile, Profile
 

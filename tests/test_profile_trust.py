@@ -13,7 +13,7 @@ import torch
 
 import varuna_fx.planner.measure as measuring
 from varuna_fx.examples import GPT, GPTConfig
-from varuna_fx.ir import Affine
+from varuna_fx.ir.nodes import Affine
 from varuna_fx.passes.assign_stages import compute_nodes
 from varuna_fx.planner import analyze
 from varuna_fx.planner.costs import CostTable

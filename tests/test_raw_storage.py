@@ -1,5 +1,5 @@
-"""The raw-bytes DCP storage (runtime/raw_storage.py) and the one-process DCP driver
-(runtime/dcp_local.py): every dtype and shape round-trips bit-exactly, destinations that are not
+"""The raw-bytes DCP storage (checkpoint/raw_storage.py) and the one-process DCP driver
+(checkpoint/dcp_local.py): every dtype and shape round-trips bit-exactly, destinations that are not
 plain contiguous tensors of the stored dtype still load (cast, strided), a chunk of a stored
 tensor reads the right bytes, format-1 checkpoints (DCP's torch.save records) still load, and
 one-process saves and loads raise no DCP warning."""
@@ -17,10 +17,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 import varuna_fx as vf
 from ckpt_common import make_model, optimizer, tokens
+from varuna_fx.checkpoint import dcp_local
+from varuna_fx.checkpoint import save_load as ckpt_module
+from varuna_fx.checkpoint.raw_storage import RawReader, RawWriter
 from varuna_fx.examples import lm_loss
-from varuna_fx.runtime import checkpoint as ckpt_module
-from varuna_fx.runtime import dcp_local
-from varuna_fx.runtime.raw_storage import RawReader, RawWriter
 
 
 def sample_state() -> dict[str, torch.Tensor]:

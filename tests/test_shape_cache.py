@@ -18,11 +18,10 @@ import torch.fx as fx
 from torch import nn
 
 import varuna_fx as vf
-from varuna_fx import frontend
-from varuna_fx.capture import bind_inputs, capture
+from varuna_fx.capture.trace import bind_inputs, capture
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
-from varuna_fx.ir import info
-from varuna_fx.passes import shape_cache
+from varuna_fx.ir.nodes import info
+from varuna_fx.passes import frontend, shape_cache
 
 CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
 TOKENS = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))

@@ -13,7 +13,7 @@ from torch import nn
 
 import varuna_fx as vf
 from tiers import product, tiered
-from varuna_fx.buffers import MicroBatchStateWarning
+from varuna_fx.capture.buffers import MicroBatchStateWarning
 
 
 def eager_step(model: nn.Module, *inputs: torch.Tensor) -> tuple[nn.Module, torch.Tensor]:

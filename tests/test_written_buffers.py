@@ -16,7 +16,7 @@ from torch import nn
 import varuna_fx as vf
 from test_side_effects import assert_like_eager, eager_step
 from tiers import product, tiered
-from varuna_fx.buffers import MicroBatchStateWarning
+from varuna_fx.capture.buffers import MicroBatchStateWarning
 
 # -- state written by forward under fx: rebound buffers, no_grad blocks ----------------------
 

@@ -4,7 +4,7 @@ Public names only; docs/API.md in the repository is the reference.
 """
 
 from .api import compile
-from .cluster import Cluster
+from .checkpoint.save_load import latest_checkpoint
 from .errors import (
     CaptureError,
     CheckpointError,
@@ -17,10 +17,10 @@ from .errors import (
     UninitializedError,
     VarunaFxError,
 )
-from .init_skipping import skip_init
+from .init.skip import skip_init
 from .pipeline import Pipeline
-from .plan import Plan, StageCost
-from .runtime.checkpoint import latest_checkpoint
+from .planner.cluster import Cluster
+from .planner.plan import Plan, StageCost
 
 __all__ = [
     "CaptureError",

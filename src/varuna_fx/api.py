@@ -8,38 +8,38 @@ from typing import Any
 import torch
 from torch import nn
 
-from .arguments import (
+from .capture.buffers import warn_micro_batch_state
+from .capture.trace import TRACERS, bind_inputs
+from .codegen import build_stage
+from .codegen.stage_totals import stage_costs
+from .costs.roofline import device_spec
+from .errors import PlanError, VarunaFxError
+from .ir.nodes import copy_graph_module
+from .options import (
     check_compile_arguments,
     check_devices,
     check_global_batch,
     check_target_parameter,
 )
-from .buffers import warn_micro_batch_state
-from .capture import TRACERS, bind_inputs
-from .cluster import Cluster
-from .codegen import build_stage
-from .configure import Configuration, assign_and_price, choose_configuration
-from .costmodel import device_spec
-from .errors import PlanError, VarunaFxError
-from .frontend import _CAPTURES, FRONT_PASSES, _fingerprint, captured_and_annotated
-from .ir import copy_graph_module
 from .passes.annotate_costs import canonical_names
 from .passes.assign_stages import CostSetting
 from .passes.check import check_assignment, check_parameters, check_split
+from .passes.frontend import _CAPTURES, FRONT_PASSES, _fingerprint, captured_and_annotated
 from .passes.manager import CompileState, Pass, dump_dir, run_passes
 from .passes.split_stages import split_stages
 from .pipeline import Pipeline, make_pipeline
-from .placement import Placement
-from .plan import Plan
-from .plan_costs import stage_costs
+from .planner.cluster import Cluster
+from .planner.configure import Configuration, assign_and_price, choose_configuration
 from .planner.measure import ProfileSettings
+from .planner.plan import Plan
 from .planner.resolve import resolve_profile
 from .planner.search import AUTO, schedule_choices
 from .runtime.comm import resolve_timeout
 from .runtime.split_backward import input_grads
 from .schedule import is_split
+from .schedule.placement import Placement
 
-# the front end's cache lives in frontend.py (the planner shares it); these names stay here
+# the front end's cache lives in passes/frontend.py (the planner shares it); these names stay here
 _captured_and_annotated = captured_and_annotated
 __all__ = ["BACK_PASSES", "PASSES", "compile", "_CAPTURES", "_fingerprint"]
 

@@ -1,7 +1,7 @@
 """Pipeline: what ``vf.compile`` returns -- the stages, the plan and a runtime to drive them.
 
 Layer: above the runtimes. :func:`make_pipeline` picks the runtime for where this process runs
-(``where.py``): all stages here, or this rank's stage of a distributed job.
+(``world/where.py``): all stages here, or this rank's stage of a distributed job.
 """
 
 from __future__ import annotations
@@ -13,27 +13,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .capture import BoundInputs, Captured, bind_inputs
+from .capture.model_edits import ModelEdits, traced_modules
+from .capture.trace import BoundInputs, Captured, bind_inputs
+from .checkpoint.save_load import checkpointer, wait_for_saves
 from .codegen import Stage
+from .codegen.modes import Modes, capture_if_changed, evaluation_stages, module_modes
 from .errors import InputError, VarunaFxError
-from .init_skipping import any_marked, loaded, raise_unloaded, unloaded
-from .ir import info
-from .loss_weights import find_mean_loss
-from .model_edits import ModelEdits, traced_modules
-from .modes import Modes, capture_if_changed, evaluation_stages, module_modes
-from .plan import Plan
+from .init.skip import any_marked, loaded, raise_unloaded, unloaded
+from .ir.nodes import info
+from .planner.plan import Plan
 from .runtime import preemption
 from .runtime.batching import check_sample_shapes
-from .runtime.checkpoint import checkpointer, wait_for_saves
 from .runtime.distributed import make_distributed_runtime
 from .runtime.local import LocalRuntime
+from .runtime.loss_weights import find_mean_loss
 from .runtime.model_state import StateLayout, check_state_dict
 from .runtime.outputs import OutputAssembler
 from .runtime.precision import check_precision, optimizer_step
 from .runtime.setup import held_tensors
 from .runtime.shard import shard_batch
 from .runtime.step import Runtime
-from .where import launched_distributed
+from .world.where import launched_distributed
 
 
 def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
@@ -86,7 +86,7 @@ class Pipeline:
                              if n.op == "placeholder" and info(n).outputs}
         self._assemble = assemble or OutputAssembler(captured)
         # The graph serves the modules' modes at compile; other modes get their own capture
-        # (modes.py): None where it equals the compiled graph, else its evaluation stages
+        # (codegen/modes.py): None where it equals the compiled graph, else its evaluation stages
         # (a distributed runtime made eval mode's at compile, while it held every parameter).
         self.compiled_modes = module_modes(model)
         self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = \
@@ -209,7 +209,7 @@ class Pipeline:
         self._check_loaded()
 
     def _check_loaded(self) -> None:
-        """Refuse to run on tensors ``vf.skip_init`` left uninitialised (init_skipping.py).
+        """Refuse to run on tensors ``vf.skip_init`` left uninitialised (init/skip.py).
         Each rank checks what it holds, before any communication: a forgotten load raises on
         every rank; a rank alone in holding such a tensor (a non-persistent buffer) raises
         alone, and its launcher (torchrun) stops the others."""
@@ -306,7 +306,7 @@ class Pipeline:
                 mine[name].copy_(value)
             loaded([mine[name]])  # what vf.skip_init left uninitialised is now set
 
-    # -- checkpoints (runtime/checkpoint.py) and preemption (runtime/preemption.py) ----------
+    # -- checkpoints (checkpoint/save_load.py) and preemption (runtime/preemption.py) ----------
 
     def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None,
                         extra: dict[str, Any] | None = None, *,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..ir import StageSpec, info
+from ..ir.nodes import StageSpec, info
 from ..passes.split_stages import StageGraph
 
 

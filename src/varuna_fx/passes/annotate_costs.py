@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..ir import info
+from ..ir.nodes import info
 
 
 def canonical_names(model: nn.Module) -> dict[str, str]:

@@ -3,7 +3,7 @@
 The graph runs twice on fake tensors (``FakeTensorMode``: shapes and dtypes only, no memory and
 no compute), at two batch sizes. Every size that changes between the runs is linear in the
 batch, so each dimension, byte count and FLOP count is fitted as ``const + per_sample * b``
-(see :class:`varuna_fx.ir.Affine`). A dispatch-level recorder counts matmul-class FLOPs with
+(see :class:`varuna_fx.ir.nodes.Affine`). A dispatch-level recorder counts matmul-class FLOPs with
 torch's own formulas (``torch.utils.flop_counter``), one FLOP per output element for every
 other non-view aten op, and notices random ops (``Tag.nondeterministic_seeded``: dropout & co).
 
@@ -28,10 +28,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from ..buffers import buffers_kept
-from ..capture import BoundInputs
+from ..capture.buffers import buffers_kept
+from ..capture.trace import BoundInputs
 from ..errors import CaptureError
-from ..ir import Affine, TensorInfo, b, info
+from ..ir.nodes import Affine, TensorInfo, b, info
 from . import shape_cache
 
 _RANDOM_MODULES = ("Dropout",)  # by class name: also catches user subclasses

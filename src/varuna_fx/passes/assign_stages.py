@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
-from ..buffers import written_buffers
-from ..costmodel import DeviceSpec, NodeTimes, step_time
-from ..ir import info
-from ..memory_model import SharedWeight
-from ..mutations import after_write, view_write_chain
+from ..capture.buffers import written_buffers
+from ..capture.mutations import after_write, view_write_chain
+from ..costs.memory import SharedWeight
+from ..costs.roofline import DeviceSpec, NodeTimes, step_time
+from ..ir.nodes import info
 from .partition import Partition, PartitionCosts, partition
 
 # Weights, their gradients and Adam's two moments, all in the parameters' dtype.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..ir import info
+from ..ir.nodes import info
 from .split_stages import StageGraph
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..ir import info
+from ..ir.nodes import info
 from .check import check_graph
 
 

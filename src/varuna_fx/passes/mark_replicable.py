@@ -24,8 +24,8 @@ import inspect
 import torch
 import torch.fx as fx
 
-from ..buffers import mutated_buffers
-from ..ir import info
+from ..capture.buffers import mutated_buffers
+from ..ir.nodes import info
 
 
 def mark_replicable(gm: fx.GraphModule) -> None:

@@ -4,7 +4,7 @@ Nodes are in a topological order; a stage is a contiguous range ``[bounds[s], bo
 The cost of a stage is its compute plus the time to send what crosses its right edge; the
 partition minimises the largest stage cost (the pipeline's bottleneck) exactly, by dynamic
 programming over cut positions (vectorised with numpy, one pass per stage), subject to a
-per-stage memory cap. Memory is the package's one memory model (``memory_model.py``: weights
+per-stage memory cap. Memory is the package's one memory model (``costs/memory.py``: weights
 where first read plus copies of shared weights, workspace, the stage input per stashed
 micro-batch, activations), at each stage's own stash count from the schedule, so the k-th stage
 of the programme is priced as the k-th stage of the pipeline. Among the partitions with the
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..costs.memory import MemoryModel, SharedWeight
 from ..errors import PartitionError
-from ..memory_model import MemoryModel, SharedWeight
 
 _REL_TOL = 1e-9
 _FEWER_BYTES = 0.5  # "several times fewer": the loose partition must send at most this share

@@ -40,8 +40,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..capture import BoundInputs
-from ..files import write_atomically
+from ..capture.trace import BoundInputs
+from ..world.files import write_atomically
 
 FORMAT = 1
 MAX_ENTRIES = 64

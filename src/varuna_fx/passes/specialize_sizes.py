@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from ..ir import b, info
+from ..ir.nodes import b, info
 
 
 def _size_dim(node: fx.Node) -> tuple[fx.Node, int | None] | None:

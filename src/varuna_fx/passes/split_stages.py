@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
-from ..ir import NodeInfo, StageSpec, TensorInfo, Transfer, copied_meta, copy_info, info
-from ..rng import seed_node
+from ..ir.nodes import NodeInfo, StageSpec, TensorInfo, Transfer, copied_meta, copy_info, info
+from ..ir.rng import seed_node
 
 
 @dataclass

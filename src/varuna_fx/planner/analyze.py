@@ -13,10 +13,10 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from ..capture import BoundInputs, bind_inputs
-from ..cluster import Cluster
-from ..frontend import captured_and_annotated
+from ..capture.trace import BoundInputs, bind_inputs
 from ..passes.annotate_costs import canonical_names
+from ..passes.frontend import captured_and_annotated
+from .cluster import Cluster
 from .costs import CostTable
 from .explain import explain_nothing_fits
 from .measure import ProfileSettings

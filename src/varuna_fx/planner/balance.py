@@ -6,7 +6,7 @@ hundreds. With stage cost ``compute[i:j] + send(j)`` increasing in ``j``, the gr
 every stage as long as the threshold allows is optimal for the bottleneck without a memory cap
 (starting a stage later never hurts), so bisection on the threshold finds the minimal bottleneck
 in O(log(1/tol) · P · log U) -- about a millisecond for P = 64. Memory is the package's one
-model (``memory_model.py``), at each stage's own stash count: a stage ends where it stops
+model (``costs/memory.py``), at each stage's own stash count: a stage ends where it stops
 fitting (``MemoryModel.reach``), so :class:`StagePlan` prices exactly what the partition was
 checked with (a starting point that shifts a stage's input or shared-weight copies makes the
 greedy a heuristic under a binding cap; the exact pass then makes the final partition).
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..memory_model import _ROUNDING, MemoryModel, SharedWeight, peak_bytes
+from ..costs.memory import _ROUNDING, MemoryModel, SharedWeight, peak_bytes
 from .costs import UnitArrays
 
 _TOLERANCE = 1e-4  # relative precision of the bottleneck

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch.fx as fx
 
-from ..costmodel import DeviceSpec
-from ..ir import info
-from ..memory_model import SharedWeight
+from ..costs.memory import SharedWeight
+from ..costs.roofline import DeviceSpec
+from ..ir.nodes import info
 from ..passes.assign_stages import CostSetting, compute_nodes, params_read, trainable_names
 from ..passes.assign_stages import partition_costs as _partition_costs
 from ..passes.partition import candidate_cuts, free_nodes

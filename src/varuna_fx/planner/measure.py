@@ -28,12 +28,12 @@ import torch
 import torch.fx as fx
 from rich.progress import Progress
 
-from ..buffers import buffers_kept
-from ..capture import BoundInputs
-from ..cluster import local_device_type
-from ..ir import Affine
+from ..capture.buffers import buffers_kept
+from ..capture.trace import BoundInputs
+from ..ir.nodes import Affine
 from ..passes.assign_stages import compute_nodes, trainable_names
 from ..passes.split_stages import split_stages
+from .cluster import local_device_type
 from .costs import CostTable
 from .profile import ChunkProfile, Profile, graph_hash
 

@@ -16,14 +16,14 @@ from functools import cached_property
 
 import numpy as np
 
-from ..cluster import Cluster
-from ..where import (
+from ..world.where import (
     NetworkProfile,
     in_process_group,
     quick_network,
     sync_device,
     timed_allreduce,
 )
+from .cluster import Cluster
 
 # NetworkProfile and quick_network live in ``where`` (Cluster.local measures with them)
 __all__ = ["Links", "NetworkProfile", "links", "measure_network", "quick_network"]

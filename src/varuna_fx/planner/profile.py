@@ -2,7 +2,7 @@
 
 A :class:`Profile` holds, for contiguous chunks of the graph's compute nodes, the measured
 forward, recompute (forward with autograd) and backward time and the activation memory, each
-fitted as ``const + per_sample * b`` (:class:`varuna_fx.ir.Affine`, so ``.expr`` is sympy like
+fitted as ``const + per_sample * b`` (:class:`varuna_fx.ir.nodes.Affine`, so ``.expr`` is sympy like
 every other cost). ``measure.py`` makes them; the planner turns them into per-node costs with
 :class:`varuna_fx.planner.costs.MeasuredTimes`.
 
@@ -26,11 +26,11 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from ..cluster import Cluster
-from ..costmodel import device_spec
+from ..costs.roofline import device_spec
 from ..errors import PlanError
-from ..files import write_atomically
-from ..ir import Affine, info
+from ..ir.nodes import Affine, info
+from ..world.files import write_atomically
+from .cluster import Cluster
 from .costs import CostTable, MeasuredTimes, interpolate, monotone
 from .network import NetworkProfile
 

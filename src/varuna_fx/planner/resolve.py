@@ -8,15 +8,15 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..capture import BoundInputs
-from ..cluster import local_device_type
+from ..capture.trace import BoundInputs
 from ..errors import VarunaFxError
-from ..where import (
+from ..world.where import (
     in_process_group,
     init_process_group,
     launched_distributed,
     resolve_timeout,
 )
+from .cluster import local_device_type
 from .measure import ProfileSettings, measure
 from .network import quick_network
 from .profile import (

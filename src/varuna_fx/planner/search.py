@@ -39,11 +39,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..cluster import Cluster
-from ..costmodel import DeviceSpec
+from ..costs.roofline import DeviceSpec
 from ..errors import PartitionError
 from ..passes.partition import held_together
-from ..plan import Alternative
 from ..schedule import (
     Schedule,
     ScheduleCosts,
@@ -59,8 +57,10 @@ from ..schedule import (
     simulate_step,
 )
 from .balance import Balancer, StagePlan
+from .cluster import Cluster
 from .costs import CostTable, UnitArrays
 from .network import Links, NetworkProfile, links
+from .plan import Alternative
 
 
 @dataclass

@@ -23,7 +23,7 @@ the plan fingerprint includes it.)
 
 from __future__ import annotations
 
-from ..ir import StageSpec
+from ..ir.nodes import StageSpec
 from ..schedule import Action, Kind
 from .opportunistic import release_kind, stash_peak
 

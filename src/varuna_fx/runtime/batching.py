@@ -11,7 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import InputError
-from ..ir import TensorInfo
+from ..ir.nodes import TensorInfo
 
 
 def split_batch(tensors: dict[str, torch.Tensor], micro_batch_size: int,
@@ -172,7 +172,7 @@ def micro_batch_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None, t
     """(the loss to report, the loss to back-propagate): the latter is divided by the number
     of micro-batches (the step's loss is their mean) and multiplied by the fp16 loss scale.
     ``weight``: this micro-batch's share of the step's loss instead of ``1/count`` (a mean
-    over kept targets, ``loss_weights.py``); the reported loss is scaled so that the mean of
+    over kept targets, ``runtime/loss_weights.py``); the reported loss is scaled so that the mean of
     the reported losses is the weighted sum."""
     with autocast():
         raw = extract_loss(output, loss_fn, target)

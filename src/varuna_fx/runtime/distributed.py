@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..capture import BoundInputs, Captured
+from ..capture.trace import BoundInputs, Captured
 from ..codegen import Stage
-from ..ir import info
-from ..modes import Modes, capture_if_changed, evaluation_stages, modes_set, module_modes
-from ..placement import Placement, check_world_size
-from ..plan import Plan
+from ..codegen.modes import Modes, capture_if_changed, evaluation_stages, modes_set, module_modes
+from ..ir.nodes import info
+from ..planner.plan import Plan
 from ..schedule import validate
-from ..where import comm_device, init_process_group
+from ..schedule.placement import Placement, check_world_size
+from ..world.where import comm_device, init_process_group
 from . import preemption
 from .batching import check_batch_shapes
 from .comm import launch, peer_error, resolve_timeout, wait
@@ -75,7 +75,7 @@ class DistributedRuntime(StepLoop):
         self.executor.reorder = reorder  # Varuna's run-time rule (opportunistic.py)
         self.per_stage = plan.schedule.per_stage
         self._other: tuple[list[Stage], StageExecutor] | None = None  # another mode's stages
-        # eval mode's stages, made at compile while this rank held every parameter (modes.py)
+        # eval mode's stages, made at compile while this rank held every parameter (codegen/modes.py)
         self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
 
     # -- step-loop hooks -----------------------------------------------------------------------
@@ -131,7 +131,7 @@ class DistributedRuntime(StepLoop):
     def forward(self, inputs: dict[str, torch.Tensor], stages: list[Stage] | None = None,
                 assemble: Any = None) -> Any:
         """The whole batch as one micro-batch (no autograd); every rank returns the output.
-        ``stages``/``assemble``: another mode's graph (``modes.py``)."""
+        ``stages``/``assemble``: another mode's graph (``codegen/modes.py``)."""
         batch = next(iter(inputs.values())).shape[0]
         check_batch_shapes(inputs, self.input_shapes, batch)
         moved = {k: v.to(self.device) for k, v in inputs.items()}

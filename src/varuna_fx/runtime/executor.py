@@ -28,12 +28,12 @@ import torch
 
 from ..codegen import Stage
 from ..errors import DistributedError
-from ..ir import Transfer
+from ..ir.nodes import Transfer
 from ..schedule import Action, Kind
+from ..schedule.placement import Placement
 from .acks import release_keys
 from .comm import Inbox, Message, Outbox
 from .opportunistic import Cursor
-from .placement import Placement
 from .worker import StageWorker
 
 LOOKAHEAD = 3  # actions whose receives are posted ahead of the current one

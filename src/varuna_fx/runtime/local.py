@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..codegen import Stage
-from ..plan import Plan
+from ..planner.plan import Plan
 from ..schedule import Action, Kind, execution_order, validate, with_micro_batches
 from . import preemption
 from .precision import LossScaler, autocast_factory
@@ -101,7 +101,7 @@ class LocalRuntime(StepLoop):
     def forward(self, inputs: dict[str, torch.Tensor], stages: list[Stage] | None = None,
                 assemble: Any = None) -> Any:
         """The whole batch as one micro-batch, stage after stage (autograd as the caller's);
-        ``stages``/``assemble``: another mode's graph (``modes.py``)."""
+        ``stages``/``assemble``: another mode's graph (``codegen/modes.py``)."""
         values: dict[str, torch.Tensor] = {}
         outputs: dict[str, Any] = {}
         with self.autocast():

@@ -18,12 +18,10 @@ from torch import nn
 
 from ..codegen import Stage
 from ..errors import DistributedError
-from ..placement import Placement
-from ..plan import Plan
-from ..where import comm_device, init_process_group, launched_distributed
+from ..planner.plan import Plan
+from ..schedule.placement import Placement
+from ..world.where import comm_device
 from .comm import wait
-
-__all__ = ["init_process_group", "launched_distributed"]  # their home is where.py
 
 
 def plan_summary(plan: Plan) -> str:

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from ..codegen import Stage
-from ..loss_weights import MeanLoss, warn_uneven_ignored_targets
-from ..plan import Plan
+from ..planner.plan import Plan
 from .batching import micro_batch_loss, split_batch, split_target
+from .loss_weights import MeanLoss, warn_uneven_ignored_targets
 from .precision import LossScaler
 
 # (micro-batch, the last stage's outputs for it) -> the scaled loss to back-propagate
@@ -77,7 +77,7 @@ class StepLoop:
     replica_index: int = 0
     local_stages: list[int]
     # the model's loss when it is a mean over the targets each micro-batch keeps (labels not
-    # -100): micro-batches are weighted by their counts (loss_weights.py)
+    # -100): micro-batches are weighted by their counts (runtime/loss_weights.py)
     mean_loss: MeanLoss | None = None
     _warned_ignored = False  # a loss_fn's targets with uneven -100 counts: warned once
 

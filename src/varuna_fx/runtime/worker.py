@@ -11,7 +11,7 @@ Shared by the one-process and the distributed runtimes; they differ only in how 
   (split-backward schedules) it computes only those input gradients, and **weight_grads**
   later accumulates the parameters' gradients (``split_backward.py``).
 
-Random ops (dropout) are reseeded per (step seed, operation, micro-batch) (``rng.py``), so the
+Random ops (dropout) are reseeded per (step seed, operation, micro-batch) (``ir/rng.py``), so the
 replay reproduces the same masks, and recomputation, schedule and stage count do not change
 the numbers.
 """
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..codegen import Stage
-from .rng import rng_context
+from ..ir.rng import rng_context
 from .split_backward import Deferred, input_grads
 
 LossFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]

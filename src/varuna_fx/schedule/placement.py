@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import DistributedError
+from ..errors import DistributedError
 
 
 @dataclass(frozen=True)

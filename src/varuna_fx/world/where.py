@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import DistributedError, PeerTimeoutError, VarunaFxError, env_int
+from ..errors import DistributedError, PeerTimeoutError, VarunaFxError, env_int
 
 DEFAULT_TIMEOUT = 300.0  # seconds; generous: a slow first step (allocator, lazy init) is fine
 TIMEOUT_ENV = "VARUNA_FX_TIMEOUT"

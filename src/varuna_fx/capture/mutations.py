@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .ir import info
+from ..ir.nodes import info
 
 _INPLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,

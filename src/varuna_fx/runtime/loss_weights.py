@@ -33,8 +33,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from .buffers import MicroBatchStateWarning
-from .errors import InputError
+from ..capture.buffers import MicroBatchStateWarning
+from ..errors import InputError
 
 _aten = torch.ops.aten
 

@@ -28,9 +28,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+from ..errors import CaptureError
+from ..ir.nodes import info as node_info
 from .buffers import written_parameters
-from .errors import CaptureError
-from .ir import info as node_info
 from .model_edits import traced_modules
 
 

@@ -44,10 +44,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from ..errors import CheckpointError
-from ..init_skipping import loaded
-from ..where import launched_distributed
+from ..init.skip import loaded
+from ..runtime.comm import resolve_timeout
+from ..world.where import launched_distributed
 from . import dcp_local
-from .comm import resolve_timeout
 from .optimizer_state import (
     decode,
     encode,

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from rich.console import Console, Group
 from rich.table import Table
 
-from .placement import Placement
-from .schedule import Schedule
+from ..schedule import Schedule
+from ..schedule.placement import Placement
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .capture import BoundInputs, Captured, capture
-from .passes.annotate_costs import annotate_costs
-from .passes.annotate_shapes import annotate_shapes
-from .passes.manager import CompileState, Pass, run_passes
-from .passes.mark_replicable import mark_replicable
-from .passes.specialize_sizes import specialize_sizes
+from ..capture.trace import BoundInputs, Captured, capture
+from .annotate_costs import annotate_costs
+from .annotate_shapes import annotate_shapes
+from .manager import CompileState, Pass, run_passes
+from .mark_replicable import mark_replicable
+from .specialize_sizes import specialize_sizes
 
 
 def _capture(state: CompileState) -> None:

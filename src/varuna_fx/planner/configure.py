@@ -8,7 +8,7 @@ number of stages (a notebook, a test: the stages share the device), and explicit
 cannot match the running ranks (the runtime then says what to launch instead).
 
 Layer: above ``planner`` and ``schedule``, below ``api``; imports nothing from the runtime
-(``where.py`` answers whether this is a distributed run).
+(``world/where.py`` answers whether this is a distributed run).
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from ..costs.roofline import DeviceSpec, NodeTimes
+from ..errors import PartitionError, PlanError
+from ..passes.assign_stages import CostSetting, compute_nodes, partition_costs, record_stages
+from ..passes.partition import Partition, partition
+from ..schedule import Schedule, build_schedule, peak_stash_counts
+from ..world.where import running_world
 from .cluster import Cluster
-from .costmodel import DeviceSpec, NodeTimes
-from .errors import PartitionError, PlanError
-from .passes.assign_stages import CostSetting, compute_nodes, partition_costs, record_stages
-from .passes.partition import Partition, partition
+from .costs import CostTable
+from .explain import explain_nothing_fits
 from .plan import Alternative
-from .planner.costs import CostTable
-from .planner.explain import explain_nothing_fits
-from .planner.profile import Profile
-from .planner.search import Candidate, Planner, Space
-from .schedule import Schedule, build_schedule, peak_stash_counts
-from .where import running_world
+from .profile import Profile
+from .search import Candidate, Planner, Space
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .ir import info
+from ..ir.nodes import info
 from .mutations import aliases_first_input, hop_written_inputs, written_arguments
 
 

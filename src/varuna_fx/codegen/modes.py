@@ -17,15 +17,15 @@ from collections.abc import Iterator
 import torch.fx as fx
 from torch import nn
 
-from .capture import BoundInputs, Captured, capture
-from .codegen import Stage, build_stage
-from .errors import VarunaFxError
-from .ir import info
-from .passes.annotate_costs import annotate_costs
-from .passes.annotate_shapes import annotate_shapes
-from .passes.mark_replicable import mark_replicable
-from .passes.specialize_sizes import specialize_sizes
-from .passes.split_stages import split_stages
+from ..capture.trace import BoundInputs, Captured, capture
+from ..errors import VarunaFxError
+from ..ir.nodes import info
+from ..passes.annotate_costs import annotate_costs
+from ..passes.annotate_shapes import annotate_shapes
+from ..passes.mark_replicable import mark_replicable
+from ..passes.specialize_sizes import specialize_sizes
+from ..passes.split_stages import split_stages
+from . import Stage, build_stage
 
 Modes = tuple[bool, ...]
 

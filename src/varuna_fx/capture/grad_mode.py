@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .errors import CaptureError
+from ..errors import CaptureError
 
 
 def check_no_grad_blocks(gm: fx.GraphModule, no_grad: set[fx.Node], alone: bool) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.init as nn_init
 
-from .errors import UninitializedError
+from ..errors import UninitializedError
 
 # the random initialisers of torch.nn.init (drawing numbers is the cost): public, their
 # deprecated aliases (which call the public ones through a closure, not the module attribute)

@@ -33,9 +33,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from .errors import CaptureError, InputError
+from ..errors import CaptureError, InputError
+from ..ir.nodes import info as node_info
 from .grad_mode import check_no_grad_blocks
-from .ir import info as node_info
 from .model_edits import settings_kept
 from .mutations import keep_mutations, place_write_backs
 from .untraced import (
@@ -209,7 +209,7 @@ class _Tracer(fx.Tracer):
 
     def __init__(self) -> None:
         super().__init__()
-        # nodes made under torch.no_grad() in forward (fx records no grad mode: grad_mode.py)
+        # nodes made under torch.no_grad() in forward (fx records no grad mode: capture/grad_mode.py)
         self.no_grad_nodes: set[fx.Node] = set()
         self.typed_dicts: list[dict] = []  # see create_arg
         # the first node made inside a torch.autocast block in forward (fx records none)

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import InputError
+from ..errors import InputError
 
 
 @contextlib.contextmanager

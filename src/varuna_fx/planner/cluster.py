@@ -7,10 +7,10 @@ import os
 import re
 from dataclasses import dataclass
 
-from . import where
-from .costmodel import DEVICES, DeviceSpec, device_spec
-from .errors import VarunaFxError
-from .where import NetworkProfile
+from ..costs.roofline import DEVICES, DeviceSpec, device_spec
+from ..errors import VarunaFxError
+from ..world import where
+from ..world.where import NetworkProfile
 
 _BYTE_UNITS = {
     "": 1, "b": 1,
@@ -165,7 +165,7 @@ class Cluster:
         """The job we are running in: world size from torch.distributed or torchrun's env.
 
         Launched on several ranks (torchrun), it joins the process group and measures the links
-        the job will use (:func:`varuna_fx.where.quick_network`: ping-pongs and an all-reduce,
+        the job will use (:func:`varuna_fx.world.where.quick_network`: ping-pongs and an all-reduce,
         about a second, the same numbers on every rank), so plans price
         transfers by the real network instead of assuming fast links. Every rank must call it
         then. ``measure_network=False`` skips that and keeps the stated defaults. ``timeout``:

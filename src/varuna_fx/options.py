@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .cluster import Cluster
 from .errors import InputError, VarunaFxError
+from .planner.cluster import Cluster
 from .runtime.precision import check_precision
-from .where import resolve_timeout
+from .world.where import resolve_timeout
 
 
 def check_count(name: str, value: Any, what: str) -> None:

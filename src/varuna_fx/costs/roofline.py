@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .ir import NodeInfo
+from ..ir.nodes import NodeInfo
 
 
 @dataclass(frozen=True)

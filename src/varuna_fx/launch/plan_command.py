@@ -12,13 +12,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..cluster import Cluster
 from ..errors import VarunaFxError
-from ..factory import load_factory
-from ..plan import Alternative, Plan, _bytes, _count, _seconds, alternatives_table
-from .analyze import Analyzed, analyze, plan_for
-from .profile import Profile
-from .search import Candidate, SearchResult
+from ..planner.analyze import Analyzed, analyze, plan_for
+from ..planner.cluster import Cluster
+from ..planner.plan import Alternative, Plan, _bytes, _count, _seconds, alternatives_table
+from ..planner.profile import Profile
+from ..planner.search import Candidate, SearchResult
+from .factory import load_factory
 
 
 def cluster_from_args(args: argparse.Namespace) -> Cluster:

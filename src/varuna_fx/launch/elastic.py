@@ -38,7 +38,7 @@ import socket
 import subprocess
 from dataclasses import dataclass, field
 
-from .errors import VarunaFxError
+from ..errors import VarunaFxError
 
 DEFAULT_PORT = 29400
 RDZV_DEFAULTS = {"join_timeout": "600", "last_call_timeout": "1", "keep_alive_interval": "1",

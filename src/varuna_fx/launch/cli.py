@@ -21,14 +21,14 @@ from rich.console import Console
 from rich.syntax import Syntax
 
 import varuna_fx as vf
-from varuna_fx.elastic import elastic_launch
 from varuna_fx.examples import demo_gpt, lm_loss
-from varuna_fx.factory import load_factory
-from varuna_fx.planner.report import plan_as_dict, plan_command
+from varuna_fx.launch.elastic import elastic_launch
+from varuna_fx.launch.factory import load_factory
+from varuna_fx.launch.plan_command import plan_as_dict, plan_command
+from varuna_fx.launch.standalone import loopback_stores, standalone_args
 from varuna_fx.planner.search import schedule_choices
-from varuna_fx.runtime.standalone import loopback_stores, standalone_args
 
-_load_factory = load_factory  # its home is factory.py (planner/report.py uses it too)
+_load_factory = load_factory  # its home is launch/factory.py (launch/plan_command.py uses it too)
 
 # wide enough that rich never wraps a table or a line of generated code in a log file
 _PLAIN_WIDTH = 10_000
@@ -138,7 +138,7 @@ def _glue_torchrun_args(argv: list[str], run: argparse.ArgumentParser) -> list[s
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Wrap torch.distributed.run: standalone on one machine, multi-node flags pass through;
-    ``--elastic``: torchrun's elastic agent set up for morphing (varuna_fx.elastic)."""
+    ``--elastic``: torchrun's elastic agent set up for morphing (varuna_fx.launch.elastic)."""
     from torch.distributed.run import main as torchrun
 
     argv = torchrun_flags(args.torchrun_args)

@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 import torch.fx as fx
 
-from .codegen import Stage
-from .costmodel import backward_time, forward_time
-from .ir import info
-from .passes.assign_stages import CostSetting
-from .passes.partition import Partition
-from .plan import StageCost
+from ..costs.roofline import backward_time, forward_time
+from ..ir.nodes import info
+from ..passes.assign_stages import CostSetting
+from ..passes.partition import Partition
+from ..planner.plan import StageCost
+from . import Stage
 
 
 def stage_costs(gm: fx.GraphModule, stages: list[Stage], partition: Partition,

@@ -1,0 +1,1 @@
+"""Layout-independent checkpoints on torch.distributed.checkpoint."""

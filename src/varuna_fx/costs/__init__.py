@@ -1,0 +1,1 @@
+"""Time and memory estimates of graph nodes and stages (roofline, memory model)."""

@@ -1,0 +1,1 @@
+"""Building a model without paying for its initialisers."""

@@ -1,0 +1,1 @@
+"""Command line and process launching: ``varuna-fx``, torchrun, elastic agents."""

@@ -1,0 +1,1 @@
+"""The process and machine we run in: launch environment, ranks, disk caches."""
