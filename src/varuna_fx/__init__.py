@@ -18,6 +18,7 @@ from .errors import (
     VarunaFxError,
 )
 from .init.skip import skip_init
+from .ir.rng import per_sample_rng
 from .pipeline import Pipeline
 from .planner.cluster import Cluster
 from .planner.plan import Plan, StageCost
@@ -39,6 +40,7 @@ __all__ = [
     "VarunaFxError",
     "compile",
     "latest_checkpoint",
+    "per_sample_rng",
     "skip_init",
 ]
 __version__ = "0.1.0"

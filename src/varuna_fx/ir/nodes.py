@@ -85,6 +85,8 @@ class NodeInfo:
     matmul_flops: Affine = ZERO  # counted by torch's FlopCounterMode (matmul, conv, attention)
     elementwise_flops: Affine = ZERO  # one per output element for everything else
     random: bool = False  # dropout & co: the RNG state must be replayed on recompute
+    # per random op the node runs (inactive ones too): whether it draws per sample (ir/rng.py)
+    random_draws: tuple[bool, ...] = ()
     mutates: bool = False  # writes into an input or module state (capture/mutations.py)
     # capture: the buffer this write stores the tensor forward rebinds it to (`self.ema = ...`)
     rebinds: str = ""

@@ -32,6 +32,7 @@ from ..capture.buffers import buffers_kept
 from ..capture.trace import BoundInputs
 from ..errors import CaptureError
 from ..ir.nodes import Affine, TensorInfo, b, info
+from ..ir.rng import is_random_op, leading_dim
 from . import shape_cache
 
 _RANDOM_MODULES = ("Dropout",)  # by class name: also catches user subclasses
@@ -46,6 +47,7 @@ class _Observed:
     matmul_flops: int
     elementwise_flops: int
     random: bool
+    draws: list[int]  # each random op's leading dimension (ir/rng.leading_dim; -1: none)
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -59,13 +61,16 @@ class _OpRecorder(TorchDispatchMode):
         self.matmul = 0
         self.elementwise = 0
         self.random = False
+        self.draws: list[int] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if is_random_op(func):
             self.random = True
+            lead = leading_dim(args, kwargs)
+            self.draws.append(-1 if lead is None else lead)
         if packet in flop_registry:
             self.matmul += int(flop_registry[packet](*args, **kwargs, out_val=out))
         elif not func.is_view:
@@ -108,6 +113,7 @@ class _FakeRun(fx.Interpreter):
             matmul_flops=self.recorder.matmul,
             elementwise_flops=self.recorder.elementwise,
             random=random,
+            draws=list(self.recorder.draws),
         )
         return value
 
@@ -222,6 +228,7 @@ def _decode(nodes: list[fx.Node], stored: list[Any]
                 o.shapes = [tuple(int(d) for d in shape) for shape in o.shapes]
                 o.dtypes = [_dtype(d) for d in o.dtypes]
                 if not all(isinstance(v, bool) for v in (o.is_tensor, o.random)) or \
+                        not all(isinstance(v, int) for v in o.draws) or \
                         not all(isinstance(v, int) for v in (o.out_bytes, o.matmul_flops,
                                                              o.elementwise_flops)):
                     raise TypeError("a field of the wrong type")
@@ -259,6 +266,9 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
         o1, o2 = first[node], second[node]
         meta.is_tensor = o1.is_tensor
         meta.random = o1.random
+        # every random op, active or not (eager counts them all): drawn per sample where its
+        # leading dimension is the batch in both runs (ir/rng.py)
+        meta.random_draws = tuple(d1 == b1 and d2 == b2 for d1, d2 in zip(o1.draws, o2.draws))
         meta.outputs = [
             TensorInfo(_fit_shape(s1, s2, b1, b2), dtype)
             for s1, s2, dtype in zip(o1.shapes, o2.shapes, o1.dtypes)

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from ..ir.nodes import NodeInfo, StageSpec, TensorInfo, Transfer, copied_meta, copy_info, info
-from ..ir.rng import seed_node
+from ..ir.rng import random_begin, random_end
 
 
 @dataclass
@@ -99,11 +99,25 @@ def split_stages(gm: fx.GraphModule, num_stages: int, trainable: set[str],
         Transfer(n.name, stage_of(n), dst, _tensor(n), info(n).out_bytes, n in grad_nodes)
         for n in sorted(consumers, key=order.__getitem__) for dst in sorted(consumers[n])
     ]
-    return [_stage_graph(s, nodes, owned[s], transfers, last) for s in range(num_stages)]
+    first_ops = random_op_numbers(nodes)
+    return [_stage_graph(s, nodes, owned[s], transfers, last, first_ops)
+            for s in range(num_stages)]
+
+
+def random_op_numbers(nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """How many random ops the forward runs before each node (graph order is the order eager
+    runs them; inactive dropouts count, as eager runs their kernel): their keys (ir/rng.py)."""
+    first: dict[fx.Node, int] = {}
+    k = 0
+    for n in nodes:
+        first[n] = k
+        k += len(info(n).random_draws)
+    return first
 
 
 def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
-                 transfers: list[Transfer], last: int) -> StageGraph:
+                 transfers: list[Transfer], last: int,
+                 first_ops: dict[fx.Node, int]) -> StageGraph:
     """Copy stage ``s``'s nodes (and the replicable ones they need) into a graph of its own."""
     by_name = {n.name: n for n in nodes}
     output = nodes[-1]
@@ -138,11 +152,13 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
     results: dict[str, fx.Node] = {}
     for n in nodes:
         if n in members:
-            if info(n).random:  # dropout & co: masks from (step seed, node, micro-batch)
-                seeding = graph.call_function(seed_node, (n.name,))
-                seeding.meta["varuna"] = NodeInfo(is_tensor=False, replicable=True)
+            random = info(n).random  # dropout & co: keyed by (step seed, op, sample)
+            if random:
+                _marker(graph, random_begin, (first_ops[n], info(n).random_draws))
             env[n] = graph.node_copy(n, env.__getitem__)
             env[n].meta = copied_meta(n.meta)
+            if random:
+                _marker(graph, random_end, ())
             if n.name in sent:
                 results[n.name] = _copy(graph, env[n]) if writes else env[n]
     results = {name: results[name] for name in dict.fromkeys(t.name for t in sends)}
@@ -160,6 +176,11 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
         parameter_names=[],  # filled in by codegen, which knows the model's order
     )
     return StageGraph(spec, graph)
+
+
+def _marker(graph: fx.Graph, fn: object, args: tuple) -> None:
+    marker = graph.call_function(fn, args)  # type: ignore[arg-type]
+    marker.meta["varuna"] = NodeInfo(is_tensor=False, replicable=True)
 
 
 def _copy(graph: fx.Graph, node: fx.Node) -> fx.Node:

@@ -19,6 +19,7 @@ from ..capture.trace import BoundInputs, Captured
 from ..codegen import Stage
 from ..codegen.modes import Modes, capture_if_changed, evaluation_stages, modes_set, module_modes
 from ..ir.nodes import info
+from ..ir.rng import RandomKey
 from ..planner.plan import Plan
 from ..schedule import validate
 from ..schedule.placement import Placement, check_world_size
@@ -88,8 +89,8 @@ class DistributedRuntime(StepLoop):
                            f" per step ({m} micro-batches of {plan.micro_batch_size})")
         return {k: v.to(self.device) for k, v in inputs.items()}
 
-    def set_seed(self, seed: int) -> None:
-        self.worker.seed = seed
+    def set_seed(self, key: RandomKey) -> None:
+        self.worker.key = key
 
     def run_actions(self, micro: list[dict[str, torch.Tensor]], loss_of: LossOf) -> None:
         self.grad_sync.before_step()

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..codegen import Stage
+from ..ir.rng import RandomKey
 from ..planner.plan import Plan
 from ..schedule import Action, Kind, execution_order, validate, with_micro_batches
 from . import preemption
@@ -55,9 +56,9 @@ class LocalRuntime(StepLoop):
 
     # -- step-loop hooks -----------------------------------------------------------------------
 
-    def set_seed(self, seed: int) -> None:
+    def set_seed(self, key: RandomKey) -> None:
         for w in self.workers:
-            w.seed = seed
+            w.key = key
 
     def run_actions(self, micro: list[dict[str, torch.Tensor]], loss_of: LossOf) -> None:
         # values in flight: (dst stage, mb) -> {name: tensor}; gradients: (src, mb) -> {name}

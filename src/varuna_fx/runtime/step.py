@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..codegen import Stage
+from ..ir.rng import RandomKey, next_step_seed
 from ..planner.plan import Plan
 from .batching import micro_batch_loss, split_batch, split_target
 from .loss_weights import MeanLoss, warn_uneven_ignored_targets
@@ -51,15 +52,6 @@ class Runtime(Protocol):
                         norm_type: float = 2.0) -> torch.Tensor: ...
 
     def close(self) -> None: ...
-
-
-def step_seed(replica: int) -> int:
-    """The step's dropout seed: one draw from the global generator (the same draw in every
-    process of a replica, as every rank seeds alike), mixed with the replica index so replicas
-    use distinct masks. Replica 0 keeps the draw itself, so a one-replica distributed run and
-    the one-process run use the same masks."""
-    drawn = int(torch.randint(0, 2**62, ()))
-    return drawn if replica == 0 else hash((drawn, replica))
 
 
 class StepLoop:
@@ -100,7 +92,10 @@ class StepLoop:
         weights = self.mean_loss.weights(micro) if self.mean_loss is not None else None
         if self.loss_fn is not None and target is not None and not self._warned_ignored:
             self._warned_ignored = warn_uneven_ignored_targets(targets)
-        self.set_seed(step_seed(self.replica_index) if self.random else 0)
+        # one draw for every replica: a sample's numbers are keyed by its index in the global
+        # batch (ir/rng.py), so D, P, b and the schedule never change them
+        self.set_seed(RandomKey(next_step_seed() if self.random else 0,
+                                self.replica_index * b * m, b))
         losses: dict[int, torch.Tensor] = {}
 
         def loss_of(i: int, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -123,7 +118,7 @@ class StepLoop:
         """Check the batch and move it where the stages run."""
         return inputs
 
-    def set_seed(self, seed: int) -> None:
+    def set_seed(self, key: RandomKey) -> None:
         raise NotImplementedError
 
     def run_actions(self, micro: list[dict[str, torch.Tensor]], loss_of: LossOf) -> None:

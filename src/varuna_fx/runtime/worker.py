@@ -11,9 +11,9 @@ Shared by the one-process and the distributed runtimes; they differ only in how 
   (split-backward schedules) it computes only those input gradients, and **weight_grads**
   later accumulates the parameters' gradients (``split_backward.py``).
 
-Random ops (dropout) are reseeded per (step seed, operation, micro-batch) (``ir/rng.py``), so the
-replay reproduces the same masks, and recomputation, schedule and stage count do not change
-the numbers.
+Random ops (dropout) draw keyed by (step seed, op, sample index in the global batch)
+(``ir/rng.py``), so the replay reproduces the same masks, and recomputation, schedule, stage
+count, replicas and micro-batch size do not change the numbers.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..codegen import Stage
-from ..ir.rng import rng_context
+from ..ir.rng import RandomKey, rng_context
 from .split_backward import Deferred, input_grads
 
 LossFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
@@ -59,7 +59,7 @@ class StageWorker:
         self.is_last = is_last
         self.offload = offload_stash
         self.random = stage.random
-        self.seed = 0
+        self.key = RandomKey(0, 0, 1)  # the step's (step.py)
         self.grad_recvs = [t for t in self.spec.recvs if t.requires_grad]
         self._stash: dict[int, _Stash] = {}
         self._weights: dict[int, tuple[Deferred, int]] = {}  # split: W still to run, bytes
@@ -78,7 +78,7 @@ class StageWorker:
         if not self.random:
             with self.autocast():
                 return self.stage(inputs)
-        with rng_context(self.seed, mb), self.autocast():
+        with rng_context(self.key, mb), self.autocast():
             return self.stage(inputs)
 
     def _track(self, delta: int) -> None:
