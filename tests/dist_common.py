@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 
+import varuna_fx as vf
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 
 GLOBAL_BATCH = 8
@@ -27,16 +29,18 @@ def make_model_and_data(seed: int = 0, dropout: float = 0.0,
 
 
 def eager_training(max_norm: float = 0.5, precision: str = "fp32",
-                   model_dtype: torch.dtype = torch.float32) -> dict:
-    """What every layout must reproduce: plain training on the whole global batch."""
-    model, tokens = make_model_and_data(dtype=model_dtype)
+                   model_dtype: torch.dtype = torch.float32, dropout: float = 0.0) -> dict:
+    """What every layout must reproduce: plain training on the whole global batch (with
+    dropout, under the pipeline's per-sample keyed draws: ``vf.per_sample_rng``)."""
+    model, tokens = make_model_and_data(dtype=model_dtype, dropout=dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     losses, norms = [], []
     for step in range(STEPS):
         batch = tokens[step]
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        keyed = vf.per_sample_rng(GLOBAL_BATCH) if dropout else contextlib.nullcontext()
+        with keyed, torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
             loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))

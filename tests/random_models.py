@@ -14,11 +14,10 @@ model allows; schedule; recompute; micro-batch size; fx or torch.export) and ``r
 checks it against eager PyTorch with ``torch.testing.assert_close``: two training steps (loss,
 every parameter gradient and every buffer; SGD in between) and the eval-mode output.
 
-Dropout: the library seeds each random op from (step seed, op, micro-batch) (ir/rng.py),
-so its masks cannot equal eager's whole-batch masks. Eager equality is therefore checked with
-every dropout probability set to 0 (in train mode) and in eval mode; with dropout active, the
-pipeline is checked against itself: P, schedule and recompute must not change the loss or any
-gradient, which the library guarantees.
+Dropout: the library keys each random op's draws by (step seed, op, sample index) (ir/rng.py).
+Eager equality is checked with every dropout probability set to 0 (in train mode), in eval
+mode, and with dropout active against eager on the whole batch inside ``vf.per_sample_rng``
+(the same keyed draws), so P, schedule and recompute cannot change the loss or a gradient.
 
 Reproduce a failure: ``python -c "import random_models as rm; print(rm.check(SEED))"`` from
 ``tests/`` (with ``PYTHONPATH=src``); ``bench/bench_random_models.py`` runs 2,000 cases.
@@ -786,8 +785,8 @@ def run_case(case: Case) -> None:
     comparison and back. Functional dropout, and torch.export's graphs, bake ``p`` into the
     graph: a second model then."""
     program = case.program
-    inputs, target = program.example()
-    target = None if program.model_loss else target  # else it is an input
+    inputs, full_target = program.example()
+    target = None if program.model_loss else full_target  # else it is an input
     features = case.features
     dropout = bool(features & DROPOUT)
     model = program.build()
@@ -835,21 +834,22 @@ def run_case(case: Case) -> None:
     pipe.train()
     model.train()
 
-    # 3. dropout active: P, schedule and recompute change neither the loss nor any gradient
+    # 3. dropout active: the loss and every gradient equal eager's on the whole batch under
+    # the same per-sample keyed draws (vf.per_sample_rng), whatever P, schedule and recompute
     if dropout:
-        reference = _compile(case, model, inputs, stages=1, schedule="gpipe", recompute=False)
-        results = []
-        state = {n: b.clone() for n, b in model.named_buffers()}
-        for p in (reference, pipe):
-            for n, b in model.named_buffers():  # both runs start from the same buffers
-                b.copy_(state[n])
-            p.zero_grad()
-            torch.manual_seed(1234)
-            loss = _call(p.step, inputs, target=target)
-            results.append((torch.as_tensor(loss), _grads(p.named_parameters())))
-        (ref_loss, ref_grads), (loss, grads) = results
-        torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"dropout loss vs P=1: {m}")
-        _assert_grads(grads, ref_grads, "dropout grad vs P=1", all_params)
+        eager_model = copy.deepcopy(model)  # the same weights and buffers as the pipeline's
+        eager_model.zero_grad(set_to_none=True)
+        pipe.zero_grad()
+        torch.manual_seed(1234)
+        loss = torch.as_tensor(_call(pipe.step, inputs, target=target))
+        torch.manual_seed(1234)
+        with vf.per_sample_rng(BATCH):
+            eager_loss = program.loss(_call(eager_model, inputs), full_target)
+        eager_loss.backward()
+        torch.testing.assert_close(loss, eager_loss.detach(),
+                                   msg=lambda m: f"dropout loss vs eager: {m}")
+        _assert_grads(_grads(pipe.named_parameters()), _grads(eager_model.named_parameters()),
+                      "dropout grad vs eager", all_params)
 
 
 def check_case(case: Case) -> str | None:

@@ -35,6 +35,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
                  "schedule": "varuna-zb"})  # split backward: W actions send nothing
     jobs.append({"name": "bf16", "kind": "train", "P": 2, "D": 1, "precision": "bf16"})
     jobs.append({"name": "dropout", "kind": "train", "P": 2, "D": 1, "dropout": 0.3})
+    jobs.append({"name": "dropout_D2", "kind": "train", "P": 1, "D": 2, "dropout": 0.3,
+                 "micro_batch_size": {"0": 1, "1": 1}})
     jobs.append({"name": "fp16", "kind": "fp16", "P": 2, "D": 1})
     jobs.append({"name": "float64", "kind": "train", "P": 2, "D": 1, "dtype": "float64"})
     jobs.append({"name": "eval_modes", "kind": "eval_modes", "P": 2})
@@ -59,7 +61,8 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def check_against_eager(per_rank: list[dict], eager: dict, P: int, D: int,
-                        tol: dict | None = None, autocast: torch.dtype | None = None) -> None:
+                        tol: dict | None = None, autocast: torch.dtype | None = None,
+                        outputs: bool = True) -> None:
     tol = tol or {"rtol": 1e-4, "atol": 1e-5}
     assert sorted((r["stage"], r["replica"]) for r in per_rank) == \
         sorted((s, d) for s in range(P) for d in range(D))
@@ -74,6 +77,8 @@ def check_against_eager(per_rank: list[dict], eager: dict, P: int, D: int,
                                        msg=lambda m, n=name, r=r: f"{n} on stage {r['stage']} "
                                        f"replica {r['replica']}: {m}")
             seen.add(name)
+        if not outputs:
+            continue
         lo, hi = r["rows"]
         with torch.no_grad(), torch.autocast("cpu", autocast, enabled=autocast is not None):
             want = eager["model"](eager["tokens"][0, lo:hi, :-1])
@@ -98,6 +103,15 @@ def test_split_backward_matches_eager(two_ranks: dict, eager: dict) -> None:
 def test_pipeline_times_data_parallel_matches_eager(four_ranks: dict, eager: dict,
                                                     schedule: str) -> None:
     check_against_eager(four_ranks[f"P2D2_{schedule}"], eager, 2, 2)
+
+
+@pytest.mark.parametrize("job,P,D", [("dropout", 2, 1), ("dropout_D2", 1, 2)])
+def test_dropout_trains_as_eager_on_the_whole_batch(two_ranks: dict, job: str, P: int,
+                                                    D: int) -> None:
+    """Masks keyed by the sample's index in the global batch: two replicas (micro-batch 1)
+    and two stages (micro-batch 2) both equal eager under ``vf.per_sample_rng``. (Not the
+    train-mode outputs of ``pipe(...)``: a forward call outside a step draws unkeyed.)"""
+    check_against_eager(two_ranks[job], eager_training(dropout=0.3), P, D, outputs=False)
 
 
 def test_one_replica_with_dropout_equals_the_one_process_run(two_ranks: dict) -> None:

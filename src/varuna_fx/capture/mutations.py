@@ -267,5 +267,22 @@ def keep_mutations(gm: fx.GraphModule) -> None:
                 user.replace_input_with(base, node)
         if _is_view(base):
             _order_reads_of_viewed(graph, node, position)
-    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_mutating(n, gm))
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_mutating(n, gm)
+                              or _is_dropout_module(n, gm))
     gm.recompile()
+
+
+_RANDOM_FUNCTIONS = frozenset({  # random, yet not impure to fx (torch.rand_like & co are)
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+    "feature_alpha_dropout", "rrelu"})
+
+
+def _is_dropout_module(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """An unused ``self.drop(h)`` or ``F.dropout(h)`` stays, as an unused ``torch.rand_like``
+    does (fx calls those impure): eager runs its draw, and random ops are numbered in the order
+    eager runs them (ir/rng.py), so dropping one would shift every later op's key."""
+    if node.op == "call_module":
+        return "Dropout" in type(gm.get_submodule(str(node.target))).__name__
+    return node.op == "call_function" and \
+        getattr(node.target, "__name__", "") in _RANDOM_FUNCTIONS and \
+        getattr(node.target, "__module__", "") in ("torch.nn.functional", "torch")
