@@ -28,12 +28,12 @@ from .passes.frontend import _CAPTURES, FRONT_PASSES, _fingerprint, captured_and
 from .passes.manager import CompileState, Pass, dump_dir, run_passes
 from .passes.split_stages import split_stages
 from .pipeline import Pipeline, make_pipeline
+from .planner.candidates import AUTO, schedule_choices
 from .planner.cluster import Cluster
 from .planner.configure import Configuration, assign_and_price, choose_configuration
 from .planner.measure import ProfileSettings
 from .planner.plan import Plan
 from .planner.resolve import resolve_profile
-from .planner.search import AUTO, schedule_choices
 from .runtime.comm import resolve_timeout
 from .runtime.split_backward import input_grads
 from .schedule import is_split
