@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from .capture.buffers import warn_micro_batch_state
-from .capture.trace import TRACERS, bind_inputs
+from .capture.inputs import bind_inputs
+from .capture.trace import TRACERS
 from .codegen import build_stage
 from .codegen.stage_totals import stage_costs
 from .costs.roofline import device_spec

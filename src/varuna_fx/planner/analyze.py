@@ -13,7 +13,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from ..capture.trace import BoundInputs, bind_inputs
+from ..capture.inputs import BoundInputs, bind_inputs
 from ..passes.annotate_costs import canonical_names
 from ..passes.frontend import captured_and_annotated
 from .candidates import SearchResult, Space
