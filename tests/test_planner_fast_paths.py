@@ -36,6 +36,7 @@ from varuna_fx.schedule import (
     ScheduleCosts,
     build_schedule,
     clear_caches,
+    peak_stash_counts,
     schedule_names,
     simulate,
     simulate_costs,
@@ -126,6 +127,28 @@ def test_varuna_orders_remembered_per_variant_are_the_ones_made_afresh(
               for p, m, rc, costs in cases]
     assert remembered == afresh
     assert not varuna_module._MEMO
+
+
+def test_stash_floor_is_at_most_every_variants_peak() -> None:
+    """The planner drops a candidate without generating its order when even these counts do
+    not fit; so no variant's order (of any slack, just-in-time rule or feeding) may hold
+    fewer on any stage. Random costs, links, P and m; without recompute."""
+    rng = random.Random(5)
+    binding = 0
+    for _ in range(150):
+        p, m = rng.randint(2, 8), rng.randint(1, 20)
+        costs = _random_costs(rng, p)
+        rc = [False] * p
+        floor = varuna_module.stash_floor(p, m, rc, costs)
+        assert floor is not None and len(floor) == p
+        for slack, jit, feed in varuna_module._VARIANTS:
+            cap = [min(m, p - s + (m if slack is None else slack)) for s in range(p)]
+            order = varuna_module._generate(costs, m, rc, cap, jit, feed).order
+            peaks = peak_stash_counts(Schedule("varuna", p, m, False, order))
+            assert all(f <= k for f, k in zip(floor, peaks)), (p, m, floor, peaks, slack)
+            binding += sum(f == k > 1 for f, k in zip(floor, peaks))
+    assert binding > 100  # and it is a real floor, not ones
+    assert varuna_module.stash_floor(3, 4, [True, False, False], _random_costs(rng, 3)) is None
 
 
 def test_fastest_breaks_ties_by_stash_then_index_asking_only_the_tied() -> None:
@@ -257,6 +280,7 @@ def test_search_with_every_fast_path_chooses_what_the_plain_paths_choose(
     monkeypatch.setattr(Balancer, "_fitting_ends", lambda self, cap, stash: None)
     monkeypatch.setattr(Planner, "bounds_from_totals",
                         lambda self, pool: [self.bound_from_totals(c) for c in pool])
+    monkeypatch.setattr(Planner, "_cannot_fit", lambda self, c: False)  # every order made
     plain = _search(gpt, CLUSTERS[cluster], schedule, recompute)
     assert [dataclasses.astuple(a) for a in fast[0]] == [dataclasses.astuple(a) for a in plain[0]]
     assert fast[1] == plain[1]

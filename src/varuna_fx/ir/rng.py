@@ -104,6 +104,12 @@ class _KeyedDraws(TorchDispatchMode):
         super().__init__()
         self.key = key
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable by default, which
+        # imports torch._dynamo (a second or more) on a restarted job's first random op
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         key = self.key

@@ -22,6 +22,7 @@ from ..schedule import (
     simulate,
     simulate_step,
 )
+from ..schedule.varuna import stash_floor
 from .balance import Balancer, StagePlan
 from .candidates import Candidate, considered_schedules, weight_grads
 from .cluster import Cluster
@@ -179,6 +180,8 @@ class Pricing:
         more for them, as ``configure.assign_and_price`` would. ``effort``: with a cheaper
         generator's order (see ``ordered``)."""
         c.estimated = c.stages > 1 and cheaper(c.schedule or self.schedules[0], effort)
+        if self._cannot_fit(c):
+            return None  # what the order's own counts would find, without making the order
         sched = self.ordered(c, effort)
         counts = peak_stash_counts(sched)
         if not self._fits(c, counts):
@@ -190,6 +193,25 @@ class Pricing:
             if not self._fits(c, peak_stash_counts(sched)):
                 return None
         return self.simulated(c, sched)
+
+    def _cannot_fit(self, c: Candidate) -> bool:
+        """Whether ``finish`` would certainly return None: with counts no larger than any
+        Varuna order's (``stash_floor``), neither the candidate's partition nor any other fits
+        (memory grows with the counts). Most deep candidates of a big model end so: at 24
+        Llama-70B layers on 64 devices, 123 of 132 (the orders were 90% of planning)."""
+        name = c.schedule or self.schedules[0]
+        if c.stages < 2 or name != "varuna" or c.plan is None:
+            return False
+        rc = [bool(self.recompute) and s < c.stages - 1 for s in range(c.stages)]
+        floor = stash_floor(c.stages, c.num_micro_batches, rc, self.schedule_costs(c))
+        if floor is None:
+            return False
+        assert c.plan is not None
+        if bool(np.all(c.plan.memory(floor, self.recompute) <= self.memory_cap)):
+            return False
+        checked = c.stash_counts or (1,) * c.stages
+        grown = tuple(max(a, b) for a, b in zip(floor, checked))
+        return self.partition(c.micro_batch_size, c.stages, grown) is None
 
     def simulated(self, c: Candidate, sched: Schedule,
                   recompute: bool | Sequence[bool] | None = None) -> float:

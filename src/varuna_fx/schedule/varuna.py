@@ -329,6 +329,48 @@ def varuna_order(num_stages: int, num_micro_batches: int,
     return [list(acts) for acts in best]
 
 
+def stash_floor(num_stages: int, num_micro_batches: int, recompute: Sequence[bool],
+                costs: ScheduleCosts) -> tuple[int, ...] | None:
+    """Per-stage counts that every variant's order holds at least (at its peak), from the
+    costs alone; None where no floor is derived (a stage recomputes). The planner drops a
+    candidate whose orders could not fit in memory without generating one (``Pricing``).
+
+    Without recomputation a stage runs only forwards until it starts ``B(s, 0)`` (backwards
+    go in micro-batch order on every stage, by induction from the last), and ``B(s, 0)`` waits
+    for ``B(s+1, 0)``, so until then every stage upstream of ``s`` runs forwards only too:
+    while it lasts, ``F(j, k)`` starts exactly when ``F(j, k-1)`` has ended and its input has
+    crossed the link (a flow shop), for ``k`` below the smallest cap of any variant,
+    ``min(m, P - j + 1)``. The gradient of micro-batch 0 reaches stage ``s`` no earlier than
+    ``sum F + sum links + sum B[s+1:] + links back``; every forward the flow shop starts at
+    ``s`` before that is in flight at once. (Relative margins of 1e-9 keep the count a floor
+    under the rounding of the generator's own sums.)"""
+    p, m = num_stages, num_micro_batches
+    if p < 2 or any(recompute):
+        return None
+    f = [costs.f(s) for s in range(p)]
+    b = [costs.b(s) for s in range(p)]
+    link = [costs.link(s) for s in range(p - 1)]
+    smallest_slack = min(m if slack is None else slack for slack, _, _ in _VARIANTS)
+    ahead = sum(f) + sum(link)  # micro-batch 0 through every forward
+    floor = []
+    limit = m
+    ends = [0.0] * min(m, p + smallest_slack)  # F(s-1, k) ends, for k < limit
+    for s in range(p):
+        limit = min(limit, m, p - s + smallest_slack)
+        back = ahead + sum(b[s + 1:]) + sum(link[s:])  # B(s, 0)'s gradient, at the earliest
+        free = 0.0
+        started = 0
+        for k in range(limit):
+            arrive = ends[k] + link[s - 1] if s else 0.0
+            begin = max(free, arrive)
+            if begin * (1 + 1e-9) < back * (1 - 1e-9):
+                started += 1
+            free = begin + f[s]
+            ends[k] = free
+        floor.append(max(1, started) if s < p - 1 else 1)
+    return tuple(floor)
+
+
 def fastest(found: Sequence[tuple[float, int, list[list[Action]]]],
             stash: Callable[[int], int]) -> list[list[Action]]:
     """The order of the shortest step; on ties (within 1e-9) the smaller peak stash, then
