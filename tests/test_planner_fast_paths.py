@@ -151,6 +151,40 @@ def test_stash_floor_is_at_most_every_variants_peak() -> None:
     assert varuna_module.stash_floor(3, 4, [True, False, False], _random_costs(rng, 3)) is None
 
 
+@pytest.mark.parametrize("variants", [None, QUICK_VARIANTS, ROUGH_VARIANTS])
+def test_orders_given_up_at_the_first_overflow_decide_as_the_full_order(
+        variants: tuple[int, ...] | None) -> None:
+    """``overflows`` is True exactly when every variant's order holds more than ``most`` on
+    some stage (orders stopped at the first forward too many), so the order ``varuna_order``
+    returns overflows too; and it leaves ``varuna_order`` the same order."""
+    rng = random.Random(7)
+    seen = set()
+    tried = range(len(varuna_module._VARIANTS)) if variants is None else variants
+    for _ in range(80):
+        p, m = rng.randint(2, 7), rng.randint(1, 16)
+        rc = [rng.random() < 0.5 and s < p - 1 for s in range(p)]
+        costs = _random_costs(rng, p)
+        clear_caches()
+        order = varuna_order(p, m, rc, costs, variants)
+        peaks = peak_stash_counts(Schedule("varuna", p, m, rc, order))
+        most = [max(0, k - rng.choice([0, 0, 1, 2])) for k in peaks]
+        each = []
+        for k in tried:
+            slack, jit, feed = varuna_module._VARIANTS[k]
+            cap = [min(m, p - s + (m if slack is None else slack)) for s in range(p)]
+            one = varuna_module._generate(costs, m, rc, cap, jit, feed).order
+            each.append(any(a > b for a, b in
+                            zip(peak_stash_counts(Schedule("varuna", p, m, rc, one)), most)))
+        clear_caches()
+        over = varuna_module.overflows(p, m, rc, costs, variants, most)
+        assert over == all(each), (p, m, peaks, most)
+        if over:
+            assert any(k > n for k, n in zip(peaks, most))
+        assert varuna_order(p, m, rc, costs, variants) == order
+        seen.add(over)
+    assert seen == {True, False}
+
+
 def test_fastest_breaks_ties_by_stash_then_index_asking_only_the_tied() -> None:
     orders = [[[Action(0, Kind.F, k)]] for k in range(4)]
     asked: list[int] = []
@@ -281,6 +315,7 @@ def test_search_with_every_fast_path_chooses_what_the_plain_paths_choose(
     monkeypatch.setattr(Planner, "bounds_from_totals",
                         lambda self, pool: [self.bound_from_totals(c) for c in pool])
     monkeypatch.setattr(Planner, "_cannot_fit", lambda self, c: False)  # every order made
+    monkeypatch.setattr(Planner, "_overflows", lambda self, c, effort: False)  # ... in full
     plain = _search(gpt, CLUSTERS[cluster], schedule, recompute)
     assert [dataclasses.astuple(a) for a in fast[0]] == [dataclasses.astuple(a) for a in plain[0]]
     assert fast[1] == plain[1]

@@ -22,7 +22,7 @@ from ..schedule import (
     simulate,
     simulate_step,
 )
-from ..schedule.varuna import stash_floor
+from ..schedule.varuna import QUICK_VARIANTS, ROUGH_VARIANTS, overflows, stash_floor
 from .balance import Balancer, StagePlan
 from .candidates import Candidate, considered_schedules, weight_grads
 from .cluster import Cluster
@@ -189,6 +189,8 @@ class Pricing:
             grown = [max(a, b) for a, b in zip(counts, checked)]
             if not self.fit(c, grown):
                 return None
+            if self._overflows(c, effort):
+                return None  # as below, from orders given up as soon as a stage overflows
             sched = self.ordered(c, effort)  # the new partition's own order
             if not self._fits(c, peak_stash_counts(sched)):
                 return None
@@ -212,6 +214,24 @@ class Pricing:
         checked = c.stash_counts or (1,) * c.stages
         grown = tuple(max(a, b) for a, b in zip(floor, checked))
         return self.partition(c.micro_batch_size, c.stages, grown) is None
+
+    def _overflows(self, c: Candidate, effort: str) -> bool:
+        """Whether the order ``ordered(c, effort)`` would make holds more micro-batches on some
+        stage than fit there (so ``finish`` returns None), found without making it in full:
+        a Varuna order is given up at the first forward a stage cannot hold."""
+        name = c.schedule or self.schedules[0]
+        if c.stages < 2 or name != "varuna" or c.plan is None:
+            return False
+        plan, m = c.plan, c.num_micro_batches
+        lo, hi = np.zeros(c.stages), np.full(c.stages, float(m + 1))  # fits / does not
+        while np.any(hi - lo > 1):  # each stage's memory grows with its own count
+            mid = np.floor((lo + hi) / 2)
+            fits = plan.memory(mid, self.recompute) <= self.memory_cap
+            lo, hi = np.where(fits, mid, lo), np.where(fits, hi, mid)
+        variants = {"quick": QUICK_VARIANTS, "rough": ROUGH_VARIANTS}.get(effort)
+        rc = [bool(self.recompute)] * c.stages
+        return overflows(c.stages, m, rc, self.schedule_costs(c), variants,
+                         [int(k) for k in lo])
 
     def simulated(self, c: Candidate, sched: Schedule,
                   recompute: bool | Sequence[bool] | None = None) -> float:

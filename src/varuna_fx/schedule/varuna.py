@@ -76,6 +76,14 @@ def _order(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
 
 def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
               cap: Sequence[int], jit: bool = True, feed: float = -1.0) -> Generated:
+    made = _generate_within(costs, m, recompute, cap, jit, feed, None)
+    assert made is not None
+    return made
+
+
+def _generate_within(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
+                     cap: Sequence[int], jit: bool, feed: float,
+                     most: Sequence[int] | None) -> Generated | None:
     """The event simulation of the module docstring with one variant's rules.
 
     The planner's hot path (an order per finalist, several variants each, 10^4 tasks at P=56,
@@ -85,8 +93,11 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
     ``simulate`` would time it is computed too (it needs only tasks started before it), so
     choosing among the variants needs no separate simulation: same rules and arithmetic as
     ``simulate.simulate``, a task starting when its stage's previous one has ended and its
-    input has crossed the link, one message at a time each way."""
+    input has crossed the link, one message at a time each way. ``most``: None, or per stage
+    the most micro-batches it may hold: the order is given up (None) as soon as one holds
+    more (``overflows``)."""
     p = costs.num_stages
+    most = [m] * p if most is None else list(most)
     rc, cap = list(recompute), list(cap)
     f_cost = [costs.f(s) for s in range(p)]
     r_cost = [costs.r(s) for s in range(p)]
@@ -239,6 +250,8 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
                 in_flight[s] += 1
                 if in_flight[s] > stash:
                     stash = in_flight[s]
+                if in_flight[s] > most[s]:
+                    return None
                 cost = f_cost[s]
                 order[s].append(act_f[s][i])
                 if s > 0:
@@ -310,8 +323,7 @@ def varuna_order(num_stages: int, num_micro_batches: int,
     rc = [bool(recompute) and s < p - 1 for s in range(p)] if isinstance(recompute, bool) \
         else [bool(r) and s < p - 1 for s, r in enumerate(recompute)]
     tried = tuple(range(len(_VARIANTS))) if variants is None else tuple(variants)
-    shape = (p, m, tuple(rc), costs.forward, costs.backward,
-             tuple(costs.r(s) for s in range(p)), tuple(costs.link(s) for s in range(p - 1)))
+    shape = _shape(p, m, rc, costs)
     made: dict[int, Generated] = {}
     for k in tried:  # the paper's plain rule is first
         key = (*shape, k)
@@ -321,12 +333,63 @@ def varuna_order(num_stages: int, num_micro_batches: int,
             continue
         slack, jit, feed = _VARIANTS[k]
         cap = [min(m, p - s + (m if slack is None else slack)) for s in range(p)]
-        made[k] = _MEMO[key] = _generate(costs, m, rc, cap, jit, feed)
-        while len(_MEMO) > _MEMO_SIZE:
-            _MEMO.popitem(last=False)
+        made[k] = _generate(costs, m, rc, cap, jit, feed)
+        _remember(key, made[k])
     best = fastest([(made[k].step, k, made[k].order) for k in tried],
                    lambda k: made[k].stash)
     return [list(acts) for acts in best]
+
+
+def overflows(num_stages: int, num_micro_batches: int, recompute: Sequence[bool],
+              costs: ScheduleCosts, variants: Sequence[int] | None,
+              most: Sequence[int]) -> bool:
+    """Whether every variant's order holds more than ``most[s]`` micro-batches on some
+    stage, so that the one ``varuna_order`` returns does too (False says nothing about it).
+    Each is generated only until a stage holds more, which for a candidate that does not fit
+    is early in its warm-up; one that stays within ``most`` is complete and kept for
+    ``varuna_order``."""
+    p, m = num_stages, num_micro_batches
+    rc = [bool(r) and s < p - 1 for s, r in enumerate(recompute)]
+    shape = _shape(p, m, rc, costs)
+    for k in tuple(range(len(_VARIANTS))) if variants is None else tuple(variants):
+        key = (*shape, k)
+        if key in _MEMO:
+            if all(n <= most[s] for s, n in enumerate(_peaks(_MEMO[key].order))):
+                return False
+            continue
+        slack, jit, feed = _VARIANTS[k]
+        cap = [min(m, p - s + (m if slack is None else slack)) for s in range(p)]
+        made = _generate_within(costs, m, rc, cap, jit, feed, most)
+        if made is not None:
+            _remember(key, made)
+            return False
+    return True
+
+
+def _peaks(order: list[list[Action]]) -> list[int]:
+    """Most micro-batches each stage holds (forwards started, backwards not yet run)."""
+    peaks = []
+    for acts in order:
+        live = peak = 0
+        for a in acts:
+            if a.kind is Kind.F:
+                live += 1
+                peak = max(peak, live)
+            elif a.kind is Kind.B:
+                live -= 1
+        peaks.append(peak)
+    return peaks
+
+
+def _shape(p: int, m: int, rc: list[bool], costs: ScheduleCosts) -> tuple[object, ...]:
+    return (p, m, tuple(rc), costs.forward, costs.backward,
+            tuple(costs.r(s) for s in range(p)), tuple(costs.link(s) for s in range(p - 1)))
+
+
+def _remember(key: tuple[object, ...], made: Generated) -> None:
+    _MEMO[key] = made
+    while len(_MEMO) > _MEMO_SIZE:
+        _MEMO.popitem(last=False)
 
 
 def stash_floor(num_stages: int, num_micro_batches: int, recompute: Sequence[bool],
