@@ -61,6 +61,42 @@ def check_model(layout: Any, metadata: dict[str, Any], path: str) -> None:
         raise CheckpointError(f"{path} is a checkpoint of another model ({'; '.join(parts)})")
 
 
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+            torch.Size)
+ALLOWED = ("None, bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, "
+           "torch.device, torch.Size, and lists, tuples, sets and dicts (keys str or int) "
+           "of these")
+
+
+def check_plain(extra: dict[str, Any]) -> None:
+    """``extra`` holds only data a weights-only load restores (so a checkpoint never runs
+    code): else :class:`CheckpointError` naming the key and the type, and what is allowed."""
+    stack: list[tuple[str, Any]] = [(f"extra[{k!r}]", v) for k, v in extra.items()]
+    if not all(isinstance(k, str | int) for k in extra):
+        stack.insert(0, ("extra's keys", next(k for k in extra if not isinstance(k, str | int))))
+    while stack:
+        where, value = stack.pop()
+        if type(value) in _SCALARS or type(value) in (torch.Tensor, torch.nn.Parameter):
+            continue
+        if type(value) in (list, tuple, set, frozenset):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+            continue
+        if type(value) is dict:
+            for k, v in value.items():
+                if not isinstance(k, str | int):
+                    stack.append((f"a key of {where}", k))
+                stack.append((f"{where}[{k!r}]", v))
+            continue
+        kind = type(value)
+        hint = ""
+        if kind.__module__ == "numpy":
+            hint = " (convert it: .item() for a numpy scalar, torch.from_numpy for an array)"
+        raise CheckpointError(
+            f"extra must hold plain data, but {where} is a {kind.__module__}."
+            f"{kind.__qualname__}{hint}. Allowed: {ALLOWED} (so that loading a checkpoint "
+            "never runs code)")
+
+
 def few(items: list[str], limit: int = 5) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")

@@ -33,27 +33,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError
 from ..init.skip import loaded
 from ..runtime.comm import resolve_timeout
 from ..world.where import launched_distributed
 from . import dcp_local
-from .agreement import Agreement, attempt
+from .agreement import Agreement
 from .background import SaveHandle, in_thread
 from .contents import (
     META,
     MODEL,
     check_model,
+    check_plain,
     class_name,
+    few,
     layout_summary,
     rng_state,
     set_rng_state,
 )
-from .directory import FORMAT, PARTIAL, commit, prepare, read_marker
+from .directory import FORMAT, PARTIAL, commit, discard, prepare, read_marker, unlock
+from .failures import load_error, mark_failed, storage_error
 from .optimizer_state import (
     decode,
     encode,
@@ -63,6 +66,7 @@ from .optimizer_state import (
     wanted_keys,
 )
 from .raw_storage import RawReader, RawWriter
+from .safe_metadata import LegacyReader, SafeLoadPlanner
 
 WRITE_THREADS = 4
 
@@ -84,6 +88,7 @@ class Checkpointer:
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
         self.agreement = Agreement(self.group, self.rank, self.world)
         self.pending: SaveHandle | None = None
+        self.lock: int | None = None  # rank 0, while saving: the path's lock (directory.py)
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -91,9 +96,10 @@ class Checkpointer:
              extra: dict[str, Any] | None, *, async_save: bool = False) -> SaveHandle | None:
         self.wait()
         path = os.path.normpath(path)
+        kind = class_name(optimizer) if optimizer is not None else None
+        self.agreement.same_call("save_checkpoint", path, kind, self._holds_parameters())
         marker = {"format": FORMAT, "byteorder": sys.byteorder,
-                  "model": self.pipe.plan.model_name,
-                  "optimizer": class_name(optimizer) if optimizer is not None else None,
+                  "model": self.pipe.plan.model_name, "optimizer": kind,
                   "plan": layout_summary(self.pipe), "world": self.world}
         # a bad argument may show on one rank only (extra is rank 0's): every rank must learn
         # of it before the collective save, or the others would wait for that rank in vain
@@ -104,30 +110,53 @@ class Checkpointer:
         except CheckpointError as exc:
             error = exc
         if error is None and self.rank == 0:
-            error = attempt(lambda: prepare(path))
-        self.agreement.agree(error, f"preparing {path}")
-        # several writer threads (one file each): writing and fsync are I/O-bound, and
-        # several files in flight keep the disk's queue full
-        writer = RawWriter(path + PARTIAL, thread_count=WRITE_THREADS)
+            try:
+                self.lock = prepare(path)
+            except (OSError, CheckpointError) as exc:
+                error = storage_error(exc, path, "preparing")
+        writer: Any = None
+        try:
+            self.agreement.agree(error, f"preparing {path}")
+            try:  # several writer threads (one file each) keep the disk's queue full
+                writer = RawWriter(path + PARTIAL, thread_count=WRITE_THREADS)
+            except OSError as exc:
+                error = storage_error(exc, path, "creating")
+            self.agreement.agree(error, f"creating {path + PARTIAL}")
+        except BaseException:
+            self._release(path, failed=True)
+            raise
         planner = DefaultSavePlanner(flatten_state_dict=False)
         if not async_save:
-            if self.distributed:
-                dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group)
-            else:
-                dcp_local.save(state, writer, planner)
+            try:
+                if self.distributed:
+                    dcp.save(state, storage_writer=writer, planner=planner,
+                             process_group=self.group)
+                else:
+                    dcp_local.save(state, writer, planner)
+            except BaseException as exc:
+                self._release(path, failed=True)
+                raise storage_error(exc, path, "writing") from exc
             self._finish(path, marker)
             return None
         handle = SaveHandle(path)
-        if self.distributed:  # returns once `state` is copied to host memory
-            written = dcp.async_save(state, storage_writer=writer, planner=planner,
-                                     process_group=self.group)
-        else:
-            staged = writer.stage(state)  # the copy to host memory: all a caller waits for
-            written = in_thread(lambda: dcp_local.save(staged, writer, planner))
+        try:
+            if self.distributed:  # returns once `state` is copied to host memory
+                written = dcp.async_save(state, storage_writer=writer, planner=planner,
+                                         process_group=self.group)
+            else:
+                staged = writer.stage(state)  # the copy to host memory: all a caller waits for
+                written = in_thread(lambda: dcp_local.save(staged, writer, planner))
+        except BaseException as exc:
+            self._release(path, failed=True)
+            raise storage_error(exc, path, "staging") from exc
 
         def finish(done: Future) -> None:  # on the writer thread
             try:
-                done.result()
+                try:
+                    done.result()
+                except BaseException as exc:
+                    self._release(path, failed=True)
+                    raise storage_error(exc, path, "writing") from exc
                 self._finish(path, marker)
                 handle._future.set_result(path)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
@@ -145,6 +174,7 @@ class Checkpointer:
         if extra is not None and not isinstance(extra, dict):
             raise CheckpointError(f"extra must be a dict, got {type(extra).__name__}")
         if self.rank == 0:
+            check_plain(extra or {})
             scaler = self.pipe.runtime.scaler
             meta = {"extra": extra or {}, "loss_scale": scaler.scale if scaler.enabled else None,
                     "clean_steps": scaler._clean_steps, "rng": rng_state()}
@@ -162,8 +192,22 @@ class Checkpointer:
         """Every rank has written its shard (DCP's save returned): mark complete, rename."""
         error = None
         if self.rank == 0:
-            error = attempt(lambda: commit(path, {**marker, "saved_at_ns": time.time_ns()}))
+            try:
+                commit(path, {**marker, "saved_at_ns": time.time_ns()})
+            except (OSError, CheckpointError) as exc:
+                error = storage_error(exc, path, "completing")
+            self._release(path, failed=error is not None)
         self.agreement.agree(error, f"completing {path}")
+
+    def _release(self, path: str, failed: bool) -> None:
+        """Rank 0: a failed save's ``.partial`` goes (it would hold disk space later saves
+        need), then the path's lock."""
+        if self.rank != 0 or self.lock is None:
+            return
+        if failed:
+            discard(path)
+        unlock(path, self.lock)
+        self.lock = None
 
     def wait(self) -> None:
         """Wait for the asynchronous save in flight, if any (raises its error)."""
@@ -176,48 +220,60 @@ class Checkpointer:
     def load(self, path: str, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         self.wait()
         path = os.path.normpath(path)
+        kind = class_name(optimizer) if optimizer is not None else None
+        self.agreement.same_call("load_checkpoint", path, kind, self._holds_parameters())
         dest: dict[str, torch.Tensor] = {}
         reader: Any = None
         metadata: Any = None
+        marker: dict[str, Any] = {}
         error: BaseException | None = None
         try:  # every rank checks; one rank's failure stops all before the collective load
-            reader, metadata, dest = self._destinations(path, optimizer)
+            marker, reader, metadata, dest = self._destinations(path, optimizer)
         except CheckpointError as exc:
             error = exc
-        self.agreement.agree(error, f"checking {path}")
-        planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
-        try:
+        seen = self.agreement.agree(error, f"checking {path}",
+                                    (marker.get("sequence"), marker.get("saved_at_ns")))
+        if len(set(seen)) > 1:  # replaced by another save between the ranks' reads
+            raise CheckpointError(f"{path} changed while the ranks opened it (markers "
+                                  f"{seen}): another job is saving to it; load it again")
+        planner = SafeLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
+        model = [t for k, t in dest.items() if k.startswith(MODEL)]
+        try:  # from the first byte read, a failure leaves the model partly overwritten
             if self.distributed:  # DCP gathers a failure to every rank: all raise
                 dcp.load(dest, storage_reader=reader, planner=planner, process_group=self.group)
             else:
                 dcp_local.load(dest, reader, planner, metadata)
-        except (OSError, CheckpointException) as exc:  # a data file missing or cut short
-            raise CheckpointError(
-                f"{path}: reading its tensors failed ({exc}); the checkpoint's files are "
-                "damaged or incomplete: load an earlier checkpoint, or copy this one again"
-            ) from exc
+            if optimizer is not None:
+                restore_optimizer(optimizer, self._names(), dest)
+            meta = decode(dest[META])
+            scaler = self.pipe.runtime.scaler
+            if scaler.enabled and meta["loss_scale"] is not None:  # fp16 saved and fp16 now
+                scaler.scale, scaler._clean_steps = meta["loss_scale"], meta["clean_steps"]
+            set_rng_state(meta["rng"])
+            extra = meta["extra"]
+        except BaseException as exc:
+            if not isinstance(exc, Exception | CheckpointException):
+                raise  # KeyboardInterrupt and the like: not the checkpoint's fault
+            error = load_error(exc, path)
+            mark_failed(self.pipe, model, path, error)
+            raise error from exc
         loaded(self.pipe.state_dict().values())  # clears what vf.skip_init left unset
-        if optimizer is not None:
-            restore_optimizer(optimizer, self._names(), dest)
-        meta = decode(dest[META])
-        scaler = self.pipe.runtime.scaler
-        if scaler.enabled and meta["loss_scale"] is not None:  # fp16 saved and fp16 now
-            scaler.scale, scaler._clean_steps = meta["loss_scale"], meta["clean_steps"]
-        set_rng_state(meta["rng"])
-        return meta["extra"]
+        self.pipe._failed_load = None
+        return extra
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _destinations(self, path: str, optimizer: torch.optim.Optimizer | None
-                      ) -> tuple[Any, Any, dict[str, torch.Tensor]]:
-        """Check ``path`` against this model and optimizer; its reader, its DCP metadata and
-        the tensors to load into."""
+                      ) -> tuple[dict[str, Any], Any, Any, dict[str, torch.Tensor]]:
+        """Check ``path`` against this model and optimizer; its marker, its reader, its DCP
+        metadata and the tensors to load into."""
         marker = read_marker(path)
-        reader = RawReader(path) if marker["format"] == 2 else FileSystemReader(path)
-        try:
-            full = reader.read_metadata()
-        except Exception as exc:
-            raise CheckpointError(f"{path}: DCP metadata unreadable ({exc})") from exc
+        if marker["format"] >= 2:
+            reader = RawReader(path)
+            reader.verify = marker["format"] >= 3
+        else:
+            reader = LegacyReader(path)
+        full = reader.read_metadata()  # no code runs (safe_metadata.py)
         metadata = full.state_dict_metadata
         check_model(self.pipe.state_layout, metadata, path)
         held = self.pipe.state_dict()
@@ -237,12 +293,21 @@ class Checkpointer:
         elif marker.get("optimizer") is not None:
             warnings.warn(f"{path} holds {marker['optimizer']} state but no optimizer was "
                           "passed to load_checkpoint: the optimizer starts fresh", stacklevel=4)
+        wrong = [k for k in keys if not isinstance(metadata.get(k), TensorStorageMetadata)]
+        if wrong:
+            raise CheckpointError(
+                f"{path} lacks, or holds other than tensors under, {few(wrong)}: it was "
+                "tampered with or not written by varuna_fx; load a checkpoint "
+                "pipe.save_checkpoint wrote")
         # the model's own tensors are the destinations (DCP copies into them, casting as
         # needed): no second copy of the model in memory
         dest = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype)
                 for k in keys if not k.startswith(MODEL)}
         dest.update({MODEL + n: t.detach() for n, t in held.items()})
-        return reader, full, dest
+        return marker, reader, full, dest
+
+    def _holds_parameters(self) -> bool:
+        return any(True for _ in self.pipe.parameters())
 
     def _names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.pipe.named_parameters()}
