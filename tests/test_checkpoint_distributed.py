@@ -74,6 +74,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"name": "resume_1x2", "kind": "resume", "P": 1, "D": 2, "path": str(local)},
         {"name": "resume_2x1", "kind": "resume", "P": 2, "D": 1, "micro": 4,
          "schedule": "1f1b", "path": str(local)},
+        {"name": "paths", "kind": "paths", "P": 2, "D": 1, "path": str(out / "own" / "ck")},
         {"name": "forgot", "kind": "forgot", "P": 2, "D": 1},  # last: its pipe stays open
     ])
     four = run(out, 4, [
@@ -127,6 +128,19 @@ def test_forgetting_to_load_after_skip_init_stops_every_rank(runs: dict) -> None
     for r in runs["forgot"]:
         assert r.get("error") == "UninitializedError", r
         assert "never loaded" in r["message"] and "pipe.load_checkpoint" in r["message"]
+
+
+def test_ranks_passing_different_paths_all_raise(runs: dict) -> None:
+    for r in runs["paths"]:
+        name, message = r["errors"]["save"]
+        assert name == "CheckpointError"
+        assert "ranks passed different paths to save_checkpoint (rank 0: " in message
+        assert "ck_0_" in message and "ck_1_" in message
+        name, message = r["errors"]["load"]
+        assert name == "CheckpointError" and "different paths to load_checkpoint" in message
+        assert "ck_good0" in message and "ck_good1" in message
+        # nothing was written for the refused save: only the two good checkpoints
+        assert r["written"] == ["ck_good0", "ck_good1"], r["written"]
 
 
 def test_checkpoint_saved_on_ranks_resumes_in_one_process(runs: dict, eager: dict) -> None:
