@@ -128,12 +128,30 @@ class RawReader(SafeMetadataReader, FileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path,
                                 []).append(item)
-        for relative, items in per_file.items():
-            # in file order: the disk reads forwards
-            items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
-            with open(os.path.join(self.path, relative), "rb", buffering=0) as f:
-                for item in items:
-                    self._read_item(f, item, planner)
+        errors: list[BaseException] = []
+
+        def read(relative: str, items: list[Any]) -> None:
+            try:
+                # in file order: the disk reads forwards
+                items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
+                with open(os.path.join(self.path, relative), "rb", buffering=0) as f:
+                    for item in items:
+                        self._read_item(f, item, planner)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                errors.append(exc)
+
+        # a thread per file, as they were written: reads and checksums (zlib releases the
+        # GIL) of several files overlap
+        work = list(per_file.items())
+        threads = [threading.Thread(target=read, args=job) for job in work[1:]]
+        for t in threads:
+            t.start()
+        if work:
+            read(*work[0])
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
         done: Future[None] = Future()
         done.set_result(None)
         return done
