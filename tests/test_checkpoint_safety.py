@@ -147,17 +147,25 @@ def test_a_pickled_entry_is_refused_unread(saved: Path, tmp_path: Path) -> None:
 
 
 def test_the_load_planner_never_unpickles(tmp_path: Path) -> None:
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
     from varuna_fx.checkpoint import dcp_local
     from varuna_fx.checkpoint.raw_storage import RawReader, RawWriter
-    from varuna_fx.checkpoint.safe_metadata import SafeLoadPlanner
+    from varuna_fx.checkpoint.safe_metadata import LegacyReader, SafeLoadPlanner
 
     flag = tmp_path / "ran"
     dcp_local.save({"obj": RunsCode(flag)}, RawWriter(str(tmp_path / "c")),
                    DefaultSavePlanner(flatten_state_dict=False))
+    for planner in (SafeLoadPlanner, DefaultLoadPlanner):  # the reader refuses it unread
+        with pytest.raises(vf.CheckpointError, match="obj is a pickled object"):
+            dcp_local.load({"obj": None}, RawReader(str(tmp_path / "c")),
+                           planner(flatten_state_dict=False))
+    # the format-1 reader (DCP's own records) hands the bytes to the planner, which refuses
+    dcp_local.save({"obj": RunsCode(flag)}, FileSystemWriter(str(tmp_path / "f")),
+                   DefaultSavePlanner(flatten_state_dict=False))
     with pytest.raises(vf.CheckpointError, match="obj is a pickled object"):
-        dcp_local.load({"obj": None}, RawReader(str(tmp_path / "c")),
+        dcp_local.load({"obj": None}, LegacyReader(str(tmp_path / "f")),
                        SafeLoadPlanner(flatten_state_dict=False))
     assert not flag.exists()
 
@@ -347,15 +355,18 @@ pipe.step(torch.randn(2, 256), target=torch.zeros(2)); opt.step()
 out = {}
 def attempt(name, path, **kw):
     try:
-        pipe.save_checkpoint(path, **kw)
+        handle = pipe.save_checkpoint(path, **kw)
+        if handle is not None:
+            handle.result()
         out[name] = "saved"
     except vf.CheckpointError as exc:
         out[name] = str(exc)
     out[name + "_left"] = sorted(os.listdir(mount))
 attempt("full", f"{mount}/step1", optimizer=opt)  # model + 2 moments: ~1.5 MiB
 attempt("smaller", f"{mount}/step2")  # the model alone: ~0.5 MiB
+attempt("async_full", f"{mount}/step3", optimizer=opt, async_save=True)
 subprocess.run(["mount", "-o", "remount,ro", mount], check=True)
-attempt("read_only", f"{mount}/step3")
+attempt("read_only", f"{mount}/step4")
 print(json.dumps(out))
 """
 
@@ -376,9 +387,10 @@ def test_full_and_read_only_filesystems_say_what_and_where(tmp_path: Path) -> No
         "the disk is full" in out["full"] and f"{mount}/step1" in out["full"], out
     assert out["full_left"] == [], out  # no stale .partial holds the space
     assert out["smaller"] == "saved", out
+    assert "the disk is full" in out["async_full"] and out["async_full_left"] == ["step2"], out
     assert "Read-only file system" in out["read_only"] and \
         "save to a writable directory" in out["read_only"] and \
-        f"{mount}/step3" in out["read_only"], out
+        f"{mount}/step4" in out["read_only"], out
 
 
 # -- silently accepted: param groups -------------------------------------------------------------

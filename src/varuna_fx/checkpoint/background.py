@@ -20,12 +20,19 @@ class SaveHandle:
     def __init__(self, path: str) -> None:
         self.path = path
         self._future: Future[str] = Future()
+        self.reported = False  # its failure reached a caller (the next save need not repeat it)
 
     def done(self) -> bool:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> str:
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self.reported = True
+            raise
 
 
 def in_thread(fn: Callable[[], Any]) -> Future:

@@ -26,7 +26,6 @@ metadata is read without running code (``safe_metadata.py``).
 
 from __future__ import annotations
 
-import io
 import os
 import threading
 import zlib
@@ -158,9 +157,11 @@ class RawReader(SafeMetadataReader, FileSystemReader):
 
     def _read_item(self, f: Any, item: Any, planner: LoadPlanner) -> None:
         info: _StorageInfo = self.storage_data[item.storage_index]
-        if item.type == LoadItemType.BYTE_IO:  # SafeLoadPlanner refuses it, unread
-            planner.load_bytes(item, io.BytesIO(b""))
-            return
+        if item.type == LoadItemType.BYTE_IO:  # DCP's planner would unpickle it: never
+            raise CheckpointError(
+                f"checkpoint entry {item.storage_index.fqn} is a pickled object (DCP BYTE_IO), "
+                "which varuna_fx never writes and does not unpickle: the checkpoint was "
+                "tampered with or not written by varuna_fx")
         meta = self.tensors[item.storage_index.fqn]
         assert isinstance(meta, TensorStorageMetadata)
         dtype = meta.properties.dtype

@@ -210,9 +210,10 @@ class Checkpointer:
         self.lock = None
 
     def wait(self) -> None:
-        """Wait for the asynchronous save in flight, if any (raises its error)."""
+        """Wait for the asynchronous save in flight, if any (raises its error, unless its
+        handle's ``result()`` already raised it)."""
         pending, self.pending = self.pending, None
-        if pending is not None:
+        if pending is not None and not pending.reported:
             pending.result()
 
     # -- loading -------------------------------------------------------------------------------
