@@ -300,6 +300,22 @@ def test_a_second_writer_to_one_path_is_refused(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no lock file, no partial
 
 
+def test_a_filesystem_without_flock_saves_with_a_warning(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import fcntl
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    pipe = compile_mlp()
+    with pytest.warns(UserWarning, match="does not support flock: saving without the lock"):
+        pipe.save_checkpoint(str(tmp_path / "c"))
+    assert vf.latest_checkpoint(tmp_path) == str(tmp_path / "c")
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]
+
+
 RACER = """
 import sys, torch, varuna_fx as vf
 from torch import nn

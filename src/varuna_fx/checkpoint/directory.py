@@ -21,10 +21,10 @@ earlier checkpoint untouched.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
-import math
 import os
 import shutil
 import sys
@@ -42,6 +42,7 @@ MARKER = "varuna_fx_checkpoint.json"
 PARTIAL = ".partial"
 LOCK = ".lock"
 DCP_METADATA = ".metadata"
+NO_LOCK = -1  # what lock() returns on a filesystem without flock
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> str | None:
@@ -100,8 +101,7 @@ def _parse_marker(marker_file: Path) -> dict[str, Any]:
                               "object")
     for field, types in (("format", (int,)), ("sequence", (int,)), ("saved_at_ns", (int,)),
                          ("optimizer", (str, type(None))), ("byteorder", (str,))):
-        if field in marker and (type(marker[field]) not in types or (
-                isinstance(marker[field], float) and not math.isfinite(marker[field]))):
+        if field in marker and type(marker[field]) not in types:  # bool, NaN, null: no
             raise CheckpointError(f"{marker_file}: {field} is {marker[field]!r}, not "
                                   f"{' or '.join(t.__name__ for t in types)}")
     if "format" not in marker:
@@ -165,6 +165,13 @@ def lock(path: str) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
+            if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                warnings.warn(f"the filesystem of {path} does not support flock: saving "
+                              "without the lock that keeps a second job from saving to the "
+                              "same path meanwhile", stacklevel=2)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name)
+                return NO_LOCK
             if exc.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
             raise CheckpointError(
@@ -183,6 +190,8 @@ def lock(path: str) -> int:
 
 def unlock(path: str, fd: int) -> None:
     """Release :func:`lock` (the file goes first, while still held: see :func:`lock`)."""
+    if fd == NO_LOCK:
+        return
     try:
         os.unlink(path + LOCK)
     except FileNotFoundError:
