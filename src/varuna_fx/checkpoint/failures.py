@@ -73,8 +73,8 @@ class FailedLoad:
     """The refusal a pipeline raises while a failed load's partial overwrite stands."""
 
     def __init__(self, path: str, error: BaseException) -> None:
-        self.message = (f"the last pipe.load_checkpoint({path!r}) failed partway "
-                        f"({str(error).splitlines()[0]})")
+        said = str(error).splitlines()[0] if str(error) else type(error).__name__
+        self.message = f"the last pipe.load_checkpoint({path!r}) failed partway ({said})"
 
     def refuse(self, names: list[str], where: str) -> None:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

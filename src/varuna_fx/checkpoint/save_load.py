@@ -11,9 +11,14 @@ model's FQNs, never by stage or rank, so it loads under any (P, D, micro-batch s
   ``extra`` dict (``contents.py``).
 
 Storage: DCP plans, deduplicates and records metadata; the bytes are written raw, one file per
-writer thread and rank, and read straight into the destination tensors (``raw_storage.py``,
-format 2; format-1 checkpoints, DCP's own ``torch.save`` records, still load). In one process
+writer thread and rank, with a CRC-32 per entry, and read straight into the destination tensors,
+verified (``raw_storage.py``, format 3; formats 2 and 1 still load). The metadata is read
+without running code and pickled entries are refused (``safe_metadata.py``). In one process
 DCP's steps run without ``torch.distributed`` (``dcp_local.py``).
+
+Before anything is written or read the ranks agree (``agreement.py``): the same path and
+optimizer class on every rank, then every rank's checks passed -- else every rank raises. A
+load that fails once bytes reach the model marks the model so steps refuse (``failures.py``).
 
 Atomic (``directory.py``): DCP writes into ``<path>.partial``; when every rank is done, rank 0
 writes the marker and renames the directory to ``<path>``. ``async_save=True`` copies the state to host memory, returns a
@@ -254,7 +259,10 @@ class Checkpointer:
             extra = meta["extra"]
         except BaseException as exc:
             if not isinstance(exc, Exception | CheckpointException):
-                raise  # KeyboardInterrupt and the like: not the checkpoint's fault
+                # KeyboardInterrupt and the like: not the checkpoint's fault, but the model
+                # may be partly overwritten all the same
+                mark_failed(self.pipe, model, path, exc)
+                raise
             error = load_error(exc, path)
             mark_failed(self.pipe, model, path, error)
             raise error from exc
