@@ -31,6 +31,11 @@ from varuna_fx.checkpoint import directory, raw_storage
 from varuna_fx.checkpoint.raw_storage import ChecksummedInfo, byte_view
 
 
+# several tests load the optimizer-carrying fixture without an optimizer (the warning is tested
+# in test_checkpoint.py)
+pytestmark = pytest.mark.filterwarnings("ignore:.*no optimizer was passed:UserWarning")
+
+
 def compile_mlp(seed: int = 0, stages: int = 2) -> vf.Pipeline:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
