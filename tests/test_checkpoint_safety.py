@@ -30,7 +30,6 @@ import varuna_fx as vf
 from varuna_fx.checkpoint import directory, raw_storage
 from varuna_fx.checkpoint.raw_storage import ChecksummedInfo, byte_view
 
-
 # several tests load the optimizer-carrying fixture without an optimizer (the warning is tested
 # in test_checkpoint.py)
 pytestmark = pytest.mark.filterwarnings("ignore:.*no optimizer was passed:UserWarning")
