@@ -84,7 +84,11 @@ def save(job: dict[str, Any]) -> dict[str, Any]:
 def resume(job: dict[str, Any]) -> dict[str, Any]:
     pipe = compile_job({**job, "seed": 7})  # another init: all must come from the checkpoint
     opt = optimizer(pipe.parameters())
-    extra = pipe.load_checkpoint(job["path"], optimizer=opt)
+    try:
+        extra = pipe.load_checkpoint(job["path"], optimizer=opt)
+    except vf.VarunaFxError:
+        pipe.close()  # the next job starts from a clean slate
+        raise
     with_state = sum(1 for p in pipe.parameters() if p in opt.state)
     run_steps(pipe, opt, range(extra["step"], STEPS))
     state = {n: t.detach().clone() for n, t in pipe.state_dict().items()}
