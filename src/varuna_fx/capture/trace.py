@@ -16,6 +16,9 @@ cannot trace such as every HuggingFace transformers 5.x model); ``"auto"`` tries
 
 from __future__ import annotations
 
+import inspect
+
+import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
@@ -39,6 +42,7 @@ TRACERS = ("fx", "export", "auto")
 
 
 def capture(model: nn.Module, bound: BoundInputs, tracer: str = "auto") -> Captured:
+    refuse_tensor_defaults(model, bound)
     with settings_kept(model), reentrant_checkpoints_recorded() as reentrant:
         try:
             captured = _capture(model, bound, tracer)
@@ -48,6 +52,21 @@ def capture(model: nn.Module, bound: BoundInputs, tracer: str = "auto") -> Captu
     if reentrant:
         refuse_reentrant_checkpoint(model, reentrant[0])
     return captured
+
+
+def refuse_tensor_defaults(model: nn.Module, bound: BoundInputs) -> None:
+    """A forward parameter left at a tensor default (``y=torch.zeros(16, 64)``): fx cannot
+    bake a tensor into the graph's code (a raw NameError) and torch.export, which keeps it, fixes
+    the batch to its rows. Neither is what the user meant, so say what to do instead."""
+    for name, param in inspect.signature(model.forward).parameters.items():
+        if isinstance(param.default, torch.Tensor) and name not in bound.tensors:
+            raise CaptureError(
+                f"{type(model).__name__}.forward's parameter '{name}' defaults to a tensor "
+                f"(shape {tuple(param.default.shape)}){defined_at(model)}, and the example "
+                "inputs leave it out: a pipeline cannot keep a tensor default (it is neither a "
+                f"batch input nor model state). Pass '{name}' in example_inputs and at every "
+                "step (with the batch on dim 0), or make it a buffer (self.register_buffer("
+                f"'{name}', ...)) that forward reads")
 
 
 def _capture(model: nn.Module, bound: BoundInputs, tracer: str) -> Captured:
