@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -267,18 +267,24 @@ def kind_of_call(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> st
     return OTHER
 
 
-def _indexes_dim0(node: fx.Node) -> bool:
+def _indexes_dim0(node: fx.Node, dims: Callable[[Any], int]) -> bool:
     """An indexing node whose index into dim 0 is a tensor (``x[idx, ...]``, aten.index)."""
     index = node.args[1] if len(node.args) > 1 else None
     first = index[0] if isinstance(index, (tuple, list)) and index else index
-    return isinstance(first, fx.Node) and _batch_dims(first) >= 0 and info(first).is_tensor
+    return isinstance(first, fx.Node) and dims(first) >= 0
 
 
-def ops_of_graph(gm: fx.GraphModule, model: nn.Module | None = None
+def ops_of_graph(gm: fx.GraphModule, model: nn.Module | None = None,
+                 dims: Callable[[Any], int] | None = None,
+                 tuple_valued: Callable[[fx.Node], bool] | None = None,
                  ) -> tuple[list[Op], list[int]]:
-    """The captured graph's compute nodes as Ops (value id = node position), and the ids of
-    the values the graph returns. ``model``: the user's model (names nn.BatchNorm modules
-    that torch.export turned into aten calls)."""
+    """The graph's compute nodes as Ops (value id = node position), and the ids of the values
+    the graph returns. ``model``: the user's model (names nn.BatchNorm modules that
+    torch.export turned into aten calls). ``dims``: how many dimensions of a node's tensor
+    value scale with the batch, -1 for a non-tensor (default: from ``annotate_shapes``);
+    ``tuple_valued``: whether a node's value is a tuple of tensors (default: likewise)."""
+    dims = dims or _batch_dims
+    tuple_valued = tuple_valued or (lambda n: not info(n).is_tensor and len(info(n).outputs) > 1)
     ids = {node: k for k, node in enumerate(gm.graph.nodes)}
     ops: list[Op] = []
     outputs: list[int] = []
@@ -290,16 +296,14 @@ def ops_of_graph(gm: fx.GraphModule, model: nn.Module | None = None
             continue
         inputs = node.all_input_nodes
         kind = _kind(gm, node)
-        if kind == INDEX and isinstance(node.args[0], fx.Node) \
-                and not info(node.args[0]).is_tensor and len(info(node.args[0]).outputs) > 1:
+        if kind == INDEX and isinstance(node.args[0], fx.Node) and tuple_valued(node.args[0]):
             kind = ITEM
         if kind == BATCH_STATS and _is_batch_norm_module(model or gm, info(node).module_path):
             kind = OTHER  # nn.BatchNorm under torch.export: its own warning names the module
         ops.append(Op(
             name=node.name, kind=kind, inputs=tuple(ids[i] for i in inputs), output=ids[node],
-            input_batch_dims=tuple(_batch_dims(i) for i in inputs),
-            output_batch_dims=_batch_dims(node) if info(node).outputs else -1,
-            where=info(node).source, index_first=kind == INDEX and _indexes_dim0(node),
+            input_batch_dims=tuple(dims(i) for i in inputs), output_batch_dims=dims(node),
+            where=info(node).source, index_first=kind == INDEX and _indexes_dim0(node, dims),
         ))
     return ops, outputs
 
