@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.pipelining import pipe_split
 
 import varuna_fx as vf
 from registry import CASES
@@ -177,3 +178,28 @@ def test_a_sparse_input_is_refused_at_compile() -> None:
     with pytest.raises(vf.InputError, match=r"argument 'input' is a sparse_coo tensor.*"
                        r"input\.to_dense\(\)"):
         vf.compile(model, example_inputs=(x,), stages=1, loss_fn=lambda o, t: o.mean())
+
+
+class WithPipeSplit(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        pipe_split()  # a torch.distributed.pipelining cut marker
+        return self.b(h).mean()
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_pipe_split_markers_are_ignored_with_a_warning(tracer: str) -> None:
+    """They were ignored without a word (fx records no node for them; export kept a no-op)."""
+    from varuna_fx.capture.untraced import PipeSplitIgnoredWarning
+    torch.manual_seed(0)
+    model, x = WithPipeSplit(), torch.randn(4, 8)
+    with pytest.warns(PipeSplitIgnoredWarning, match=r"pipe_split\(\) at .*test_errors.py:\d+: "
+                      r"varuna_fx ignores these markers.*stages=P"):
+        pipe = vf.compile(model, example_inputs=(x,), stages=2, tracer=tracer)
+    assert not any("pipe_split" in str(n.target) for s in pipe.stages
+                   for n in s.module.graph.nodes)
+    torch.testing.assert_close(torch.as_tensor(pipe.step(x)), model(x).detach())

@@ -34,6 +34,8 @@ from .untraced import (
     check_global_hooks,
     check_hooks,
     check_parameter_writes,
+    drop_pipe_splits,
+    pipe_splits_recorded,
     reentrant_checkpoints_recorded,
     refuse_reentrant_checkpoint,
 )
@@ -43,7 +45,8 @@ TRACERS = ("fx", "export", "auto")
 
 def capture(model: nn.Module, bound: BoundInputs, tracer: str = "auto") -> Captured:
     refuse_tensor_defaults(model, bound)
-    with settings_kept(model), reentrant_checkpoints_recorded() as reentrant:
+    with settings_kept(model), reentrant_checkpoints_recorded() as reentrant, \
+            pipe_splits_recorded() as splits:
         try:
             captured = _capture(model, bound, tracer)
         except CaptureError:
@@ -51,6 +54,7 @@ def capture(model: nn.Module, bound: BoundInputs, tracer: str = "auto") -> Captu
                 raise
     if reentrant:
         refuse_reentrant_checkpoint(model, reentrant[0])
+    drop_pipe_splits(model, captured.gm, splits)
     return captured
 
 
