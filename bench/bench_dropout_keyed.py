@@ -10,7 +10,11 @@ micro-batch size: the median step time with
   masks changed with the micro-batch size (done here by replacing the per-row draw);
 * ``no dropout``: the same model with dropout 0 (no random ops at all).
 
-Steps are interleaved (rotating order) and the median of REPEATS is reported.
+On an older tree (``PYTHONPATH`` at its ``src``) "keyed" is that tree's dropout (one reseed per
+random node and micro-batch, no dispatch mode) and "one draw" is left out.
+
+Steps are interleaved (rotating order) and the median CPU time (``time.process_time``, one
+thread) of REPEATS is reported.
 """
 
 from __future__ import annotations
@@ -40,15 +44,17 @@ def main() -> None:
     torch.manual_seed(0)
     tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["block_size"] + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
-    keyed_draw = rng._per_row
+    keyed_draw = getattr(rng, "_per_row", None)  # None: an older tree (masks per micro-batch)
     print(f"GPT {CONFIG}, batch {BATCH}, P=2, one process, {torch.get_num_threads()} threads; "
-          f"median of {REPEATS} steps, ms")
+          f"median CPU ms of {REPEATS} steps")
     print("| micro-batch | keyed | one draw | no dropout | keyed - one draw | "
           "keyed - no dropout |")
     print("| --- | --- | --- | --- | --- | --- |")
     for micro in (1, 2, 4, 8, 16):
         pipes = {}
-        for name, p in (("keyed", 0.1), ("one draw", 0.1), ("no dropout", 0.0)):
+        kinds = (("keyed", 0.1), ("one draw", 0.1), ("no dropout", 0.0)) if keyed_draw \
+            else (("keyed", 0.1), ("no dropout", 0.0))
+        for name, p in kinds:
             torch.manual_seed(0)
             model = GPT(GPTConfig(**CONFIG, dropout=p))
             pipes[name] = vf.compile(model, example_inputs=(x,), loss_fn=lm_loss, stages=2,
@@ -56,22 +62,25 @@ def main() -> None:
 
         def step(name: str, pipe: vf.Pipeline) -> Callable[[], float]:
             def run() -> float:
-                rng._per_row = one_draw if name == "one draw" else keyed_draw
+                if keyed_draw is not None:
+                    rng._per_row = one_draw if name == "one draw" else keyed_draw
                 pipe.zero_grad()
-                t = time.perf_counter()
+                t = time.process_time()  # CPU time: steadier than wall on a shared machine
                 pipe.step(x, target=y)
-                return time.perf_counter() - t
+                return time.process_time() - t
             return run
 
         times: dict[str, list[float]] = {n: [] for n in pipes}
         names = list(pipes)
         for i in range(WARMUP + REPEATS):
-            for name in names[i % 3:] + names[:i % 3]:
+            for name in names[i % len(names):] + names[:i % len(names)]:
                 t = step(name, pipes[name])()
                 if i >= WARMUP:
                     times[name].append(t)
-        rng._per_row = keyed_draw
+        if keyed_draw is not None:
+            rng._per_row = keyed_draw
         med = {n: statistics.median(v) * 1e3 for n, v in times.items()}
+        med.setdefault("one draw", float("nan"))
         print(f"| {micro} | {med['keyed']:.1f} | {med['one draw']:.1f} | "
               f"{med['no dropout']:.1f} | {med['keyed'] - med['one draw']:+.1f} | "
               f"{med['keyed'] - med['no dropout']:+.1f} |")

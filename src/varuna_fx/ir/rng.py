@@ -29,6 +29,7 @@ seed is one draw from the global generator (``next_step_seed``), as each ``pipe.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -159,11 +160,17 @@ def _row(value: Any, batch: int, j: int) -> Any:
     return value
 
 
+@functools.lru_cache(maxsize=256)
+def _writes(func: Any) -> bool:
+    """Whether the op writes into an argument (``bernoulli_``): its rows are written in place."""
+    return any(a.alias_info is not None and a.alias_info.is_write
+               for a in func._schema.arguments)
+
+
 def _per_row(func: Any, args: tuple, kwargs: dict, batch: int, seeds: list[int]) -> Any:
     """``func`` once per row ``j`` (tensor arguments cut to that row, a factory's size to 1
     row), each from the generator seeded ``seeds[j]``; results joined along dimension 0."""
-    mutable = any(a.alias_info is not None and a.alias_info.is_write
-                  for a in func._schema.arguments)
+    mutable = _writes(func)
     factory = not any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
     rows = []
     for j, value in enumerate(seeds):
@@ -177,6 +184,8 @@ def _per_row(func: Any, args: tuple, kwargs: dict, batch: int, seeds: list[int])
         rows.append(func(*row_args, **row_kwargs))
     if mutable:  # written into the rows of its (aliased) argument: return what it returns
         return args[0]
+    if len(rows) == 1:
+        return rows[0]
     if isinstance(rows[0], torch.Tensor):
         return torch.cat(rows)
     return tuple(torch.cat([r[i] for r in rows]) for i in range(len(rows[0])))
