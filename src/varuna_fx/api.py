@@ -55,6 +55,7 @@ def compile(  # noqa: A001 - the public name in API.md
     data_parallel: int | None = None,
     micro_batch_size: int | None = None,
     schedule: str = "varuna",
+    shard_optimizer: bool | str = "auto",
     recompute: bool | str = "auto",
     tracer: str = "auto",
     offload_stash: bool = False,
@@ -76,7 +77,8 @@ def compile(  # noqa: A001 - the public name in API.md
                             global_batch_size=global_batch_size, recompute=recompute,
                             offload_stash=offload_stash, timeout=timeout,
                             precision=precision, cluster=cluster, loss_fn=loss_fn,
-                            schedule=schedule, tracer=tracer)
+                            schedule=schedule, tracer=tracer,
+                            shard_optimizer=shard_optimizer)
     _check_arguments(model, example_inputs, schedule, tracer, stages)
     check_target_parameter(model, loss_fn)
     if recompute not in (True, False, "auto") or not isinstance(recompute, (bool, str)):
@@ -153,7 +155,8 @@ def compile(  # noqa: A001 - the public name in API.md
     )
     warn_micro_batch_state(model, captured.gm, plan.num_micro_batches)
     pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=loss_fn,
-                         offload_stash=offload_stash, precision=precision, timeout=timeout)
+                         offload_stash=offload_stash, precision=precision, timeout=timeout,
+                         shard_optimizer=shard_optimizer)
     if global_batch_size is not None:
         pipe._replica_batch = global_batch_size // config.data_parallel
     return pipe

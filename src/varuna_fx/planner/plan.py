@@ -78,6 +78,8 @@ class Plan:
     tracer: str = "fx"
     model_name: str = "model"
     alternatives: tuple[Alternative, ...] = ()  # best first
+    # whether optimizer state is sharded over the D replicas (ZeRO-1) in the memory priced
+    shard_optimizer: bool = False
 
     @property
     def global_batch_size(self) -> int:
