@@ -24,11 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import varuna_fx as vf  # noqa: E402
+from ckpt_common import make_model  # noqa: E402
 from varuna_fx.examples import lm_loss  # noqa: E402
 from varuna_fx.runtime.zero import layout_of, shard_state_bytes  # noqa: E402
 from zero_common import BATCH, MAX_NORM, SPLIT, STEPS, make_optimizer, schedule, tokens  # noqa: E402
-
-from ckpt_common import make_model  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 OUT = Path(sys.argv[1])
