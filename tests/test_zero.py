@@ -10,12 +10,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import varuna_fx as vf
 from ckpt_common import make_model
 from dist_utils import launch
+from varuna_fx.costs.memory import held_copies, sharded_held
 from varuna_fx.examples import lm_loss
 from zero_common import (
     MAX_NORM,
@@ -76,6 +78,13 @@ def check(state: dict[str, torch.Tensor], eager: dict[str, torch.Tensor], where:
     for name, value in state.items():
         torch.testing.assert_close(value, eager[name], **TOL,
                                    msg=lambda m, n=name: f"{n} ({where}): {m}")
+
+
+def test_memory_model_counts_sharded_state() -> None:
+    """A trainable weight: itself, its gradient and Adam's two moments / D."""
+    assert [held_copies(d) for d in (1, 2, 4)] == [4, 3, 2.5]
+    held = sharded_held(np.array([4.0 * 100, 1.0 * 50]), np.array([100.0, 0.0]), 4)
+    assert held.tolist() == [250.0, 50.0]  # a buffer (no gradient) is not optimizer state
 
 
 def test_shard_optimizer_argument_is_checked() -> None:
@@ -147,3 +156,34 @@ def test_sharded_training_and_checkpoints_equal_eager(tmp_path: Path) -> None:
         for n in plain:
             torch.testing.assert_close(sharded[n], plain[n], rtol=1e-12, atol=1e-14)
         assert found[(prec, True, "scale")] == found[(prec, False, "scale")]
+
+
+def test_planner_shards_where_it_lets_a_shallower_pipeline_fit() -> None:
+    """A GPT whose weights dominate, on 2 devices of one node: in 45 MiB one replica of the
+    whole model fits only with its Adam state halved, so "auto" runs it data-parallel (P=1,
+    D=2, sharded), faster than the two-stage pipeline that False must fall back to."""
+    from varuna_fx.examples import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=8, n_layer=4, n_head=4, n_embd=256))
+    x = torch.randint(0, 256, (8, 8))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def plan(shard: bool | str, memory: str = "45MiB") -> vf.Plan:
+        cluster = vf.Cluster(gpus=2, gpus_per_node=2, gpu_memory=memory, device="cpu")
+        return vf.compile(model, cluster, example_inputs=(x,), loss_fn=lm_loss,
+                          global_batch_size=8, shard_optimizer=shard).plan
+
+    sharded, plain = plan("auto"), plan(False)
+    assert (sharded.stages, sharded.data_parallel, sharded.shard_optimizer) == (1, 2, True)
+    assert (plain.stages, plain.data_parallel, plain.shard_optimizer) == (2, 1, False)
+    assert sharded.predicted_step_time < plain.predicted_step_time
+    # the table's optimizer column: Adam's two moments, halved by the sharding
+    assert sharded.stage_costs[0].optimizer_bytes == pytest.approx(weights, rel=1e-6)
+    assert sum(s.optimizer_bytes for s in plain.stage_costs) >= 2 * weights
+    assert "optimizer state sharded over D (ZeRO-1)" in str(sharded)
+    assert "optimizer" in str(plain) and "MiB (ZeRO-1)" in str(sharded)  # its row
+    # with room enough, "auto" does not shard; True shards whenever D > 1
+    roomy = plan("auto", "80MiB")
+    assert (roomy.stages, roomy.data_parallel, roomy.shard_optimizer) == (1, 2, False)
+    assert plan(True, "80MiB").shard_optimizer

@@ -102,6 +102,7 @@ def compile(  # noqa: A001 - the public name in API.md
             global_batch_size=global_batch_size, stages=stages, data_parallel=data_parallel,
             micro_batch_size=micro_batch_size, schedule=schedule, recompute=rc,
             profile=resolve_profile(captured.gm, bound, profile, settings, timeout=timeout),
+            shard_optimizer=shard_optimizer,
         )
 
     # a split-backward schedule is planned with its input-gradient and weight passes timed
@@ -129,6 +130,7 @@ def compile(  # noqa: A001 - the public name in API.md
             bandwidth=config.pipeline_bandwidth, memory_cap=cluster.gpu_memory,
             stash_counts=config.stash_counts, recompute=recompute,
             node_times=config.node_times,
+            optimizer_shards=config.data_parallel if config.shard_optimizer else 1,
         ),
     })
     run_passes(BACK_PASSES, state, dump=where_to, done=FRONT_PASSES)
@@ -153,6 +155,7 @@ def compile(  # noqa: A001 - the public name in API.md
         tied_parameters={k: v for k, v in holders.items() if len(v) > 1},
         predicted_step_time=priced.step_time, tracer=captured.tracer,
         model_name=type(model).__name__, alternatives=priced.alternatives,
+        shard_optimizer=config.shard_optimizer,
     )
     warn_micro_batch_state(model, captured.gm, plan.num_micro_batches)
     pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=loss_fn,

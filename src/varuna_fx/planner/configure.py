@@ -48,6 +48,7 @@ class Configuration:
     alternatives: list[Alternative] = field(default_factory=list)
     device: DeviceSpec | None = None  # what time estimates are made for
     node_times: NodeTimes | None = None  # measured costs, when a profile applies
+    shard_optimizer: bool = False  # memory counted with optimizer state split over D (ZeRO-1)
 
 
 @dataclass(frozen=True)
@@ -85,16 +86,19 @@ def default_micro_batch_size(batch: int, stages: int) -> int:
 def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch: int,
                          global_batch_size: int | None, stages: int | None,
                          data_parallel: int | None, micro_batch_size: int | None,
-                         schedule: str, recompute: bool, profile: Profile | None = None
-                         ) -> Configuration:
+                         schedule: str, recompute: bool, profile: Profile | None = None,
+                         shard_optimizer: bool | str = False) -> Configuration:
     """``profile``: measured costs (``varuna_fx.planner.Profile``), or None for estimates.
-    ``schedule``: a name, or "auto" (the planner picks the fastest that fits, per candidate)."""
+    ``schedule``: a name, or "auto" (the planner picks the fastest that fits, per candidate).
+    ``shard_optimizer``: True counts the optimizer state split over D wherever D > 1; "auto"
+    only where a candidate does not fit otherwise; False never."""
     if stages is not None:  # before any schedule is built: 10**6 stages would take minutes
         operations = len(compute_nodes(gm))
         if stages > operations:
             raise PartitionError(f"stages={stages} is more than the {operations} operations of "
                                  f"the model: use at most {operations} stages")
     planner = _planner(gm, cluster, schedule, recompute, profile)
+    planner.shard_optimizer = shard_optimizer
     alternatives: list[Alternative] = []
     world = running_world()
     # explicit values that cannot match the running ranks: the runtime says what to launch
@@ -105,7 +109,9 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
         batch = replica_batch(example_batch, global_batch_size, d)
         b = micro_batch_size or default_micro_batch_size(batch, p)
         check_micro_batch(batch, b)
-        name = planner.best_schedule(Candidate(p, d, b, batch // b))
+        given = Candidate(p, d, b, batch // b)
+        name = planner.best_schedule(given)
+        shard = given.shard
     else:
         space = Space(cluster.gpus, example_batch, global_batch_size, stages, data_parallel,
                       micro_batch_size, world=world)
@@ -114,6 +120,7 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
             raise explain_nothing_fits(planner, space)
         best = result.best
         p, d, b, name = best.stages, best.data_parallel, best.micro_batch_size, best.schedule
+        shard = best.shard
         alternatives = result.alternatives
     m = replica_batch(example_batch, global_batch_size, d) // b
     net = planner.links(p, d)
@@ -122,7 +129,7 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
         stages=p, data_parallel=d, micro_batch_size=b, num_micro_batches=m,
         pipeline_bandwidth=net.partition_bandwidth, allreduce_bandwidth=net.allreduce_bandwidth,
         stash_counts=tuple(counts), schedule=sched, planner=planner, alternatives=alternatives,
-        device=planner.spec, node_times=planner.table.measured,
+        device=planner.spec, node_times=planner.table.measured, shard_optimizer=shard,
     )
 
 
@@ -151,8 +158,9 @@ def price(config: Configuration, bounds: tuple[int, ...],
     planner = config.planner
     b, p, m = config.micro_batch_size, config.stages, config.num_micro_batches
     units = planner.table.unit_arrays(b, planner.spec, positions=list(bounds))
-    balancer = planner.balancer_for(units, p)
-    c = Candidate(p, config.data_parallel, b, m)
+    d = config.data_parallel
+    balancer = planner.balancer_for(units, p, d if config.shard_optimizer else 1)
+    c = Candidate(p, d, b, m, shard=config.shard_optimizer)
     c.plan = balancer.stage_plan(list(range(p + 1)))
     # the search ordered schedules with unit costs (cached per P, m); the plan's schedule is
     # generated from this partition's own times (Varuna's order, split backward's W placement)
