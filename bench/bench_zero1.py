@@ -46,6 +46,20 @@ def resident() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def model_state(pipe, opt: torch.optim.Optimizer) -> int:  # noqa: ANN001
+    """Bytes of the tensors training keeps between steps: parameters, their gradients, the
+    optimizer's state and (sharded) the shards' averaged gradients."""
+    from varuna_fx.runtime.zero import shard_state_bytes
+
+    def size(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    total = sum(size(p) + size(p.grad) for p in pipe.parameters())
+    zero = pipe.runtime.grad_sync.zero
+    total += sum(size(s.grad) for s in zero.shards()) if zero is not None else 0
+    return total + shard_state_bytes(opt)
+
+
 def rank_main(out: Path, mode: str, steps: int, layers: int, width: int) -> None:
     import varuna_fx as vf
     from varuna_fx.examples import GPT, GPTConfig, lm_loss
@@ -61,20 +75,23 @@ def rank_main(out: Path, mode: str, steps: int, layers: int, width: int) -> None
     sync = pipe.runtime.grad_sync
     grad_bytes = sum(p.numel() * p.element_size() for p in sync.held.values())
     x, y = pipe.shard((data[:, :-1], data[:, 1:]))
-    times, wire, ring = [], [], []
+    times, wire, ring, optimizer_s = [], [], [], []
     for step in range(steps + 2):
         before = (time.perf_counter(), wchar(), sync.zero.ring_bytes if sync.zero else 0)
         pipe.zero_grad()
         pipe.step(x, target=y)
+        stepped = time.perf_counter()
         opt.step()
         after = (time.perf_counter(), wchar(), sync.zero.ring_bytes if sync.zero else 0)
         if step >= 2:  # two warm-up steps
             times.append(after[0] - before[0])
+            optimizer_s.append(after[0] - stepped)
             wire.append(after[1] - before[1])
             ring.append(after[2] - before[2] if sync.zero else
                         2 * (WORLD - 1) * grad_bytes // WORLD)
     result = {"rank": pipe.replica_index, "mode": mode, "grad_bytes": grad_bytes,
               "step_s": statistics.median(times), "wire": statistics.median(wire),
+              "optimizer_s": statistics.median(optimizer_s), "model_state": model_state(pipe, opt),
               "ring": statistics.median(ring), "state_bytes": shard_state_bytes(opt),
               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "rss_after": resident()}
@@ -113,7 +130,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rank-of", nargs=2, metavar=("OUT", "MODE"))
     args = parser.parse_args()
     if args.rank_of:
@@ -140,6 +157,9 @@ def main() -> None:
         rows = [("bytes sent / step, NCCL ring", a["ring"], b["ring"], mib),
                 ("bytes gloo wrote / step", a["wire"], b["wire"], mib),
                 ("step time", a["step_s"], b["step_s"], lambda t: f"{t * 1e3:.1f} ms"),
+                ("of which opt.step()", a["optimizer_s"], b["optimizer_s"],
+                 lambda t: f"{t * 1e3:.1f} ms"),
+                ("model state kept between steps", a["model_state"], b["model_state"], mib),
                 ("optimizer state", a["state_bytes"], b["state_bytes"], mib),
                 ("peak RSS", a["peak_rss"], b["peak_rss"], mib),
                 ("RSS after the steps", a["rss_after"], b["rss_after"], mib)]

@@ -1,8 +1,9 @@
 """Sharded optimizer state (ZeRO-1, runtime/zero.py): float64 AdamW with param groups, an LR
 schedule and clipping under (P, D) = (1, 2), (2, 2), (2, 3) on gloo ranks equals eager on the
 whole batch (tied embedding and LM head included); checkpoints move between one process,
-sharded and unsharded layouts and continue exactly; the refusals; state per rank ~1/D; bf16 and
-fp16 sharded equal unsharded. One launch per world size runs several jobs."""
+sharded and unsharded layouts and continue exactly; "auto" shards pipe.optimizer's optimizer
+and leaves a direct one unsharded; the refusals; state per rank ~1/D; bf16 and fp16 sharded
+equal unsharded. One launch per world size runs several jobs."""
 
 from __future__ import annotations
 
@@ -124,8 +125,11 @@ def test_sharded_training_and_checkpoints_equal_eager(tmp_path: Path) -> None:
          "path": str(ck / "s12")},
     ])
     six = run(tmp_path / "w6", 6, [
-        {"name": "t23", "kind": "train", "P": 2, "D": 3},
+        {"name": "t23", "kind": "train", "P": 2, "D": 3, "shard": "auto"},  # D > 1: shards
         {"name": "r23", "kind": "resume", "P": 2, "D": 3, "path": str(ck / "s22")},
+        # "auto" and torch's own AdamW over pipe.parameters(): unsharded, as before
+        {"name": "r23direct", "kind": "resume", "P": 2, "D": 3, "shard": "auto",
+         "direct": True, "path": str(ck / "s12")},
     ])
     check(one_process(1, load=ck / "s22"), eager, "one process P=1 from sharded (2, 2)")
 
@@ -134,7 +138,7 @@ def test_sharded_training_and_checkpoints_equal_eager(tmp_path: Path) -> None:
             continue
         for r, result in enumerate(results):
             check(result["state"], eager, f"{name} rank {r}")
-            assert result["sharded"] == (name != "r22off"), name
+            assert result["sharded"] == (name not in ("r22off", "r23direct")), name
 
     # optimizer state per rank: 1/D of the stage's (AdamW's two moments), give or take padding
     for r in range(4):
