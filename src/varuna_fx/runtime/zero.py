@@ -83,7 +83,7 @@ class ZeroLayout:
     replicas: int
     buckets: list[Bucket]
     # (user group, name, parameter): held parameters whose gradients are not synchronised
-    # here (never read by forward, frozen, 0-d): stepped whole, as unsharded
+    # here (never read by forward, frozen), 0-d or empty: stepped whole, as unsharded
     whole: list[tuple[int, str, nn.Parameter]] = field(default_factory=list)
 
     def group_members(self, group: int) -> list[Any]:
@@ -156,7 +156,7 @@ def build_layout(groups: list[dict[str, Any]], names: dict[int, str], synced: se
         open_: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
         for p in group["params"]:
             name = names[id(p)]
-            if name not in synced or p.dim() == 0:
+            if name not in synced or p.dim() == 0 or p.numel() == 0:
                 layout.whole.append((gi, name, p))
                 continue
             kind = ("tied", tied_here[name]) if name in tied_here else ("plain", True)
