@@ -103,14 +103,14 @@ class Plan:
             f"{', optimizer state sharded over D (ZeRO-1)' if self.shard_optimizer else ''}"
         ))
         for name in ("stage", "nodes", "parameters", "FLOPs/mb", "activations/mb",
-                     "boundary/mb", "time/mb", "recompute", "optimizer", "memory"):
+                     "boundary/mb", "time/mb", "optimizer", "recompute", "memory"):
             table.add_column(name, justify="right")
         for s in self.stage_costs:
             rc = self.recompute[s.index] if s.index < len(self.recompute) else False
             table.add_row(str(s.index), str(s.nodes), _count(s.parameters), _count(s.flops),
                           _bytes(s.activation_bytes), _bytes(s.boundary_bytes),
-                          f"{s.time * 1e3:.3f} ms", "yes" if rc else "no",
-                          _bytes(s.optimizer_bytes), _bytes(s.memory))
+                          f"{s.time * 1e3:.3f} ms", _bytes(s.optimizer_bytes),
+                          "yes" if rc else "no", _bytes(s.memory))
         tied = ", ".join(f"{k} (stages {v})" for k, v in self.tied_parameters.items())
         table.caption = f"balance max/mean {self.balance:.3f}" + (f"; tied: {tied}" if tied else "")
         return table
