@@ -119,7 +119,7 @@ def test_one_f_one_b_never_has_room_and_varuna_often_does() -> None:
 
 
 def _posting_order(me: int, acts: list[Action], spec: StageSpec) -> list[tuple]:
-    """The receives stage ``me`` posts, in order (as ``StageExecutor.expected``)."""
+    """The receives stage ``me`` posts, in order (as its lowered program's RECV ops)."""
     order = []
     for a in acts:
         if a.kind is Kind.F:
@@ -234,6 +234,9 @@ class _FakeInbox:
             msg = self._expected[self._next][1]
             self._posted[msg.key] = msg
             self._next += 1
+
+    def post(self, msg: object) -> None:  # the lowered program's RECV op
+        self._posted[msg.key] = msg  # type: ignore[attr-defined]
 
     def posted(self, key: tuple) -> bool:
         return key in self._posted

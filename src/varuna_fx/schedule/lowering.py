@@ -29,6 +29,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind, Schedule
@@ -80,12 +81,12 @@ class Op:
     def compute(cls, action: Action) -> Op:
         return cls(OpKind(action.kind.value), action.stage, action.mb)
 
-    @property
+    @cached_property
     def action(self) -> Action:
         """The compute action (only for F, R, B, W)."""
         return Action(self.stage, Kind(self.kind.value), self.mb)
 
-    @property
+    @cached_property
     def message(self) -> tuple[str, int, int, int]:
         """What a send and its receive share: (F or B, sending stage, receiving stage, mb)."""
         direction = "F" if self.kind in (OpKind.SEND_F, OpKind.RECV_F) else "B"
