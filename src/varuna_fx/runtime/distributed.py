@@ -8,7 +8,6 @@ and make the one world all-reduce of the step (loss, fp16 overflow, the caller's
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -21,7 +20,7 @@ from ..codegen import Stage
 from ..codegen.modes import Modes, capture_if_changed, evaluation_stages, modes_set, module_modes
 from ..ir.nodes import info
 from ..planner.plan import Plan
-from ..schedule import Lowered, Op, OpKind, check_comms, validate
+from ..schedule import Op, OpKind, validate
 from ..schedule.placement import Placement, check_world_size
 from ..world.where import comm_device, init_process_group
 from . import preemption
@@ -79,7 +78,6 @@ class DistributedRuntime(StepLoop):
         # the program every rank runs, proved against NCCL's rules before any message (the
         # one check of the NCCL path possible without GPUs; cheap: milliseconds at P=8, m=16)
         self.executor.program(self.per_stage)
-        check_lowered(self.executor.lowered, reorder)
         self._other: tuple[list[Stage], StageExecutor] | None = None  # another mode's stages
         # eval mode's stages, made at compile while this rank held every parameter (codegen/modes.py)
         self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
@@ -188,19 +186,6 @@ class DistributedRuntime(StepLoop):
         for group in self.groups.created:
             dist.destroy_process_group(group)
         self.groups.created.clear()
-
-
-def check_lowered(lowered: Lowered | None, reorder: bool) -> None:
-    """Prove the step's lowered program deadlock-free on the runtime's communicators: the
-    static order and, where Varuna's rule is on, its reorderings (every gradient late; one
-    random interleaving). Two replicas stand for D: every replica runs the same programs on
-    groups of its own, joined only by the tied and data-parallel all-reduces."""
-    assert lowered is not None
-    lowered = dataclasses.replace(lowered, replicas=min(lowered.replicas, 2))
-    check_comms(lowered)
-    if reorder:
-        check_comms(lowered, reorder=True, late=True)
-        check_comms(lowered, reorder=True, seed=0)
 
 
 def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[Stage],

@@ -24,6 +24,7 @@ inputs have arrived and the stage holds fewer micro-batches than its static peak
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,7 @@ from ..schedule.lowering import (
     Walk,
     lower,
 )
+from ..schedule.nccl_check import check_comms
 from ..schedule.placement import Placement
 from .acks import release_keys
 from .comm import Inbox, Message, Outbox
@@ -58,6 +60,19 @@ ACTIVATION, GRADIENT, EVALUATION = 0, 1, 2
 
 # (mb, scaled loss seed) for the last stage's backward of micro-batch mb
 LossOf = Callable[[int, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def check_lowered(lowered: Lowered, reorder: bool) -> None:
+    """Prove a step's lowered program deadlock-free on the runtime's communicators: the static
+    order and, where Varuna's rule is on, its reorderings (every gradient late; one random
+    interleaving). Two replicas stand for D: every replica runs the same programs on groups of
+    its own, joined only by the tied and data-parallel all-reduces. Milliseconds at P=8, m=16;
+    about a second at P=16, m=64."""
+    lowered = dataclasses.replace(lowered, replicas=min(lowered.replicas, 2))
+    check_comms(lowered)
+    if reorder:
+        check_comms(lowered, reorder=True, late=True)
+        check_comms(lowered, reorder=True, seed=0)
 
 
 class StageExecutor:
@@ -87,12 +102,12 @@ class StageExecutor:
             grads[(t.src, t.dst)] = grads.get((t.src, t.dst), False) or t.requires_grad
         self.links_of_stages = [Link(a, b, g) for (a, b), g in sorted(grads.items())]
         self.tied: list[tuple[int, ...]] = []  # holder stages of each tied set (the tail)
-        self._programs: dict[int, RankProgram] = {}
+        self._programs: dict[tuple, tuple[Lowered, RankProgram]] = {}
         self._op_messages: dict[tuple, list[tuple[Transfer, Message]]] = {}
         self.lowered: Lowered | None = None
         self._messages: dict[tuple, Message] = {}
         self._specs = [s.spec for s in stages]
-        self._proof_cache: dict[tuple[int, bool], dict[tuple, tuple | None]] = {}
+        self._proof_cache: dict[tuple, dict[tuple, tuple | None]] = {}
         self.outbox = Outbox(timeout, who)
         self.split = False  # split-backward schedule: B computes input gradients only
         # set to a list to record (what, micro-batch, start, wall seconds, CPU seconds) of
@@ -129,15 +144,19 @@ class StageExecutor:
         )
 
     def program(self, per_stage: list[list[Action]]) -> RankProgram:
-        """This rank's lowered program for ``per_stage`` (cached per number of micro-batches:
-        it depends on nothing else); ``self.lowered`` keeps every rank's, for the checker."""
-        m = sum(a.kind is Kind.F for a in per_stage[self.spec.index])
-        if m not in self._programs:
-            self.lowered = lower(per_stage, list(range(len(per_stage))), m, name="step",
-                                 split_backward=self.split, links=self.links_of_stages,
-                                 tied=self.tied, replicas=self.placement.replicas)
-            self._programs[m] = self.lowered.programs[self.spec.index]
-        return self._programs[m]
+        """This rank's lowered program for ``per_stage``, proved deadlock-free under NCCL's
+        rules (:func:`check_lowered`) the first time each order is seen; ``self.lowered`` keeps
+        every rank's program of the last order."""
+        key = (tuple(tuple(acts) for acts in per_stage), self.reorder, self.split)
+        if key not in self._programs:
+            m = sum(a.kind is Kind.F for a in per_stage[self.spec.index])
+            lowered = lower(per_stage, list(range(len(per_stage))), m, name="step",
+                            split_backward=self.split, links=self.links_of_stages,
+                            tied=self.tied, replicas=self.placement.replicas)
+            check_lowered(lowered, self.reorder)
+            self._programs[key] = (lowered, lowered.programs[self.spec.index])
+        self.lowered, program = self._programs[key]
+        return program
 
     def _op_wire(self, op: Op) -> list[tuple[Transfer, Message]]:
         """The tensors one send or receive op stands for, in transfer order (the same order
@@ -249,8 +268,7 @@ class StageExecutor:
         return inbox.completed(msg.key) if self.arrived is None else self.arrived(msg)
 
     def _proofs(self, per_stage: list[list[Action]]) -> dict[tuple, tuple | None]:
-        m = sum(a.kind is Kind.F for a in per_stage[self.spec.index])
-        key = (m, self.reorder)
+        key = (tuple(tuple(acts) for acts in per_stage), self.reorder)  # (any order may run)
         if key not in self._proof_cache:
             self._proof_cache[key] = release_keys(self.spec.index, per_stage, self._specs,
                                                   reorder=self.reorder, split=self.split)
