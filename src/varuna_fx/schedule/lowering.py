@@ -153,17 +153,19 @@ class RankProgram:
     tail: list[Op]
     waits: list[list[Op]] = field(default_factory=list)  # filled by Lowered from its links
     index: dict[Action, int] = field(default_factory=dict)
+    compute_ops: list[Op] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.index = {a: k for k, a in enumerate(self.compute)}
+        self.compute_ops = [Op.compute(a) for a in self.compute]
 
     @property
     def ops(self) -> list[Op]:
         """The static order: everything the rank issues, in the order it issues it."""
         out: list[Op] = []
-        for k, act in enumerate(self.compute):
+        for k, op in enumerate(self.compute_ops):
             out += self.before[k]
-            out.append(Op.compute(act))
+            out.append(op)
             out += self.after[k]
         return out + self.before[len(self.compute)] + self.tail
 
@@ -403,7 +405,7 @@ class Walk:
                     yield from post_through(f)
                     if all(landed(op) for op in prog.waits[f]):
                         k = f
-            yield Op.compute(prog.compute[k])
+            yield prog.compute_ops[k]
             cursor.done(k)
             yield from prog.after[k]
         yield from post_through(len(prog.compute))
