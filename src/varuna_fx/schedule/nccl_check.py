@@ -216,20 +216,23 @@ class _Run:
 
     def _blocker(self, proc: Proc, op: Op, explain: bool = False) -> str | None:
         """Why ``op`` cannot run now (None: it can; ``explain``: say it in full)."""
-        if self.waiting[proc] is not None:
-            return None if self.waiting[proc].done else f"its {self.waiting[proc].op} to complete"
+        waiting = self.waiting[proc]
+        if waiting is not None:
+            if waiting.done:
+                return None
+            return f"its {waiting.op} to complete" if explain else "blocking"
         if op.kind in COMPUTE:
             prog = self.program[proc]
             k = prog.index[op.action]
             for recv in prog.waits[k]:
                 entry = self.issued.get((proc, recv))
                 if entry is None:
-                    return f"{recv}, which it has not posted yet"
+                    return f"{recv}, which it has not posted yet" if explain else "unposted"
                 if not entry.done:
-                    return f"{recv}"
+                    return str(recv) if explain else "receive"
             for dep in self._local_deps(op.action):
                 if (proc, dep) not in self.computed:
-                    return f"{dep} on this rank"
+                    return f"{dep} on this rank" if explain else "local"
             return None
         if op.kind is OpKind.WAIT_SENDS:
             if not self.open_sends[proc]:
