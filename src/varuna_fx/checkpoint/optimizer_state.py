@@ -121,13 +121,26 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
               if k.startswith(GROUP_OBJECT_PREFIX)}
     saved = SavedState(loaded, TENSOR_PREFIX, OBJECT_PREFIX, decode)
 
+    owner: dict[int, int] = {}  # saved group id -> the optimizer's group now
+    asked: list[int] = []  # the groups group_hyper was asked for so far
+
     def group_hyper(members: list[str], group: dict[str, Any]) -> dict[str, Any]:
+        """The saved hyperparameters of the optimizer's next group (called once per group,
+        in order), holding the parameters ``members``."""
+        now = len(asked)
+        asked.append(now)
         ids = {int(loaded[f"{GROUP_PREFIX}{f}"][0]) for f in members}
         if len(ids) > 1:
             raise CheckpointError(
                 f"parameters {members[:5]} share a param group now but had different "
                 "hyperparameters when saved: build the optimizer's param groups as they were"
             )
+        if ids and owner.setdefault(next(iter(ids)), now) != now:
+            raise CheckpointError(  # as torch's load_state_dict refuses other group counts
+                f"param groups {owner[next(iter(ids))]} and {now} of the optimizer "
+                "were one param group when saved: the checkpoint's hyperparameters would "
+                "overwrite both groups' (lr, weight decay, ...). Build the optimizer's param "
+                "groups as they were when saved, and change them after loading")
         return hypers[ids.pop()] if ids else {k: v for k, v in group.items() if k != "params"}
 
     layout = layout_of(optimizer)

@@ -25,7 +25,7 @@ from torch import nn
 
 from .comm import AllReduce, wait
 from .setup import Groups
-from .zero import ZeroSync
+from .zero import ZeroReduce, ZeroSync
 
 
 class GradSync:
@@ -66,18 +66,28 @@ class GradSync:
                 p.grad.zero_()
 
     def start(self) -> list[AllReduce]:
-        """Launch every reduction of this stage's gradients (asynchronous)."""
-        pending = []
-        for params, group in self.tied:
-            pending.append(AllReduce(_grads(params), group, divide=self.replicas,
-                                     timeout=self.timeout, who=self.who,
-                                     what=f"the tied-parameter gradient sum {_ranks(group)}"))
+        """Launch every reduction of this stage's gradients (asynchronous): the tied sums in
+        order, then the data-parallel average (the lowered program's tail, one op each)."""
+        pending = [self.start_tied(k) for k in range(len(self.tied))]
+        return pending + self.start_data_parallel()
+
+    def start_tied(self, k: int) -> AllReduce:
+        """Launch the sum of this rank's ``k``-th tied set (``ALLREDUCE(tied:...)``)."""
+        params, group = self.tied[k]
+        return AllReduce(_grads(params), group, divide=self.replicas, timeout=self.timeout,
+                         who=self.who, what=f"the tied-parameter gradient sum {_ranks(group)}")
+
+    def start_data_parallel(self) -> list[AllReduce | ZeroReduce]:
+        """Launch the data-parallel average (``ALLREDUCE(dp:<stage>)``), if there is one: the
+        all-reduce of what is not sharded, and the sharded reduce-scatters. The lowered tail
+        starts (and its wait finishes) the tied sums first, which sharded tied buckets read."""
+        pending: list[AllReduce | ZeroReduce] = []
         if self.groups.data_parallel is not None and self.plain:
             pending.append(AllReduce(_grads(self.plain), self.groups.data_parallel,
                                      divide=self.replicas, timeout=self.timeout, who=self.who,
                                      what="the data-parallel gradient all-reduce "
                                      f"{_ranks(self.groups.data_parallel)}"))
-        if self.zero is not None:  # after the tied all-reduces: it reads their results
+        if self.zero is not None:
             pending.append(self.zero.start())
         return pending
 
