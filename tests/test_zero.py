@@ -3,7 +3,7 @@ schedule and clipping under (P, D) = (1, 2), (2, 2), (2, 3) on gloo ranks equals
 whole batch (tied embedding and LM head included); checkpoints move between one process,
 sharded and unsharded layouts and continue exactly; "auto" shards pipe.optimizer's optimizer
 and leaves a direct one unsharded; the refusals; state per rank ~1/D; bf16 and fp16 sharded
-equal unsharded. One launch per world size runs several jobs."""
+equal unsharded, and so do gradients accumulated over two steps. One launch per world size runs several jobs."""
 
 from __future__ import annotations
 
@@ -123,6 +123,7 @@ def test_sharded_training_and_checkpoints_equal_eager(tmp_path: Path) -> None:
         {"name": "r22", "kind": "resume", "P": 2, "D": 2, "path": str(ck / "s12")},
         {"name": "r22off", "kind": "resume", "P": 2, "D": 2, "shard": False,
          "path": str(ck / "s12")},
+        {"name": "accumulate", "kind": "accumulate", "P": 2, "D": 2},
     ])
     six = run(tmp_path / "w6", 6, [
         {"name": "t23", "kind": "train", "P": 2, "D": 3, "shard": "auto"},  # D > 1: shards
@@ -134,7 +135,7 @@ def test_sharded_training_and_checkpoints_equal_eager(tmp_path: Path) -> None:
     check(one_process(1, load=ck / "s22"), eager, "one process P=1 from sharded (2, 2)")
 
     for name, results in [*two.items(), *four.items(), *six.items()]:
-        if name in ("refuse", "precision"):
+        if name in ("refuse", "precision", "accumulate"):
             continue
         for r, result in enumerate(results):
             check(result["state"], eager, f"{name} rank {r}")
@@ -153,6 +154,11 @@ def test_sharded_training_and_checkpoints_equal_eager(tmp_path: Path) -> None:
     assert "replaced by a later pipe.optimizer" in refused["replaced"][1]
     assert "not one of this rank's parameters" in refused["not_a_parameter"][1]
     assert refused["newest"] is None
+
+    for r, found in enumerate(four["accumulate"]):  # tied copies on both stages included
+        for n, plain in found[False].items():
+            torch.testing.assert_close(found[True][n], plain, **TOL,
+                                       msg=lambda m, n=n, r=r: f"accumulated {n} rank {r}: {m}")
 
     found = two["precision"][0]
     for prec in ("bf16", "fp16"):

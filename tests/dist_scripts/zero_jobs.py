@@ -10,6 +10,7 @@ Usage: ``zero_jobs.py OUT_DIR JOBS_JSON``. Each job writes ``OUT_DIR/<name>_rank
 * ``refusals``: the errors: a non-elementwise optimizer, a direct optimizer under
   shard_optimizer=True, a replaced optimizer, a tensor that is not a parameter.
 * ``precision``: bf16 and fp16 steps sharded and unsharded (each with clipping): equal.
+* ``accumulate``: gradients of two ``pipe.step`` calls per optimizer step, sharded and not.
 """
 
 from __future__ import annotations
@@ -129,11 +130,30 @@ def precision(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def accumulate(job: dict[str, Any]) -> dict[str, Any]:
+    """Two batches' gradients per optimizer step (no zero_grad between): sharded == plain."""
+    out: dict[str, Any] = {}
+    data = tokens()
+    for shard in (True, False):
+        pipe = compile_job({**job, "shard": shard})
+        opt = make_optimizer(pipe.named_parameters(), pipe.optimizer)
+        for step in range(0, 4, 2):
+            pipe.zero_grad()
+            for k in (step, step + 1):
+                x, y = pipe.shard((data[k, :, :-1], data[k, :, 1:]))
+                pipe.step(x, target=y)
+            pipe.clip_grad_norm_(MAX_NORM)
+            pipe.optimizer_step(opt)
+        out[shard] = {n: t.detach().clone() for n, t in pipe.state_dict().items()}
+        pipe.close()
+    return out
+
+
 def main() -> None:
     for job in json.loads(sys.argv[2]):
         try:
             result = {"train": train, "resume": resume, "refusals": refusals,
-                      "precision": precision}[job["kind"]](job)
+                      "precision": precision, "accumulate": accumulate}[job["kind"]](job)
         except vf.VarunaFxError as exc:
             result = {"error": type(exc).__name__, "message": str(exc)}
         torch.save(result, OUT / f"{job['name']}_rank{RANK}.pt")
