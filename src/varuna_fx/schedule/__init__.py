@@ -14,6 +14,7 @@ from varuna_fx.schedule.generators import (
     cheaper,
     check_schedule_name,
     clear_caches,
+    default_stages_per_rank,
     depends_on_costs,
     has_quick,
     is_split,
@@ -34,6 +35,7 @@ from varuna_fx.schedule.simulate import (
     simulate_step,
 )
 from varuna_fx.schedule.validate import execution_order, validate
+from varuna_fx.schedule.virtual import is_virtual, virtual_names
 
 __all__ = [
     "Action",
@@ -48,11 +50,13 @@ __all__ = [
     "cheaper",
     "check_schedule_name",
     "clear_caches",
+    "default_stages_per_rank",
     "depends_on_costs",
     "execution_order",
     "gantt",
     "has_quick",
     "is_split",
+    "is_virtual",
     "peak_stash",
     "peak_stash_counts",
     "recompute_per_stage",
@@ -63,5 +67,6 @@ __all__ = [
     "simulate_step",
     "text_grid",
     "validate",
+    "virtual_names",
     "with_micro_batches",
 ]
