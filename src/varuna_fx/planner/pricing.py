@@ -18,6 +18,7 @@ from ..schedule import (
     depends_on_costs,
     has_quick,
     is_split,
+    is_virtual,
     peak_stash_counts,
     simulate,
     simulate_step,
@@ -44,6 +45,9 @@ class Pricing:
         self.recompute = recompute
         self.network = network
         self.memory_cap = float(cluster.gpu_memory)
+        # v of a virtual schedule (several stages per rank; None: its default), set by
+        # ``configure`` before anything is built
+        self.stages_per_rank: int | None = None
         self._balancers: dict[int, Balancer] = {}
         self._plans: dict[tuple[int, int, tuple[int, ...], float], StagePlan | None] = {}
         self._schedules: dict[tuple[str, int, int], tuple[Schedule, list[int]]] = {}
@@ -85,7 +89,9 @@ class Pricing:
         name = schedule or self.schedules[0]
         key = (name, stages, micro_batches)
         if key not in self._schedules:
-            sched = build_schedule(name, stages, micro_batches, self.recompute)
+            sched = build_schedule(name, stages, micro_batches, self.recompute,
+                                   stages_per_rank=self.stages_per_rank if is_virtual(name)
+                                   else None)
             self._schedules[key] = (sched, peak_stash_counts(sched))
         return self._schedules[key]
 

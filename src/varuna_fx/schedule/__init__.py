@@ -35,7 +35,7 @@ from varuna_fx.schedule.simulate import (
     simulate_step,
 )
 from varuna_fx.schedule.validate import execution_order, validate
-from varuna_fx.schedule.virtual import is_virtual, virtual_names
+from varuna_fx.schedule.virtual import is_virtual, placement_style, virtual_names
 
 __all__ = [
     "Action",
@@ -59,6 +59,7 @@ __all__ = [
     "is_virtual",
     "peak_stash",
     "peak_stash_counts",
+    "placement_style",
     "recompute_per_stage",
     "schedule_names",
     "simulate",

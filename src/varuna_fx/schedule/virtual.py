@@ -135,5 +135,10 @@ def is_virtual(name: str) -> bool:
     return name in VIRTUAL_SCHEDULES
 
 
+def placement_style(name: str) -> str:
+    """How ``name`` places stages on ranks ("looped" for schedules of one stage per rank)."""
+    return VIRTUAL_SCHEDULES[name][0] if is_virtual(name) else "looped"
+
+
 def virtual_names() -> list[str]:
     return sorted(VIRTUAL_SCHEDULES)
