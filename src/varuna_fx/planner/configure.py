@@ -23,8 +23,13 @@ from ..costs.roofline import DeviceSpec, NodeTimes
 from ..errors import PartitionError, PlanError
 from ..passes.assign_stages import CostSetting, compute_nodes, partition_costs, record_stages
 from ..passes.partition import Partition, partition
-from ..schedule import Schedule, build_schedule, default_stages_per_rank, is_virtual, \
-    peak_stash_counts
+from ..schedule import (
+    Schedule,
+    build_schedule,
+    default_stages_per_rank,
+    is_virtual,
+    peak_stash_counts,
+)
 from ..world.where import running_world
 from .candidates import Candidate, Space
 from .cluster import Cluster
