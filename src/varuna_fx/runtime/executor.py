@@ -1,6 +1,8 @@
-"""One rank's pipeline work: its stage's action list, in order, with real messages.
+"""One rank's pipeline work: its action list, in order, with real messages.
 
-The action list is ``Schedule.per_stage[stage]``. Before each action the receives of the next
+The action list is ``Schedule.lists[rank]``: one stage's list, or with virtual stages the
+rank's list interleaving its stages' actions (one worker per stage; a value passed between two
+stages of this rank is handed over in memory, never sent). Before each action the receives of the next
 few actions are posted (``LOOKAHEAD``), so activations and gradients land while the rank still
 computes; sends go out as soon as a value exists and never block the loop. A value used by
 several later stages is sent to each directly (skip connections are not relayed), and the
@@ -44,22 +46,29 @@ LossOf = Callable[[int, dict[str, torch.Tensor]], torch.Tensor]
 
 
 class StageExecutor:
-    def __init__(self, worker: StageWorker, stages: list[Stage], placement: Placement,
-                 replica: int, micro_batch_size: int, device: torch.device,
-                 timeout: float, who: str, links: dict[tuple[int, int], Any] | None = None
-                 ) -> None:
-        self.worker = worker
+    def __init__(self, worker: StageWorker | list[StageWorker], stages: list[Stage],
+                 placement: Placement, replica: int, micro_batch_size: int,
+                 device: torch.device, timeout: float, who: str,
+                 links: dict[tuple[int, int], Any] | None = None) -> None:
+        """``worker``: this rank's stage worker, or one per stage it runs (virtual stages)."""
+        listed = worker if isinstance(worker, list) else [worker]
+        self.workers = {w.spec.index: w for w in listed}
+        self.worker = listed[0]
+        self.local = frozenset(self.workers)  # the stages this rank runs
         # (sending rank, receiving rank) -> its direction's process group (setup.build_groups);
         # a direction not listed uses the default group
         self.links = links or {}
-        self.spec = worker.spec
+        self.spec = self.worker.spec
         self.placement, self.replica = placement, replica
         self.micro_batch_size = micro_batch_size
         self.device, self.timeout, self.who = device, timeout, who
         every = [t for s in stages for t in s.spec.sends]  # identical on every rank
         self._tid = {(t.name, t.src, t.dst): k for k, t in enumerate(every)}
-        self._grad_in = [t for t in self.spec.sends if t.requires_grad]
-        self._grad_out = [t for t in self.spec.recvs if t.requires_grad]
+        # per local stage: the gradients its backward takes, and those it gives back
+        self._grad_in = {s: [t for t in w.spec.sends if t.requires_grad]
+                         for s, w in self.workers.items()}
+        self._grad_out = {s: [t for t in w.spec.recvs if t.requires_grad]
+                          for s, w in self.workers.items()}
         self._expected: dict[int, list[tuple[int, Message]]] = {}
         self._messages: dict[tuple, Message] = {}
         self._specs = [s.spec for s in stages]
@@ -89,7 +98,7 @@ class StageExecutor:
         return found
 
     def _make_message(self, t: Transfer, mb: int, kind: int, batch: int | None) -> Message:
-        peer = t.src if t.dst == self.spec.index else t.dst
+        mine, peer = (t.dst, t.src) if t.dst in self.local else (t.src, t.dst)
         tag = (mb * len(self._tid) + self._tid[(t.name, t.src, t.dst)]) * 3 + kind
         sender, receiver = (t.dst, t.src) if kind == GRADIENT else (t.src, t.dst)
         direction = (self.placement.rank(sender, self.replica),
@@ -98,8 +107,12 @@ class StageExecutor:
             kind="gradient" if kind == GRADIENT else "activation", name=t.name,
             peer_stage=peer, peer_rank=self.placement.rank(peer, self.replica), mb=mb, tag=tag,
             shape=t.tensor.concrete_shape(batch or self.micro_batch_size), dtype=t.tensor.dtype,
-            group=self.links.get(direction),
+            group=self.links.get(direction), stage=mine,
         )
+
+    def remote(self, t: Transfer) -> bool:
+        """Whether ``t`` crosses to another rank (else both its stages run here)."""
+        return not (t.src in self.local and t.dst in self.local)
 
     def expected(self, actions: list[Action]) -> list[tuple[int, Message]]:
         """(action index, message) for every receive of the list, in consumption order
@@ -109,9 +122,11 @@ class StageExecutor:
             found = []
             for k, a in enumerate(actions):
                 if a.kind is Kind.F:
-                    found += [(k, self.message(t, a.mb, ACTIVATION)) for t in self.spec.recvs]
+                    found += [(k, self.message(t, a.mb, ACTIVATION))
+                              for t in self.workers[a.stage].spec.recvs if self.remote(t)]
                 elif a.kind is Kind.B:
-                    found += [(k, self.message(t, a.mb, GRADIENT)) for t in self._grad_in]
+                    found += [(k, self.message(t, a.mb, GRADIENT))
+                              for t in self._grad_in[a.stage] if self.remote(t)]
             self._expected[key] = found
         return self._expected[key]
 
@@ -132,32 +147,54 @@ class StageExecutor:
     # -- a training step -----------------------------------------------------------------------
 
     def run(self, per_stage: list[list[Action]], micro: list[dict[str, torch.Tensor]],
-            loss_of: LossOf | None) -> None:
-        """Run this stage's list of ``per_stage`` (every stage's list: they tell when a send is
-        delivered); ``loss_of`` (last stage) gives the loss seed of a micro-batch."""
-        actions = per_stage[self.spec.index]
+            loss_of: LossOf | None, actions: list[Action] | None = None) -> None:
+        """Run this rank's ``actions`` (default: its stage's list of ``per_stage``); every
+        stage's list tells when a send is delivered. ``loss_of`` (the rank running the last
+        stage) gives the loss seed of a micro-batch."""
+        actions = per_stage[self.spec.index] if actions is None else actions
         inbox = Inbox(self.expected(actions), self.device, self.timeout, self.who)
         proofs = self._proofs(per_stage)
-        worker, spec = self.worker, self.spec
-
+        near: dict[tuple, torch.Tensor] = {}  # values between two stages of this rank
         trace = self.trace
 
-        def take(key: tuple) -> torch.Tensor:
+        def take(msg: Message) -> torch.Tensor:
             if trace is not None:
                 start, cpu = time.perf_counter(), time.process_time()
-            value = inbox.take(key)
-            self.outbox.release(key)
+            value = inbox.take(msg.key)
+            self.outbox.release(msg.key)
             if trace is not None:
-                trace.append(("wait", key[3], start, time.perf_counter() - start,
+                trace.append(("wait", msg.mb, start, time.perf_counter() - start,
                               time.process_time() - cpu))
             return value
 
-        def forward(i: int) -> None:
-            received = {t.name: take(("activation", t.name, t.src, i)) for t in spec.recvs}
+        def give(value: torch.Tensor, t: Transfer, mb: int, kind: int) -> None:
+            if self.remote(t):
+                msg = self.message(t, mb, kind)
+                self._send(value, msg, proofs[msg.stage][msg.key[:4]])
+            else:  # the wire's dtype, as the receiving stage would get it
+                near[(kind, t.name, t.src, t.dst, mb)] = value.detach().to(t.tensor.dtype)
+
+        def forward(s: int, i: int) -> None:
+            worker = self.workers[s]
+            received = {t.name: take(self.message(t, i, ACTIVATION)) if self.remote(t)
+                        else near.pop((ACTIVATION, t.name, t.src, t.dst, i))
+                        for t in worker.spec.recvs}
             outputs = worker.forward(i, micro[i], received)
-            for t in spec.sends:
-                msg = self.message(t, i, ACTIVATION)
-                self._send(outputs[t.name], msg, proofs[msg.key])
+            for t in worker.spec.sends:
+                give(outputs[t.name], t, i, ACTIVATION)
+
+        def backward(s: int, i: int) -> None:
+            worker = self.workers[s]
+            loss = loss_of(i, worker.outputs_of(i)) if loss_of is not None and \
+                worker.is_last else None
+            grads: dict[str, torch.Tensor] = {}
+            for t in self._grad_in[s]:  # one per consumer stage: summed on the producer
+                g = take(self.message(t, i, GRADIENT)) if self.remote(t) \
+                    else near.pop((GRADIENT, t.name, t.src, t.dst, i))
+                grads[t.name] = grads[t.name] + g if t.name in grads else g
+            back = worker.backward(i, grads, loss, split=self.split)
+            for t in self._grad_out[s]:
+                give(back[t.name], t, i, GRADIENT)
 
         cursor = self.cursor = Cursor(actions, self.split)
         while (k := cursor.head()) is not None:
@@ -170,33 +207,27 @@ class StageExecutor:
             action = actions[k]
             if trace is not None:
                 begin, begin_cpu = time.perf_counter(), time.process_time()
-            i = action.mb
+            s, i = action.stage, action.mb
             if action.kind is Kind.F:
-                forward(i)
+                forward(s, i)
             elif action.kind is Kind.R:
-                worker.recompute_mb(i, self.device)
+                self.workers[s].recompute_mb(i, self.device)
             elif action.kind is Kind.W:  # weight gradients: no messages
-                worker.weight_grads(i)
+                self.workers[s].weight_grads(i)
             else:
-                loss = loss_of(i, worker.outputs_of(i)) if loss_of is not None else None
-                grads: dict[str, torch.Tensor] = {}
-                for t in self._grad_in:  # one per consumer stage: summed on the producer
-                    g = take(("gradient", t.name, t.dst, i))
-                    grads[t.name] = grads[t.name] + g if t.name in grads else g
-                back = worker.backward(i, grads, loss, split=self.split)
-                for t in self._grad_out:
-                    msg = self.message(t, i, GRADIENT)
-                    self._send(back[t.name], msg, proofs[msg.key])
+                backward(s, i)
             cursor.done(k)
             if trace is not None:  # the whole action, its waits included (subtract them)
                 trace.append((action.kind.name, i, begin, time.perf_counter() - begin,
                               time.process_time() - begin_cpu))
         assert inbox.pending == 0, "every posted receive is consumed by the schedule"
+        assert not near, "every value passed within this rank is consumed"
 
     def _gradient_here(self, mb: int, inbox: Inbox) -> bool:
         """Every gradient the backward of ``mb`` takes has landed (True when it takes none:
         the last stage, or nothing it sends needs a gradient)."""
-        return all(self._landed(self.message(t, mb, GRADIENT), inbox) for t in self._grad_in)
+        return all(self._landed(self.message(t, mb, GRADIENT), inbox)
+                   for t in self._grad_in[self.spec.index])
 
     def _inputs_here(self, mb: int, index: int, inbox: Inbox) -> bool:
         """Every activation the forward of ``mb`` (list position ``index``) takes has landed."""
@@ -210,26 +241,42 @@ class StageExecutor:
             return False  # not even posted: it cannot have landed
         return inbox.completed(msg.key) if self.arrived is None else self.arrived(msg)
 
-    def _proofs(self, per_stage: list[list[Action]]) -> dict[tuple, tuple | None]:
+    def _proofs(self, per_stage: list[list[Action]]) -> dict[int, dict[tuple, tuple | None]]:
+        """Per local stage: each send's key (as ``acks.release_keys`` names it) -> the key of
+        the received message that proves it delivered (``Message.key``: with the stage)."""
         m = sum(a.kind is Kind.F for a in per_stage[self.spec.index])
         key = (m, self.reorder)
         if key not in self._proof_cache:
-            self._proof_cache[key] = release_keys(self.spec.index, per_stage, self._specs,
-                                                  reorder=self.reorder, split=self.split)
+            self._proof_cache[key] = {
+                s: {k: None if proof is None else (*proof, s)
+                    for k, proof in release_keys(s, per_stage, self._specs,
+                                                 reorder=self.reorder, split=self.split).items()}
+                for s in self.local}
         return self._proof_cache[key]
 
     # -- evaluation ----------------------------------------------------------------------------
 
     def evaluate(self, inputs: dict[str, torch.Tensor], batch: int,
                  autocast: Callable[[], Any]) -> dict[str, Any]:
-        """The whole batch as one micro-batch through this stage, without autograd."""
-        expected = [(0, self.message(t, 0, EVALUATION, batch)) for t in self.spec.recvs]
+        """The whole batch as one micro-batch through this rank's stages (in stage order, a
+        topological one), without autograd; returns the outputs of its highest stage."""
+        order = sorted(self.workers)
+        expected = [(k, self.message(t, 0, EVALUATION, batch)) for k, s in enumerate(order)
+                    for t in self.workers[s].spec.recvs if self.remote(t)]
         inbox = Inbox(expected, self.device, self.timeout, self.who)
-        inbox.post_until(1)
-        received = {t.name: inbox.take(("activation", t.name, t.src, 0)) for t in self.spec.recvs}
-        with torch.no_grad(), autocast():
-            outputs = self.worker.stage({**inputs, **received})
-        for t in self.spec.sends:
-            self._send(outputs[t.name], self.message(t, 0, EVALUATION, batch))
+        near: dict[tuple, torch.Tensor] = {}
+        outputs: dict[str, Any] = {}
+        for k, s in enumerate(order):
+            spec = self.workers[s].spec
+            inbox.post_until(k + 1)
+            received = {t.name: inbox.take(self.message(t, 0, EVALUATION, batch).key)
+                        if self.remote(t) else near.pop((t.name, t.dst)) for t in spec.recvs}
+            with torch.no_grad(), autocast():
+                outputs = self.workers[s].stage({**inputs, **received})
+            for t in spec.sends:
+                if self.remote(t):
+                    self._send(outputs[t.name], self.message(t, 0, EVALUATION, batch))
+                else:
+                    near[(t.name, t.dst)] = outputs[t.name].to(t.tensor.dtype)
         self.outbox.drain()
         return outputs

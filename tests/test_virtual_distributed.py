@@ -1,0 +1,42 @@
+"""Virtual stages on gloo ranks: 4 stages on 2 ranks (v = 2), against eager training."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_common import eager_training
+from dist_utils import run_jobs
+from test_distributed import check_against_eager
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+JOBS = [("interleaved-1f1b", False), ("interleaved-1f1b", True), ("zbv", False), ("zbv", True)]
+
+
+@pytest.fixture(scope="module")
+def eager() -> dict:
+    return eager_training()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    jobs = [{"name": f"{s}_r{int(rc)}", "kind": "train", "P": 4, "v": 2, "D": 1,
+             "schedule": s, "recompute": rc} for s, rc in JOBS]
+    return run_jobs(tmp_path_factory.mktemp("virtual"), 2, jobs, timeout=300.0)
+
+
+@pytest.mark.parametrize("schedule,recompute", JOBS)
+def test_four_stages_on_two_ranks_match_eager(two_ranks: dict, eager: dict, schedule: str,
+                                              recompute: bool) -> None:
+    per_rank = two_ranks[f"{schedule}_r{int(recompute)}"]
+    # losses, clipped norms, every parameter after 3 AdamW steps, and pipe(...)'s output
+    check_against_eager([{**r, "stage": r["rank"]} for r in per_rank], eager, 2, 1)
+    held = {r["rank"]: r["stages"] for r in per_rank}
+    assert held == ({0: [0, 2], 1: [1, 3]} if schedule == "interleaved-1f1b" else
+                    {0: [0, 3], 1: [1, 2]})
+    # messages only between ranks: V-shape's stage 1 -> 2 stays on rank 1
+    for r in per_rank:
+        assert all(peer != r["rank"] for _kind, peer, _ranks, _gid in r["links"])
+    if schedule == "zbv":  # the tied embedding and head both live on rank 0: no tied group
+        assert per_rank[0]["tied"] and all(
+            set(h) == {0, 3} for h in per_rank[0]["tied"].values())
