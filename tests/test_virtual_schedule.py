@@ -20,6 +20,8 @@ from varuna_fx.schedule import (
     validate,
     with_micro_batches,
 )
+from varuna_fx.schedule.lowering import lower_schedule
+from varuna_fx.schedule.nccl_check import check_comms, check_schedule_comms
 from varuna_fx.schedule.placement import Placement, check_world_size, stage_ranks
 
 GOLDEN = Path(__file__).parent / "golden" / "schedules"
@@ -172,3 +174,19 @@ def test_links_between_ranks_only() -> None:
 def test_text_grid_rows_are_ranks() -> None:
     grid = text_grid(build_schedule("zbv", 4, 2, False))
     assert "rank  0 | 0F0 0F1 .   3F0 3B0 3W0" in grid and "rank  1 | .   1F0 2F0" in grid
+
+
+@pytest.mark.parametrize("name,p,m,rc", [("interleaved-1f1b", 4, 4, False),
+                                         ("interleaved-1f1b", 6, 5, True),
+                                         ("interleaved-1f1b", 8, 8, False),
+                                         ("zbv", 4, 4, True), ("zbv", 6, 7, False),
+                                         ("zbv", 8, 3, False)])
+def test_nccl_order_holds_with_a_group_per_stage_direction(name: str, p: int, m: int,
+                                                           rc: bool) -> None:
+    """The lowered virtual schedules finish under NCCL's rules with the runtime's groups (one
+    per stage direction, ``runtime/setup.build_groups``), tied first/last stages and D = 2."""
+    sched = build_schedule(name, p, m, rc)
+    lowered = check_schedule_comms(sched, tied=[(0, p - 1)], replicas=2, seeds=())
+    assert tuple(lowered.ranks) == sched.stage_ranks
+    with pytest.raises(ScheduleError, match="NCCL"):  # why the runtime does not share them
+        check_comms(lower_schedule(build_schedule("zbv", 4, 4, False)), layout="rank-direction")

@@ -31,13 +31,14 @@ from ..schedule import (
     peak_stash_counts,
 )
 from ..world.where import running_world
-from .candidates import Candidate, Space
+from .candidates import AUTO, Candidate, Space
 from .cluster import Cluster
 from .costs import CostTable
 from .explain import explain_nothing_fits
 from .plan import Alternative
 from .profile import Profile
 from .search import Planner
+from .virtual import weigh as weigh_virtual
 
 
 @dataclass
@@ -133,6 +134,8 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
         best = result.best
         p, d, b, name = best.stages, best.data_parallel, best.micro_batch_size, best.schedule
         alternatives = result.alternatives
+        if stages_per_rank is None and schedule == AUTO:  # the planner chooses v too
+            p, name, v, alternatives = _weigh_virtual(planner, best, alternatives)
     m = replica_batch(example_batch, global_batch_size, d) // b
     net = planner.links(p, d)
     sched, counts = planner.built(p, m, name)  # the chosen schedule (schedule="auto")
@@ -142,6 +145,22 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
         stash_counts=tuple(counts), schedule=sched, planner=planner, alternatives=alternatives,
         device=planner.spec, node_times=planner.table.measured,
     )
+
+
+def _weigh_virtual(planner: Planner, best: Candidate, rows: list[Alternative]
+                   ) -> tuple[int, str, int, list[Alternative]]:
+    """(stages, schedule, v, the rows) after weighing virtual stages on ``best``'s ranks
+    (``virtual.py``): one that simulates faster is chosen; each becomes a row."""
+    pick, stages, name, v = best, best.stages, best.schedule, 1
+    found = weigh_virtual(planner, best)
+    for c, sched in found:
+        if c.step_time < pick.step_time:
+            pick, stages, name, v = c, c.stages, c.schedule, sched.stages_per_rank
+    planner.stages_per_rank = v
+    planner.memory_cap /= v
+    rows = [dataclasses.replace(a, chosen=False) if a.chosen and pick is not best else a
+            for a in rows] + [c.alternative(c is pick) for c, _ in found]
+    return stages, name, v, sorted(rows, key=lambda a: a.step_time)
 
 
 def check_stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:

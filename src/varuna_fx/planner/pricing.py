@@ -28,6 +28,7 @@ from .candidates import Candidate, considered_schedules, weight_grads
 from .cluster import Cluster
 from .costs import CostTable, UnitArrays
 from .network import Links, NetworkProfile, links
+from .virtual import rank_allreduce, rank_links
 
 
 class Pricing:
@@ -203,6 +204,8 @@ class Pricing:
         plan = c.plan
         assert plan is not None
         net = self.links(c.stages, c.data_parallel)
+        if sched.is_virtual:  # stages on fewer ranks: links and reductions per rank
+            net = rank_links(self.links(sched.num_ranks, c.data_parallel), sched)
         backward, weight = self.backward_costs(plan, sched.name)
         # an order made for this candidate is timed once: no compiled simulation (the cached
         # cost-free ones, timed for many candidates, keep theirs); the same floats either way
@@ -212,7 +215,8 @@ class Pricing:
             recompute=plan.recompute, send_bytes=plan.send_bytes, latency=net.latency,
             bandwidth=net.bandwidths if c.stages > 1 else math.inf, weight_grad=weight,
         )
-        c.allreduce_time = self.allreduce(c)
+        c.allreduce_time = self.allreduce(c) if not sched.is_virtual else \
+            rank_allreduce(net, plan, sched, c.data_parallel)
         c.bubble = sim.bubble_fraction
         c.step_time = sim.step_time + c.allreduce_time
         return c.step_time

@@ -55,7 +55,7 @@ class StageExecutor:
         self.workers = {w.spec.index: w for w in listed}
         self.worker = listed[0]
         self.local = frozenset(self.workers)  # the stages this rank runs
-        # (sending rank, receiving rank) -> its direction's process group (setup.build_groups);
+        # (sending stage, receiving stage) -> its direction's process group (setup.build_groups);
         # a direction not listed uses the default group
         self.links = links or {}
         self.spec = self.worker.spec
@@ -100,9 +100,7 @@ class StageExecutor:
     def _make_message(self, t: Transfer, mb: int, kind: int, batch: int | None) -> Message:
         mine, peer = (t.dst, t.src) if t.dst in self.local else (t.src, t.dst)
         tag = (mb * len(self._tid) + self._tid[(t.name, t.src, t.dst)]) * 3 + kind
-        sender, receiver = (t.dst, t.src) if kind == GRADIENT else (t.src, t.dst)
-        direction = (self.placement.rank(sender, self.replica),
-                     self.placement.rank(receiver, self.replica))
+        direction = (t.dst, t.src) if kind == GRADIENT else (t.src, t.dst)  # stages
         return Message(
             kind="gradient" if kind == GRADIENT else "activation", name=t.name,
             peer_stage=peer, peer_rank=self.placement.rank(peer, self.replica), mb=mb, tag=tag,

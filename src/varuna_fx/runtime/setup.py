@@ -81,7 +81,7 @@ class Groups:
     pipeline: Any = None  # the P stages of my replica: loss and grad-norm reductions
     data_parallel: Any = None  # the D replicas of my stage: the gradient average
     tied: list[tuple[list[str], Any]] = field(default_factory=list)  # my tied sets
-    # (sending rank, receiving rank) -> the group that carries that direction's messages
+    # (sending stage, receiving stage) -> the group that carries that direction's messages
     links: dict[tuple[int, int], Any] = field(default_factory=dict)
     created: list[Any] = field(default_factory=list)
 
@@ -106,8 +106,10 @@ def build_groups(placement: Placement, tied: dict[tuple[int, ...], list[str]],
     same order on both ends (executor.py).
 
     ``stage``: this rank's stage, or every stage it runs (virtual stages): then a stage pair
-    within one rank needs no group, the pairs between two ranks share that direction's group,
-    and a tied set whose holders all run on one rank per replica needs only the replicas."""
+    within one rank needs no group, two stage pairs between the same two ranks still get a
+    group each (``schedule/nccl_check.py``'s "stage-direction" layout), the data-parallel group
+    is the rank's (one for all its stages), and a tied set whose holders all run on one rank
+    needs no group when D = 1."""
     local = {stage} if isinstance(stage, int) else set(stage)
     groups = Groups()
     span = timedelta(seconds=timeout)
@@ -137,15 +139,16 @@ def build_groups(placement: Placement, tied: dict[tuple[int, ...], list[str]],
         if local & set(holders):
             groups.tied.append((tied[holders], g))
     for r in range(d):
-        made: set[tuple[int, int]] = set()
         for src, dst in sorted(links or ()):
             a, b = placement.rank(src, r), placement.rank(dst, r)
-            if a == b or (a, b) in made:
-                continue  # within one rank; or that direction has its group already
-            made.add((a, b))
+            if a == b:
+                continue  # two stages of one rank: the value stays in the process
+            # one group per stage direction even when two share a rank pair (virtual
+            # stages): a V-shape's activations 0 -> 1 and gradients 3 -> 2 both go from rank
+            # 0 to rank 1, and rank 1 posts them in another order than rank 0 sends them
             g = make(sorted([a, b]))
-            if r == replica and placement.rank(min(local), r) in (a, b):
-                groups.links[(a, b)] = g
+            if r == replica and (src in local or dst in local):
+                groups.links[(src, dst)] = g
     return groups
 
 

@@ -349,8 +349,9 @@ def lower_schedule(schedule: Schedule, *, links: Sequence[Link] | None = None,
                    per_rank: Sequence[Sequence[Action]] | None = None) -> Lowered:
     """:func:`lower` for a :class:`Schedule`: one stage per rank unless ``ranks`` (the rank of
     each stage) and ``per_rank`` (each rank's merged order of its stages' actions) say."""
-    if ranks is None:
-        ranks = list(range(schedule.num_stages))
+    if ranks is None:  # a virtual schedule knows its placement and each rank's order
+        ranks = list(schedule.stage_ranks or range(schedule.num_stages))
+        per_rank = schedule.rank_lists if per_rank is None else per_rank
     if per_rank is None:
         if len(set(ranks)) != len(ranks):
             raise ScheduleError("several stages share a rank: pass per_rank, each rank's order "
