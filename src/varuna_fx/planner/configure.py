@@ -207,7 +207,7 @@ def price(config: Configuration, bounds: tuple[int, ...],
     b, p, m = config.micro_batch_size, config.stages, config.num_micro_batches
     units = planner.table.unit_arrays(b, planner.spec, positions=list(bounds))
     balancer = planner.balancer_for(units, p)
-    c = Candidate(p, config.data_parallel, b, m)
+    c = Candidate(p, config.data_parallel, b, m, schedule=config.schedule.name)
     c.plan = balancer.stage_plan(list(range(p + 1)))
     # the search ordered schedules with unit costs (cached per P, m); the plan's schedule is
     # generated from this partition's own times (Varuna's order, split backward's W placement)
