@@ -40,3 +40,19 @@ def test_four_stages_on_two_ranks_match_eager(two_ranks: dict, eager: dict, sche
     if schedule == "zbv":  # the tied embedding and head both live on rank 0: no tied group
         assert per_rank[0]["tied"] and all(
             set(h) == {0, 3} for h in per_rank[0]["tied"].values())
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    jobs = [{"name": "zbv_D2", "kind": "train", "P": 4, "v": 2, "D": 2, "schedule": "zbv",
+             "recompute": False}]
+    return run_jobs(tmp_path_factory.mktemp("virtual4"), 4, jobs, timeout=300.0)
+
+
+def test_two_replicas_of_two_ranks_match_eager(four_ranks: dict, eager: dict) -> None:
+    """P = 4 on 2 ranks x D = 2: the data-parallel group is a rank's (both its stages), the
+    tied embedding and head (both on rank 0 of each replica) average over the replicas only."""
+    per_rank = four_ranks["zbv_D2"]
+    check_against_eager([{**r, "stage": r["rank"] % 2} for r in per_rank], eager, 2, 2)
+    assert {r["rank"]: (r["stages"], r["replica"]) for r in per_rank} == {
+        0: ([0, 3], 0), 1: ([1, 2], 0), 2: ([0, 3], 1), 3: ([1, 2], 1)}
