@@ -120,11 +120,32 @@ def launch(args: argparse.Namespace, link: str, cache: str, out: Path | None,
             raise SystemExit(f"a rank failed on link {link}")
 
 
+def simulated() -> list[str]:
+    """The bubble with unit costs (F = 1, B = 2 for a whole rank's share of the model, so a
+    stage of v per rank costs 1/v of it), free links: the issue's target at P = 4, m = 8."""
+    from varuna_fx.schedule import build_schedule, simulate
+
+    lines = ["Simulated (unit costs split evenly over a rank's stages, free links; ideal "
+             "step = 3 m):", "", "| ranks | m | schedule | v | step | bubble | bubble time "
+             "vs 1f1b |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for ranks, m in ((4, 8), (2, 4)):
+        base = simulate(build_schedule("1f1b", ranks, m, False), [1.0] * ranks, [2.0] * ranks)
+        for name, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4),
+                        ("zbv", 2)):
+            p = ranks * v
+            sim = simulate(build_schedule(name, p, m, False, stages_per_rank=v if v > 1
+                                          else None), [1.0 / v] * p, [2.0 / v] * p)
+            lines.append(f"| {ranks} | {m} | {name} | {v} | {sim.step_time:g} | "
+                         f"{sim.bubble_fraction:.3f} | "
+                         f"{(sim.step_time - 3 * m) / (base.step_time - 3 * m):.2f} |")
+    return lines + [""]
+
+
 def report(rows: list[dict], settings: str) -> str:
     lines = [BEGIN, "", "## Virtual stages: 2 ranks x 2 stages vs 1F1B at P=2", "",
              f"Command: `{COMMAND}` ({settings}). The machine was shared with other engineers' "
              "jobs (2 cores, load average in the last column): compare ratios within one "
-             "link's launch, and read them against the spread.", ""]
+             "link's launch, and read them against the spread.", "", *simulated()]
     for link in dict.fromkeys(r["link"] for r in rows):
         for model in dict.fromkeys(r["model"] for r in rows if r["link"] == link):
             sel = [r for r in rows if r["link"] == link and r["model"] == model]

@@ -22,7 +22,7 @@ from ..codegen import Stage
 from ..codegen.modes import Modes, capture_if_changed, evaluation_stages, modes_set, module_modes
 from ..ir.nodes import info
 from ..planner.plan import Plan
-from ..schedule import validate
+from ..schedule import Op, OpKind, validate
 from ..schedule.placement import Placement, check_world_size
 from ..world.where import comm_device, init_process_group
 from . import preemption
@@ -54,7 +54,7 @@ class DistributedRuntime(StepLoop):
                  groups: Groups, grad_sync: GradSync, *, assemble: Callable[[dict], Any],
                  loss_fn: Any, precision: str, timeout: float, device: torch.device,
                  input_shapes: dict[str, Any], offload_stash: bool,
-                 reorder: bool = False) -> None:
+                 reorder: bool = False, tied_holders: Sequence[tuple[int, ...]] = ()) -> None:
         self.stages, self.plan, self.placement, self.rank = stages, plan, placement, rank
         self.stage, self.replica = placement.coords(rank)
         self.stage_index, self.replica_index = self.stage, self.replica
@@ -77,8 +77,13 @@ class DistributedRuntime(StepLoop):
         validate(plan.schedule)
         self.executor.split = plan.schedule.split_backward
         self.executor.reorder = reorder  # Varuna's run-time rule (opportunistic.py)
+        self.executor.tied = list(tied_holders)
         self.per_stage = plan.schedule.per_stage
-        self.actions = plan.schedule.lists[placement.pipeline_rank(self.stage)]
+        # virtual stages: each rank's order of its stages' actions (None: per_stage)
+        self.rank_lists = plan.schedule.rank_lists
+        # the program every rank runs, proved against NCCL's rules before any message (the
+        # one check of the NCCL path possible without GPUs; cheap: milliseconds at P=8, m=16)
+        self.executor.program(self.per_stage, self.rank_lists)
         self._other: tuple[list[Stage], StageExecutor] | None = None  # another mode's stages
         # eval mode's stages, made at compile while this rank held every parameter (codegen/modes.py)
         self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
@@ -98,13 +103,32 @@ class DistributedRuntime(StepLoop):
             worker.seed = seed
 
     def run_actions(self, micro: list[dict[str, torch.Tensor]], loss_of: LossOf) -> None:
+        """The lowered program, its tail included: right after this stage's last backward the
+        tied sums and the data-parallel average start, then the sends and those reductions are
+        waited for; the loss all-reduce that closes the tail is :meth:`finish`'s."""
         self.grad_sync.before_step()
-        self.executor.run(self.per_stage, micro, loss_of if self.is_last else None,
-                          self.actions)
-        pending = self.grad_sync.start()  # right after this stage's last backward
-        self.executor.outbox.drain()
-        for reduction in pending:
-            reduction.finish()
+        pending: list[Any] = []
+        tied = iter(range(len(self.grad_sync.tied)))
+        closed = False
+
+        def tail(op: Op) -> None:
+            nonlocal pending, closed
+            if op.kind is OpKind.ALLREDUCE and op.group.startswith("tied:"):
+                pending.append(self.grad_sync.start_tied(next(tied)))
+            elif op.kind is OpKind.ALLREDUCE and op.group.startswith("dp:"):
+                pending += self.grad_sync.start_data_parallel()
+            elif op.kind is OpKind.WAIT_SENDS:
+                self.executor.outbox.drain()
+            elif op.kind is OpKind.WAIT_REDUCE and not closed:
+                for reduction in pending:
+                    reduction.finish()
+                pending = []
+            else:  # ALLREDUCE(world) and its wait: finish() makes them, after the step's work
+                closed = True
+
+        self.executor.run(self.per_stage, micro, loss_of if self.is_last else None, tail,
+                          self.rank_lists)
+        assert next(tied, None) is None and closed, "the tail covers every reduction"
 
     def finish(self, losses: list[torch.Tensor], flags: Sequence[bool]
                ) -> tuple[torch.Tensor, tuple[bool, ...]]:
@@ -218,6 +242,8 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
         stages, plan, placement, rank, groups, sync, assemble=assemble, loss_fn=loss_fn,
         precision=precision, timeout=seconds, device=device, input_shapes=shapes,
         offload_stash=offload_stash, reorder=reorder,
+        # (a tied set all on one rank, D = 1, has no group: autograd sums its copies there)
+        tied_holders=[h for h in tied if len(placement.holder_ranks(list(h))) > 1],
     )
     runtime.other_modes[eval_mode[0]] = eval_mode[1]
     return runtime

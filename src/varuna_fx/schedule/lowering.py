@@ -29,6 +29,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind, Schedule
@@ -80,12 +81,12 @@ class Op:
     def compute(cls, action: Action) -> Op:
         return cls(OpKind(action.kind.value), action.stage, action.mb)
 
-    @property
+    @cached_property
     def action(self) -> Action:
         """The compute action (only for F, R, B, W)."""
         return Action(self.stage, Kind(self.kind.value), self.mb)
 
-    @property
+    @cached_property
     def message(self) -> tuple[str, int, int, int]:
         """What a send and its receive share: (F or B, sending stage, receiving stage, mb)."""
         direction = "F" if self.kind in (OpKind.SEND_F, OpKind.RECV_F) else "B"
@@ -152,17 +153,19 @@ class RankProgram:
     tail: list[Op]
     waits: list[list[Op]] = field(default_factory=list)  # filled by Lowered from its links
     index: dict[Action, int] = field(default_factory=dict)
+    compute_ops: list[Op] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.index = {a: k for k, a in enumerate(self.compute)}
+        self.compute_ops = [Op.compute(a) for a in self.compute]
 
     @property
     def ops(self) -> list[Op]:
         """The static order: everything the rank issues, in the order it issues it."""
         out: list[Op] = []
-        for k, act in enumerate(self.compute):
+        for k, op in enumerate(self.compute_ops):
             out += self.before[k]
-            out.append(Op.compute(act))
+            out.append(op)
             out += self.after[k]
         return out + self.before[len(self.compute)] + self.tail
 
@@ -337,8 +340,8 @@ def _tail(stages: list[int], tied: Sequence[Sequence[int]], replicas: int) -> li
     average, wait for the sends, wait for the reductions, then the loss all-reduce."""
     ops = [Op(OpKind.ALLREDUCE, group="tied:" + "+".join(map(str, h)))
            for h in sorted(tuple(sorted(h)) for h in tied) if set(h) & set(stages)]
-    if replicas > 1:
-        ops += [Op(OpKind.ALLREDUCE, group=f"dp:{s}") for s in stages]
+    if replicas > 1:  # one per rank: its group averages every stage it holds (virtual stages)
+        ops.append(Op(OpKind.ALLREDUCE, group=f"dp:{min(stages)}"))
     return ops + [Op(OpKind.WAIT_SENDS), Op(OpKind.WAIT_REDUCE),
                   Op(OpKind.ALLREDUCE, group="world"), Op(OpKind.WAIT_REDUCE)]
 
@@ -403,7 +406,7 @@ class Walk:
                     yield from post_through(f)
                     if all(landed(op) for op in prog.waits[f]):
                         k = f
-            yield Op.compute(prog.compute[k])
+            yield prog.compute_ops[k]
             cursor.done(k)
             yield from prog.after[k]
         yield from post_through(len(prog.compute))

@@ -97,6 +97,10 @@ class _Run:
         self.collectives: dict[tuple, list[list[_Entry]]] = {}
         self.computed: set[tuple[Proc, Action]] = set()
         self.mine: dict[Proc, list[_Entry]] = {p: [] for p in self.procs}
+        self.open_sends = {p: 0 for p in self.procs}  # issued, not yet complete
+        self.open_reduces = {p: 0 for p in self.procs}
+        self.dirty: set[tuple[Proc, tuple]] = set()  # FIFOs whose head may now match
+        self.counts: dict[tuple[Proc, tuple], int] = {}  # collectives issued per FIFO
         local = [k for k in lowered.links if lowered.ranks[k.src] == lowered.ranks[k.dst]]
         self.local_into = {k.dst: [] for k in local}
         self.local_out = {k.src: [] for k in local}
@@ -167,7 +171,8 @@ class _Run:
                 raise ScheduleError(f"{self._name(proc)} issues {op} but holds no stage of it")
             entry = _Entry(proc, op, comm)
             rounds = self.collectives.setdefault(comm, [])
-            seq = sum(1 for e in self.mine[proc] if e.comm == comm)
+            seq = self.counts.get((proc, comm), 0)
+            self.counts[(proc, comm)] = seq + 1
             if seq == len(rounds):
                 rounds.append([])
             rounds[seq].append(entry)
@@ -196,36 +201,53 @@ class _Run:
                         "the same order on both ends"
                     )
                 entry.partner, match.partner = match, entry
+                self.dirty.add((match.proc, match.comm))
         self.issued[(proc, op)] = entry
         self.mine[proc].append(entry)
+        if op.kind in SENDS:
+            self.open_sends[proc] += 1
+        elif op.kind is OpKind.ALLREDUCE:
+            self.open_reduces[proc] += 1
         self.queues.setdefault((proc, entry.comm), deque()).append(entry)
+        self.dirty.add((proc, entry.comm))
         return entry
 
     # -- one rank's next op --------------------------------------------------------------------
 
-    def _blocker(self, proc: Proc, op: Op) -> str | None:
-        """Why ``op`` cannot run now (None: it can)."""
-        if self.waiting[proc] is not None:
-            return None if self.waiting[proc].done else f"its {self.waiting[proc].op} to complete"
+    def _blocker(self, proc: Proc, op: Op, explain: bool = False) -> str | None:
+        """Why ``op`` cannot run now (None: it can; ``explain``: say it in full)."""
+        waiting = self.waiting[proc]
+        if waiting is not None:
+            if waiting.done:
+                return None
+            return f"its {waiting.op} to complete" if explain else "blocking"
         if op.kind in COMPUTE:
             prog = self.program[proc]
             k = prog.index[op.action]
             for recv in prog.waits[k]:
                 entry = self.issued.get((proc, recv))
                 if entry is None:
-                    return f"{recv}, which it has not posted yet"
+                    return f"{recv}, which it has not posted yet" if explain else "unposted"
                 if not entry.done:
-                    return f"{recv}"
+                    return str(recv) if explain else "receive"
             for dep in self._local_deps(op.action):
                 if (proc, dep) not in self.computed:
-                    return f"{dep} on this rank"
+                    return f"{dep} on this rank" if explain else "local"
             return None
         if op.kind is OpKind.WAIT_SENDS:
+            if not self.open_sends[proc]:
+                return None
+            if not explain:
+                return "sends"
             left = [e.op for e in self.mine[proc] if e.op.kind in SENDS and not e.done]
-            return f"its sends ({' '.join(map(str, left[:3]))})" if left else None
+            return f"its sends ({' '.join(map(str, left[:3]))})"
         if op.kind is OpKind.WAIT_REDUCE:
+            if not self.open_reduces[proc]:
+                return None
+            if not explain:
+                return "reductions"
             left = [e.op for e in self.mine[proc] if e.op.kind is OpKind.ALLREDUCE and not e.done]
-            return f"{' '.join(map(str, left[:3]))}" if left else None
+            return f"{' '.join(map(str, left[:3]))}"
         return None
 
     def _local_deps(self, action: Action) -> list[Action]:
@@ -263,7 +285,9 @@ class _Run:
         """Groups of entries that can complete now: all at the heads of their FIFOs."""
         out = []
         seen: set[int] = set()
-        for (_proc, _comm), queue in self.queues.items():
+        dirty, self.dirty = self.dirty, set()
+        for key in dirty:
+            queue = self.queues.get(key)
             if not queue or id(queue[0]) in seen:
                 continue
             head = queue[0]
@@ -288,6 +312,11 @@ class _Run:
         for e in group:
             e.done = True
             self.queues[(e.proc, e.comm)].popleft()
+            self.dirty.add((e.proc, e.comm))
+            if e.op.kind in SENDS:
+                self.open_sends[e.proc] -= 1
+            elif e.op.kind is OpKind.ALLREDUCE:
+                self.open_reduces[e.proc] -= 1
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -306,7 +335,11 @@ class _Run:
             ready = self.ready()
             if self.rng is not None and ready:
                 keep = self.rng.randint(0 if moved else 1, len(ready))
-                ready = self.rng.sample(ready, keep)
+                chosen = self.rng.sample(ready, keep)
+                for group in ready:  # the others complete later: look at them again
+                    if not any(group is c for c in chosen):
+                        self.dirty.update((e.proc, e.comm) for e in group)
+                ready = chosen
             for group in ready:
                 self.complete(group)
             result.rounds += 1
@@ -329,7 +362,7 @@ class _Run:
             op = self.pending[proc]
             if op is None:
                 continue
-            why = self._blocker(proc, op)
+            why = self._blocker(proc, op, explain=True)
             parts.append(f"{self._name(proc)} waits at {op} for {why}")
         heads = []
         for (proc, _comm), queue in self.queues.items():
