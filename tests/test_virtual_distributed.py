@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from dist_common import eager_training
-from dist_utils import run_jobs
+from dist_utils import launch_ok, run_jobs
 from test_distributed import check_against_eager
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -56,3 +59,22 @@ def test_two_replicas_of_two_ranks_match_eager(four_ranks: dict, eager: dict) ->
     check_against_eager([{**r, "stage": r["rank"] % 2} for r in per_rank], eager, 2, 2)
     assert {r["rank"]: (r["stages"], r["replica"]) for r in per_rank} == {
         0: ([0, 3], 0), 1: ([1, 2], 0), 2: ([0, 3], 1), 3: ([1, 2], 1)}
+
+
+def test_registry_models_on_two_ranks_match_eager(tmp_path: Path) -> None:
+    """Long skips (a value two local stages receive from one remote stage), a block every
+    stage shares, keyword inputs; recompute on; loss and every held gradient as eager."""
+    from helpers import eager_grads
+    from registry import CASES
+
+    launch_ok("virtual_registry.py", 2, [str(tmp_path)], timeout=300.0)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for key in ranks[0]:
+        loss, grads = eager_grads(CASES[key.split("-")[0]])
+        seen: set[str] = set()
+        for r in ranks:
+            torch.testing.assert_close(torch.tensor(r[key]["loss"]), loss)
+            for n, g in r[key]["grads"].items():
+                torch.testing.assert_close(g, grads[n], msg=lambda m, n=n, k=key: f"{k} {n}: {m}")
+                seen.add(n)
+        assert seen == set(grads), f"{key}: every gradient is held by some rank"
