@@ -24,8 +24,9 @@ from varuna_fx.ir.nodes import Affine, StageSpec, TensorInfo, Transfer, b
 from varuna_fx.runtime import executor as executor_module
 from varuna_fx.runtime.acks import release_keys
 from varuna_fx.runtime.executor import StageExecutor
-from varuna_fx.runtime.opportunistic import ENV, Cursor, rule_enabled, stash_peak
+from varuna_fx.runtime.opportunistic import ENV, rule_enabled
 from varuna_fx.schedule import Action, Kind, Schedule, build_schedule, peak_stash_counts
+from varuna_fx.schedule.cursor import Cursor, stash_peak
 from varuna_fx.schedule.placement import Placement
 
 CASES = [(name, P, m, rc) for name in ("varuna", "1f1b", "gpipe", "varuna-zb", "1f1b-zb")

@@ -2,7 +2,7 @@
 
 The static order (``Schedule.per_stage``) was generated from estimated times; at run time a
 gradient can be late. Varuna (Athlur et al., EuroSys'22) then runs the stage's next forward
-instead of idling. :class:`Cursor` walks one stage's list and says when the executor may do so.
+instead of idling. ``schedule/cursor.py``'s :class:`Cursor` walks one stage's list and says when the executor may do so.
 The executor asks only when the head of the list is a backward ``B(i)`` or a recompute ``R(i)``
 (which exists only to feed ``B(i)``), ``B(i)``'s gradient has not arrived, and the next forward
 ``F(j)`` still to run (the paper's choice; never a later one) already has its inputs.
@@ -40,9 +40,6 @@ from __future__ import annotations
 import os
 
 from ..errors import DistributedError
-from ..schedule.cursor import Cursor as Cursor
-from ..schedule.cursor import release_kind as release_kind
-from ..schedule.cursor import stash_peak as stash_peak
 
 ENV = "VARUNA_FX_OPPORTUNISTIC_FORWARD"
 _ON, _OFF, _AUTO = ("1", "on", "true", "yes"), ("0", "off", "false", "no"), ("", "auto")

@@ -151,8 +151,9 @@ class RankProgram:
     before: list[list[Op]]
     after: list[list[Op]]
     tail: list[Op]
-    waits: list[list[Op]] = field(default_factory=list)  # filled by Lowered from its links
-    index: dict[Action, int] = field(default_factory=dict)
+    # filled by Lowered from its links
+    waits: list[list[Op]] = field(default_factory=list, init=False, repr=False)
+    index: dict[Action, int] = field(default_factory=dict, init=False, repr=False)
     compute_ops: list[Op] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
