@@ -325,7 +325,8 @@ def build_optimizer(runtime: Any, named: dict[str, nn.Parameter], cls: type, par
         return cls(groups, **defaults)
     names = {id(p): n for n, p in named.items()}
     tied = {n for names_, _ in sync.groups.tied for n in names_}
-    lowest = {n for n in tied if min(runtime.plan.tied_parameters[n]) == runtime.stage_index}
+    local = set(runtime.local_stages)  # (virtual stages: several)
+    lowest = {n for n in tied if min(runtime.plan.tied_parameters[n]) in local}
     group = sync.groups.data_parallel
     layout = build_layout(groups, names, set(sync.held), {n: n in lowest for n in tied},
                           dist.get_rank(group=group), runtime.plan.data_parallel)
