@@ -76,6 +76,7 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
     # the last stage never recomputes: its forward is followed directly by its backward
     last_compute = times(False) if setting.recompute else None
     weights = np.zeros(n)
+    grads = np.zeros(n)  # what data parallelism all-reduces
     seen: set[str] = set()
     trainable = trainable_names(gm)
     for i, node in enumerate(nodes):  # a weight counts where it is first read
@@ -83,6 +84,7 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
             if name not in seen:
                 seen.add(name)
                 weights[i] += (WEIGHT_COPIES if name in trainable else 1) * nbytes
+                grads[i] += nbytes if name in trainable else 0
     # the largest single activation of a stage: its gradient is the backward's workspace
     workspace = np.array([
         info(x).out_bytes(b) if (info(x).fwd_flops(b) > 0) else 0.0 for x in nodes
@@ -131,7 +133,7 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
         bandwidth=setting.bandwidth, memory_cap=setting.memory_cap,
         stash_counts=setting.stash_counts, recompute=setting.recompute,
         last_stage_compute=last_compute, workspace_bytes=workspace,
-        shared=shared_weights(nodes, trainable), written_spans=spans,
+        shared=shared_weights(nodes, trainable), written_spans=spans, grad_bytes=grads,
     )
 
 
