@@ -334,7 +334,8 @@ def worker(args: argparse.Namespace) -> None:
 # -- the driver --------------------------------------------------------------------------------
 
 def launch(args: argparse.Namespace, link: str | None, cache: str, out: Path | None,
-           profile_only: bool = False) -> None:
+           profile_only: bool = False, script: str = __file__) -> None:
+    """Both ranks of ``script``'s worker (default: this file's) in their namespaces."""
     from netns_links import veth_pair
 
     extra = ["--worker", "--link", link or "unshaped", "--models", args.models,
@@ -351,7 +352,7 @@ def launch(args: argparse.Namespace, link: str | None, cache: str, out: Path | N
             for rank in (0, 1):
                 env = {**base, "RANK": str(rank), "MASTER_ADDR": pair.addresses[0],
                        "GLOO_SOCKET_IFNAME": pair.interfaces[rank]}
-                argv = pair.command(rank, [sys.executable, __file__, *extra])
+                argv = pair.command(rank, [sys.executable, script, *extra])
                 procs.append(subprocess.Popen(argv, env=env))
             deadline = time.time() + args.timeout
             for p in procs:
