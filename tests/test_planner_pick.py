@@ -179,3 +179,30 @@ def test_tied_weights_count_alike_under_fx_and_export() -> None:
     """torch.export keeps the tied weight once, under ``lm_head.weight``: it was priced as a
     buffer (no gradient, no optimizer state, no all-reduce) and left out of the parameters."""
     assert _stage_totals("export") == _stage_totals("fx")
+
+
+@pytest.mark.slow  # another export of an HF model (test_step exports hf_gpt2 in the fast tier)
+def test_hf_gpt2_tied_embedding_is_held_by_both_stages() -> None:
+    """The issue's case: HF GPT-2 through torch.export, 2 stages x 2 replicas. The plan's
+    per-stage parameters lacked the embedding both stages hold (and its all-reduce was
+    priced at 0)."""
+    tf = pytest.importorskip("transformers")
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=1024, n_positions=32, use_cache=False,
+        bos_token_id=0, eos_token_id=0))
+    ids = torch.randint(0, 1024, (8, 16))
+    cluster = vf.Cluster(gpus=4, gpus_per_node=1, inter_node_bandwidth="10Gbit/s")
+    plan = vf.compile(model, cluster, example_inputs={"input_ids": ids, "labels": ids},
+                      stages=2, data_parallel=2, micro_batch_size=2, tracer="export").plan
+    assert plan.tracer == "export"
+    assert plan.tied_parameters == {"transformer.wte.weight": [0, 1]}
+    embedding = model.transformer.wte.weight
+    total = sum(p.numel() for p in model.parameters())
+    assert sum(s.parameters for s in plan.stage_costs) == total + embedding.numel()
+    # the last stage's weights, gradients and Adam state include its copy of the embedding
+    assert plan.stage_costs[1].parameter_bytes >= embedding.numel() * embedding.element_size()
+    chosen = [row for row in plan.alternatives if row.chosen][0]
+    # the data-parallel all-reduce covers at least the embedding's gradient (2 (D-1)/D = 1)
+    assert chosen.allreduce_time >= embedding.numel() * 4 / cluster.inter_node_bandwidth
