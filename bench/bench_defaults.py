@@ -8,7 +8,9 @@ shaped with tbf or not), its variants run side by side in interleaved rounds:
 - ``defaults``: ``vf.compile(model, stages=2, micro_batch_size=batch/m)``, nothing else;
 - ``auto``: the same with ``schedule="auto"`` (the planner picks the schedule);
 - ``varuna`` / ``1f1b`` / ``gpipe`` / ``varuna-zb`` / ``1f1b-zb``: each schedule explicitly,
-  no recompute, partitioned from a measured profile (as in ``bench_network.py``);
+  no recompute, partitioned from a measured profile (as in ``bench_network.py``), or with
+  ``--estimates`` from the same FLOP estimates as the defaults (no profile launch: only the
+  schedule differs from ``defaults``);
 - ``pipelining 1F1B``: torch.distributed.pipelining split at the middle block;
 - ``eager m``: eager PyTorch on the whole batch split into the same m micro-batches
   (gradient accumulation), one process per core, both at once (as the pipeline's ranks run).
@@ -69,7 +71,7 @@ def eager(case: dict) -> Variant:
         for xb, yb in zip(xs, ys):
             loss = loss_fn(model(xb), yb) / M
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         return total
 
     return step, None, f"eager, {M} micro-batches of {x.shape[0] // M}"
@@ -92,6 +94,7 @@ def worker(args: argparse.Namespace) -> None:
     for case in make_cases(args.models.split(",")):
         batch = case["x"].shape[0]
         fixed = dict(stages=2, micro_batch_size=batch // M)
+        profiled = not args.estimates
         if args.profile_only:
             for s in schedules:
                 ours(case, **fixed, schedule=s, recompute=False, profile=True)
@@ -99,7 +102,7 @@ def worker(args: argparse.Namespace) -> None:
         variants: dict[str, Variant] = {"defaults": ours(case, **fixed),
                                         "auto": ours(case, **fixed, schedule="auto")}
         for s in schedules:
-            variants[s] = ours(case, **fixed, schedule=s, recompute=False, profile=True)
+            variants[s] = ours(case, **fixed, schedule=s, recompute=False, profile=profiled)
         variants["pipelining 1F1B"] = pipelining(case, "1f1b")
         variants["eager m"] = eager(case)
         load = os.getloadavg()[0]
@@ -198,6 +201,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--estimates", action="store_true",
+                        help="explicit schedules from FLOP estimates (no profile launch)")
     parser.add_argument("--write", action="store_true", help="put the tables into RESULTS.md")
     parser.add_argument("--report", action="store_true", help="tables from the saved run")
     parser.add_argument("--prefix", default="netd")
@@ -221,8 +226,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix=args.prefix) as tmp:
             started = time.time()
             cache = str(Path(tmp) / "profile")
-            launch(args, None, cache, None, profile_only=True, script=__file__)
-            print(f"profiled in {time.time() - started:.0f} s", flush=True)
+            if not args.estimates:
+                launch(args, None, cache, None, profile_only=True, script=__file__)
+                print(f"profiled in {time.time() - started:.0f} s", flush=True)
             for link in args.links.split(","):
                 out = Path(tmp) / f"{link}.json"
                 launch(args, None if link == "unshaped" else link, cache, out, script=__file__)

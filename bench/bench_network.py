@@ -342,7 +342,8 @@ def launch(args: argparse.Namespace, link: str | None, cache: str, out: Path | N
              "--schedules", args.schedules, "--steps", str(args.steps), "--warmup",
              str(args.warmup), "--rounds", str(args.rounds), *(["--zb"] if args.zb else []),
              *(["--profile-only"] if profile_only else []), *(["--out", str(out)] if out else []),
-             *(["--pin"] if args.pin else [])]
+             *(["--pin"] if args.pin else []),
+             *(["--estimates"] if getattr(args, "estimates", False) else [])]
     base = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE": cache,
             "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
             "MASTER_PORT": str(PORT), "PYTHONPATH": str(HERE.parent / "src")}
