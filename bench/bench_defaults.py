@@ -16,7 +16,15 @@ shaped with tbf or not), its variants run side by side in interleaved rounds:
   (gradient accumulation), one process per core, both at once (as the pipeline's ranks run).
 
 Issue 23's bound: ``eager m x (m + P - 1) / (m P)``, what a 1F1B pipeline of two perfectly
-balanced stages with free links and no overhead would take. Reported per link and model: every
+balanced stages with free links and no overhead would take.
+
+On a machine shared with other jobs, wall times move by tens of percent between rounds, so
+every variant of ours is also traced (``StageExecutor.trace``: each action's CPU time, waits
+excluded) and its step *replayed* with the median CPU time of each (stage, action kind) on the
+order it ran plus the measured time outside actions (``bench_step_breakdown.replay``): what
+the step would take with a core per rank. The eager bound gets the same treatment (its CPU
+time per step). The replayed columns compare schedules and the bound with the load taken out
+(cache contention from other jobs still inflates CPU times a little). Reported per link and model: every
 variant's median step, its spread (range of the per-round medians / median), the ratios the
 targets name (defaults vs our best explicit schedule, vs pipelining's 1F1B, vs the bound), and
 the verdicts. The machine may be shared: only ratios within one run mean anything.
@@ -49,6 +57,7 @@ from bench_network import (  # noqa: E402
     pipelining,
     summary,
 )
+from bench_step_breakdown import action_times, replay  # noqa: E402
 
 COMMAND = "python bench/bench_defaults.py --write"
 EXPLICIT = "varuna,1f1b,gpipe,varuna-zb,1f1b-zb"
@@ -56,8 +65,9 @@ BEGIN = "<!-- bench_defaults.py: begin (replaced by --write) -->"
 END = "<!-- bench_defaults.py: end -->"
 
 
-def eager(case: dict) -> Variant:
-    """Gradient accumulation over M micro-batches in this process: the bound's kernels."""
+def eager(case: dict, cpu: list[float]) -> Variant:
+    """Gradient accumulation over M micro-batches in this process: the bound's kernels.
+    Each step's CPU time goes to ``cpu``."""
     import copy
 
     model = copy.deepcopy(case["model"])
@@ -65,6 +75,7 @@ def eager(case: dict) -> Variant:
     xs, ys = x.chunk(M), y.chunk(M)
 
     def step() -> Any:
+        start = time.process_time()
         for p in model.parameters():
             p.grad = None
         total = 0.0
@@ -72,9 +83,51 @@ def eager(case: dict) -> Variant:
             loss = loss_fn(model(xb), yb) / M
             loss.backward()
             total += float(loss.detach())
+        cpu.append(time.process_time() - start)
         return total
 
     return step, None, f"eager, {M} micro-batches of {x.shape[0] // M}"
+
+
+def traced(case: dict, traces: dict[str, list], name: str, **options: Any) -> Variant:
+    """``bench_network.ours`` with every step's executor trace (and its wall time) kept in
+    ``traces[name]``, and the plan's schedule (the order the replay simulates)."""
+    step, predicted, note = ours(case, **options)
+    pipe = step.pipe  # type: ignore[attr-defined]
+    executor = pipe.runtime.executor
+    traces[name] = []
+
+    def timed() -> Any:
+        executor.trace = []
+        start = time.perf_counter()
+        out = step()
+        traces[name].append((executor.trace, time.perf_counter() - start))
+        executor.trace = None
+        return out
+
+    timed.schedule = pipe.plan.schedule  # type: ignore[attr-defined]
+    return timed, predicted, note
+
+
+def replayed_cpu(schedule: Any, per_rank: list[list[tuple[list, float]]]) -> float:
+    """The step replayed with the median CPU time of each (stage, kind) and the time outside
+    actions (the busier rank's), as ``bench_step_breakdown.analyse`` does."""
+    measured: dict[tuple[int, str], tuple[float, float]] = {}
+    outside: list[list[float]] = []
+    for stage, steps in enumerate(per_rank):
+        kinds: dict[str, list[tuple[float, float]]] = {}
+        outside.append([])
+        for trace, total in steps:
+            outside[-1].append(total - sum(t[3] for t in trace if t[0] != "wait"))
+            for kind, values in action_times(trace).items():
+                kinds.setdefault(kind, []).extend(values)
+        for kind, values in kinds.items():
+            measured[stage, kind] = (statistics.median(w for w, _ in values),
+                                     statistics.median(c for _, c in values))
+    over = min(statistics.median(o) for o in outside)
+    links = [schedule.costs.link(i) for i in range(schedule.num_stages - 1)] \
+        if schedule.costs is not None else [0.0] * (schedule.num_stages - 1)
+    return replay(schedule, measured, (0, "W") in measured, links, over, 1)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -99,20 +152,34 @@ def worker(args: argparse.Namespace) -> None:
             for s in schedules:
                 ours(case, **fixed, schedule=s, recompute=False, profile=True)
             continue
-        variants: dict[str, Variant] = {"defaults": ours(case, **fixed),
-                                        "auto": ours(case, **fixed, schedule="auto")}
+        traces: dict[str, list] = {}
+        variants: dict[str, Variant] = {
+            "defaults": traced(case, traces, "defaults", **fixed),
+            "auto": traced(case, traces, "auto", **fixed, schedule="auto")}
         for s in schedules:
-            variants[s] = ours(case, **fixed, schedule=s, recompute=False, profile=profiled)
+            variants[s] = traced(case, traces, s, **fixed, schedule=s, recompute=False,
+                                 profile=profiled)
         variants["pipelining 1F1B"] = pipelining(case, "1f1b")
-        variants["eager m"] = eager(case)
+        eager_cpu: list[float] = []
+        variants["eager m"] = eager(case, eager_cpu)
         load = os.getloadavg()[0]
         times = measure(variants, args.rounds, args.warmup, args.steps, set())
-        for name, (_, predicted, note) in variants.items():
+        # the timed steps' traces (the first round's warm-up steps come first), both ranks
+        mine = {name: [(t, w) for t, w in got[args.warmup:]] for name, got in traces.items()}
+        gathered: list[Any] = [None, None]
+        dist.all_gather_object(gathered, [mine, eager_cpu[args.warmup:]])
+        for name, (step, predicted, note) in variants.items():
             median, spread = summary(times[name])
+            cpu = None
+            if name in traces:
+                cpu = replayed_cpu(step.schedule, [gathered[0][0][name], gathered[1][0][name]])
+            elif name == "eager m":
+                cpu = statistics.median(gathered[0][1])
             rows.append(dict(link=args.link, model=case["name"], title=case["title"],
                              variant=name, ms=1e3 * median, spread=spread,
                              rounds=[1e3 * statistics.median(got) for got in times[name]],
                              note=note, load=[load, os.getloadavg()[0]],
+                             cpu_ms=None if cpu is None else 1e3 * cpu,
                              predicted_ms=None if predicted is None else 1e3 * predicted))
         del variants
     if rank == 0 and args.out:
@@ -140,20 +207,27 @@ def report(rows: list[dict]) -> str:
             bound = sel["eager m"]["ms"] * (M + 1) / (2 * M)  # P = 2
             explicit = [v for v in EXPLICIT.split(",") if v in sel]
             best = min(explicit, key=lambda v: sel[v]["ms"])
+            cpu_bound = sel["eager m"]["cpu_ms"] * (M + 1) / (2 * M)
+            cpu_best = min(explicit, key=lambda v: sel[v]["cpu_ms"])
             lines.append(f"\n### {first['title']}, link {link}\n")
             lines.append(f"Load average (1 min) {first['load'][0]:.1f} at the start, "
                          f"{first['load'][1]:.1f} at the end. Bound: eager m "
-                         f"{sel['eager m']['ms']:.1f} ms x (m+P-1)/(mP) = {bound:.1f} ms.\n")
+                         f"{sel['eager m']['ms']:.1f} ms x (m+P-1)/(mP) = {bound:.1f} ms "
+                         f"(CPU: {sel['eager m']['cpu_ms']:.1f} ms -> {cpu_bound:.1f} ms).\n")
             lines.append("| variant | step (ms) | spread | per-round medians (ms) | / best "
-                         "explicit | / pipelining 1F1B | / bound | predicted (ms) | "
-                         "configuration |")
-            lines.append("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+                         "explicit | / pipelining 1F1B | / bound | replay cpu (ms) | / best "
+                         "explicit (cpu) | / bound (cpu) | predicted (ms) | configuration |")
+            lines.append("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: "
+                         "| ---: | --- |")
             for name, r in sel.items():
                 pred = f"{r['predicted_ms']:.1f}" if r["predicted_ms"] else ""
                 rounds = ", ".join(f"{t:.0f}" for t in r["rounds"])
+                cpu = r.get("cpu_ms")
+                cpu_cols = (f"{cpu:.1f} | {cpu / sel[cpu_best]['cpu_ms']:.3f} | "
+                            f"{cpu / cpu_bound:.3f}") if cpu else " | | "
                 lines.append(f"| {name} | {r['ms']:.1f} | {r['spread']:.1%} | {rounds} | "
                              f"{r['ms'] / sel[best]['ms']:.3f} | {r['ms'] / ref:.3f} | "
-                             f"{r['ms'] / bound:.3f} | {pred} | {r['note']} |")
+                             f"{r['ms'] / bound:.3f} | {cpu_cols} | {pred} | {r['note']} |")
             where = f"{model} @ {link}"
             for name in ("defaults", "auto"):
                 t = sel[name]["ms"]
@@ -169,6 +243,11 @@ def report(rows: list[dict]) -> str:
             spread = max(sel["defaults"]["spread"], sel["eager m"]["spread"])
             verdicts.append(f"- {where}: defaults {t / bound:.3f}x the bound (<= 1.05) "
                             + _verdict(t / bound, 1.05, spread))
+            for name in ("defaults", "auto"):
+                c = sel[name]["cpu_ms"]
+                verdicts.append(f"- {where} (replayed CPU): {name} "
+                                f"{c / sel[cpu_best]['cpu_ms']:.3f}x our best explicit "
+                                f"({cpu_best}), {c / cpu_bound:.3f}x the bound")
             if "varuna" in sel and "1f1b" in sel:
                 v = sel["varuna"]["ms"] / sel["1f1b"]["ms"]
                 spread = max(sel["varuna"]["spread"], sel["1f1b"]["spread"])

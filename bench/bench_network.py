@@ -120,6 +120,7 @@ def ours(case: dict, **options: Any) -> Variant:
         pipe.zero_grad()
         return pipe.step(xs, target=ys)
 
+    step.pipe = pipe  # type: ignore[attr-defined]  # (bench_defaults.py traces it)
     cut = plan.stage_costs[0].boundary_bytes if plan.stages > 1 else 0
     schedule = getattr(plan.schedule, "name", plan.schedule)  # a Schedule, or its name
     recompute = plan.recompute if isinstance(plan.recompute, bool) else \
