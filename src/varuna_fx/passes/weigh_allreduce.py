@@ -17,7 +17,7 @@ from ..costs.memory import MemoryModel, SharedWeight
 from .bottleneck import fewest_bytes, smallest_bottleneck
 
 _AR_GRID = 12  # all-reduce caps tried between the unweighed partition's and the lower bound
-_AR_REFINE = 4  # then this many between the best cap and its neighbours
+_AR_REFINE = 4  # then this many between the best cap and the one above it
 
 
 def allreduce_matrix(grad_bytes: np.ndarray | None, shared: Sequence[SharedWeight],
@@ -40,11 +40,13 @@ def weigh_allreduce(stage_cost: Callable[[int], np.ndarray], cut: np.ndarray,
     """Bounds minimising ``(m + P - 1) x bottleneck + the largest stage all-reduce``.
 
     The smallest bottleneck under a cap A on every stage's all-reduce, B(A), only grows as A
-    falls, so the caps worth trying lie between the unweighed partition's largest all-reduce
-    (``plain``, kept when nothing beats it) and the lower bound of any partition's; a
-    geometric grid over that range, then a finer one around the best, each cap a dynamic
-    programme with the stages that exceed it forbidden (fewest bytes among the optimal, as
-    ``partition``). The search stops once the pipeline part alone reaches the best score."""
+    falls, and a partition under cap A scores at most ``(m + P - 1) B(A) + A``. So the caps
+    worth trying lie between the unweighed partition's largest all-reduce (``plain``, kept
+    when nothing beats it) and a lower bound of any partition's: a geometric grid over that
+    range, then a finer one around the best, each cap one bottleneck programme with the
+    stages over it forbidden; only the best cap's partition is made (fewest bytes among its
+    optimal ones, as ``partition``). The grid stops once the pipeline part alone reaches the
+    best score (lower caps cannot help)."""
     fill = micro_batches + num_stages - 1
     units = len(cut) - 1
 
@@ -53,42 +55,47 @@ def weigh_allreduce(stage_cost: Callable[[int], np.ndarray], cut: np.ndarray,
         slowest = max(float(stage_cost(k)[i, j]) for k, (i, j) in enumerate(pairs))
         return fill * slowest + max(float(allreduce[i, j]) for i, j in pairs)
 
-    def capped(cap: float) -> tuple[float, list[int] | None]:
+    def masked(cap: float) -> Callable[[int], np.ndarray]:
+        made: dict[int, np.ndarray] = {}  # stage_cost returns one cached matrix per kind
+
         def cost(k: int) -> np.ndarray:
-            return np.where(allreduce <= cap, stage_cost(k), np.inf)
+            matrix = stage_cost(k)
+            if id(matrix) not in made:
+                made[id(matrix)] = np.where(allreduce <= cap, matrix, np.inf)
+            return made[id(matrix)]
+        return cost
 
-        found = smallest_bottleneck(cost, num_stages, units)
-        return found, fewest_bytes(cost, cut, num_stages, found) if np.isfinite(found) \
-            else None
-
-    best, best_score = plain, score(plain)
+    plain_score = score(plain)
     top = max(float(allreduce[i, j]) for i, j in zip(plain, plain[1:]))
     singles = allreduce[np.arange(units), np.arange(1, units + 1)]
     floor = max(float(singles.max(initial=0.0)), float(allreduce[0, units]) / num_stages)
     if not top > floor > 0:
-        return best
-    ratio = (floor / top) ** (1 / _AR_GRID)
-    tried: list[float] = [top]
+        return plain
+    best: tuple[float, float, float] | None = None  # (estimate, cap, bottleneck)
+    tried = [top]
 
     def attempt(cap: float) -> bool:
         """Try ``cap``; False when every lower cap is hopeless (or none is possible)."""
-        nonlocal best, best_score
+        nonlocal best
         tried.append(cap)
-        found, bounds = capped(cap)
-        if bounds is None or fill * found >= best_score:
+        found = smallest_bottleneck(masked(cap), num_stages, units)
+        limit = plain_score if best is None else best[0]
+        if not np.isfinite(found) or fill * found >= limit:
             return False
-        if score(bounds) < best_score * (1 - 1e-12):
-            best, best_score = bounds, score(bounds)
+        if fill * found + cap < limit:
+            best = (fill * found + cap, cap, found)
         return True
 
+    ratio = (floor / top) ** (1 / _AR_GRID)
     for step in range(1, _AR_GRID + 1):
         if not attempt(top * ratio**step):
             break
-    # finer between the neighbours of the best cap found
-    if best is not plain:
-        at = max(float(allreduce[i, j]) for i, j in zip(best, best[1:]))
-        above = min((c for c in tried if c > at), default=top)
-        fine = (at / above) ** (1 / (_AR_REFINE + 1)) if above > at > 0 else 1.0
-        for step in range(1, _AR_REFINE + 1):
-            attempt(above * fine**step)
-    return best
+    if best is None:
+        return plain
+    above = min((c for c in tried if c > best[1]), default=top)
+    fine = (best[1] / above) ** (1 / (_AR_REFINE + 1))
+    for step in range(1, _AR_REFINE + 1):  # finer between the best cap and the one above
+        attempt(above * fine**step)
+    _, cap, found = best
+    bounds = fewest_bytes(masked(cap), cut, num_stages, found)
+    return bounds if score(bounds) < plain_score * (1 - 1e-12) else plain
