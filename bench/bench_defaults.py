@@ -109,9 +109,11 @@ def traced(case: dict, traces: dict[str, list], name: str, **options: Any) -> Va
     return timed, predicted, note
 
 
-def replayed_cpu(schedule: Any, per_rank: list[list[tuple[list, float]]]) -> float:
+def replayed_cpu(schedule: Any, per_rank: list[list[tuple[list, float]]]
+                 ) -> tuple[float, dict[str, float], float]:
     """The step replayed with the median CPU time of each (stage, kind) and the time outside
-    actions (the busier rank's), as ``bench_step_breakdown.analyse`` does."""
+    actions (the busier rank's), as ``bench_step_breakdown.analyse`` does; with those CPU
+    times (seconds per micro-batch, keyed "stage kind") and the outside time."""
     measured: dict[tuple[int, str], tuple[float, float]] = {}
     outside: list[list[float]] = []
     for stage, steps in enumerate(per_rank):
@@ -127,7 +129,8 @@ def replayed_cpu(schedule: Any, per_rank: list[list[tuple[list, float]]]) -> flo
     over = min(statistics.median(o) for o in outside)
     links = [schedule.costs.link(i) for i in range(schedule.num_stages - 1)] \
         if schedule.costs is not None else [0.0] * (schedule.num_stages - 1)
-    return replay(schedule, measured, (0, "W") in measured, links, over, 1)
+    step = replay(schedule, measured, (0, "W") in measured, links, over, 1)
+    return step, {f"{stage} {kind}": cpu for (stage, kind), (_, cpu) in measured.items()}, over
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -170,9 +173,10 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_gather_object(gathered, [mine, eager_cpu[args.warmup:]])
         for name, (step, predicted, note) in variants.items():
             median, spread = summary(times[name])
-            cpu = None
+            cpu, actions, outside = None, None, None
             if name in traces:
-                cpu = replayed_cpu(step.schedule, [gathered[0][0][name], gathered[1][0][name]])
+                cpu, actions, outside = replayed_cpu(
+                    step.schedule, [gathered[0][0][name], gathered[1][0][name]])
             elif name == "eager m":
                 cpu = statistics.median(gathered[0][1])
             rows.append(dict(link=args.link, model=case["name"], title=case["title"],
@@ -180,6 +184,9 @@ def worker(args: argparse.Namespace) -> None:
                              rounds=[1e3 * statistics.median(got) for got in times[name]],
                              note=note, load=[load, os.getloadavg()[0]],
                              cpu_ms=None if cpu is None else 1e3 * cpu,
+                             actions_ms=None if actions is None else
+                             {k: 1e3 * v for k, v in sorted(actions.items())},
+                             outside_ms=None if outside is None else 1e3 * outside,
                              predicted_ms=None if predicted is None else 1e3 * predicted))
         del variants
     if rank == 0 and args.out:
@@ -228,6 +235,13 @@ def report(rows: list[dict]) -> str:
                 lines.append(f"| {name} | {r['ms']:.1f} | {r['spread']:.1%} | {rounds} | "
                              f"{r['ms'] / sel[best]['ms']:.3f} | {r['ms'] / ref:.3f} | "
                              f"{r['ms'] / bound:.3f} | {cpu_cols} | {pred} | {r['note']} |")
+            breakdown = [f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["actions_ms"]
+                                                 .items()) + f"; outside {r['outside_ms']:.1f}"
+                         for name, r in sel.items() if r.get("actions_ms")]
+            if breakdown:
+                lines.append("\nCPU ms per micro-batch by stage and action (median), and per "
+                             "step outside actions:\n")
+                lines += [f"- {line}" for line in breakdown]
             where = f"{model} @ {link}"
             for name in ("defaults", "auto"):
                 t = sel[name]["ms"]
