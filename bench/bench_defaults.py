@@ -5,7 +5,8 @@ Run (root, iproute2): ``python bench/bench_defaults.py --write`` (``--links unsh
 P=2, m=4, gloo over a veth pair in two network namespaces, rank i pinned to core i, the link
 shaped with tbf or not), its variants run side by side in interleaved rounds:
 
-- ``defaults``: ``vf.compile(model, stages=2, micro_batch_size=batch/m)``, nothing else;
+- ``defaults``: ``vf.compile(model, stages=2, micro_batch_size=batch/m)``, nothing else
+  (the default schedule was "varuna" when the runs in RESULTS.md were made; it is "auto" now);
 - ``auto``: the same with ``schedule="auto"`` (the planner picks the schedule);
 - ``varuna`` / ``1f1b`` / ``gpipe`` / ``varuna-zb`` / ``1f1b-zb``: each schedule explicitly,
   no recompute, partitioned from a measured profile (as in ``bench_network.py``), or with

@@ -56,7 +56,7 @@ def compile(  # noqa: A001 - the public name in API.md
     stages: int | None = None,
     data_parallel: int | None = None,
     micro_batch_size: int | None = None,
-    schedule: str = "varuna",
+    schedule: str = "auto",
     recompute: bool | str = "auto",
     tracer: str = "auto",
     offload_stash: bool = False,

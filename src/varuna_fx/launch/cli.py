@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--global-batch-size", type=int, default=None,
                       help="samples per optimizer step over all replicas (default: each replica "
                            "takes the factory's example batch, so the global batch grows with D)")
-    plan.add_argument("--schedule", default="varuna", choices=schedule_choices(),
+    plan.add_argument("--schedule", default="auto", choices=schedule_choices(),
                       help=_SCHEDULE_HELP)
     plan.add_argument("--device-type", default=None,
                       help="a100 | v100 | h100 | h200 | cpu: the device to time with FLOPs")
