@@ -227,6 +227,9 @@ class Pipeline:
         if mine:
             where = "" if isinstance(self.runtime, LocalRuntime) else \
                 f" on rank {dist.get_rank()}"
+            failed = getattr(self, "_failed_load", None)  # checkpoint/failures.py
+            if failed is not None:
+                failed.refuse(mine, where)
             raise_unloaded(mine, where)
 
     # -- parameters ----------------------------------------------------------------------------

@@ -26,8 +26,11 @@ from .setup import Groups
 
 class GradSync:
     def __init__(self, held: dict[str, nn.Parameter], groups: Groups,
-                 tied_holders: dict[str, list[int]], stage: int, replicas: int,
+                 tied_holders: dict[str, list[int]], stage: int | list[int], replicas: int,
                  timeout: float, who: str) -> None:
+        # ``stage``: this rank's stage, or all it runs (virtual stages: copies of a tied
+        # parameter on two of them are one tensor here, summed by autograd)
+        local = {stage} if isinstance(stage, int) else set(stage)
         self.groups, self.replicas, self.timeout, self.who = groups, replicas, timeout, who
         self.held = {n: p for n, p in held.items() if p.requires_grad}
         tied_here = {n for names, _ in groups.tied for n in names}
@@ -36,10 +39,10 @@ class GradSync:
                      for names, g in groups.tied]
         # tied copies whose accumulated gradient another (lower) holder stage keeps
         self.not_lowest = [self.held[n] for n in tied_here
-                           if n in self.held and min(tied_holders[n]) != stage]
+                           if n in self.held and min(tied_holders[n]) not in local]
         # what this stage contributes to the global norm: tied parameters once, at the lowest
         self.norm_params = [p for n, p in self.held.items()
-                            if n not in tied_holders or min(tied_holders[n]) == stage]
+                            if n not in tied_holders or min(tied_holders[n]) in local]
 
     def before_step(self) -> None:
         for p in self.not_lowest:
@@ -47,18 +50,25 @@ class GradSync:
                 p.grad.zero_()
 
     def start(self) -> list[AllReduce]:
-        """Launch every reduction of this stage's gradients (asynchronous)."""
-        pending = []
-        for params, group in self.tied:
-            pending.append(AllReduce(_grads(params), group, divide=self.replicas,
-                                     timeout=self.timeout, who=self.who,
-                                     what=f"the tied-parameter gradient sum {_ranks(group)}"))
-        if self.groups.data_parallel is not None and self.plain:
-            pending.append(AllReduce(_grads(self.plain), self.groups.data_parallel,
-                                     divide=self.replicas, timeout=self.timeout, who=self.who,
-                                     what="the data-parallel gradient all-reduce "
-                                     f"{_ranks(self.groups.data_parallel)}"))
-        return pending
+        """Launch every reduction of this stage's gradients (asynchronous): the tied sums in
+        order, then the data-parallel average (the lowered program's tail, one op each)."""
+        pending = [self.start_tied(k) for k in range(len(self.tied))]
+        return pending + self.start_data_parallel()
+
+    def start_tied(self, k: int) -> AllReduce:
+        """Launch the sum of this rank's ``k``-th tied set (``ALLREDUCE(tied:...)``)."""
+        params, group = self.tied[k]
+        return AllReduce(_grads(params), group, divide=self.replicas, timeout=self.timeout,
+                         who=self.who, what=f"the tied-parameter gradient sum {_ranks(group)}")
+
+    def start_data_parallel(self) -> list[AllReduce]:
+        """Launch the data-parallel average (``ALLREDUCE(dp:<stage>)``), if there is one."""
+        if self.groups.data_parallel is None or not self.plain:
+            return []
+        return [AllReduce(_grads(self.plain), self.groups.data_parallel, divide=self.replicas,
+                          timeout=self.timeout, who=self.who,
+                          what="the data-parallel gradient all-reduce "
+                          f"{_ranks(self.groups.data_parallel)}")]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model, on every rank."""
