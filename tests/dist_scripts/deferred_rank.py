@@ -1,0 +1,46 @@
+"""One rank of a deferred-init test: compile a vf.deferred_init GPT, report what it holds.
+
+Usage: ``deferred_rank.py OUT_DIR P [meta]``. Writes ``OUT_DIR/rank<r>.pt``: the state this
+rank holds, how many model tensors are still on the meta device, its parameters' gradients
+after one SGD step's backward, and the loss. ``meta``: the model is put on the meta device
+without deferred_init (compile must refuse it with a VarunaFxError, which is written).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import varuna_fx as vf  # noqa: E402
+from deferred_common import CFG, batch, deferred_gpt  # noqa: E402
+from varuna_fx.examples import GPT, lm_loss  # noqa: E402
+
+RANK = int(os.environ["RANK"])
+OUT = Path(sys.argv[1])
+P = int(sys.argv[2])
+
+x, y = batch()
+if sys.argv[3:] == ["meta"]:
+    with torch.device("meta"):
+        model = GPT(CFG)
+    try:
+        vf.compile(model, example_inputs=(x,), loss_fn=lm_loss, stages=P)
+        outcome = "compiled"
+    except vf.VarunaFxError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    torch.save({"error": outcome}, OUT / f"rank{RANK}.pt")
+    sys.exit(0)
+
+model = deferred_gpt()
+pipe = vf.compile(model, example_inputs=(x,), loss_fn=lm_loss, stages=P)
+state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+meta = sum(t.is_meta for t in [*model.parameters(), *model.buffers()])
+loss = pipe.step(x, target=y)
+grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+torch.save({"state": state, "meta": meta, "loss": float(loss), "grads": grads,
+            "stage": pipe.stage_index}, OUT / f"rank{RANK}.pt")
+pipe.close()
