@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from ..errors import UninitializedError
@@ -92,6 +93,7 @@ def materialize_tensors(model: nn.Module, names: Iterable[str] | None, device: t
         by_name[canonical[id(t)]] = new
         replayer.release_temporaries({o.untyped_storage()._cdata for o in todo})
     replace_tensors([model, *roots], made)
+    retarget_devices(roots, device)
     return by_name
 
 
@@ -122,3 +124,26 @@ def _named(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def _tensors(model: nn.Module) -> list[torch.Tensor]:
     return [t for _, t in _named(model)]
+
+
+def retarget_devices(modules: Sequence[nn.Module], device: torch.device) -> None:
+    """Graphs captured from a meta model may name the meta device (torch.export records
+    ``labels.to(logits.device)`` as ``to(..., device=meta)``): point them at ``device``,
+    where the tensors now are."""
+    def fix(value: object) -> object:
+        if isinstance(value, torch.device) and value.type == "meta":
+            return device
+        return value
+
+    for root in modules:
+        for gm in root.modules():
+            if not isinstance(gm, fx.GraphModule):
+                continue
+            changed = False
+            for node in gm.graph.nodes:
+                args = fx.node.map_aggregate(node.args, fix)
+                kwargs = fx.node.map_aggregate(node.kwargs, fix)
+                if args != node.args or kwargs != node.kwargs:
+                    node.args, node.kwargs, changed = args, kwargs, True
+            if changed:
+                gm.recompile()

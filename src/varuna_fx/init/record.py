@@ -197,12 +197,15 @@ class _Recorder(TorchDispatchMode):
         refs = [rec.ref(x) if isinstance(x, torch.Tensor) else x for x in flat_in]
         out = func(*args, **kwargs)
         random = _is_random(func)
+        # computed from what vf.skip_init skipped (a .to(dtype) copy of it): a load fills it too
+        skipped = any(isinstance(r, Ref) and rec.records[r.storage].skipped for r in refs)
         if written:
             for t in written:
                 if t.is_meta:
                     target = rec.record_of(t, create=True)
                     assert target is not None
                     target.steps.append(Step(func, refs, spec, random=random))
+                    target.skipped |= skipped
                     if len(written) > 1:
                         target.problem = f"{func} writes several tensors at once"
             return out
@@ -223,6 +226,7 @@ class _Recorder(TorchDispatchMode):
                 made.problem = "recorded twice"
             made.steps.append(Step(func, refs, spec, output=k, random=random, ident=step.ident))
             made.created = True
+            made.skipped = skipped
         return out
 
 
@@ -239,6 +243,11 @@ class _DataToCpu(TorchFunctionMode):
             if device is None or torch.device(device).type == "meta":
                 with torch.device("cpu"):  # innermost: beats the outer meta default
                     real = func(*args, **{**kwargs, "device": "cpu"})
+                if real.numel() == 0 and device is None:
+                    # ``torch.tensor([]).device`` is how code asks for the default device
+                    # (Hugging Face's init_weights skips every initialiser when it says
+                    # meta): an empty tensor holds no data, so it may stay where it says
+                    return real
                 return real.to("meta")
         return func(*args, **kwargs)
 
