@@ -55,6 +55,9 @@ def test_values_depend_on_seed_and_name_only():
     made = materialize_tensors(part, ["h.2.fc.weight", "h.0.attn.qkv.bias"], torch.device("cpu"))
     assert set(made) == {"h.2.fc.weight", "h.0.attn.qkv.bias"} and part.h[1].fc.weight.is_meta
     torch.testing.assert_close(part.h[2].fc.weight, a.h[2].fc.weight, rtol=0, atol=0)
+    vf.materialize(part)  # and the rest later gives the rest's
+    for k, v in _state(part).items():
+        torch.testing.assert_close(v, _state(a)[k], rtol=0, atol=0, msg=k)
 
 
 @pytest.mark.parametrize("stages", tiered([1, 2, 3, 4], [1, 3]))
@@ -288,15 +291,17 @@ def test_hugging_face_from_config_same_buffers_initializer_range_and_training(na
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_each_rank_materialises_only_its_stage_with_the_one_process_values(tmp_path: Path):
+@pytest.mark.parametrize("ranks,stages", [(2, 2), (4, 2)])
+def test_each_rank_materialises_only_its_stage_with_the_one_process_values(
+        tmp_path: Path, ranks: int, stages: int):
     x, y = batch()
     eager = vf.materialize(deferred_gpt())
     want = _state(eager)
     loss = lm_loss(eager(x), y)
     loss.backward()
-    launch_ok("deferred_rank.py", 2, [str(tmp_path), "2"])
+    launch_ok("deferred_rank.py", ranks, [str(tmp_path), str(stages)], timeout=300)
     seen: set[str] = set()
-    for r in range(2):
+    for r in range(ranks):
         out = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         assert out["meta"] > 0  # the other stage's tensors were never allocated here
         for k, v in out["state"].items():

@@ -1,6 +1,7 @@
 """One rank of a deferred-init test: compile a vf.deferred_init GPT, report what it holds.
 
-Usage: ``deferred_rank.py OUT_DIR P [meta]``. Writes ``OUT_DIR/rank<r>.pt``: the state this
+Usage: ``deferred_rank.py OUT_DIR P [meta]`` (D = world size / P; every replica steps on the
+same batch, so the averaged gradients are eager's on it). Writes ``OUT_DIR/rank<r>.pt``: the state this
 rank holds, how many model tensors are still on the meta device, its parameters' gradients
 after one SGD step's backward, and the loss. ``meta``: the model is put on the meta device
 without deferred_init (compile must refuse it with a VarunaFxError, which is written).
@@ -36,7 +37,8 @@ if sys.argv[3:] == ["meta"]:
     sys.exit(0)
 
 model = deferred_gpt()
-pipe = vf.compile(model, example_inputs=(x,), loss_fn=lm_loss, stages=P)
+pipe = vf.compile(model, example_inputs=(x,), loss_fn=lm_loss, stages=P,
+                  data_parallel=int(os.environ["WORLD_SIZE"]) // P)
 state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
 meta = sum(t.is_meta for t in [*model.parameters(), *model.buffers()])
 loss = pipe.step(x, target=y)

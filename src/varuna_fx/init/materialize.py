@@ -74,12 +74,13 @@ def materialize_tensors(model: nn.Module, names: Iterable[str] | None, device: t
                 "as well")
         replayer = replayers.get(id(recording))
         if replayer is None:
-            model_names: dict[int, str] = {}
-            for i, o in objects.items():
-                if o.is_meta:
-                    model_names.setdefault(o.untyped_storage()._cdata, canonical[i])
-            replayer = replayers[id(recording)] = Replayer(
-                recording, storage_names(recording, model_names), device)
+            if recording.names is None:  # named once, while every tensor is still on meta:
+                model_names: dict[int, str] = {}  # a later call (another stage) sees the same
+                for i, o in objects.items():
+                    if o.is_meta:
+                        model_names.setdefault(o.untyped_storage()._cdata, canonical[i])
+                recording.names = storage_names(recording, model_names)
+            replayer = replayers[id(recording)] = Replayer(recording, recording.names, device)
         try:
             real = replayer.tensor(t)
         except UninitializedError as exc:

@@ -105,6 +105,7 @@ class Recording:
         self.seed = seed
         self.records: dict[int, StorageRecord] = {}
         self._alive: list[Any] = []  # the meta storages: their addresses stay unique
+        self.names: dict[int, str] | None = None  # storage -> name, fixed at the first use
 
     def record_of(self, t: torch.Tensor, create: bool = False) -> StorageRecord | None:
         storage = t.untyped_storage()
