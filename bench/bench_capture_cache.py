@@ -16,7 +16,8 @@ import torch
 
 import varuna_fx as vf
 from varuna_fx import api
-from varuna_fx.capture.trace import bind_inputs, capture
+from varuna_fx.capture.inputs import bind_inputs
+from varuna_fx.capture.trace import capture
 from varuna_fx.examples import GPT, GPTConfig
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 from ..errors import PlanError
-from .search import Candidate, Planner, Space
+from .candidates import Candidate, Space
+from .search import Planner
 
 
 def smallest_memory(planner: Planner, c: Candidate) -> float:
