@@ -58,6 +58,41 @@ def never_written(rec: StorageRecord) -> bool:
             and rec.steps[0].func._schema.name in _EMPTY)
 
 
+# in-place writes that set every element without reading the old values
+_OVERWRITES = {"aten::normal_", "aten::uniform_", "aten::fill_", "aten::zero_", "aten::copy_",
+               "aten::random_", "aten::bernoulli_", "aten::exponential_", "aten::cauchy_",
+               "aten::log_normal_", "aten::geometric_"}
+
+
+def _last_overwrite(rec: StorageRecord, version: int) -> int:
+    """The first step to replay: the last one before ``version`` that rewrites the whole
+    storage without reading it (a model that draws ``reset_parameters``' kaiming numbers and
+    then its own normal ones pays for one draw, not two); 1 if there is none."""
+    for i in range(version - 1, 0, -1):
+        step = rec.steps[i]
+        name = step.func.__name__ if step.python else step.func._schema.name
+        target = step.flat[0] if step.flat else None
+        if (name in _OVERWRITES or step.python) and isinstance(target, Ref) \
+                and target.storage == rec.key and _covers(target.view, rec.nbytes) \
+                and not any(isinstance(v, Ref) and v.storage == rec.key for v in step.flat[1:]):
+            return i
+    return 1
+
+
+def _covers(view: View, nbytes: int) -> bool:
+    """Whether a view is every byte of its storage, densely."""
+    numel = 1
+    for n in view.size:
+        numel *= n
+    dense, expected = True, 1
+    for size, stride in sorted(zip(view.size, view.stride), key=lambda x: x[1]):
+        if size > 1 and stride != expected:
+            dense = False
+        expected *= size
+    itemsize = torch.empty(0, dtype=view.dtype).element_size()
+    return dense and view.offset == 0 and numel * itemsize == nbytes
+
+
 def _with_generator(func: Any, kwargs: dict, gen: torch.Generator) -> tuple[Any, dict]:
     if not hasattr(func, "_schema"):  # a torch.nn.init function: all take a generator
         return func, {**kwargs, "generator": gen}
@@ -126,7 +161,8 @@ class Replayer:
                 raise UninitializedError(
                     f"{name}: {create.func} made {base.untyped_storage().nbytes()} bytes on "
                     f"{self.device}, {rec.nbytes} on meta; it cannot be replayed there")
-            for i, step in enumerate(rec.steps[1:version], start=1):
+            start = _last_overwrite(rec, version)
+            for i, step in enumerate(rec.steps[start:version], start=start):
                 if step.random and rec.skipped:
                     continue  # vf.skip_init: left for a checkpoint to fill (and marked)
                 self._call(step, key, base, i, generator)
