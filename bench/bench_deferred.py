@@ -22,9 +22,11 @@ import sys
 import time
 
 import torch
+from torch import nn
 
 import varuna_fx as vf
-from varuna_fx.examples import GPT, GPTConfig, lm_loss
+from varuna_fx.examples import GPT, Block, GPTConfig, _init_weights, lm_loss
+from varuna_fx.init.materialize import materialize_tensors
 
 
 def _cfg(args: argparse.Namespace) -> GPTConfig:
@@ -54,6 +56,26 @@ def materialise(args: argparse.Namespace) -> None:
         vf.materialize(model)
         times["vf.materialize (allocate + replay)"].append(time.perf_counter() - t)
         del model
+    # one stage of four: its blocks eagerly (torch.empty + the same initialisers) against
+    # materialising just those tensors of a deferred model
+    blocks = [f"h.{i}." for i in range(max(1, cfg.n_layer // 4))]
+    eager_stage, deferred_stage = [], []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        stage = nn.ModuleList([Block(cfg) for _ in blocks])
+        stage.apply(_init_weights)
+        eager_stage.append(time.perf_counter() - t)
+        del stage
+        with vf.deferred_init(seed=0):
+            model = GPT(cfg)
+        names = [n for n, _ in [*model.named_parameters(), *model.named_buffers()]
+                 if n.startswith(tuple(blocks))]
+        t = time.perf_counter()
+        materialize_tensors(model, names, torch.device("cpu"))
+        deferred_stage.append(time.perf_counter() - t)
+        del model
+    times[f"one stage ({len(blocks)} blocks) eagerly"] = eager_stage
+    times[f"one stage ({len(blocks)} blocks) materialised"] = deferred_stage
     for k, v in times.items():
         print(f"{k:48s} median {sorted(v)[len(v) // 2]:.3f} s  (runs: "
               + ", ".join(f"{x:.3f}" for x in v) + ")")

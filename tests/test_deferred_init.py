@@ -301,9 +301,11 @@ def test_each_rank_materialises_only_its_stage_with_the_one_process_values(
     loss.backward()
     launch_ok("deferred_rank.py", ranks, [str(tmp_path), str(stages)], timeout=300)
     seen: set[str] = set()
+    metas = []
     for r in range(ranks):
         out = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
-        assert out["meta"] > 0  # the other stage's tensors were never allocated here
+        assert set(out["real"]) <= set(out["held"])  # nothing another stage holds was made
+        metas.append(out["meta"])
         for k, v in out["state"].items():
             torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=k)
         seen |= set(out["state"])
@@ -311,6 +313,7 @@ def test_each_rank_materialises_only_its_stage_with_the_one_process_values(
         for n, g in out["grads"].items():
             torch.testing.assert_close(g, _grads(eager)[n], msg=n)
     assert seen == set(want)
+    assert any(metas)  # (a stage may hold every tensor: a partition can leave a tied head alone)
 
 
 @pytest.mark.distributed

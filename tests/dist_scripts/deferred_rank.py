@@ -2,7 +2,7 @@
 
 Usage: ``deferred_rank.py OUT_DIR P [meta]`` (D = world size / P; every replica steps on the
 same batch, so the averaged gradients are eager's on it). Writes ``OUT_DIR/rank<r>.pt``: the state this
-rank holds, how many model tensors are still on the meta device, its parameters' gradients
+rank holds, which model tensors are real and how many are still on the meta device, its parameters' gradients
 after one SGD step's backward, and the loss. ``meta``: the model is put on the meta device
 without deferred_init (compile must refuse it with a VarunaFxError, which is written).
 """
@@ -40,9 +40,10 @@ model = deferred_gpt()
 pipe = vf.compile(model, example_inputs=(x,), loss_fn=lm_loss, stages=P,
                   data_parallel=int(os.environ["WORLD_SIZE"]) // P)
 state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+real = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta]
 meta = sum(t.is_meta for t in [*model.parameters(), *model.buffers()])
 loss = pipe.step(x, target=y)
 grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
-torch.save({"state": state, "meta": meta, "loss": float(loss), "grads": grads,
+torch.save({"state": state, "meta": meta, "real": real, "held": pipe._held_names(), "loss": float(loss), "grads": grads,
             "stage": pipe.stage_index}, OUT / f"rank{RANK}.pt")
 pipe.close()

@@ -157,12 +157,6 @@ def lookup(t: torch.Tensor) -> tuple[Recording, StorageRecord] | None:
     return None
 
 
-def forget(recording: Recording) -> None:
-    """Drop a recording once its model is fully materialised (its constants with it)."""
-    if recording in _LIVE:
-        _LIVE.remove(recording)
-
-
 def _mutated(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors ``func`` writes, from its schema (``normal_``'s self, an ``out=``)."""
     found = []
