@@ -323,3 +323,28 @@ def test_a_meta_model_under_torchrun_is_refused_not_a_raw_notimplementederror(tm
     for r in range(2):
         error = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["error"]
         assert error.startswith("InputError") and "vf.deferred_init" in error, error
+
+
+@pytest.mark.parametrize("name", tiered(
+    ["qwen2", "mistral", "gemma", "phi", "gpt_neox", "opt", "falcon", "bloom", "gptj",
+     "distilbert", "albert", "deberta_v2", "t5", "bart", "vit", "convnext", "bert_regression",
+     "llama_single_label"], ["gpt_neox"]))
+def test_every_hf_zoo_family_materialises_like_its_normal_build(name: str):
+    """tests/test_hf_zoo.py's architectures: the same buffers, and every weight matrix with the
+    spread of a normal build (HF's _init_weights ran and was recorded, not torch's defaults)."""
+    from test_hf_zoo import ZOO  # noqa: PLC0415 - its models, without running its tests
+
+    torch.manual_seed(0)
+    normal, _ = ZOO[name]()
+    with vf.deferred_init(seed=0):
+        model, _ = ZOO[name]()
+    vf.materialize(model)
+    buffers = dict(normal.named_buffers())
+    assert dict(model.named_buffers()).keys() == buffers.keys()
+    for bn, b in model.named_buffers():
+        torch.testing.assert_close(b, buffers[bn], rtol=0, atol=0, msg=bn)
+    params = dict(normal.named_parameters())
+    for pn, p in model.named_parameters():
+        if p.dim() == 2 and p.numel() > 500:
+            want = float(params[pn].detach().std())
+            assert abs(float(p.detach().std()) - want) < 0.25 * want + 1e-3, (pn, want)
