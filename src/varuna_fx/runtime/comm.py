@@ -45,7 +45,13 @@ def launch(start: Callable[[], Any], who: str, what: str | Callable[[], str]) ->
     try:
         return start()
     except RuntimeError as exc:
-        raise peer_error(exc, 0.0, who, what) from exc
+        text = what() if callable(what) else what
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PeerTimeoutError(
+            f"{who} could not start {text}: the connection to its peers is broken (a peer "
+            "crashed or exited, or an earlier wait timed out, which leaves the process group "
+            "unusable). A longer timeout will not help: restart the job (under "
+            f"'varuna-fx run --elastic' the agents restart the workers) ({detail})") from exc
 
 
 def peer_error(exc: BaseException, waited: float, who: str,
@@ -88,8 +94,9 @@ class Message:
 
 
 class Inbox:
-    """Receives posted ahead of use: ``expected`` lists (action index, message) in the order
-    this rank consumes them; :meth:`post_until` keeps irecvs in flight for the next actions."""
+    """Receives posted ahead of use: :meth:`post` posts one where the lowered program's RECV op
+    says; (evaluation) ``expected`` lists (action index, message) in the order this rank
+    consumes them and :meth:`post_until` posts those needed before an action."""
 
     def __init__(self, expected: list[tuple[int, Message]], device: torch.device,
                  timeout: float, who: str) -> None:
@@ -102,13 +109,16 @@ class Inbox:
         """Post every receive needed by actions before ``action_index``."""
         while self._next < len(self._expected) and \
                 self._expected[self._next][0] < action_index:
-            msg = self._expected[self._next][1]
-            buffer = torch.empty(msg.shape, dtype=msg.dtype, device=self.device)
-            work = launch(
-                lambda b=buffer, m=msg: dist.irecv(b, src=m.peer_rank, tag=m.tag, group=m.group),
-                self.who, msg.describe)
-            self._posted[msg.key] = (work, buffer, msg)
+            self.post(self._expected[self._next][1])
             self._next += 1
+
+    def post(self, msg: Message) -> None:
+        """Post the receive of ``msg`` now (the lowered program says when: its RECV op)."""
+        buffer = torch.empty(msg.shape, dtype=msg.dtype, device=self.device)
+        work = launch(
+            lambda b=buffer, m=msg: dist.irecv(b, src=m.peer_rank, tag=m.tag, group=m.group),
+            self.who, msg.describe)
+        self._posted[msg.key] = (work, buffer, msg)
 
     def posted(self, key: tuple) -> bool:
         return key in self._posted
