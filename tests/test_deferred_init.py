@@ -348,3 +348,25 @@ def test_every_hf_zoo_family_materialises_like_its_normal_build(name: str):
         if p.dim() == 2 and p.numel() > 500:
             want = float(params[pn].detach().std())
             assert abs(float(p.detach().std()) - want) < 0.25 * want + 1e-3, (pn, want)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_resume_a_deferred_skip_init_model_from_a_one_process_checkpoint(
+        tmp_path: Path):
+    x, y = batch()
+    source = vf.compile(deferred_gpt(), example_inputs=(x,), loss_fn=lm_loss, stages=1)
+    source.save_checkpoint(str(tmp_path / "ck"))
+    want = {k: v.clone() for k, v in source.state_dict().items()}
+    loss = float(source.step(x, target=y))
+    launch_ok("deferred_rank.py", 2, [str(tmp_path), "2", "resume", str(tmp_path / "ck")],
+              timeout=300)
+    seen: set[str] = set()
+    for r in range(2):
+        out = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        assert "never loaded" in out["before"], out["before"]
+        assert out["loss"] == pytest.approx(loss, rel=1e-6)
+        seen |= set(out["state"])
+        for k, v in out["state"].items():
+            torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=k)
+    assert seen == set(want)
