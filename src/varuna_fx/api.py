@@ -164,7 +164,8 @@ def compile(  # noqa: A001 - the public name in API.md
     warn_sample_mixing(f"{type(model).__name__}.forward", graph_findings(captured.gm),
                        plan.num_micro_batches)
     pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=loss_fn,
-                         offload_stash=offload_stash, precision=precision, timeout=timeout)
+                         offload_stash=offload_stash, precision=precision, timeout=timeout,
+                         device=next((t.device for t in bound.tensors.values()), None))
     if global_batch_size is not None:
         pipe._replica_batch = global_batch_size // config.data_parallel
     return pipe
