@@ -18,6 +18,8 @@ from .errors import (
     UninitializedError,
     VarunaFxError,
 )
+from .init.materialize import materialize
+from .init.record import deferred_init
 from .init.skip import skip_init
 from .pipeline import Pipeline
 from .planner.cluster import Cluster
@@ -40,7 +42,9 @@ __all__ = [
     "UninitializedError",
     "VarunaFxError",
     "compile",
+    "deferred_init",
     "latest_checkpoint",
+    "materialize",
     "skip_init",
 ]
 __version__ = "0.1.0"

@@ -57,7 +57,7 @@ def compile(  # noqa: A001 - the public name in API.md
     stages_per_rank: int | None = 1,
     data_parallel: int | None = None,
     micro_batch_size: int | None = None,
-    schedule: str = "varuna",
+    schedule: str = "auto",
     shard_optimizer: bool | str = "auto",
     recompute: bool | str = "auto",
     tracer: str = "auto",
@@ -170,7 +170,8 @@ def compile(  # noqa: A001 - the public name in API.md
                        plan.num_micro_batches)
     pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=loss_fn,
                          offload_stash=offload_stash, precision=precision, timeout=timeout,
-                         shard_optimizer=shard_optimizer)
+                         shard_optimizer=shard_optimizer,
+                         device=next((t.device for t in bound.tensors.values()), None))
     if global_batch_size is not None:
         pipe._replica_batch = global_batch_size // config.data_parallel
     return pipe

@@ -32,7 +32,7 @@ def check_flag(name: str, value: Any, allowed: tuple[Any, ...] = (True, False)) 
 def check_compile_arguments(*, stages: Any, data_parallel: Any, micro_batch_size: Any,
                             global_batch_size: Any, recompute: Any, offload_stash: Any,
                             timeout: Any, precision: Any = "fp32", cluster: Any = None,
-                            loss_fn: Any = None, schedule: Any = "varuna",
+                            loss_fn: Any = None, schedule: Any = "auto",
                             tracer: Any = "auto", shard_optimizer: Any = "auto") -> None:
     if cluster is not None and not isinstance(cluster, Cluster):
         raise VarunaFxError(
