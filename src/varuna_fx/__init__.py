@@ -10,6 +10,7 @@ from .errors import (
     CheckpointError,
     DistributedError,
     InputError,
+    OptimizerError,
     PartitionError,
     PeerTimeoutError,
     PlanError,
@@ -17,6 +18,8 @@ from .errors import (
     UninitializedError,
     VarunaFxError,
 )
+from .init.materialize import materialize
+from .init.record import deferred_init
 from .init.skip import skip_init
 from .ir.rng import per_sample_rng
 from .pipeline import Pipeline
@@ -29,6 +32,7 @@ __all__ = [
     "Cluster",
     "DistributedError",
     "InputError",
+    "OptimizerError",
     "PartitionError",
     "PeerTimeoutError",
     "Pipeline",
@@ -39,7 +43,9 @@ __all__ = [
     "UninitializedError",
     "VarunaFxError",
     "compile",
+    "deferred_init",
     "latest_checkpoint",
+    "materialize",
     "per_sample_rng",
     "skip_init",
 ]

@@ -38,7 +38,7 @@ from .planner.plan import Plan
 from .planner.resolve import resolve_profile
 from .runtime.comm import resolve_timeout
 from .runtime.split_backward import input_grads
-from .schedule import is_split
+from .schedule import is_split, placement_style
 from .schedule.placement import Placement
 
 # the front end's cache lives in passes/frontend.py (the planner shares it); these names stay here
@@ -54,9 +54,11 @@ def compile(  # noqa: A001 - the public name in API.md
     loss_fn: Callable[..., torch.Tensor] | None = None,
     global_batch_size: int | None = None,
     stages: int | None = None,
+    stages_per_rank: int | None = 1,
     data_parallel: int | None = None,
     micro_batch_size: int | None = None,
-    schedule: str = "varuna",
+    schedule: str = "auto",
+    shard_optimizer: bool | str = "auto",
     recompute: bool | str = "auto",
     tracer: str = "auto",
     offload_stash: bool = False,
@@ -72,13 +74,16 @@ def compile(  # noqa: A001 - the public name in API.md
     every pass's graph to (default ``$VARUNA_FX_DUMP``; see ``passes/manager.py``).
     ``recompute``: True / False force it on every stage but the last; "auto" recomputes only
     on the stages whose activations would not fit otherwise (``plan.recompute`` says which).
+    ``stages_per_rank``: v stages on each rank (virtual stages: ``schedule="interleaved-1f1b"``
+    or ``"zbv"``); the world is then (stages / v) x D ranks. None: the schedule's default.
     """
     check_compile_arguments(stages=stages, data_parallel=data_parallel,
                             micro_batch_size=micro_batch_size,
                             global_batch_size=global_batch_size, recompute=recompute,
                             offload_stash=offload_stash, timeout=timeout,
                             precision=precision, cluster=cluster, loss_fn=loss_fn,
-                            schedule=schedule, tracer=tracer)
+                            schedule=schedule, tracer=tracer,
+                            shard_optimizer=shard_optimizer)
     _check_arguments(model, example_inputs, schedule, tracer, stages)
     check_target_parameter(model, loss_fn)
     if recompute not in (True, False, "auto") or not isinstance(recompute, (bool, str)):
@@ -101,6 +106,8 @@ def compile(  # noqa: A001 - the public name in API.md
             global_batch_size=global_batch_size, stages=stages, data_parallel=data_parallel,
             micro_batch_size=micro_batch_size, schedule=schedule, recompute=rc,
             profile=resolve_profile(captured.gm, bound, profile, settings, timeout=timeout),
+            shard_optimizer=shard_optimizer,
+            stages_per_rank=stages_per_rank,
         )
 
     # a split-backward schedule is planned with its input-gradient and weight passes timed
@@ -125,9 +132,11 @@ def compile(  # noqa: A001 - the public name in API.md
         "setting": CostSetting(
             micro_batch_size=config.micro_batch_size,
             device=config.device or device_spec(cluster.device),
-            bandwidth=config.pipeline_bandwidth, memory_cap=cluster.gpu_memory,
+            bandwidth=config.pipeline_bandwidth,
+            memory_cap=cluster.gpu_memory / config.schedule.stages_per_rank,
             stash_counts=config.stash_counts, recompute=recompute,
             node_times=config.node_times,
+            optimizer_shards=config.data_parallel if config.shard_optimizer else 1,
         ),
     })
     run_passes(BACK_PASSES, state, dump=where_to, done=FRONT_PASSES)
@@ -148,16 +157,21 @@ def compile(  # noqa: A001 - the public name in API.md
         recompute=flags,
         stage_costs=tuple(stage_costs(state.gm, built, state["partition"], state["setting"],
                                       priced.stage_memory)),
-        bounds=bounds, placement=Placement(config.stages, config.data_parallel),
+        bounds=bounds, placement=Placement(config.stages, config.data_parallel,
+                                           priced.schedule.stages_per_rank,
+                                           placement_style(priced.schedule.name)),
         tied_parameters={k: v for k, v in holders.items() if len(v) > 1},
         predicted_step_time=priced.step_time, tracer=captured.tracer,
         model_name=type(model).__name__, alternatives=priced.alternatives,
+        shard_optimizer=config.shard_optimizer,
     )
     warn_micro_batch_state(model, captured.gm, plan.num_micro_batches)
     warn_sample_mixing(f"{type(model).__name__}.forward", graph_findings(captured.gm),
                        plan.num_micro_batches)
     pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=loss_fn,
-                         offload_stash=offload_stash, precision=precision, timeout=timeout)
+                         offload_stash=offload_stash, precision=precision, timeout=timeout,
+                         shard_optimizer=shard_optimizer,
+                         device=next((t.device for t in bound.tensors.values()), None))
     if global_batch_size is not None:
         pipe._replica_batch = global_batch_size // config.data_parallel
     return pipe

@@ -32,8 +32,8 @@ def check_flag(name: str, value: Any, allowed: tuple[Any, ...] = (True, False)) 
 def check_compile_arguments(*, stages: Any, data_parallel: Any, micro_batch_size: Any,
                             global_batch_size: Any, recompute: Any, offload_stash: Any,
                             timeout: Any, precision: Any = "fp32", cluster: Any = None,
-                            loss_fn: Any = None, schedule: Any = "varuna",
-                            tracer: Any = "auto") -> None:
+                            loss_fn: Any = None, schedule: Any = "auto",
+                            tracer: Any = "auto", shard_optimizer: Any = "auto") -> None:
     if cluster is not None and not isinstance(cluster, Cluster):
         raise VarunaFxError(
             f"cluster={_short(cluster)} is not a vf.Cluster: the second positional argument of "
@@ -55,6 +55,7 @@ def check_compile_arguments(*, stages: Any, data_parallel: Any, micro_batch_size
     check_count("global_batch_size", global_batch_size, "samples per optimizer step")
     check_flag("recompute", recompute, (True, False, "auto"))
     check_flag("offload_stash", offload_stash)
+    check_flag("shard_optimizer", shard_optimizer, (True, False, "auto"))
     resolve_timeout(timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
     check_precision(precision)  # before capture and planning, not after
 

@@ -11,6 +11,7 @@ from functools import lru_cache
 from ..schedule import (
     check_schedule_name,
     schedule_names,
+    virtual_names,
 )
 from .balance import StagePlan
 from .plan import Alternative
@@ -35,6 +36,7 @@ class Candidate:
     schedule: str = ""
     bound: float = 0.0  # seconds: the lower bound it was last pushed with
     estimated: bool = False  # step_time is a cheaper order's (see Planner.search)
+    shard: bool = False  # its memory counts the optimizer state sharded over D (ZeRO-1)
 
     @property
     def samples(self) -> int:
@@ -43,7 +45,8 @@ class Candidate:
     def alternative(self, chosen: bool = False) -> Alternative:
         return Alternative(self.stages, self.data_parallel, self.micro_batch_size,
                            self.num_micro_batches, self.step_time, self.bubble,
-                           self.allreduce_time, self.memory, chosen, self.schedule)
+                           self.allreduce_time, self.memory, chosen, self.schedule,
+                           self.shard)
 
 
 @dataclass
@@ -112,8 +115,9 @@ _PREFERENCE = ("varuna", "1f1b", "gpipe", "varuna-zb", "1f1b-zb", "gpipe-zb")
 
 
 def schedule_choices() -> list[str]:
-    """What ``schedule=`` accepts: every schedule name, and "auto"."""
-    return [*schedule_names(), AUTO]
+    """What ``schedule=`` accepts: every schedule name (those running several stages per rank
+    included), and "auto"."""
+    return [*schedule_names(), *virtual_names(), AUTO]
 
 
 def considered_schedules(schedule: str) -> list[str]:

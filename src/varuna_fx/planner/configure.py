@@ -22,16 +22,23 @@ import torch.fx as fx
 from ..costs.roofline import DeviceSpec, NodeTimes
 from ..errors import PartitionError, PlanError
 from ..passes.assign_stages import CostSetting, compute_nodes, partition_costs, record_stages
-from ..passes.partition import Partition, partition
-from ..schedule import Schedule, build_schedule, peak_stash_counts
+from ..passes.partition import Partition, PartitionCosts, evaluate, partition
+from ..schedule import (
+    Schedule,
+    build_schedule,
+    default_stages_per_rank,
+    is_virtual,
+    peak_stash_counts,
+)
 from ..world.where import running_world
-from .candidates import Candidate, Space
+from .candidates import AUTO, Candidate, Space
 from .cluster import Cluster
 from .costs import CostTable
 from .explain import explain_nothing_fits
 from .plan import Alternative
 from .profile import Profile
 from .search import Planner
+from .virtual import weigh as weigh_virtual
 
 
 @dataclass
@@ -48,6 +55,10 @@ class Configuration:
     alternatives: list[Alternative] = field(default_factory=list)
     device: DeviceSpec | None = None  # what time estimates are made for
     node_times: NodeTimes | None = None  # measured costs, when a profile applies
+    shard_optimizer: bool = False  # memory counted with optimizer state split over D (ZeRO-1)
+    # the search's own partition of the chosen row (node positions): what its step was priced
+    # with, so the compiled partition is never slower than the row (None: nothing searched)
+    searched_bounds: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,27 +96,46 @@ def default_micro_batch_size(batch: int, stages: int) -> int:
 def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch: int,
                          global_batch_size: int | None, stages: int | None,
                          data_parallel: int | None, micro_batch_size: int | None,
-                         schedule: str, recompute: bool, profile: Profile | None = None
-                         ) -> Configuration:
+                         schedule: str, recompute: bool, profile: Profile | None = None,
+                         stages_per_rank: int | None = 1,
+                         shard_optimizer: bool | str = False) -> Configuration:
     """``profile``: measured costs (``varuna_fx.planner.Profile``), or None for estimates.
-    ``schedule``: a name, or "auto" (the planner picks the fastest that fits, per candidate)."""
+    ``schedule``: a name, or "auto" (the planner picks the fastest that fits, per candidate).
+    ``stages_per_rank``: v, stages each rank runs (a virtual schedule: ``interleaved-1f1b``,
+    ``zbv``); None: that schedule's default.
+    ``shard_optimizer``: True counts the optimizer state split over D wherever D > 1; "auto"
+    only where a candidate does not fit otherwise; False never."""
+    v = check_stages_per_rank(schedule, stages_per_rank)
     if stages is not None:  # before any schedule is built: 10**6 stages would take minutes
         operations = len(compute_nodes(gm))
         if stages > operations:
             raise PartitionError(f"stages={stages} is more than the {operations} operations of "
                                  f"the model: use at most {operations} stages")
     planner = _planner(gm, cluster, schedule, recompute, profile)
+    planner.shard_optimizer = shard_optimizer
+    planner.stages_per_rank = v
+    planner.memory_cap /= v  # a rank holds v stages (each checked at its share)
     alternatives: list[Alternative] = []
+    searched: tuple[int, ...] | None = None
     world = running_world()
+    if v > 1:  # virtual stages: P given (or v per rank), D from the ranks
+        ranks = (world or cluster.gpus) // (data_parallel or 1)
+        stages = stages or v * max(1, ranks)
+        if stages % v:
+            raise PlanError(f"stages={stages} is not a multiple of stages_per_rank={v}: each "
+                            f"rank runs {v} stages; choose stages= a multiple of {v}")
+        data_parallel = data_parallel or max(1, (world or cluster.gpus) // (stages // v))
     # explicit values that cannot match the running ranks: the runtime says what to launch
     mismatch = world is not None and stages is not None and (
         world % stages != 0 or (data_parallel is not None and stages * data_parallel != world))
-    if stages is not None and (cluster.gpus == 1 or mismatch):  # nothing to search
+    if stages is not None and (cluster.gpus == 1 or mismatch or v > 1):  # nothing to search
         p, d = stages, data_parallel or max(1, cluster.gpus // stages)
         batch = replica_batch(example_batch, global_batch_size, d)
         b = micro_batch_size or default_micro_batch_size(batch, p)
         check_micro_batch(batch, b)
-        name = planner.best_schedule(Candidate(p, d, b, batch // b))
+        given = Candidate(p, d, b, batch // b)
+        name = planner.best_schedule(given)
+        shard = given.shard
     else:
         space = Space(cluster.gpus, example_batch, global_batch_size, stages, data_parallel,
                       micro_batch_size, world=world)
@@ -114,7 +144,12 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
             raise explain_nothing_fits(planner, space)
         best = result.best
         p, d, b, name = best.stages, best.data_parallel, best.micro_batch_size, best.schedule
+        shard = best.shard
         alternatives = result.alternatives
+        if stages_per_rank is None and schedule == AUTO:  # the planner chooses v too
+            p, name, v, alternatives = _weigh_virtual(planner, best, alternatives)
+        if best.plan is not None and v == 1 and p == best.stages:  # unit -> node positions
+            searched = tuple(int(planner.table.units[u]) for u in best.plan.bounds)
     m = replica_batch(example_batch, global_batch_size, d) // b
     net = planner.links(p, d)
     sched, counts = planner.built(p, m, name)  # the chosen schedule (schedule="auto")
@@ -122,8 +157,43 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
         stages=p, data_parallel=d, micro_batch_size=b, num_micro_batches=m,
         pipeline_bandwidth=net.partition_bandwidth, allreduce_bandwidth=net.allreduce_bandwidth,
         stash_counts=tuple(counts), schedule=sched, planner=planner, alternatives=alternatives,
-        device=planner.spec, node_times=planner.table.measured,
+        device=planner.spec, node_times=planner.table.measured, searched_bounds=searched,
+        shard_optimizer=shard,
     )
+
+
+def _weigh_virtual(planner: Planner, best: Candidate, rows: list[Alternative]
+                   ) -> tuple[int, str, int, list[Alternative]]:
+    """(stages, schedule, v, the rows) after weighing virtual stages on ``best``'s ranks
+    (``virtual.py``): one that simulates faster is chosen; each becomes a row."""
+    pick, stages, name, v = best, best.stages, best.schedule, 1
+    found = weigh_virtual(planner, best)
+    for c, sched in found:
+        if c.step_time < pick.step_time:
+            pick, stages, name, v = c, c.stages, c.schedule, sched.stages_per_rank
+    planner.stages_per_rank = v
+    planner.memory_cap /= v
+    rows = [dataclasses.replace(a, chosen=False) if a.chosen and pick is not best else a
+            for a in rows] + [c.alternative(c is pick) for c, _ in found]
+    return stages, name, v, sorted(rows, key=lambda a: a.step_time)
+
+
+def check_stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
+    """v for ``schedule``: a virtual schedule runs at least 2 stages per rank, the others one."""
+    if stages_per_rank is None:
+        return default_stages_per_rank(schedule)
+    if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) \
+            or stages_per_rank < 1:
+        raise PlanError(f"stages_per_rank={stages_per_rank!r}: give a positive number of "
+                        "stages per rank (1: one stage per rank)")
+    if is_virtual(schedule) and stages_per_rank < 2:
+        raise PlanError(f"schedule={schedule!r} runs several stages per rank: pass "
+                        f"stages_per_rank={default_stages_per_rank(schedule)} (or more for "
+                        "interleaved-1f1b), or choose a schedule for one stage per rank")
+    if not is_virtual(schedule) and stages_per_rank > 1:
+        raise PlanError(f"stages_per_rank={stages_per_rank} needs a schedule that runs several "
+                        "stages per rank: schedule='interleaved-1f1b' or 'zbv'")
+    return stages_per_rank
 
 
 def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: str, recompute: bool,
@@ -151,15 +221,17 @@ def price(config: Configuration, bounds: tuple[int, ...],
     planner = config.planner
     b, p, m = config.micro_batch_size, config.stages, config.num_micro_batches
     units = planner.table.unit_arrays(b, planner.spec, positions=list(bounds))
-    balancer = planner.balancer_for(units, p)
-    c = Candidate(p, config.data_parallel, b, m)
+    d = config.data_parallel
+    balancer = planner.balancer_for(units, p, d if config.shard_optimizer else 1)
+    base = config.schedule
+    c = Candidate(p, d, b, m, schedule=base.name, shard=config.shard_optimizer)  # (the row shows it)
     c.plan = balancer.stage_plan(list(range(p + 1)))
     # the search ordered schedules with unit costs (cached per P, m); the plan's schedule is
     # generated from this partition's own times (Varuna's order, split backward's W placement)
     # ``recompute``: the partition's per-stage choice (default: the planner's one setting)
-    base = config.schedule
     rc = base.recompute if recompute is None else recompute
-    sched = build_schedule(base.name, p, m, rc, planner.schedule_costs(c, rc))
+    sched = build_schedule(base.name, p, m, rc, planner.schedule_costs(c, rc),
+                           stages_per_rank=base.stages_per_rank if base.is_virtual else None)
     counts = peak_stash_counts(sched)
     step = planner.simulated(c, sched, rc)
     c.memory = tuple(float(x) for x in c.plan.memory(counts, rc))
@@ -169,7 +241,10 @@ def price(config: Configuration, bounds: tuple[int, ...],
 
 def assign_and_price(gm: fx.GraphModule, config: Configuration,
                      setting: CostSetting) -> tuple[Partition, Priced]:
-    """The partition pass (``assign_stages``) for the stash counts of the schedule that runs.
+    """The partition pass (``assign_stages``) for the stash counts of the schedule that runs,
+    weighing each stage's all-reduce over the replicas (``allreduce_terms``), and never slower
+    than the search's own partition of the chosen row (``_searched``): the plan's predicted
+    step is at most every row the planner lists.
 
     That schedule is generated from the partition's own costs and recompute flags (``price``),
     so its counts are known only after partitioning, and they differ from the planner's
@@ -181,7 +256,7 @@ def assign_and_price(gm: fx.GraphModule, config: Configuration,
     least the schedule's, and its memory is restated at the schedule's counts: the plan, its
     alternatives row and ``Partition.stage_memory`` always print the model at the counts that
     run, and they never exceed what the cap was checked with."""
-    costs = partition_costs(gm, setting)
+    costs = dataclasses.replace(partition_costs(gm, setting), **allreduce_terms(config))
     counts = config.stash_counts
     safe: tuple[Partition, Priced] | None = None
     while True:
@@ -198,8 +273,40 @@ def assign_and_price(gm: fx.GraphModule, config: Configuration,
             safe, counts = (made, priced), runs  # fits a fortiori; try the schedule's own once
         else:
             counts = tuple(max(r, c) for r, c in zip(runs, counts))
+    searched = _searched(costs, config) if config.searched_bounds not in (None, made.bounds) \
+        else None
+    if searched is not None and searched[1].step_time < priced.step_time:
+        made, priced = searched
     record_stages(gm, made)
     return made, priced
+
+
+def allreduce_terms(config: Configuration) -> dict[str, float | int]:
+    """The partition's all-reduce weights (``PartitionCosts``) for the configuration's D."""
+    per_byte, latency = config.planner.links(config.stages, config.data_parallel) \
+        .allreduce_terms(config.data_parallel)
+    return {"allreduce_per_byte": per_byte, "allreduce_latency": latency,
+            "micro_batches": config.num_micro_batches}
+
+
+def _searched(costs: PartitionCosts, config: Configuration
+              ) -> tuple[Partition, Priced] | None:
+    """The search's partition of the chosen row, priced as ``assign_and_price`` prices its
+    own (checked against memory at stash counts at least those its schedule runs, its memory
+    stated at those), or None where it does not fit (or its counts do not settle)."""
+    assert config.searched_bounds is not None
+    counts = config.stash_counts
+    for _ in range(3):
+        try:
+            made = evaluate(dataclasses.replace(costs, stash_counts=counts),
+                            config.searched_bounds)
+        except PartitionError:
+            return None
+        priced = price(config, made.bounds, made.recompute)
+        if all(r <= c for r, c in zip(priced.stash_counts, counts)):  # fits a fortiori
+            return dataclasses.replace(made, stage_memory=priced.stage_memory), priced
+        counts = tuple(max(r, c) for r, c in zip(priced.stash_counts, counts))
+    return None
 
 
 def check_micro_batch(batch: int, micro_batch_size: int) -> None:

@@ -31,6 +31,7 @@ class StageCost:
     memory: float  # estimated bytes on the device
     forward_time: float = 0.0  # estimated seconds of one micro-batch's forward
     backward_time: float = 0.0
+    optimizer_bytes: float = 0.0  # optimizer state on each of its ranks (1/D when sharded)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Alternative:
     stage_memory: tuple[float, ...]  # bytes per stage
     chosen: bool = False
     schedule: str = ""  # the schedule this row was simulated with (schedule="auto" varies it)
+    shard_optimizer: bool = False  # its memory has the optimizer state split over D (ZeRO-1)
 
     @property
     def max_memory(self) -> float:
@@ -78,10 +80,17 @@ class Plan:
     tracer: str = "fx"
     model_name: str = "model"
     alternatives: tuple[Alternative, ...] = ()  # best first
+    # whether optimizer state is sharded over the D replicas (ZeRO-1) in the memory priced
+    shard_optimizer: bool = False
 
     @property
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.num_micro_batches * self.data_parallel
+
+    @property
+    def stages_per_rank(self) -> int:
+        """v: the stages each rank runs (1 but with a virtual schedule)."""
+        return self.placement.stages_per_rank if self.placement is not None else 1
 
     @property
     def balance(self) -> float:
@@ -93,18 +102,22 @@ class Plan:
         step = (f", predicted step {self.predicted_step_time * 1e3:.2f} ms"
                 if self.predicted_step_time is not None else "")
         table = Table(title=(
-            f"{self.model_name}: P={self.stages} x D={self.data_parallel}, micro-batch "
+            f"{self.model_name}: P={self.stages}"
+            f"{f' ({self.stages_per_rank} per rank)' if self.stages_per_rank > 1 else ''}"
+            f" x D={self.data_parallel}, micro-batch "
             f"{self.micro_batch_size} x {self.num_micro_batches}, schedule {self.schedule.name}"
             f"{_recompute_note(self.recompute)}{step}"
+            f"{', optimizer state sharded over D (ZeRO-1)' if self.shard_optimizer else ''}"
         ))
         for name in ("stage", "nodes", "parameters", "FLOPs/mb", "activations/mb",
-                     "boundary/mb", "time/mb", "recompute", "memory"):
+                     "boundary/mb", "time/mb", "optimizer", "recompute", "memory"):
             table.add_column(name, justify="right")
         for s in self.stage_costs:
             rc = self.recompute[s.index] if s.index < len(self.recompute) else False
             table.add_row(str(s.index), str(s.nodes), _count(s.parameters), _count(s.flops),
                           _bytes(s.activation_bytes), _bytes(s.boundary_bytes),
-                          f"{s.time * 1e3:.3f} ms", "yes" if rc else "no", _bytes(s.memory))
+                          f"{s.time * 1e3:.3f} ms", _bytes(s.optimizer_bytes),
+                          "yes" if rc else "no", _bytes(s.memory))
         tied = ", ".join(f"{k} (stages {v})" for k, v in self.tied_parameters.items())
         table.caption = f"balance max/mean {self.balance:.3f}" + (f"; tied: {tied}" if tied else "")
         return table
@@ -150,10 +163,11 @@ def alternatives_table(rows: Sequence[Alternative], title: str) -> Table:
             row.schedule if row.schedule and row.stages > 1 else "-",  # one stage: no schedule
             _seconds(row.step_time),
             _count(row.throughput), f"{row.bubble_fraction:.0%}", _seconds(row.allreduce_time),
-            _bytes(row.max_memory),
+            _bytes(row.max_memory) + (" (ZeRO-1)" if row.shard_optimizer else ""),
         )
     table.caption = ("* chosen. b x m: micro-batch size x count per replica; step: simulated "
-                     "pipeline + data-parallel all-reduce; memory: largest stage")
+                     "pipeline + data-parallel all-reduce; memory: largest stage (ZeRO-1: "
+                     "with the optimizer state sharded over D)")
     return table
 
 

@@ -1,4 +1,5 @@
-"""Distributed runtime: this process runs one stage of one data-parallel replica.
+"""Distributed runtime: this process runs one stage of one data-parallel replica (or, with
+virtual stages, the ``v`` stages ``plan.placement`` gives its rank).
 
 ``make_distributed_runtime`` joins the job (process group, same plan on every rank, groups) and
 keeps only this stage's parameters; the runtime's step is the shared loop (``step.py``), whose
@@ -19,11 +20,12 @@ from ..capture.captured import Captured
 from ..capture.inputs import BoundInputs
 from ..codegen import Stage
 from ..codegen.modes import Modes, capture_if_changed, evaluation_stages, modes_set, module_modes
-from ..errors import DistributedError, PeerTimeoutError
+from ..errors import DistributedError, InputError, PeerTimeoutError
+from ..init.materialize import is_deferred, materialize_tensors, meta_without_record
 from ..ir.nodes import info
 from ..ir.rng import RandomKey
 from ..planner.plan import Plan
-from ..schedule import validate
+from ..schedule import Op, OpKind, validate
 from ..schedule.placement import Placement, check_world_size
 from ..world.where import comm_device, init_process_group
 from . import preemption
@@ -55,28 +57,36 @@ class DistributedRuntime(StepLoop):
                  groups: Groups, grad_sync: GradSync, *, assemble: Callable[[dict], Any],
                  loss_fn: Any, precision: str, timeout: float, device: torch.device,
                  input_shapes: dict[str, Any], offload_stash: bool,
-                 reorder: bool = False) -> None:
+                 reorder: bool = False, tied_holders: Sequence[tuple[int, ...]] = ()) -> None:
         self.stages, self.plan, self.placement, self.rank = stages, plan, placement, rank
         self.stage, self.replica = placement.coords(rank)
         self.stage_index, self.replica_index = self.stage, self.replica
-        self.local_stages = [self.stage]
+        self.local_stages = placement.stages_of(rank)
         self.groups, self.grad_sync = groups, grad_sync
         self.assemble, self.loss_fn = assemble, loss_fn
         self.timeout, self.device, self.input_shapes = timeout, device, input_shapes
-        self.who = f"stage {self.stage} (rank {rank})"
-        self.is_last = self.stage == plan.stages - 1
+        self.who = f"{stage_label(self.local_stages)} (rank {rank})"
+        last = plan.stages - 1
+        self.is_last = last in self.local_stages
         self.autocast = autocast_factory(precision, device.type)
         self.scaler = LossScaler(enabled=precision == "fp16")
-        self.worker = StageWorker(stages[self.stage], recompute=plan.recompute[self.stage],
-                                  is_last=self.is_last, offload_stash=offload_stash,
-                                  autocast=self.autocast)
-        self.executor = StageExecutor(self.worker, stages, placement, self.replica,
+        self.workers = [StageWorker(stages[s], recompute=plan.recompute[s], is_last=s == last,
+                                    offload_stash=offload_stash, autocast=self.autocast)
+                        for s in self.local_stages]
+        self.worker = self.workers[0]
+        self.executor = StageExecutor(self.workers, stages, placement, self.replica,
                                       plan.micro_batch_size, device, timeout, self.who,
                                       links=groups.links)
         validate(plan.schedule)
         self.executor.split = plan.schedule.split_backward
         self.executor.reorder = reorder  # Varuna's run-time rule (opportunistic.py)
+        self.executor.tied = list(tied_holders)
         self.per_stage = plan.schedule.per_stage
+        # virtual stages: each rank's order of its stages' actions (None: per_stage)
+        self.rank_lists = plan.schedule.rank_lists
+        # the program every rank runs, proved against NCCL's rules before any message (the
+        # one check of the NCCL path possible without GPUs; cheap: milliseconds at P=8, m=16)
+        self.executor.program(self.per_stage, self.rank_lists)
         self._other: tuple[list[Stage], StageExecutor] | None = None  # another mode's stages
         # eval mode's stages, made at compile while this rank held every parameter (codegen/modes.py)
         self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
@@ -110,15 +120,36 @@ class DistributedRuntime(StepLoop):
         return {k: v.to(self.device) for k, v in inputs.items()}
 
     def set_seed(self, key: RandomKey) -> None:
-        self.worker.key = key
+        for worker in self.workers:
+            worker.key = key
 
     def run_actions(self, micro: list[dict[str, torch.Tensor]], loss_of: LossOf) -> None:
+        """The lowered program, its tail included: right after this stage's last backward the
+        tied sums and the data-parallel average start, then the sends and those reductions are
+        waited for; the loss all-reduce that closes the tail is :meth:`finish`'s."""
         self.grad_sync.before_step()
-        self.executor.run(self.per_stage, micro, loss_of if self.is_last else None)
-        pending = self.grad_sync.start()  # right after this stage's last backward
-        self.executor.outbox.drain()
-        for reduction in pending:
-            reduction.finish()
+        pending: list[Any] = []
+        tied = iter(range(len(self.grad_sync.tied)))
+        closed = False
+
+        def tail(op: Op) -> None:
+            nonlocal pending, closed
+            if op.kind is OpKind.ALLREDUCE and op.group.startswith("tied:"):
+                pending.append(self.grad_sync.start_tied(next(tied)))
+            elif op.kind is OpKind.ALLREDUCE and op.group.startswith("dp:"):
+                pending += self.grad_sync.start_data_parallel()
+            elif op.kind is OpKind.WAIT_SENDS:
+                self.executor.outbox.drain()
+            elif op.kind is OpKind.WAIT_REDUCE and not closed:
+                for reduction in pending:
+                    reduction.finish()
+                pending = []
+            else:  # ALLREDUCE(world) and its wait: finish() makes them, after the step's work
+                closed = True
+
+        self.executor.run(self.per_stage, micro, loss_of if self.is_last else None, tail,
+                          self.rank_lists)
+        assert next(tied, None) is None and closed, "the tail covers every reduction"
 
     def finish(self, losses: list[torch.Tensor], flags: Sequence[bool]
                ) -> tuple[torch.Tensor, tuple[bool, ...]]:
@@ -127,7 +158,7 @@ class DistributedRuntime(StepLoop):
         decides the same."""
         local_inf = False
         if self.scaler.enabled:
-            local_inf = self.scaler.unscale_(self.grad_sync.held.values())
+            local_inf = self.scaler.unscale_(self.grad_sync.reduced())
         loss = torch.stack(losses).mean() / self.plan.data_parallel if losses else \
             torch.zeros(())
         # Every rank must all-reduce the same dtype (gloo aborts on a mix): float64 on all,
@@ -170,9 +201,10 @@ class DistributedRuntime(StepLoop):
 
     def _executor_for(self, stages: list[Stage]) -> StageExecutor:
         if self._other is None or self._other[0] is not stages:
-            worker = StageWorker(stages[self.stage], recompute=False, is_last=self.is_last,
-                                 autocast=self.autocast)
-            self._other = (stages, StageExecutor(worker, stages, self.placement, self.replica,
+            last = self.plan.stages - 1
+            workers = [StageWorker(stages[s], recompute=False, is_last=s == last,
+                                   autocast=self.autocast) for s in self.local_stages]
+            self._other = (stages, StageExecutor(workers, stages, self.placement, self.replica,
                                                  self.plan.micro_batch_size, self.device,
                                                  self.timeout, self.who,
                                                  links=self.groups.links))
@@ -195,6 +227,7 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     ``layout``: the model's state, recorded before this rank empties what it does not hold."""
     layout = layout or StateLayout.of(model, canonical, stages)
     seconds = resolve_timeout(timeout)
+    refuse_plain_meta(model)  # every rank has the same model: all raise, before any wait
     # eval mode's graph, cut now (a rank keeps only its stage's parameters), and before the
     # first collective, so peers never wait on it
     eval_mode = _eval_mode_stages(model, captured, stages, canonical, plan)
@@ -202,36 +235,64 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     rank, world = dist.get_rank(), dist.get_world_size()
     # Varuna's run-time rule: on NCCL (receives can be polled) unless the environment says;
     # every rank must agree, since it changes which message proves a send delivered (acks.py)
-    reorder = rule_enabled(dist.get_backend())
+    # (not with virtual stages: the rule's stash bound and send proofs are one stage's)
+    reorder = rule_enabled(dist.get_backend()) and plan.stages_per_rank == 1
     runtime_text = f" opportunistic forwards ${RULE_ENV}={'on' if reorder else 'off'}"
     verify_same_plan(plan, plan_fingerprint(plan, stages, precision, runtime_text), seconds,
                      runtime_text)
-    check_world_size(world, plan.stages, plan.data_parallel)
+    check_world_size(world, plan.stages, plan.data_parallel, plan.stages_per_rank)
     placement = plan.placement or Placement(plan.stages, plan.data_parallel)
     stage, replica = placement.coords(rank)
+    local = placement.stages_of(rank)
     device = comm_device() if torch.cuda.is_available() else torch.device("cpu")
     tied = tied_sets(plan, model, canonical)
     links = message_links(stages, eval_mode[1][1] if eval_mode[1] is not None else None)
-    groups = build_groups(placement, tied, stage, replica, seconds, links)
+    groups = build_groups(placement, tied, local, replica, seconds, links)
+    if is_deferred(model):  # vf.deferred_init: allocate and initialise only this rank's stages
+        eval_roots = [] if eval_mode[1] is None else \
+            [eval_mode[1][0].gm, *(s.module for s in eval_mode[1][1])]
+        materialize_tensors(model, layout.held_names(canonical, stages, local), device,
+                            roots=[captured.gm, *(s.module for s in stages), *eval_roots])
     # stage 0 also keeps what forward never reads, so no rank loses those weights
-    keep = unread_tensors(model, layout) if stage == 0 else []
-    release_unheld(model, stages[stage], device, keep=keep)
+    keep = unread_tensors(model, layout) if 0 in local else []
+    release_unheld(model, [stages[s] for s in local], device, keep=keep)
     preemption.install_handlers()  # under torchrun: SIGTERM/SIGUSR1 -> pipe.preempted
 
-    held, buffers = held_tensors(model, layout.held_names(canonical, stages, [stage]))
-    who = f"stage {stage} (rank {rank})"
+    held, buffers = held_tensors(model, layout.held_names(canonical, stages, local))
+    who = f"{stage_label(local)} (rank {rank})"
     broadcast_initial({**held, **buffers}, groups, placement, stage, seconds, who)
     trained = {n: p for n, p in held.items() if n not in layout.unread}  # unread: no gradient
-    sync = GradSync(trained, groups, plan.tied_parameters, stage, plan.data_parallel, seconds, who)
+    sync = GradSync(trained, groups, plan.tied_parameters, local, plan.data_parallel, seconds, who)
     shapes = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
               if n.op == "placeholder" and info(n).outputs}
     runtime = DistributedRuntime(
         stages, plan, placement, rank, groups, sync, assemble=assemble, loss_fn=loss_fn,
         precision=precision, timeout=seconds, device=device, input_shapes=shapes,
         offload_stash=offload_stash, reorder=reorder,
+        # (a tied set all on one rank, D = 1, has no group: autograd sums its copies there)
+        tied_holders=[h for h in tied if len(placement.holder_ranks(list(h))) > 1],
     )
     runtime.other_modes[eval_mode[0]] = eval_mode[1]
     return runtime
+
+
+def refuse_plain_meta(model: nn.Module) -> None:
+    """A rank runs its stage on real tensors: a model put on the meta device without
+    ``vf.deferred_init`` has nothing to run (one process only plans with it)."""
+    names = meta_without_record(model)
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise InputError(
+            f"{len(names)} parameter(s)/buffer(s) are on the meta device ({shown}) with nothing "
+            "saying what they hold: under torchrun every rank needs its stage's real tensors. "
+            "Build the model under `with vf.deferred_init(seed=0):` (each rank then allocates "
+            "and initialises only its stage), or with real tensors")
+
+
+def stage_label(local: list[int]) -> str:
+    """How errors name this rank's work: "stage 2", or "stages 0, 3" (virtual stages)."""
+    return f"stage {local[0]}" if len(local) == 1 else \
+        "stages " + ", ".join(str(s) for s in local)
 
 
 def _eval_mode_stages(model: nn.Module, captured: Captured, stages: list[Stage],

@@ -1,4 +1,6 @@
-"""Pipeline schedules: generate (Varuna, 1F1B, GPipe, and their split-backward variants), validate, simulate and draw them.
+"""Pipeline schedules: generate (Varuna, 1F1B, GPipe, and their split-backward variants), validate,
+simulate and draw them; lower them to explicit sends and receives (``lowering.py``) and check
+those against NCCL's rules (``nccl_check.py``).
 
 >>> from varuna_fx.schedule import build_schedule, simulate
 >>> sched = build_schedule("varuna", num_stages=4, num_micro_batches=8)
@@ -14,6 +16,7 @@ from varuna_fx.schedule.generators import (
     cheaper,
     check_schedule_name,
     clear_caches,
+    default_stages_per_rank,
     depends_on_costs,
     has_quick,
     is_split,
@@ -21,6 +24,19 @@ from varuna_fx.schedule.generators import (
     schedule_names,
     with_micro_batches,
 )
+from varuna_fx.schedule.lowering import (
+    LOOKAHEAD,
+    Link,
+    Lowered,
+    Op,
+    OpKind,
+    RankProgram,
+    chain_links,
+    lower,
+    lower_schedule,
+    walk,
+)
+from varuna_fx.schedule.nccl_check import CommRun, check_comms, check_schedule_comms
 from varuna_fx.schedule.render import gantt, text_grid
 from varuna_fx.schedule.simulate import (
     SimResult,
@@ -34,9 +50,17 @@ from varuna_fx.schedule.simulate import (
     simulate_step,
 )
 from varuna_fx.schedule.validate import execution_order, validate
+from varuna_fx.schedule.virtual import is_virtual, placement_style, virtual_names
 
 __all__ = [
+    "LOOKAHEAD",
     "Action",
+    "CommRun",
+    "Link",
+    "Lowered",
+    "Op",
+    "OpKind",
+    "RankProgram",
     "Kind",
     "SCHEDULES",
     "Schedule",
@@ -45,16 +69,24 @@ __all__ = [
     "StepTiming",
     "analytic_bubble",
     "build_schedule",
+    "chain_links",
+    "check_comms",
+    "check_schedule_comms",
     "cheaper",
     "check_schedule_name",
     "clear_caches",
+    "default_stages_per_rank",
     "depends_on_costs",
     "execution_order",
     "gantt",
     "has_quick",
     "is_split",
+    "is_virtual",
+    "lower",
+    "lower_schedule",
     "peak_stash",
     "peak_stash_counts",
+    "placement_style",
     "recompute_per_stage",
     "schedule_names",
     "simulate",
@@ -63,5 +95,7 @@ __all__ = [
     "simulate_step",
     "text_grid",
     "validate",
+    "virtual_names",
+    "walk",
     "with_micro_batches",
 ]

@@ -7,6 +7,10 @@ while the previous one is still on the wire waits for it (on a slow link, back-t
 forwards queue; a message crossing while the other direction is busy does not). Same-stage dependencies (R after F, B after R) are implied by the stage's
 sequential order, so every action has at most one edge that matters besides its predecessor.
 
+Virtual stages: the lists that run in order are the ranks' (``Schedule.lists``), so an action
+waits for its rank's previous action; a boundary between two stages on one rank costs nothing,
+and the boundaries between one pair of ranks share that pair's wire, each way (``wire``).
+
 Speed: everything that depends only on the schedule's structure (a topological order, the index
 of each action's stage predecessor and cross-stage dependency, cost-table slots, stash peaks) is
 compiled once per :class:`Schedule` object and cached on it, so one :func:`simulate` call is a
@@ -38,9 +42,11 @@ class _Compiled:
     prev: list[int]  # 1 + index of the stage predecessor, or 0
     dep: list[int]  # 1 + index of the cross-stage dependency, or 0
     link: list[int]  # 1 + link index crossed by that dependency (+ P - 1 going back), or 0
+    wire: list[int]  # the rank-to-rank direction that message occupies (its link when v = 1)
     cost_slot: list[int]  # kind_slot * P + stage, into the flat cost table
     counts: list[tuple[int, int, int, int]]  # (#F, #R, #B, #W) per stage
     peak_stash: list[int]
+    wires: int  # how many wire slots ``free`` needs
 
 
 def peak_stash(acts: list[Action], split: bool = False) -> int:
@@ -76,12 +82,24 @@ def _compile(schedule: Schedule) -> _Compiled:
     for k, a in enumerate(ids):
         index[a] = k + 1
     prev_of = [0] * (4 * m * p)
-    for acts in schedule.per_stage:
+    for acts in schedule.lists:  # what runs in order: a rank's list
         for before, act in zip(acts, acts[1:]):
             prev_of[action_id(act.stage, act.kind, act.mb, m)] = \
                 index[action_id(before.stage, before.kind, before.mb, m)]
-    prev, dep, link, slot = [], [], [], []
+    prev, dep, link, wire, slot = [], [], [], [], []
     across = 4 * m  # id offset of the same kind of action one stage away
+    rank_of, virtual, ranks = schedule.rank_of, schedule.is_virtual, schedule.num_ranks
+
+    def on_wire(lk: int, src: int, dst: int) -> None:
+        """The dependency crosses link slot ``lk`` from stage src to stage dst."""
+        a, b = rank_of(src), rank_of(dst)
+        if a == b:  # two stages of one rank: no message
+            link.append(0)
+            wire.append(0)
+        else:
+            link.append(lk)
+            wire.append(1 + a * ranks + b if virtual else lk)
+
     for act, a in zip(order, ids):
         s = act.stage
         prev.append(prev_of[a])
@@ -89,13 +107,14 @@ def _compile(schedule: Schedule) -> _Compiled:
         slot.append(kind * p + s)
         if kind == 0 and s > 0:
             dep.append(index[a - across])
-            link.append(s)  # link s-1, shifted by one
+            on_wire(s, s - 1, s)  # link s-1, shifted by one
         elif kind == 2 and s < p - 1:
             dep.append(index[a + across])
-            link.append(s + p)  # link s, shifted by one, in the backward direction
+            on_wire(s + p, s + 1, s)  # link s, shifted by one, in the backward direction
         else:
             dep.append(0)
             link.append(0)
+            wire.append(0)
     return _Compiled(
         key=_key(schedule),
         snapshot=[list(acts) for acts in schedule.per_stage],
@@ -103,12 +122,14 @@ def _compile(schedule: Schedule) -> _Compiled:
         prev=prev,
         dep=dep,
         link=link,
+        wire=wire,
         cost_slot=slot,
         counts=[
             tuple(sum(a.kind is k for a in acts) for k in (Kind.F, Kind.R, Kind.B, Kind.W))
             for acts in schedule.per_stage
         ],
         peak_stash=peak_stash_counts(schedule),
+        wires=1 + max(ranks * ranks, 2 * p),
     )
 
 
@@ -134,9 +155,9 @@ class SimResult:
 
     schedule: Schedule
     step_time: float
-    busy: list[float]
+    busy: list[float]  # per rank (per stage when each rank runs one)
     idle: list[float]
-    bubble_fraction: float  # mean over stages of idle / step_time
+    bubble_fraction: float  # mean over ranks of idle / step_time
     peak_stash_count: list[int]
     peak_stash_bytes: list[float] | None  # None when no stash_bytes were given
     starts: list[float] = field(repr=False)  # aligned with `actions`
@@ -224,29 +245,28 @@ def simulate(
     wire = _link_costs(p, send_bytes, 0.0, bandwidth)  # seconds a message occupies the link
     comm = [0.0] + [float(latency) + w for w in wire] * 2  # forward links, then backward
     busy_for = [0.0] + wire * 2
-    free = [0.0] * len(comm)  # when each link direction is next free
+    free = [0.0] * comp.wires  # when each wire direction is next free
 
     starts: list[float] = []
     ends: list[float] = [0.0]  # slot 0: the "no dependency" sentinel
     start_append, end_append = starts.append, ends.append
-    for pk, dk, lk, ck in zip(comp.prev, comp.dep, comp.link, comp.cost_slot):
+    for pk, dk, lk, wk, ck in zip(comp.prev, comp.dep, comp.link, comp.wire, comp.cost_slot):
         a = ends[pk]
         b = ends[dk]
         if lk:  # messages of one direction cross in the order their receiver takes them
-            f = free[lk]
+            f = free[wk]
             if f > b:
                 b = f
-            free[lk] = b + busy_for[lk]
+            free[wk] = b + busy_for[lk]
             b += comm[lk]
         t = a if a >= b else b
         start_append(t)
         end_append(t + cost[ck])
 
     step = max(ends)
-    busy = [
-        nf * fwd[s] + nr * rec[s] + nb * bwd[s] + nw * wgt[s]
-        for s, (nf, nr, nb, nw) in enumerate(comp.counts)
-    ]
+    busy = [0.0] * schedule.num_ranks
+    for s, (nf, nr, nb, nw) in enumerate(comp.counts):
+        busy[schedule.rank_of(s)] += nf * fwd[s] + nr * rec[s] + nb * bwd[s] + nw * wgt[s]
     idle = [step - b for b in busy]
     bubble = _bubble(idle, step)
     peak_bytes = None
@@ -296,7 +316,12 @@ def simulate_step(
     round-robin, each as far as its dependencies are done (compiling the schedule first
     cost several times the simulation at P=25, m=32, and each order is timed once). The
     sweep checks what ``check_complete`` does on the way (each action once, on its stage,
-    after its F / R / B); on anything wrong, ``check_complete`` says what."""
+    after its F / R / B); on anything wrong, ``check_complete`` says what. A virtual
+    schedule (ranks running several stages) is timed by :func:`simulate`."""
+    if schedule.is_virtual:
+        sim = simulate(schedule, forward, backward, recompute, send_bytes, latency, bandwidth,
+                       weight_grad=weight_grad)
+        return StepTiming(sim.step_time, sim.bubble_fraction)
     p, m = schedule.num_stages, schedule.num_micro_batches
     per_stage = schedule.per_stage
     if p < 1 or m < 1 or len(per_stage) != p or (
