@@ -19,10 +19,11 @@ from dist_utils import SCRIPTS
 from varuna_fx.examples import lm_loss
 from varuna_fx.ir.nodes import Affine, StageSpec, TensorInfo, Transfer, b
 from varuna_fx.runtime.acks import release_keys
-from varuna_fx.runtime.comm import _buckets, resolve_timeout
+from varuna_fx.runtime.comm import _buckets
 from varuna_fx.runtime.precision import LossScaler
 from varuna_fx.schedule import Action, Kind, build_schedule
 from varuna_fx.schedule.placement import Placement, check_world_size
+from varuna_fx.world.where import resolve_timeout
 
 # -- placement -------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ def test_profile_joins_the_process_group_with_the_users_timeout(
         seen.append(timeout)
         raise Joined
 
-    monkeypatch.setenv("VARUNA_FX_CACHE", str(tmp_path))
+    monkeypatch.setenv("VARUNA_FX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(resolve, "launched_distributed", lambda: True)
     monkeypatch.setattr(resolve, "init_process_group", join)
     model = nn.Sequential(nn.Linear(4, 4))

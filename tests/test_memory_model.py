@@ -19,8 +19,8 @@ from registry import CASES
 from tiers import tiered
 from varuna_fx.costs.memory import MemoryModel, SharedWeight
 from varuna_fx.ir.nodes import info
-from varuna_fx.passes.assign_stages import WEIGHT_COPIES, compute_nodes, partition_costs
-from varuna_fx.passes.partition import PartitionCosts, partition
+from varuna_fx.passes.assign_stages import WEIGHT_COPIES, compute_nodes, partition_problem
+from varuna_fx.passes.partition import PartitionProblem, partition
 from varuna_fx.schedule import peak_stash_counts
 
 
@@ -104,13 +104,13 @@ def test_partition_pass_planner_and_table_print_the_same_bytes(name: str, stages
     # ...for the stash counts of the schedule that runs: the pass at exactly those counts
     # makes this partition and these bytes
     counts = tuple(peak_stash_counts(plan.schedule))
-    again = partition(dataclasses.replace(partition_costs(gm, setting), stash_counts=counts),
+    again = partition(dataclasses.replace(partition_problem(gm, setting), stash_counts=counts),
                       stages)
     assert again.bounds == plan.bounds and again.recompute == plan.recompute
     assert list(again.stage_memory) == pytest.approx(table, rel=1e-12)
     # the model's terms are what the stages hold: weights (a tied or shared weight on every
     # stage reading it) and the largest single activation of the stage's own operations
-    model = partition_costs(gm, setting).memory_model()
+    model = partition_problem(gm, setting).memory_model()
     starts, ends = np.array(plan.bounds[:-1]), np.array(plan.bounds[1:])
     holds = []
     for stage in pipe.stages:
@@ -135,7 +135,7 @@ def test_tied_weights_are_held_by_both_stages() -> None:
     weight = dict(pipe.stages[0].module.named_parameters())[name]
     assert any(p is weight for p in pipe.stages[1].module.parameters())  # the same tensor
     copy = WEIGHT_COPIES * weight.numel() * weight.element_size()
-    costs = partition_costs(gm, setting)
+    costs = partition_problem(gm, setting)
     bounds = pipe.plan.bounds
     first_read = [costs.weight_bytes[i:j].sum() for i, j in zip(bounds, bounds[1:])]
     held = costs.memory_model().held(np.array(bounds[:-1]), np.array(bounds[1:]))
@@ -159,7 +159,7 @@ def test_a_cap_the_old_estimate_accepted_moves_the_cut() -> None:
     roomy, (gm, setting, _, _) = _compile("gpt_tied", 2, recompute=False)
     largest = max(s.memory for s in roomy.plan.stage_costs)
     worst = int(np.argmax([s.memory for s in roomy.plan.stage_costs]))
-    model = partition_costs(gm, setting).memory_model()
+    model = partition_problem(gm, setting).memory_model()
     bounds = np.array(roomy.plan.bounds)
     workspace = float(model.workspace(bounds[:-1], bounds[1:])[worst])
     cap = largest - workspace / 2  # the old estimate (no workspace) of that split fits
@@ -184,7 +184,7 @@ def test_shared_copy_decides_the_partition() -> None:
     """A weight read by the first and the last node: any 2-stage split holds it twice, so a
     cap that fits one copy plus the rest (the old estimate) fits no partition."""
     n = 6
-    costs = PartitionCosts(np.ones(n), np.array([4.0, 0.5, 0.5, 0.5, 0.5, 0.5]), np.zeros(n),
+    costs = PartitionProblem(np.ones(n), np.array([4.0, 0.5, 0.5, 0.5, 0.5, 0.5]), np.zeros(n),
                            np.zeros(n + 1), memory_cap=5.0,
                            shared=(SharedWeight(4.0, 1.0, np.array([0, n - 1])),))
     assert partition(dataclasses.replace(costs, shared=()), 2).bounds == (0, 3, 6)

@@ -10,16 +10,16 @@ import pytest
 
 from varuna_fx.costs.memory import SharedWeight
 from varuna_fx.errors import PartitionError
-from varuna_fx.passes.partition import PartitionCosts, partition
+from varuna_fx.passes.partition import PartitionProblem, partition
 
 
-def _costs(rng: np.random.Generator, n: int, *, sparse: bool = True, **kw: float) -> PartitionCosts:
+def _costs(rng: np.random.Generator, n: int, *, sparse: bool = True, **kw: float) -> PartitionProblem:
     compute = rng.random(n) * (rng.random(n) > 0.4 if sparse else 1.0)
     cut = np.concatenate([[0.0], rng.random(n - 1), [0.0]])
-    return PartitionCosts(compute, rng.random(n), rng.random(n), cut, **kw)
+    return PartitionProblem(compute, rng.random(n), rng.random(n), cut, **kw)
 
 
-def _featured(rng: np.random.Generator, n: int, stages: int, cap: float) -> PartitionCosts:
+def _featured(rng: np.random.Generator, n: int, stages: int, cap: float) -> PartitionProblem:
     """Every memory feature at once: per-stage stash counts, workspace, a weight shared by
     several nodes, and a recompute mode (each stage choosing for itself under "auto")."""
     costs = _costs(rng, n, bandwidth=2.0, memory_cap=cap)
@@ -34,7 +34,7 @@ def _featured(rng: np.random.Generator, n: int, stages: int, cap: float) -> Part
     )
 
 
-def _stage(c: PartitionCosts, i: int, j: int, k: int, stages: int) -> tuple[float, float, bool]:
+def _stage(c: PartitionProblem, i: int, j: int, k: int, stages: int) -> tuple[float, float, bool]:
     """(cost, memory, recomputes) of stage [i, j) as the k-th, written out plainly: the
     reference for the vectorised memory model and partitioner."""
     last = k == stages - 1
@@ -56,7 +56,7 @@ def _stage(c: PartitionCosts, i: int, j: int, k: int, stages: int) -> tuple[floa
     return float(times[i:j].sum() + send), float(replay if recomputes else plain), recomputes
 
 
-def _brute_force(c: PartitionCosts, stages: int) -> float:
+def _brute_force(c: PartitionProblem, stages: int) -> float:
     n = len(c.compute)
     best = np.inf
     for cuts in itertools.combinations(range(1, n), stages - 1):
@@ -90,7 +90,7 @@ def test_bottleneck_is_optimal_against_brute_force(seed: int) -> None:
     assert len(pairs) == stages and all(i < j for i, j in pairs), "an empty stage"
     reference = [_stage(costs, i, j, k, stages) for k, (i, j) in enumerate(pairs)]
     assert max(cost for cost, _, _ in reference) == pytest.approx(expected)
-    assert result.stage_costs == pytest.approx([cost for cost, _, _ in reference])
+    assert result.stage_times == pytest.approx([cost for cost, _, _ in reference])
     assert result.stage_memory == pytest.approx([memory for _, memory, _ in reference])
     assert result.recompute == tuple(flag for _, _, flag in reference)
     assert all(memory <= costs.memory_cap + 1e-9 for memory in result.stage_memory)
@@ -98,9 +98,9 @@ def test_bottleneck_is_optimal_against_brute_force(seed: int) -> None:
 
 def test_memory_cap_forces_a_worse_but_fitting_partition() -> None:
     # four equal nodes; the first two are heavy in memory
-    costs = PartitionCosts(np.ones(4), np.array([5.0, 5.0, 0.0, 0.0]), np.zeros(4), np.zeros(5))
+    costs = PartitionProblem(np.ones(4), np.array([5.0, 5.0, 0.0, 0.0]), np.zeros(4), np.zeros(5))
     assert partition(costs, 2).bounds == (0, 2, 4)
-    capped = PartitionCosts(costs.compute, costs.weight_bytes, costs.activation_bytes,
+    capped = PartitionProblem(costs.compute, costs.weight_bytes, costs.activation_bytes,
                             costs.cut_bytes, memory_cap=6.0)
     result = partition(capped, 2)
     assert result.bounds == (0, 1, 4)
@@ -108,9 +108,9 @@ def test_memory_cap_forces_a_worse_but_fitting_partition() -> None:
 
 
 def test_nothing_fits_names_stage_bytes_and_memory() -> None:
-    costs = PartitionCosts(np.ones(3), np.full(3, 2**30), np.zeros(3), np.zeros(4),
+    costs = PartitionProblem(np.ones(3), np.full(3, 2**30), np.zeros(3), np.zeros(4),
                            memory_cap=2**29)
-    with pytest.raises(PartitionError, match=r"stage \d.*GiB.*0.50 GiB|0.50 GiB.*stage"):
+    with pytest.raises(PartitionError, match=r"fits in 512.0 MiB per device.*GiB on stage \d"):
         partition(costs, 2)
 
 
@@ -119,13 +119,13 @@ def test_prefers_the_cut_where_fewer_bytes_cross() -> None:
     # but far fewer bytes cross before node 2
     compute = np.array([1.0, 0.0, 0.0, 1.0])
     cut = np.array([0.0, 100.0, 1.0, 50.0, 0.0])
-    result = partition(PartitionCosts(compute, np.zeros(4), np.zeros(4), cut), 2)
+    result = partition(PartitionProblem(compute, np.zeros(4), np.zeros(4), cut), 2)
     assert result.bounds == (0, 2, 4)
 
 
 def test_forbidden_cuts_are_never_chosen() -> None:
     cut = np.array([0.0, np.inf, np.inf, 0.0, np.inf, 0.0])
-    result = partition(PartitionCosts(np.ones(5), np.zeros(5), np.zeros(5), cut), 2)
+    result = partition(PartitionProblem(np.ones(5), np.zeros(5), np.zeros(5), cut), 2)
     assert result.bounds == (0, 3, 5)
 
 
@@ -144,7 +144,7 @@ def test_more_stages_than_operations_is_an_error() -> None:
 def test_large_problem_stays_fast_and_balanced() -> None:
     rng = np.random.default_rng(1)
     n = 1500
-    costs = PartitionCosts(rng.random(n), np.zeros(n), np.zeros(n),
+    costs = PartitionProblem(rng.random(n), np.zeros(n), np.zeros(n),
                            np.concatenate([[0.0], rng.random(n - 1) * 1e-3, [0.0]]))
     result = partition(costs, 8)
     mean = costs.compute.sum() / 8
@@ -154,9 +154,9 @@ def test_large_problem_stays_fast_and_balanced() -> None:
 def test_last_stage_is_costed_without_recompute() -> None:
     # with recompute every node costs 3 (F + R + B) except on the last stage (F + B = 2)
     compute = np.full(5, 3.0)
-    plain = PartitionCosts(compute, np.zeros(5), np.zeros(5), np.zeros(6))
+    plain = PartitionProblem(compute, np.zeros(5), np.zeros(5), np.zeros(6))
     aware = dataclasses.replace(plain, last_stage_compute=np.full(5, 2.0))
     assert partition(plain, 2).bounds in ((0, 2, 5), (0, 3, 5))
     result = partition(aware, 2)
     assert result.bounds == (0, 2, 5)  # the last stage can take three nodes: 6 = 2 * 3
-    assert result.stage_costs == (6.0, 6.0)
+    assert result.stage_times == (6.0, 6.0)

@@ -11,12 +11,12 @@ import torch
 
 import varuna_fx as vf
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
-from varuna_fx.passes.partition import PartitionCosts, partition
+from varuna_fx.passes.partition import PartitionProblem, partition
 
 KIB = 2**10
 
 
-def _two_cuts(bandwidth: float) -> PartitionCosts:
+def _two_cuts(bandwidth: float) -> PartitionProblem:
     """Seven units; after the light unit 3 (the even split) 1.2 MiB cross, before it only
     256 KiB, and that split is 1.3% less balanced."""
     compute = np.array([1.0, 1.0, 1.0, 0.04, 1.0, 1.0, 1.04])
@@ -24,7 +24,7 @@ def _two_cuts(bandwidth: float) -> PartitionCosts:
     cut[[0, 7]] = 0.0
     cut[3] = 256 * KIB
     cut[4] = 1.2 * 2**20
-    return PartitionCosts(compute, np.zeros(7), np.zeros(7), cut, bandwidth=bandwidth)
+    return PartitionProblem(compute, np.zeros(7), np.zeros(7), cut, bandwidth=bandwidth)
 
 
 def test_a_slow_link_cuts_where_few_bytes_cross() -> None:
@@ -36,7 +36,7 @@ def test_a_slow_link_cuts_where_few_bytes_cross() -> None:
     chosen = partition(costs, 2)
     assert chosen.bounds == (0, 3, 7)
     assert chosen.bottleneck <= exact.bottleneck * 1.02
-    assert chosen.bottleneck == max(chosen.stage_costs)
+    assert chosen.bottleneck == max(chosen.stage_times)
 
 
 def test_free_links_keep_the_exact_optimum() -> None:

@@ -13,7 +13,7 @@ import torch
 import varuna_fx as vf
 from varuna_fx.costs.roofline import device_spec
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
-from varuna_fx.passes.assign_stages import CostSetting, partition_costs
+from varuna_fx.passes.assign_stages import CostSetting, partition_problem
 from varuna_fx.passes.partition import partition
 from varuna_fx.planner import Analyzed, CostTable, Planner, Space, analyze, plan_for
 from varuna_fx.schedule import simulate
@@ -121,7 +121,7 @@ def test_fast_partition_matches_the_exact_partitioner(gpt: Analyzed) -> None:
     for b, cap in ((1, math.inf), (2, math.inf), (2, 40 * 2**20)):
         setting = CostSetting(b, cluster.spec, bw, cap, 3, True)
         # the optimum itself (no trading balance for fewer bytes)
-        exact_costs = dataclasses.replace(partition_costs(gpt.gm, setting), byte_tolerance=0.0)
+        exact_costs = dataclasses.replace(partition_problem(gpt.gm, setting), byte_tolerance=0.0)
         balancer = planner.balancer(b)
         for p in (1, 2, 3, 5, 8):
             fast = balancer.partition(p, cap, 3)
@@ -137,11 +137,11 @@ def test_fast_partition_matches_the_exact_partitioner(gpt: Analyzed) -> None:
             assert max(busy + sends) == pytest.approx(exact.bottleneck, rel=2e-4)
 
 
-def test_cost_table_agrees_with_partition_costs(gpt: Analyzed) -> None:
+def test_cost_table_agrees_with_partition_problem(gpt: Analyzed) -> None:
     table = CostTable.build(gpt.gm)
     spec = device_spec("a100")
     for b in (1, 3):
-        ref = partition_costs(gpt.gm, CostSetting(b, spec, 1e9, math.inf, 1, True))
+        ref = partition_problem(gpt.gm, CostSetting(b, spec, 1e9, math.inf, 1, True))
         units = table.unit_arrays(b, spec)
         busy = units.forward + units.recompute + units.backward
         assert busy.sum() == pytest.approx(ref.compute.sum(), rel=1e-9)

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_two_ranks_plan_the_same_configuration_from_one_profile(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE_DIR": str(tmp_path / "cache")}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", "2", __file__, str(tmp_path)],
                    env=env, check=True, timeout=300)

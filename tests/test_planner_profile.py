@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ import varuna_fx.planner.resolve as resolve
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.planner import Profile, analyze, plan_for
 from varuna_fx.planner.measure import measure
+from varuna_fx.world.files import cache_dir
 
 pytestmark = pytest.mark.slow  # measures this device for real (timing loops)
 
@@ -31,7 +30,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]
     """One measured compile (one CPU thread: the profiler then times CPU time, which other
     processes on this machine cannot inflate), shared by the tests."""
     patch = pytest.MonkeyPatch()
-    patch.setenv("VARUNA_FX_CACHE", str(tmp_path_factory.mktemp("profiles")))
+    patch.setenv("VARUNA_FX_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model = make_model()
@@ -66,7 +65,7 @@ def test_second_compile_hits_the_cache(env: dict[str, object]) -> None:
                profile=True)
     assert counted["measurements"] == before  # the second did not
     assert cached_profile(env).from_cache
-    assert list(Path(os.environ["VARUNA_FX_CACHE"]).glob("*.json"))
+    assert list(cache_dir("profiles").glob("*.json"))
 
 
 def fit_errors(profile: Profile) -> list[tuple[float, str, int]]:

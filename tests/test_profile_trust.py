@@ -18,8 +18,9 @@ from varuna_fx.passes.assign_stages import compute_nodes
 from varuna_fx.planner import analyze
 from varuna_fx.planner.costs import CostTable
 from varuna_fx.planner.measure import ProfileSettings
-from varuna_fx.planner.profile import Profile, cache_dir, load_cached, save_cached
+from varuna_fx.planner.profile import Profile, load_cached, save_cached
 from varuna_fx.planner.resolve import resolve_profile
+from varuna_fx.world.files import cache_dir
 
 QUICK = ProfileSettings(sizes=(1, 2), repeats=1, warmup=0, max_chunks=2)
 
@@ -38,13 +39,13 @@ def tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
         return measure(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(resolving, "measure", counted)
-    monkeypatch.setenv("VARUNA_FX_CACHE", str(tmp_path))
+    monkeypatch.setenv("VARUNA_FX_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=8, vocab_size=64))
     graph = analyze(model, (torch.randint(0, 64, (2, 8)),))
     first = resolve_profile(graph.gm, graph.bound, True, QUICK)
     assert first is not None and not first.from_cache
-    return {"graph": graph, "profile": first, "path": cache_dir() / f"{first.key}.json"}
+    return {"graph": graph, "profile": first, "path": cache_dir("profiles") / f"{first.key}.json"}
 
 
 def reload(tiny: dict) -> Profile | None:
@@ -56,7 +57,7 @@ def test_a_good_cache_file_is_used_and_no_temporary_file_stays(tiny: dict) -> No
     before = COUNTER["measurements"]
     again = reload(tiny)
     assert again is not None and again.from_cache and COUNTER["measurements"] == before
-    assert [p.name for p in cache_dir().iterdir()] == [tiny["path"].name]
+    assert [p.name for p in cache_dir("profiles").iterdir()] == [tiny["path"].name]
 
 
 def tamper(path: Path, edit: object) -> None:
@@ -115,7 +116,7 @@ def test_saving_leaves_no_temporary_file_when_the_rename_fails(
     monkeypatch.setattr(os, "replace", fail)
     with pytest.warns(UserWarning, match="could not cache"):
         save_cached(tiny["profile"])
-    assert [p.name for p in cache_dir().iterdir()] == [tiny["path"].name]
+    assert [p.name for p in cache_dir("profiles").iterdir()] == [tiny["path"].name]
 
 
 def test_profiled_memory_is_affine_in_the_batch_on_every_chunk() -> None:
@@ -138,3 +139,18 @@ def test_profiled_memory_is_affine_in_the_batch_on_every_chunk() -> None:
         slope = per_size[2][k] - per_size[1][k]
         for b in (4, 8):
             assert per_size[b][k] == per_size[1][k] + slope * (b - 1), (k, per_size)
+
+
+def test_one_cache_variable_and_the_documented_profiles_alias(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """$VARUNA_FX_CACHE_DIR holds every cache; the old $VARUNA_FX_CACHE (the profiles folder
+    itself, as the docs once said) is read for profiles only when the one variable is unset."""
+    monkeypatch.setenv("VARUNA_FX_CACHE_DIR", str(tmp_path / "root"))
+    monkeypatch.setenv("VARUNA_FX_CACHE", str(tmp_path / "old"))
+    assert cache_dir("profiles") == tmp_path / "root" / "profiles"
+    assert cache_dir("graphs") == tmp_path / "root" / "graphs"
+    monkeypatch.delenv("VARUNA_FX_CACHE_DIR")
+    assert cache_dir("profiles") == tmp_path / "old"
+    assert cache_dir("graphs") == Path.home() / ".cache" / "varuna_fx" / "graphs"
+    monkeypatch.delenv("VARUNA_FX_CACHE")
+    assert cache_dir("profiles") == Path.home() / ".cache" / "varuna_fx" / "profiles"

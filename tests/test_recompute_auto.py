@@ -10,7 +10,7 @@ import torch
 
 import varuna_fx as vf
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
-from varuna_fx.passes.partition import PartitionCosts, partition
+from varuna_fx.passes.partition import PartitionProblem, partition
 
 
 def _gpt() -> tuple[GPT, torch.Tensor, torch.Tensor]:
@@ -83,7 +83,7 @@ def test_partition_prices_each_stage_with_its_own_choice() -> None:
     # on stage 0, 1 on the last), a recomputing one only its input per micro-batch plus one
     # replay. Room for 25 bytes.
     n = 4
-    costs = PartitionCosts(
+    costs = PartitionProblem(
         compute=torch.full((n,), 3.0).numpy(), weight_bytes=torch.zeros(n).numpy(),
         activation_bytes=torch.full((n,), 10.0).numpy(), cut_bytes=torch.ones(n + 1).numpy(),
         memory_cap=25.0, stash_counts=(2, 1), recompute="auto",
@@ -95,7 +95,7 @@ def test_partition_prices_each_stage_with_its_own_choice() -> None:
     # 1 x (1 + 20))
     assert result.bounds == (0, 2, 4)
     assert result.recompute == (True, False)
-    assert result.stage_costs == (6.0, 4.0)
+    assert result.stage_times == (6.0, 4.0)
     assert result.stage_memory == (22.0, 21.0)
     roomy = partition(dataclasses.replace(costs, memory_cap=1e9), 2)
-    assert roomy.recompute == (False, False) and roomy.stage_costs == (4.0, 4.0)
+    assert roomy.recompute == (False, False) and roomy.stage_times == (4.0, 4.0)

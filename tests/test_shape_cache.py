@@ -22,6 +22,7 @@ from varuna_fx.capture.trace import bind_inputs, capture
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.ir.nodes import info
 from varuna_fx.passes import frontend, shape_cache
+from varuna_fx.world.files import cache_dir
 
 CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
 TOKENS = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
@@ -56,7 +57,7 @@ def key_of(model: nn.Module, inputs: torch.Tensor = TOKENS[:, :-1]) -> str | Non
 
 
 def entries() -> list[Path]:
-    return sorted(shape_cache.cache_dir().glob("*.json"))
+    return sorted(cache_dir("graphs").glob("*.json"))
 
 
 def test_a_hit_gives_the_annotations_a_fresh_compile_gives() -> None:
@@ -146,14 +147,14 @@ def test_a_bad_entry_is_ignored_and_rewritten() -> None:
 def test_the_environment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VARUNA_FX_GRAPH_CACHE", "0")
     compile_fresh(gpt())
-    assert not shape_cache.cache_dir().exists()
+    assert not cache_dir("graphs").exists()
 
 
 def test_the_newest_entries_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shape_cache, "MAX_ENTRIES", 2)
     for when, key in enumerate(["a", "b", "c"], start=1):  # c is written last, now
         shape_cache.store(key, [], [])
-        os.utime(shape_cache.cache_dir() / f"{key}.json", (when * 1e8, when * 1e8))
+        os.utime(cache_dir("graphs") / f"{key}.json", (when * 1e8, when * 1e8))
     assert [p.stem for p in entries()] == ["b", "c"]  # the oldest went when c was written
 
 

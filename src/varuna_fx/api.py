@@ -11,7 +11,7 @@ from torch import nn
 from .capture.buffers import warn_micro_batch_state
 from .capture.trace import TRACERS, bind_inputs
 from .codegen import build_stage
-from .codegen.stage_totals import stage_costs
+from .codegen.stage_totals import stage_totals
 from .costs.roofline import device_spec
 from .errors import PlanError, VarunaFxError
 from .ir.nodes import copy_graph_module
@@ -21,10 +21,10 @@ from .options import (
     check_global_batch,
     check_target_parameter,
 )
-from .passes.annotate_costs import canonical_names
+from .passes.annotate_backward import canonical_names
 from .passes.assign_stages import CostSetting
 from .passes.check import check_assignment, check_parameters, check_split
-from .passes.frontend import _CAPTURES, FRONT_PASSES, _fingerprint, captured_and_annotated
+from .passes.frontend import FRONT_PASSES, captured_and_annotated
 from .passes.manager import CompileState, Pass, dump_dir, run_passes
 from .passes.split_stages import split_stages
 from .pipeline import Pipeline, make_pipeline
@@ -34,14 +34,10 @@ from .planner.measure import ProfileSettings
 from .planner.plan import Plan
 from .planner.resolve import resolve_profile
 from .planner.search import AUTO, schedule_choices
-from .runtime.comm import resolve_timeout
 from .runtime.split_backward import input_grads
 from .schedule import is_split
 from .schedule.placement import Placement
-
-# the front end's cache lives in passes/frontend.py (the planner shares it); these names stay here
-_captured_and_annotated = captured_and_annotated
-__all__ = ["BACK_PASSES", "PASSES", "compile", "_CAPTURES", "_fingerprint"]
+from .world.where import resolve_timeout
 
 
 def compile(  # noqa: A001 - the public name in API.md
@@ -144,7 +140,7 @@ def compile(  # noqa: A001 - the public name in API.md
         micro_batch_size=config.micro_batch_size,
         num_micro_batches=config.num_micro_batches, schedule=priced.schedule,
         recompute=flags,
-        stage_costs=tuple(stage_costs(state.gm, built, state["partition"], state["setting"],
+        stage_costs=tuple(stage_totals(state.gm, built, state["partition"], state["setting"],
                                       priced.stage_memory)),
         bounds=bounds, placement=Placement(config.stages, config.data_parallel),
         tied_parameters={k: v for k, v in holders.items() if len(v) > 1},

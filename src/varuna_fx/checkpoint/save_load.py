@@ -45,8 +45,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 from ..errors import CheckpointError
 from ..init.skip import loaded
-from ..runtime.comm import resolve_timeout
-from ..world.where import launched_distributed
+from ..world.where import launched_distributed, resolve_timeout
 from . import dcp_local
 from .optimizer_state import (
     decode,

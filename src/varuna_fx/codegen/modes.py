@@ -20,7 +20,7 @@ from torch import nn
 from ..capture.trace import BoundInputs, Captured, capture
 from ..errors import VarunaFxError
 from ..ir.nodes import info
-from ..passes.annotate_costs import annotate_costs
+from ..passes.annotate_backward import annotate_backward
 from ..passes.annotate_shapes import annotate_shapes
 from ..passes.mark_replicable import mark_replicable
 from ..passes.specialize_sizes import specialize_sizes
@@ -61,7 +61,7 @@ def evaluation_stages(model: nn.Module, fresh: Captured, bound: BoundInputs,
     gm = fresh.gm
     annotate_shapes(gm, bound)
     specialize_sizes(gm)
-    annotate_costs(gm, canonical)
+    annotate_backward(gm, canonical)
     mark_replicable(gm)
     holders: dict[str, set[int]] = {}
     for s in compiled:

@@ -88,7 +88,7 @@ class NodeInfo:
     mutates: bool = False  # writes into an input or module state (capture/mutations.py)
     # capture: the buffer this write stores the tensor forward rebinds it to (`self.ema = ...`)
     rebinds: str = ""
-    # annotate_costs
+    # annotate_backward
     fwd_flops: Affine = ZERO
     bwd_flops: Affine = ZERO
     params: dict[str, int] = field(default_factory=dict)  # canonical FQN -> bytes, read here

@@ -5,8 +5,7 @@ exploring in a notebook) reuses its annotated graph; the planner's ``analyze`` s
 passes never write into this graph: ``vf.compile`` annotates a copy (``ir.copy_graph_module``),
 so pipelines compiled from one cached graph do not change each other.
 
-Moved here from api.py (the cache and ``_captured_and_annotated``) because the planner, which
-sits below api, needs it; api re-exports the names.
+It sits in passes/, below the planner, because the planner's ``analyze`` shares the cache.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from ..capture.trace import BoundInputs, Captured, capture
-from .annotate_costs import annotate_costs
+from .annotate_backward import annotate_backward
 from .annotate_shapes import annotate_shapes
 from .manager import CompileState, Pass, run_passes
 from .mark_replicable import mark_replicable
@@ -38,8 +37,8 @@ FRONT_PASSES: tuple[Pass, ...] = (
     Pass("specialize_sizes", "size()/.shape of activations are constants or arithmetic on the "
          "batch size: ints never pin two operations to one stage",
          lambda s: specialize_sizes(s.gm)),
-    Pass("annotate_costs", "backward FLOPs and the parameters each node reads, under canonical "
-         "names", lambda s: annotate_costs(s.gm, s["canonical"])),
+    Pass("annotate_backward", "backward FLOPs and the parameters each node reads, under canonical "
+         "names", lambda s: annotate_backward(s.gm, s["canonical"])),
     Pass("mark_replicable", "cheap input/constant-derived nodes are copied into every stage "
          "that needs them, never sent", lambda s: mark_replicable(s.gm)),
 )

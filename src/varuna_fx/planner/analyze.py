@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..capture.trace import BoundInputs, bind_inputs
-from ..passes.annotate_costs import canonical_names
+from ..passes.annotate_backward import canonical_names
 from ..passes.frontend import captured_and_annotated
 from .cluster import Cluster
 from .costs import CostTable

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ..costs.roofline import DeviceSpec, NodeTimes
 from ..errors import PartitionError, PlanError
-from ..passes.assign_stages import CostSetting, compute_nodes, partition_costs, record_stages
+from ..passes.assign_stages import CostSetting, compute_nodes, partition_problem, record_stages
 from ..passes.partition import Partition, partition
 from ..schedule import Schedule, build_schedule, peak_stash_counts
 from ..world.where import running_world
@@ -180,7 +180,7 @@ def assign_and_price(gm: fx.GraphModule, config: Configuration,
     least the schedule's, and its memory is restated at the schedule's counts: the plan, its
     alternatives row and ``Partition.stage_memory`` always print the model at the counts that
     run, and they never exceed what the cap was checked with."""
-    costs = partition_costs(gm, setting)
+    costs = partition_problem(gm, setting)
     counts = config.stash_counts
     safe: tuple[Partition, Priced] | None = None
     while True:

@@ -4,7 +4,7 @@ The search weighs thousands of (P, D, micro-batch) candidates, so it needs every
 recompute and backward time, weights, activations and the bytes crossing every cut at many
 micro-batch sizes. All of them are affine in ``b`` (times: a roofline max of affine terms), so
 :class:`CostTable` keeps the coefficients and evaluates whole arrays at once. Weights,
-activations and cut bytes come from ``assign_stages.partition_costs`` itself (fitted from two
+activations and cut bytes come from ``assign_stages.partition_problem`` itself (fitted from two
 sizes), so the planner and the partition pass cannot disagree about them.
 
 Nodes are grouped into *units* between the cut positions worth considering (allowed cuts, one per
@@ -25,7 +25,7 @@ from ..costs.memory import SharedWeight
 from ..costs.roofline import DeviceSpec
 from ..ir.nodes import info
 from ..passes.assign_stages import CostSetting, compute_nodes, params_read, trainable_names
-from ..passes.assign_stages import partition_costs as _partition_costs
+from ..passes.assign_stages import partition_problem as _partition_problem
 from ..passes.partition import candidate_cuts, free_nodes
 
 
@@ -168,7 +168,7 @@ class CostTable:
     grads: np.ndarray  # [N] gradient bytes, where first read
     shared: tuple[SharedWeight, ...]  # weights read by several nodes
     measured: MeasuredTimes | None = None
-    # buffers forward writes: (first, last) node using each (PartitionCosts.written_spans),
+    # buffers forward writes: (first, last) node using each (PartitionProblem.written_spans),
     # named when the cuts they forbid leave too few units for the stages asked for
     written_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -176,7 +176,7 @@ class CostTable:
     def build(cls, gm: fx.GraphModule) -> CostTable:
         nodes = compute_nodes(gm)
         metas = [info(n) for n in nodes]
-        pc = [_partition_costs(gm, CostSetting(b, DeviceSpec("x", 1.0, 1.0), 1.0,
+        pc = [_partition_problem(gm, CostSetting(b, DeviceSpec("x", 1.0, 1.0), 1.0,
                                                float("inf"), 1, True)) for b in (1, 2)]
         allowed = np.isfinite(pc[0].cut_bytes)
 

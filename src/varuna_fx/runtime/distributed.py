@@ -22,10 +22,10 @@ from ..ir.nodes import info
 from ..planner.plan import Plan
 from ..schedule import validate
 from ..schedule.placement import Placement, check_world_size
-from ..world.where import comm_device, init_process_group
+from ..world.where import comm_device, init_process_group, resolve_timeout
 from . import preemption
 from .batching import check_batch_shapes
-from .comm import launch, peer_error, resolve_timeout, wait
+from .comm import launch, peer_error, wait
 from .executor import StageExecutor
 from .grad_sync import GradSync
 from .model_state import StateLayout, unread_tensors

@@ -1,4 +1,4 @@
-"""annotate_costs: forward/backward FLOPs and the parameters each node reads.
+"""annotate_backward: forward/backward FLOPs and the parameters each node reads.
 
 Backward FLOPs follow the usual estimate: a matmul-class op costs twice its forward (one
 product for the input gradient, one for the weight gradient); an elementwise op costs about
@@ -29,7 +29,7 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     return names
 
 
-def annotate_costs(gm: fx.GraphModule, canonical: dict[str, str]) -> None:
+def annotate_backward(gm: fx.GraphModule, canonical: dict[str, str]) -> None:
     for node in gm.graph.nodes:
         meta = info(node)
         meta.params = _params_read(gm, node, canonical)
