@@ -306,3 +306,16 @@ def test_generators_time_their_orders_as_the_simulator_does() -> None:
         lists, step = _fill(order, costs, rc, [m] * p, rng.random() < 0.5)
         split = Schedule("varuna-zb", p, m, tuple(rc), lists, split_backward=True)
         assert step == simulate_costs(split, costs).step_time
+
+
+def test_the_one_link_rule_queues_messages_of_one_direction() -> None:
+    """links.cross: a message leaves when the previous one has left the wire, occupies the link
+    for its wire time and arrives latency + wire after leaving."""
+    from varuna_fx.schedule.links import cross
+
+    free = [0.0, 0.0]
+    assert cross(free, 0, 1.0, 2.0, 2.5) == 3.5  # idle link: leaves when ready
+    assert free == [3.0, 0.0]
+    assert cross(free, 0, 1.5, 2.0, 2.5) == 5.5  # queued behind the first message
+    assert free == [5.0, 0.0]
+    assert cross(free, 1, 1.5, 2.0, 2.5) == 4.0  # the other direction is not busy

@@ -22,17 +22,9 @@ from varuna_fx.schedule.generators import (
     with_micro_batches,
 )
 from varuna_fx.schedule.render import gantt, text_grid
-from varuna_fx.schedule.simulate import (
-    SimResult,
-    StepTiming,
-    analytic_bubble,
-    peak_stash,
-    peak_stash_counts,
-    simulate,
-    simulate_costs,
-    simulate_costs_step,
-    simulate_step,
-)
+from varuna_fx.schedule.simulate import SimResult, analytic_bubble, simulate, simulate_costs
+from varuna_fx.schedule.simulate_step import StepTiming, simulate_costs_step, simulate_step
+from varuna_fx.schedule.structure import peak_stash, peak_stash_counts
 from varuna_fx.schedule.validate import execution_order, validate
 
 __all__ = [

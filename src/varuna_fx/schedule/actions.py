@@ -76,7 +76,7 @@ class Schedule:
     recompute: bool | tuple[bool, ...]
     per_stage: list[list[Action]]
     split_backward: bool = False
-    # Compiled simulation data (see simulate.py); not part of the schedule's identity.
+    # Compiled simulation data (see structure.py); not part of the schedule's identity.
     _compiled: Any = field(default=None, init=False, repr=False, compare=False)
     # The ScheduleCosts a cost-aware order was generated from (None: parsed or unit costs).
     costs: Any = field(default=None, init=False, repr=False, compare=False)

@@ -90,3 +90,39 @@ class ScheduleCosts:
                 f"schedule costs describe {self.num_stages} stages but the schedule has "
                 f"{num_stages}"
             )
+
+
+def per_stage(values: Sequence[float], n: int, what: str) -> list[float]:
+    """``values`` as floats, refused unless there are ``n`` (one per stage or link)."""
+    if len(values) != n:
+        raise ScheduleError(f"{what} needs {n} values (one per stage/link), got {len(values)}")
+    return [float(v) for v in values]
+
+
+def stage_seconds(p: int, split_backward: bool, forward: Sequence[float],
+                  backward: Sequence[float], recompute: Sequence[float] | None,
+                  weight_grad: Sequence[float] | None
+                  ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per-stage F, R, B and W seconds of a ``p``-stage schedule: R defaults to F; with a split
+    backward, B is the backward less its weight part (default half), else W is 0."""
+    fwd = per_stage(forward, p, "forward")
+    rec = fwd if recompute is None else per_stage(recompute, p, "recompute")
+    bwd = per_stage(backward, p, "backward")
+    wgt = [0.0] * p
+    if split_backward:
+        wgt = [b / 2 for b in bwd] if weight_grad is None else \
+            per_stage(weight_grad, p, "weight_grad")
+        bwd = [b - w for b, w in zip(bwd, wgt)]
+    return fwd, rec, bwd, wgt
+
+
+def simulator_arguments(costs: ScheduleCosts, num_stages: int) -> dict[str, object]:
+    """The simulators' keyword arguments for ``costs`` (link times in seconds: one byte per
+    link at one byte per second)."""
+    p = num_stages
+    costs.check(p)
+    links = [costs.link(s) for s in range(p - 1)]
+    return dict(forward=costs.forward, backward=costs.backward,
+                recompute=[costs.r(s) for s in range(p)],
+                send_bytes=links if any(links) else None, bandwidth=1.0,
+                weight_grad=[costs.w(s) for s in range(p)])

@@ -44,6 +44,7 @@ from typing import NamedTuple
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind
 from varuna_fx.schedule.costs import ScheduleCosts
+from varuna_fx.schedule.links import cross
 
 _INF = float("inf")
 
@@ -230,11 +231,7 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
                 cost = b_cost[s]
                 order[s].append(act_b[s][i])
                 if s < last:
-                    ready = sim_b[s + 1][i]
-                    if free_b[s] > ready:
-                        ready = free_b[s]
-                    free_b[s] = ready + link[s]
-                    ready += link[s]
+                    ready = cross(free_b, s, sim_b[s + 1][i], link[s], link[s])
             elif kind == _F:
                 in_flight[s] += 1
                 if in_flight[s] > stash:
@@ -242,11 +239,7 @@ def _generate(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
                 cost = f_cost[s]
                 order[s].append(act_f[s][i])
                 if s > 0:
-                    ready = sim_f[s - 1][i]
-                    if free_f[s - 1] > ready:
-                        ready = free_f[s - 1]
-                    free_f[s - 1] = ready + link[s - 1]
-                    ready += link[s - 1]
+                    ready = cross(free_f, s - 1, sim_f[s - 1][i], link[s - 1], link[s - 1])
             else:
                 cost = r_cost[s]
                 order[s].append(act_r[s][i])
