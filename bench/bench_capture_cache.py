@@ -15,7 +15,8 @@ import time
 import torch
 
 import varuna_fx as vf
-from varuna_fx.capture.trace import bind_inputs, capture
+from varuna_fx.capture.inputs import bind_inputs
+from varuna_fx.capture.trace import capture
 from varuna_fx.examples import GPT, GPTConfig
 from varuna_fx.passes import frontend
 

@@ -27,7 +27,8 @@ from rich.console import Console
 
 import varuna_fx as vf
 import varuna_fx.schedule as schedules
-from varuna_fx.capture.trace import bind_inputs, capture
+from varuna_fx.capture.inputs import bind_inputs
+from varuna_fx.capture.trace import capture
 from varuna_fx.examples import GPT, GPTConfig
 from varuna_fx.launch.plan_command import stage_table
 from varuna_fx.planner import CostTable, Planner, Space, analyze

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from varuna_fx.capture.trace import _Tracer
+from varuna_fx.capture.trace_fx import Tracer
 
 SRC = str(Path(__file__).parent.parent / "src")
 
@@ -29,7 +29,7 @@ class Net(nn.Module):
 
 
 def test_nodes_point_at_the_users_line_without_torch_frames() -> None:
-    graph = _Tracer().trace(Net())
+    graph = Tracer().trace(Net())
     traces = {n.name: n.stack_trace for n in graph.nodes}
     assert not traces["x"] and not traces["output"]  # made outside forward
     for name, marker in (("seq_0", "seq"), ("seq_1", "seq"), ("out", "out"), ("sum_1", "out")):
@@ -44,9 +44,9 @@ def test_fx_capture_imports_no_compiler_stack() -> None:
     code = """
 import sys
 import torch
-from varuna_fx.capture.trace import _Tracer
+from varuna_fx.capture.trace_fx import Tracer
 from varuna_fx.examples import GPT, GPTConfig
-_Tracer().trace(GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)))
+Tracer().trace(GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)))
 print(sorted(m for m in ("torch._dynamo", "torch._inductor", "torch.export._trace")
              if m in sys.modules))
 """

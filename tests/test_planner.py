@@ -270,7 +270,7 @@ def test_split_backward_first_stage_is_all_weight_gradient(gpt: Analyzed) -> Non
     """The first stage has no input gradients to compute (its inputs are the batch): the
     runtime runs its whole backward as W, so the planner's split-backward costs say so; later
     stages split about half and half."""
-    from varuna_fx.planner.search import weight_grads
+    from varuna_fx.planner.candidates import weight_grads
 
     assert weight_grads([4.0, 2.0, 6.0]) == [4.0, 1.0, 3.0]
     assert weight_grads([4.0]) == [2.0]

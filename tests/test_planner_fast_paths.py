@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import varuna_fx as vf
-import varuna_fx.planner.search as search_module
+import varuna_fx.planner.pricing as pricing_module
 from tiers import tiered
 from varuna_fx.costs.memory import SharedWeight
 from varuna_fx.errors import ScheduleError
@@ -252,7 +252,7 @@ def test_search_with_every_fast_path_chooses_what_the_plain_paths_choose(
     fast = _search(gpt, CLUSTERS[cluster], schedule, recompute)
     # every fast path off: compiled simulations, no orders kept, the memory model asked at
     # every greedy step, the first bounds one candidate at a time
-    monkeypatch.setattr(search_module, "simulate_step", simulate)
+    monkeypatch.setattr(pricing_module, "simulate_step", simulate)
     monkeypatch.setattr(varuna_module, "_MEMO_SIZE", 0)
     monkeypatch.setattr(Balancer, "_fitting_ends", lambda self, cap, stash: None)
     monkeypatch.setattr(Planner, "bounds_from_totals",

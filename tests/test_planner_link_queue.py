@@ -22,7 +22,7 @@ import varuna_fx as vf
 from tiers import tiered
 from varuna_fx.examples import GPT, GPTConfig
 from varuna_fx.planner import Analyzed, CostTable, Planner, Space, analyze
-from varuna_fx.planner.search import Candidate
+from varuna_fx.planner.candidates import Candidate
 from varuna_fx.schedule import (
     ScheduleCosts,
     build_schedule,

@@ -18,7 +18,8 @@ import torch.fx as fx
 from torch import nn
 
 import varuna_fx as vf
-from varuna_fx.capture.trace import bind_inputs, capture
+from varuna_fx.capture.inputs import bind_inputs
+from varuna_fx.capture.trace import capture
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.ir.nodes import info
 from varuna_fx.passes import frontend, shape_cache

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .capture.buffers import warn_micro_batch_state
-from .capture.trace import bind_inputs
+from .capture.inputs import bind_inputs
 from .codegen import build_stage
 from .codegen.stage_totals import stage_totals
 from .costs.roofline import device_spec
@@ -23,12 +23,12 @@ from .passes.frontend import FRONT_PASSES, captured_and_annotated
 from .passes.manager import CompileState, Pass, dump_dir, run_passes
 from .passes.split_stages import split_stages
 from .pipeline import Pipeline, make_pipeline
+from .planner.candidates import AUTO
 from .planner.cluster import Cluster
 from .planner.configure import Configuration, assign_and_price, choose_configuration
 from .planner.measure import ProfileSettings
 from .planner.plan import Plan
 from .planner.resolve import resolve_profile
-from .planner.search import AUTO
 from .runtime.split_backward import input_grads
 from .schedule import is_split
 from .schedule.placement import Placement

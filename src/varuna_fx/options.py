@@ -23,8 +23,8 @@ from torch import nn
 
 from .capture.trace import TRACERS
 from .errors import InputError, VarunaFxError
+from .planner.candidates import schedule_choices
 from .planner.cluster import Cluster
-from .planner.search import schedule_choices
 from .runtime.precision import check_precision
 from .world.where import resolve_timeout
 

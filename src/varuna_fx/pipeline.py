@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .capture.captured import Captured
+from .capture.inputs import BoundInputs, bind_inputs
 from .capture.model_edits import ModelEdits, traced_modules
-from .capture.trace import BoundInputs, Captured, bind_inputs
 from .checkpoint.save_load import checkpointer, wait_for_saves
 from .codegen import Stage
 from .codegen.modes import Modes, capture_if_changed, evaluation_stages, module_modes

@@ -17,7 +17,9 @@ from collections.abc import Iterator
 import torch.fx as fx
 from torch import nn
 
-from ..capture.trace import BoundInputs, Captured, capture
+from ..capture.captured import Captured
+from ..capture.inputs import BoundInputs
+from ..capture.trace import capture
 from ..errors import VarunaFxError
 from ..ir.nodes import info
 from ..passes.annotate_backward import annotate_backward

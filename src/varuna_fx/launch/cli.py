@@ -26,7 +26,7 @@ from varuna_fx.launch.elastic import elastic_launch
 from varuna_fx.launch.factory import load_factory
 from varuna_fx.launch.plan_command import plan_as_dict, plan_command
 from varuna_fx.launch.standalone import loopback_stores, standalone_args
-from varuna_fx.planner.search import schedule_choices
+from varuna_fx.planner.candidates import schedule_choices
 
 _load_factory = load_factory  # its home is launch/factory.py (launch/plan_command.py uses it too)
 

@@ -15,10 +15,10 @@ from rich.table import Table
 from ..costs.memory import format_bytes
 from ..errors import VarunaFxError
 from ..planner.analyze import Analyzed, analyze, plan_for
+from ..planner.candidates import Candidate, SearchResult
 from ..planner.cluster import Cluster
 from ..planner.plan import Alternative, Plan, _count, _seconds, alternatives_table
 from ..planner.profile import Profile
-from ..planner.search import Candidate, SearchResult
 from .factory import load_factory
 
 

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from ..capture.buffers import buffers_kept
-from ..capture.trace import BoundInputs
+from ..capture.inputs import BoundInputs
 from ..errors import CaptureError
 from ..ir.nodes import Affine, TensorInfo, b, info
 from . import shape_cache

@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..capture.trace import BoundInputs, Captured, capture
+from ..capture.captured import Captured
+from ..capture.inputs import BoundInputs
+from ..capture.trace import capture
 from .annotate_backward import annotate_backward
 from .annotate_shapes import annotate_shapes
 from .manager import CompileState, Pass, run_passes

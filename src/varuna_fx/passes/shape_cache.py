@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..capture.trace import BoundInputs
+from ..capture.inputs import BoundInputs
 from ..world.files import cache_dir, write_atomically
 
 FORMAT = 1

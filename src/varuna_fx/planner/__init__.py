@@ -7,12 +7,13 @@
 """
 
 from .analyze import Analyzed, analyze, plan_for
+from .candidates import Candidate, SearchResult, Space
 from .costs import CostTable, MeasuredTimes
 from .measure import ProfileSettings
 from .network import NetworkProfile, measure_network
 from .profile import ChunkProfile, Profile
 from .resolve import profile_here, resolve_profile
-from .search import Candidate, Planner, SearchResult, Space
+from .search import Planner
 
 __all__ = [
     "Analyzed",

@@ -13,16 +13,17 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from ..capture.trace import BoundInputs, bind_inputs
+from ..capture.inputs import BoundInputs, bind_inputs
 from ..passes.annotate_backward import canonical_names
 from ..passes.frontend import captured_and_annotated
+from .candidates import SearchResult, Space
 from .cluster import Cluster
 from .costs import CostTable
 from .explain import explain_nothing_fits
 from .measure import ProfileSettings
 from .profile import Profile
 from .resolve import resolve_profile
-from .search import Planner, SearchResult, Space
+from .search import Planner
 
 
 @dataclass

@@ -25,12 +25,13 @@ from ..passes.assign_stages import CostSetting, compute_nodes, partition_problem
 from ..passes.partition import Partition, partition
 from ..schedule import Schedule, build_schedule, peak_stash_counts
 from ..world.where import running_world
+from .candidates import Candidate, Space
 from .cluster import Cluster
 from .costs import CostTable
 from .explain import explain_nothing_fits
 from .plan import Alternative
 from .profile import Profile
-from .search import Candidate, Planner, Space
+from .search import Planner
 
 
 @dataclass

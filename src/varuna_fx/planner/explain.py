@@ -6,7 +6,8 @@ import math
 
 from ..costs.memory import format_bytes
 from ..errors import PlanError
-from .search import Candidate, Planner, Space
+from .candidates import Candidate, Space
+from .search import Planner
 
 
 def smallest_memory(planner: Planner, c: Candidate) -> float:

@@ -29,7 +29,7 @@ import torch.fx as fx
 from rich.progress import Progress
 
 from ..capture.buffers import buffers_kept
-from ..capture.trace import BoundInputs
+from ..capture.inputs import BoundInputs
 from ..ir.nodes import Affine
 from ..passes.assign_stages import compute_nodes, trainable_names
 from ..passes.split_stages import split_stages

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..capture.trace import BoundInputs
+from ..capture.inputs import BoundInputs
 from ..errors import VarunaFxError
 from ..world.where import (
     in_process_group,

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..capture.trace import BoundInputs, Captured
+from ..capture.captured import Captured
+from ..capture.inputs import BoundInputs
 from ..codegen import Stage
 from ..codegen.modes import Modes, capture_if_changed, evaluation_stages, modes_set, module_modes
 from ..ir.nodes import info

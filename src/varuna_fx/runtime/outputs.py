@@ -8,7 +8,7 @@ from typing import Any
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..capture.trace import Captured
+from ..capture.captured import Captured
 from ..passes.split_stages import output_key
 
 _FROM_STAGE = object()  # an output leaf computed by the last stage (not a constant)

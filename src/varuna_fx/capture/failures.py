@@ -1,0 +1,84 @@
+"""Why a tracer failed, said in terms of the user's code: the line, and what to change."""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import traceback
+
+from torch import nn
+
+# -- error messages ------------------------------------------------------------------------------
+
+_LIBRARY_PATHS = (
+    "/torch/", "/varuna_fx/", "/transformers/", "/contextlib.py", "/functools.py", "/sympy/",
+)
+
+
+# Never the model's code: the tracers, this package and generated code ("<string>", "<eval>").
+_OUR_PATHS = ("/torch/", "/varuna_fx/", "/contextlib.py", "/functools.py", "/sympy/")
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if not any(p in f.filename for p in _LIBRARY_PATHS)
+            and not f.filename.startswith("<")]
+    if not user:
+        # A model defined inside a library (e.g. transformers) still has a best guess: the last
+        # frame of that library, never a tracer's or varuna_fx's own line.
+        user = [f for f in frames if not any(p in f.filename for p in _OUR_PATHS)
+                and not f.filename.startswith("<")]
+    return user[-1] if user else None
+
+
+def defined_at(model: nn.Module, method: str = "forward") -> str:
+    """' (forward at file:line)' for the model's forward (or another method), or '' when its
+    source is unknown."""
+    try:
+        function = inspect.unwrap(getattr(type(model), method))
+        path = inspect.getsourcefile(function)
+        line = inspect.getsourcelines(function)[1]
+    except (TypeError, OSError, AttributeError):
+        return ""
+    return f" ({type(model).__name__}.{method} at {path}:{line})"
+
+
+def describe_failure(tracer: str, exc: BaseException, model: nn.Module,
+                      alone: bool = True) -> str:
+    """``alone``: the user chose this tracer (so the other one is worth suggesting)."""
+    frame = _user_frame(exc)
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if len(reason) > 300:
+        reason = reason[:300] + "..."
+    where = ""
+    if frame is not None:
+        line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        where = f" at {frame.filename}:{frame.lineno} in {frame.name}: `{line}`"
+    else:  # the tracer failed before running any of the model's code: name its forward
+        where = defined_at(model).replace(" (", " in ", 1).rstrip(")")
+    data_dependent = any(key in f"{type(exc).__name__} {reason}" for key in (
+        "control flow", "DataDependent", "data-dependent", "__bool__"))
+    if "cache_utils." in reason and "not a known type" in reason:
+        hint = (
+            "the model returns its key/value cache (a Hugging Face model with use_cache=True, "
+            "the default of its config), which is no tensor a pipeline could pass on: set "
+            "model.config.use_cache = False before vf.compile (training needs no cache)"
+        )
+    elif "Constraints violated (batch)" in reason:
+        hint = (
+            "forward's code fixes the batch size (dim 0) to the example's, e.g. by computing "
+            "with it in Python or numpy (a Hugging Face wav2vec2's SpecAugment masking, "
+            "config.mask_time_prob > 0); a pipeline runs micro-batches of other sizes, so "
+            "compute it with torch operations on the tensors, or turn that feature off"
+        )
+    elif data_dependent:
+        hint = (
+            "Python control flow (if/while/bool()) that depends on tensor values cannot be "
+            "traced: rewrite it with torch.where or torch.cond, move it out of forward, or make "
+            "it depend only on shapes or constants"
+        )
+    else:
+        other = "'export'" if tracer == "torch.fx" else "'fx'"
+        hint = f"this operation cannot be traced by {tracer}" + (
+            f": try tracer={other} or 'auto'" if alone else "")
+    return f"{tracer} failed{where} ({type(exc).__name__}: {reason}). {hint}"

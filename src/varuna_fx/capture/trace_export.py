@@ -1,0 +1,138 @@
+"""Non-strict torch.export into the canonical graph (see ``trace.py``)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from ..errors import CaptureError
+from .captured import Captured
+from .failures import defined_at, describe_failure
+from .inputs import BoundInputs
+from .mutations import keep_mutations, place_write_backs
+from .untraced import (
+    attribute_assignments_recorded,
+    check_root_pre_hooks,
+    mark_rebinds,
+    rebinding_recorded,
+    recomputed_by_hooks,
+    tensor_hooks_recorded,
+)
+
+
+def capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Captured:
+    signature = inspect.signature(model.forward)
+    kwargs = {**_unaliased(bound.tensors), **bound.constants}
+    # dim 0 of every tensor input is the one batch dimension: export it symbolically, so the
+    # graph runs at any micro-batch size instead of being specialised to the example's.
+    batch = torch.export.Dim("batch", min=1)
+    dynamic = {name: ({0: batch} if name in bound.tensors else None) for name in kwargs}
+    check_root_pre_hooks(model, alone)
+    try:
+        with rebinding_recorded(model) as rebound, tensor_hooks_recorded() as hooked, \
+                attribute_assignments_recorded() as assigned:
+            program = torch.export.export(
+                model, args=(), kwargs=kwargs, dynamic_shapes=dynamic, strict=False
+            )
+    except Exception as exc:
+        raise CaptureError(describe_failure("torch.export", exc, model, alone)) from None
+    if hooked:
+        raise CaptureError(
+            f"{type(model).__name__}.forward registers a gradient hook on a tensor ({hooked[0]}):"
+            " torch.export does not record it, so the pipeline would silently skip it (and "
+            "torch.fx cannot trace it). Register hooks on parameters outside forward "
+            "(parameter.register_hook), or write the gradient change as a "
+            "torch.autograd.Function")
+    excused = recomputed_by_hooks(model)
+    assigned = [a for a in assigned if a not in excused]
+    if assigned:
+        raise CaptureError(
+            f"{type(model).__name__}.forward stores a tensor on the model ({assigned[0]} = ...)"
+            f"{defined_at(model)}: torch.export does not keep attributes set in forward, so "
+            "after a pipeline step it would silently be missing or stale. Register it as a "
+            "buffer (register_buffer) and update it in place, or return it")
+    gm = program.module()
+    mark_rebinds(model, gm, rebound, alone)
+    info = gm.graph._codegen.pytree_info
+    leaves = pytree.tree_leaves(((), kwargs))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    flat_names = _leaf_names(kwargs)
+    for node, leaf, name in zip(placeholders, leaves, flat_names):
+        if isinstance(leaf, torch.Tensor):
+            node.target = name
+            node._rename(name)
+        elif node.users:
+            raise CaptureError(f"constant input {name}={leaf!r} is used as a tensor")
+        else:
+            gm.graph.erase_node(node)
+    for node in list(gm.graph.nodes):  # torch.export's runtime input guards: not part of the model
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+        # and its checks that a `.to(...)`'s input has the dtype seen at export: under
+        # precision="bf16"/"fp16" autocast makes it another, and they raised a bare
+        # "Tensor dtype mismatch" on the first step (eager autocast runs the same code)
+        elif node.op == "call_function" and node.target is _ASSERT_METADATA and not node.users:
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    gm.graph._codegen = fx.graph.CodeGen()
+    place_write_backs(gm)
+    keep_mutations(gm)
+    _name_after_modules(gm)
+    # A fresh GraphModule: the unlifted one carries pre-hooks that check the pytree input spec.
+    gm = fx.GraphModule(gm, gm.graph, type(model).__name__)
+    return Captured(gm, list(bound.tensors), info.out_spec, "export", signature, bound.constants)
+
+
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The example inputs, each with its own storage. torch.export reads inputs that share
+    memory (``labels=input_ids``, the Hugging Face causal-LM idiom) through one placeholder:
+    the graph then embedded ``labels``, and every step with other labels was silently wrong."""
+    seen: set[Any] = set()
+    out = {}
+    for name, t in tensors.items():
+        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+        out[name] = t.clone() if key in seen else t
+        seen.add(key)
+    return out
+
+
+def _leaf_names(kwargs: dict[str, Any]) -> list[str]:
+    names = []
+    for key, value in kwargs.items():
+        names.extend([key] * max(1, len(pytree.tree_leaves(value))))
+    return names
+
+
+_SELF_PREFIX = re.compile(r"^L__self___?")
+
+
+def _name_after_modules(gm: fx.GraphModule) -> None:
+    """aten nodes are called ``linear_17``; prefix the module they came from: ``h_3_mlp_linear``."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        if not stack:
+            continue
+        path = list(stack.values())[-1][0]
+        path = path.replace("L['self'].", "").replace("L__self__.", "")
+        if not path:
+            continue
+        try:
+            gm.get_submodule(path)
+        except AttributeError:  # export's own bookkeeping frames, not a model module
+            continue
+        parts = [p for p in re.split(r"[.\[\]'\"]+", path) if p]
+        prefix = "_".join(parts).lower()
+        base = re.sub(r"_\d+$", "", node.name)
+        node._rename(f"{prefix}_{base}")

@@ -1,0 +1,127 @@
+"""What the planner searches over: a candidate configuration (P, D, micro-batch size), the space
+of them, and the search's result; which schedules a search weighs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ..schedule import (
+    check_schedule_name,
+    schedule_names,
+)
+from .balance import StagePlan
+from .plan import Alternative
+
+
+@dataclass
+class Candidate:
+    stages: int
+    data_parallel: int
+    micro_batch_size: int
+    num_micro_batches: int
+    plan: StagePlan | None = None
+    # stash counts the partition was made for; None: one micro-batch per stage (a relaxation)
+    stash_counts: tuple[int, ...] | None = None
+    exact: bool = False  # partitioned with the schedule's real stash counts
+    step_time: float = math.inf
+    allreduce_time: float = 0.0
+    bubble: float = 0.0
+    memory: tuple[float, ...] = ()
+    # the schedule it is priced with; "" until a schedule="auto" search branches it (after
+    # partitioning: the bounds before that hold for every schedule)
+    schedule: str = ""
+    bound: float = 0.0  # seconds: the lower bound it was last pushed with
+    estimated: bool = False  # step_time is a cheaper order's (see Planner.search)
+
+    @property
+    def samples(self) -> int:
+        return self.data_parallel * self.micro_batch_size * self.num_micro_batches
+
+    def alternative(self, chosen: bool = False) -> Alternative:
+        return Alternative(self.stages, self.data_parallel, self.micro_batch_size,
+                           self.num_micro_batches, self.step_time, self.bubble,
+                           self.allreduce_time, self.memory, chosen, self.schedule)
+
+
+@dataclass
+class SearchResult:
+    top: list[Candidate]  # best first
+    considered: int = 0
+    partitioned: int = 0
+    simulated: int = 0
+    seconds: float = 0.0
+    alternatives: list[Alternative] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate:
+        return self.top[0]
+
+
+@dataclass(frozen=True)
+class Space:
+    """What may vary: None means the planner chooses."""
+
+    gpus: int
+    example_batch: int
+    global_batch_size: int | None = None
+    stages: int | None = None
+    data_parallel: int | None = None
+    micro_batch_size: int | None = None
+    world: int | None = None  # a running job: P x D must use exactly its ranks
+
+    def replica_batch(self, replicas: int) -> int | None:
+        if self.global_batch_size is None:
+            return self.example_batch  # each replica steps on a batch like the example
+        if self.global_batch_size % replicas:
+            return None
+        return self.global_batch_size // replicas
+
+
+def weight_grads(backward: Sequence[float]) -> list[float]:
+    """The weight-gradient part (``W``) of each stage's backward, for split-backward schedules:
+    the first stage computes no input gradients (its inputs are the batch), so its whole
+    backward is ``W`` and its ``B`` is free (measured on the GPT of bench_network.py: B 0.5 ms,
+    W 160 ms); later stages about half (measured: 88 and 99 ms). With one stage, nothing
+    is split."""
+    values = [float(b) / 2 for b in backward]
+    if len(values) > 1:
+        values[0] = float(backward[0])
+    return values
+
+
+def divisors(n: int) -> list[int]:
+    return list(_divisors(n))
+
+
+@lru_cache(maxsize=256)
+def _divisors(n: int) -> tuple[int, ...]:
+    # (the search asks for every D's replica batch: 10^3 times, a handful of distinct ones)
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+AUTO = "auto"  # schedule=: let the planner choose among schedule_names()
+# How much faster the full order generator may be than the quick one (the most measured:
+# 2.1%; see schedule/varuna.py QUICK_VARIANTS): a quick estimate e bounds the full step
+# below by e / (1 + QUICK_SLACK), which is what the search orders estimated candidates by.
+QUICK_SLACK = 0.05
+# ties (equal simulated steps, e.g. one stage) go to the first here: plain before split backward
+_PREFERENCE = ("varuna", "1f1b", "gpipe", "varuna-zb", "1f1b-zb", "gpipe-zb")
+
+
+def schedule_choices() -> list[str]:
+    """What ``schedule=`` accepts: every schedule name, and "auto"."""
+    return [*schedule_names(), AUTO]
+
+
+def considered_schedules(schedule: str) -> list[str]:
+    """The schedules a planner for ``schedule`` weighs: all of them for "auto"."""
+    if schedule != AUTO:
+        check_schedule_name(schedule)
+        return [schedule]
+    names = schedule_names()
+    return sorted(names, key=lambda n: _PREFERENCE.index(n) if n in _PREFERENCE else len(names))
+
+

@@ -1,0 +1,226 @@
+"""Pricing a candidate: its partition (cached per (b, P, stash counts, budget)), the order its
+schedule runs in, the memory check with that order's stash counts, and the simulated step plus
+the data-parallel and tied all-reduces."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..costs.roofline import DeviceSpec
+from ..schedule import (
+    Schedule,
+    ScheduleCosts,
+    build_schedule,
+    cheaper,
+    depends_on_costs,
+    has_quick,
+    is_split,
+    peak_stash_counts,
+    simulate,
+    simulate_step,
+)
+from .balance import Balancer, StagePlan
+from .candidates import Candidate, considered_schedules, weight_grads
+from .cluster import Cluster
+from .costs import CostTable, UnitArrays
+from .network import Links, NetworkProfile, links
+
+
+class Pricing:
+    """One model on one cluster: partitions, orders and simulated steps of candidates, each
+    cached (the search in ``search.py`` and the bounds in ``bounds.py`` build on it)."""
+
+    def __init__(self, table: CostTable, cluster: Cluster, *, schedule: str, recompute: bool,
+                 spec: DeviceSpec | None = None, network: NetworkProfile | None = None) -> None:
+        self.table = table
+        self.cluster = cluster
+        self.spec = spec or cluster.spec
+        self.schedule = schedule  # a schedule name, or "auto": each candidate weighs them all
+        self.schedules = considered_schedules(schedule)
+        self._rank = {name: k for k, name in enumerate(self.schedules)}  # (ties: see _key)
+        self.recompute = recompute
+        self.network = network
+        self.memory_cap = float(cluster.gpu_memory)
+        self._balancers: dict[int, Balancer] = {}
+        self._plans: dict[tuple[int, int, tuple[int, ...], float], StagePlan | None] = {}
+        self._schedules: dict[tuple[str, int, int], tuple[Schedule, list[int]]] = {}
+        self._links: dict[tuple[int, int], Links] = {}
+        self._totals: dict[int, tuple[float, ...]] = {}
+        self._hop_sums: dict[tuple[int, int, int], float] = {}
+
+    # -- caches --------------------------------------------------------------------------------
+
+    def balancer(self, b: int) -> Balancer:
+        if b not in self._balancers:
+            bw = links(self.cluster, 2, 1, self.network).partition_bandwidth
+            units = self.table.unit_arrays(b, self.spec)
+            self._balancers[b] = Balancer(units, self.table.shared, bw, self.recompute)
+        return self._balancers[b]
+
+    def balancer_for(self, units: UnitArrays, stages: int) -> Balancer:
+        """A balancer over given unit arrays (one unit per stage of a made partition)."""
+        bw = self.links(stages, 1).partition_bandwidth
+        return Balancer(units, self.table.shared, bw, self.recompute)
+
+    def partition(self, b: int, stages: int, stash_counts: int | tuple[int, ...] | None,
+                  budget: float | None = None) -> StagePlan | None:
+        """Fastest partition whose stages fit ``budget`` (default: the device memory) by the
+        memory model, each stage holding its ``stash_counts`` micro-batches (one count for
+        all, or per stage; None: one)."""
+        budget = self.memory_cap if budget is None else budget
+        counts = (stash_counts or 1,) * stages if not isinstance(stash_counts, tuple) \
+            else stash_counts
+        key = (b, stages, counts, budget)
+        if key not in self._plans:
+            self._plans[key] = self.balancer(b).partition(stages, budget, counts)
+        return self._plans[key]
+
+    def built(self, stages: int, micro_batches: int,
+              schedule: str = "") -> tuple[Schedule, list[int]]:
+        """The schedule (its compiled form is cached on it) and its per-stage stash counts,
+        from unit costs. ``schedule``: a name (default: the planner's one schedule)."""
+        name = schedule or self.schedules[0]
+        key = (name, stages, micro_batches)
+        if key not in self._schedules:
+            sched = build_schedule(name, stages, micro_batches, self.recompute)
+            self._schedules[key] = (sched, peak_stash_counts(sched))
+        return self._schedules[key]
+
+    def links(self, stages: int, replicas: int) -> Links:
+        key = (stages, replicas)
+        if key not in self._links:
+            self._links[key] = links(self.cluster, stages, replicas, self.network)
+        return self._links[key]
+
+    def _split_bound(self, c: Candidate) -> str | None:
+        """The split-backward schedule ``c``'s bounds must hold for, if any: its own, or
+        before a schedule="auto" search branches it, any it weighs."""
+        names = [c.schedule] if c.schedule else self.schedules
+        return next((n for n in names if is_split(n)), None)
+
+    def _chain_backward(self, c: Candidate) -> np.ndarray:
+        """Each stage's backward as far as the stage upstream waits for it: all of it, or in
+        a split-backward schedule only the input-gradient part (``W`` can run later)."""
+        plan = c.plan
+        assert plan is not None
+        split = self._split_bound(c)
+        if split is None:
+            return np.asarray(plan.backward, dtype=float)
+        backward, weight = self.backward_costs(plan, split)
+        return np.asarray(backward, dtype=float) - np.asarray(weight, dtype=float)
+
+    def allreduce(self, c: Candidate) -> float:
+        """Gradient all-reduce of the largest stage across replicas, plus summing the
+        gradients of weights that several stages hold (tied embeddings)."""
+        assert c.plan is not None
+        net = self.links(c.stages, c.data_parallel)
+        replicas = net.allreduce(float(c.plan.grads.max()), c.data_parallel)
+        tied = net.allreduce(c.plan.shared_grads, 2) if c.stages > 1 else 0.0
+        return replicas + tied
+
+    def schedule_costs(self, c: Candidate, recompute: bool | Sequence[bool] | None = None,
+                       schedule: str = "") -> ScheduleCosts:
+        """The candidate's per-stage F, R, B and link times, which cost-aware schedules (Varuna's
+        order, split backward's W placement) are generated from. ``recompute``: per-stage flags
+        (default: the planner's one setting)."""
+        rc = self.recompute if recompute is None else recompute
+        plan = c.plan
+        assert plan is not None
+        net = self.links(c.stages, c.data_parallel)
+        links = [net.latency + nb / bw for nb, bw in zip(plan.send_bytes, net.bandwidths)] \
+            if c.stages > 1 else []
+        backward, weight = self.backward_costs(plan, schedule or c.schedule)
+        return ScheduleCosts.of(plan.sim_forward(rc), backward,
+                                recompute=plan.recompute, links=links, weight_grad=weight)
+
+    def backward_costs(self, plan: StagePlan,
+                       schedule: str = "") -> tuple[list[float], list[float]]:
+        """(backward, its weight-gradient part W) per stage, as the schedule runs them: for a
+        split-backward schedule with a profile that timed the split, the input-gradient pass
+        plus the weight pass (more than the fused backward), except on the first stage,
+        which needs no input gradients and runs its fused backward as W."""
+        fused = [float(b) for b in plan.backward]
+        if not is_split(schedule or self.schedules[0]) or plan.input_grad is None or plan.weight_grad is None:
+            return fused, weight_grads(fused)
+        backward = [float(i + w) for i, w in zip(plan.input_grad, plan.weight_grad)]
+        weight = [float(w) for w in plan.weight_grad]
+        if len(fused) > 1:
+            backward[0] = weight[0] = fused[0]
+        else:
+            backward, weight = fused, weight_grads(fused)
+        return backward, weight
+
+    def ordered(self, c: Candidate, effort: str = "full") -> Schedule:
+        """The schedule generated from ``c``'s own stage and link times -- what ``price``
+        will give the plan and the runtime will run -- so candidates are compared by the
+        step they would really take (Varuna's order from unit costs can be slower or faster
+        than the one the chosen partition gets). Orders that do not depend on costs (and any
+        order of one stage) come from the cache. ``effort``: "quick" or "rough", a cheaper
+        generator's order (its step is an upper bound of the full order's)."""
+        name = c.schedule or self.schedules[0]
+        if c.stages == 1 or not depends_on_costs(name):
+            return self.built(c.stages, c.num_micro_batches, name)[0]  # compiled once
+        return build_schedule(name, c.stages, c.num_micro_batches, self.recompute,
+                              self.schedule_costs(c), effort=effort)
+
+    def has_quick(self, c: Candidate) -> bool:
+        """Whether ``c``'s order has cheaper estimates (``ordered(effort=...)``)."""
+        return c.stages > 1 and has_quick(c.schedule or self.schedules[0])
+
+    def finish(self, c: Candidate, effort: str = "full") -> float | None:
+        """``c``'s step with the order generated from its own costs, or None when that order
+        holds more micro-batches than fit. The search checked memory with the unit-cost
+        order's stash counts; a cost-aware order may hold more (a split backward that defers
+        its ``W`` into the bubbles: 27 instead of 9 on a GPT at P=8, m=32), so the stages
+        are checked again with the order's own counts and, where they grew, partitioned once
+        more for them, as ``configure.assign_and_price`` would. ``effort``: with a cheaper
+        generator's order (see ``ordered``)."""
+        c.estimated = c.stages > 1 and cheaper(c.schedule or self.schedules[0], effort)
+        sched = self.ordered(c, effort)
+        counts = peak_stash_counts(sched)
+        if not self._fits(c, counts):
+            checked = c.stash_counts or (1,) * c.stages
+            grown = [max(a, b) for a, b in zip(counts, checked)]
+            if not self.fit(c, grown):
+                return None
+            sched = self.ordered(c, effort)  # the new partition's own order
+            if not self._fits(c, peak_stash_counts(sched)):
+                return None
+        return self.simulated(c, sched)
+
+    def simulated(self, c: Candidate, sched: Schedule,
+                  recompute: bool | Sequence[bool] | None = None) -> float:
+        rc = self.recompute if recompute is None else recompute
+        plan = c.plan
+        assert plan is not None
+        net = self.links(c.stages, c.data_parallel)
+        backward, weight = self.backward_costs(plan, sched.name)
+        # an order made for this candidate is timed once: no compiled simulation (the cached
+        # cost-free ones, timed for many candidates, keep theirs); the same floats either way
+        made = c.stages > 1 and depends_on_costs(sched.name)
+        sim = (simulate_step if made else simulate)(
+            sched, forward=plan.sim_forward(rc), backward=backward,
+            recompute=plan.recompute, send_bytes=plan.send_bytes, latency=net.latency,
+            bandwidth=net.bandwidths if c.stages > 1 else math.inf, weight_grad=weight,
+        )
+        c.allreduce_time = self.allreduce(c)
+        c.bubble = sim.bubble_fraction
+        c.step_time = sim.step_time + c.allreduce_time
+        return c.step_time
+
+    def _fits(self, c: Candidate, counts: Sequence[int], cap: float | None = None) -> bool:
+        assert c.plan is not None
+        memory = c.plan.memory(counts, self.recompute)
+        c.memory = tuple(float(m) for m in memory)
+        return bool(np.all(memory <= (self.memory_cap if cap is None else cap)))
+
+    def fit(self, c: Candidate, counts: Sequence[int], cap: float | None = None) -> bool:
+        """Partition ``c`` for the schedule's real stash counts (the first partition assumed
+        one micro-batch per stage), so that every stage fits by the memory model."""
+        cap = self.memory_cap if cap is None else cap
+        c.exact, c.stash_counts = True, tuple(counts)
+        c.plan = self.partition(c.micro_batch_size, c.stages, c.stash_counts, cap)
+        return c.plan is not None and self._fits(c, counts, cap)
