@@ -317,16 +317,16 @@ def worker(args: argparse.Namespace) -> None:
                              predicted_ms=None if predicted is None else 1e3 * predicted))
         del variants
     if rank == 0 and args.out:
-        from varuna_fx.planner.network import quick_network
+        from varuna_fx.world.network import measure_network
 
-        net = quick_network()
+        net = measure_network()
         for row in rows:
             row["measured_link"] = None if net is None else [net.latency, net.bandwidth]
         Path(args.out).write_text(json.dumps(rows))
     elif args.out:
-        from varuna_fx.planner.network import quick_network
+        from varuna_fx.world.network import measure_network
 
-        quick_network()
+        measure_network()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -28,7 +28,7 @@ from varuna_fx.errors import ScheduleError
 from varuna_fx.examples import GPT, GPTConfig
 from varuna_fx.planner import Analyzed, CostTable, Planner, Space, analyze
 from varuna_fx.planner.balance import Balancer
-from varuna_fx.planner.costs import UnitArrays
+from varuna_fx.planner.cost_table import UnitArrays
 from varuna_fx.schedule import (
     Action,
     Kind,

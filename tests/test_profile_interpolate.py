@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from varuna_fx.ir.nodes import Affine
-from varuna_fx.planner.costs import MeasuredTimes, NodeArrays, interpolate, monotone
+from varuna_fx.planner.cost_table import MeasuredTimes, NodeArrays, interpolate, monotone
 from varuna_fx.planner.profile import ChunkProfile, Profile
 
 SIZES = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0])

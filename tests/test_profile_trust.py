@@ -16,7 +16,7 @@ from varuna_fx.examples import GPT, GPTConfig
 from varuna_fx.ir.nodes import Affine
 from varuna_fx.passes.assign_stages import compute_nodes
 from varuna_fx.planner import analyze
-from varuna_fx.planner.costs import CostTable
+from varuna_fx.planner.cost_table import CostTable
 from varuna_fx.planner.measure import ProfileSettings
 from varuna_fx.planner.profile import Profile, load_cached, save_cached
 from varuna_fx.planner.resolve import resolve_profile

@@ -18,7 +18,7 @@ from ..passes.annotate_backward import canonical_names
 from ..passes.frontend import captured_and_annotated
 from .candidates import SearchResult, Space
 from .cluster import Cluster
-from .costs import CostTable
+from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .measure import ProfileSettings
 from .profile import Profile

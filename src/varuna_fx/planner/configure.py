@@ -27,7 +27,7 @@ from ..schedule import Schedule, build_schedule, peak_stash_counts
 from ..world.where import running_world
 from .candidates import Candidate, Space
 from .cluster import Cluster
-from .costs import CostTable
+from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .plan import Alternative
 from .profile import Profile

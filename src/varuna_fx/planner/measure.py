@@ -34,7 +34,7 @@ from ..ir.nodes import Affine
 from ..passes.assign_stages import compute_nodes, trainable_names
 from ..passes.split_stages import split_stages
 from .cluster import local_device_type
-from .costs import CostTable
+from .cost_table import CostTable
 from .profile import ChunkProfile, Profile, graph_hash
 
 

@@ -22,11 +22,12 @@ from ..schedule import (
     simulate,
     simulate_step,
 )
+from ..world.network import NetworkProfile
 from .balance import Balancer, StagePlan
 from .candidates import Candidate, considered_schedules, weight_grads
 from .cluster import Cluster
-from .costs import CostTable, UnitArrays
-from .network import Links, NetworkProfile, links
+from .cost_table import CostTable, UnitArrays
+from .network import Links, links
 
 
 class Pricing:

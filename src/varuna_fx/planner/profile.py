@@ -4,7 +4,7 @@ A :class:`Profile` holds, for contiguous chunks of the graph's compute nodes, th
 forward, recompute (forward with autograd) and backward time and the activation memory, each
 fitted as ``const + per_sample * b`` (:class:`varuna_fx.ir.nodes.Affine`, so ``.expr`` is sympy like
 every other cost). ``measure.py`` makes them; the planner turns them into per-node costs with
-:class:`varuna_fx.planner.costs.MeasuredTimes`.
+:class:`varuna_fx.planner.cost_table.MeasuredTimes`.
 
 Profiles are cached as JSON under ``$VARUNA_FX_CACHE_DIR/profiles`` (default ``~/.cache/varuna_fx/profiles``),
 keyed by a hash of the graph (every node's op, target and output shapes), the parameters' dtype,
@@ -29,9 +29,9 @@ from ..costs.roofline import device_spec
 from ..errors import PlanError
 from ..ir.nodes import Affine, info
 from ..world.files import cache_dir, write_atomically
+from ..world.network import NetworkProfile
 from .cluster import Cluster
-from .costs import CostTable, MeasuredTimes, interpolate, monotone
-from .network import NetworkProfile
+from .cost_table import CostTable, MeasuredTimes, interpolate, monotone
 
 FORMAT = 3  # bump when the JSON layout or the measuring method changes (3: memory counts
 # the saved tensors' own bytes, see measure._memory)

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from ..capture.inputs import BoundInputs
 from ..errors import VarunaFxError
+from ..world.network import measure_network
 from ..world.where import (
     in_process_group,
     init_process_group,
@@ -18,7 +19,6 @@ from ..world.where import (
 )
 from .cluster import local_device_type
 from .measure import ProfileSettings, measure
-from .network import quick_network
 from .profile import (
     Profile,
     graph_hash,
@@ -86,6 +86,6 @@ def profile_here(gm: fx.GraphModule, bound: BoundInputs, settings: ProfileSettin
     if group:
         dist.broadcast_object_list(found, src=0)
         assert found[0] is not None
-        found[0].network = quick_network()
+        found[0].network = measure_network()
     assert found[0] is not None
     return found[0]

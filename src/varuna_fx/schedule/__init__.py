@@ -7,7 +7,6 @@
 """
 
 from varuna_fx.schedule.actions import Action, Kind, Schedule
-from varuna_fx.schedule.costs import ScheduleCosts
 from varuna_fx.schedule.generators import (
     SCHEDULES,
     build_schedule,
@@ -22,6 +21,7 @@ from varuna_fx.schedule.generators import (
     with_micro_batches,
 )
 from varuna_fx.schedule.render import gantt, text_grid
+from varuna_fx.schedule.schedule_costs import ScheduleCosts
 from varuna_fx.schedule.simulate import SimResult, analytic_bubble, simulate, simulate_costs
 from varuna_fx.schedule.simulate_step import StepTiming, simulate_costs_step, simulate_step
 from varuna_fx.schedule.structure import peak_stash, peak_stash_counts

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from varuna_fx.errors import ScheduleError
-from varuna_fx.schedule.costs import per_stage
+from varuna_fx.schedule.schedule_costs import per_stage
 
 
 def cross(free: list[float], direction: int, ready: float, busy: float, delay: float) -> float:

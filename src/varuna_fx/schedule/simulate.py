@@ -18,8 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from varuna_fx.schedule.actions import Action, Schedule
-from varuna_fx.schedule.costs import ScheduleCosts, per_stage, simulator_arguments, stage_seconds
 from varuna_fx.schedule.links import cross, link_seconds
+from varuna_fx.schedule.schedule_costs import (
+    ScheduleCosts,
+    per_stage,
+    simulator_arguments,
+    stage_seconds,
+)
 from varuna_fx.schedule.structure import compiled
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Kind, Schedule
-from varuna_fx.schedule.costs import ScheduleCosts, simulator_arguments, stage_seconds
 from varuna_fx.schedule.links import cross, link_seconds
+from varuna_fx.schedule.schedule_costs import ScheduleCosts, simulator_arguments, stage_seconds
 from varuna_fx.schedule.simulate import bubble_fraction
 from varuna_fx.schedule.validate import check_complete, execution_order
 

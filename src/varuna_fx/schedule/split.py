@@ -26,8 +26,8 @@ from functools import lru_cache
 
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind, Schedule
-from varuna_fx.schedule.costs import ScheduleCosts
 from varuna_fx.schedule.links import cross
+from varuna_fx.schedule.schedule_costs import ScheduleCosts
 from varuna_fx.schedule.simulate_step import simulate_costs_step
 from varuna_fx.schedule.structure import peak_stash_counts
 from varuna_fx.schedule.varuna import fastest

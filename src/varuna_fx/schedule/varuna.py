@@ -43,8 +43,8 @@ from typing import NamedTuple
 
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind
-from varuna_fx.schedule.costs import ScheduleCosts
 from varuna_fx.schedule.links import cross
+from varuna_fx.schedule.schedule_costs import ScheduleCosts
 
 _INF = float("inf")
 
