@@ -188,7 +188,7 @@ def test_compile_plans_and_shows_the_alternatives() -> None:
     assert "configurations weighed by the planner" in str(plan)
     assert max(chosen[0].stage_memory) <= 3 * 2**20
     # the prediction agrees with a simulation of the plan's own schedule object from the
-    # table's per-stage costs (made by another path: plan_costs, from the stage graphs)
+    # table's per-stage costs (made by another path: codegen.stage_totals, from the stage graphs)
     costs = plan.stage_costs
     sim = simulate(plan.schedule, forward=[s.forward_time for s in costs],
                    backward=[s.backward_time for s in costs],

@@ -7,6 +7,8 @@ differ from those at compile, the model is captured again in its current modes: 
 is the compiled one, the compiled stages serve; otherwise evaluation runs the new graph, cut
 where the compiled stages hold the parameters it reads (so a distributed rank has them), and
 training refuses with a clear error (a plan is made for one training graph).
+
+Distributed ranks capture eval mode at compile, with zero-filled example inputs.
 """
 
 from __future__ import annotations

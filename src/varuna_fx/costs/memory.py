@@ -19,6 +19,9 @@ A stage holds at its peak (:func:`peak_bytes`, the one formula):
 
 Stages are ranges of *units* (nodes, or the runs of nodes between candidate cuts); every array
 is per unit, ``cut`` per position (the bytes entering a stage that starts there).
+
+An estimate from shapes: it leaves out the allocator's fragmentation, temporary buffers inside
+an operation other than the largest activation's gradient, and communication buffers.
 """
 
 from __future__ import annotations

@@ -6,6 +6,15 @@ passes never write into this graph: ``vf.compile`` annotates a copy (``ir.copy_g
 so pipelines compiled from one cached graph do not change each other.
 
 It sits in passes/, below the planner, because the planner's ``analyze`` shares the cache.
+
+The cache (``_CAPTURES``) is keyed by the fresh capture's code, the called modules' settings,
+parameter and buffer identities, tensor constants and modes, so a hit equals a fresh compile;
+capture itself runs on every compile, passes 2-5 once per captured graph, and passes 6-8 on
+``ir.copy_graph_module(captured.gm)`` (nodes carrying copies of their annotations), so
+compiling the same model at P=4 leaves an earlier P=2 pipeline's graphs untouched. The profiler
+hands ``split_stages`` a chunk map instead of rewriting stage annotations. With the on-disk
+``shape_cache`` a restarted job skips both fake-tensor runs (a 100M GPT's compile: 1.27 s ->
+0.40 s); passes 3-5 always run (~25 ms together).
 """
 
 from __future__ import annotations

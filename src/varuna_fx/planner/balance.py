@@ -70,7 +70,7 @@ class StagePlan:
     def memory(self, stash_counts: Sequence[int], recompute: bool | Sequence[bool]
                ) -> np.ndarray:
         """Peak bytes per stage with ``stash_counts[s]`` micro-batches in flight on stage s
-        (``memory_model.peak_bytes`` of this plan's per-stage terms)."""
+        (``costs.memory.peak_bytes`` of this plan's per-stage terms)."""
         return peak_bytes(self.weights, self.input_bytes, self.activations, self.workspace,
                           np.asarray(stash_counts, dtype=float), self.flags(recompute))
 

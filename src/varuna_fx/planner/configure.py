@@ -9,6 +9,13 @@ cannot match the running ranks (the runtime then says what to launch instead).
 
 Layer: above ``planner`` and ``schedule``, below ``api``; imports nothing from the runtime
 (``world/where.py`` answers whether this is a distributed run).
+
+Pricing (``price``) simulates the made partition with the planner's costs (``cost_table`` unit
+arrays and ``balance.StagePlan``) and prices its memory with the one memory model, so the plan
+table's memory column, the chosen alternatives row and ``Partition.stage_memory`` are the same
+numbers. On the registry models ``assign_and_price`` always reached its fixed point after one
+or two rounds. The search checks memory with its own schedule's counts, so a plan the planner
+thought fitted can still be re-cut (or refused) by the partition pass.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def monotone(values: np.ndarray) -> np.ndarray:
 class MeasuredTimes:
     """Chunk-level measurements spread over the chunk's nodes in proportion to their estimates.
 
-    Implements ``costmodel.NodeTimes`` so the partition pass can use it. ``fwd``/``rec``/``bwd``/
+    Implements ``costs.roofline.NodeTimes`` so the partition pass can use it. ``fwd``/``rec``/``bwd``/
     ``mem`` are [K, 2] arrays of (const, per_sample) per chunk. With ``sizes`` and ``samples``
     ([K, S, 3]: forward, recompute, backward seconds at each measured size) times come from the
     measurements themselves (:func:`interpolate`); memory, exactly affine, from its fit.
@@ -160,7 +160,7 @@ class CostTable:
     moved: np.ndarray  # bytes read + written
     weights: np.ndarray  # [N] bytes (weights + grads + Adam), where first read
     activations: np.ndarray  # [2, N]
-    workspace: np.ndarray  # [2, N] the node's largest single activation (memory_model)
+    workspace: np.ndarray  # [2, N] the node's largest single activation (costs/memory.py)
     cut: np.ndarray  # [2, N + 1] bytes crossing the cut before node j
     allowed: np.ndarray  # [N + 1] bool: only tensors cross there
     random: np.ndarray  # [N] bool: dropout & co (the runtime re-seeds around such stages)
@@ -218,7 +218,7 @@ class CostTable:
         return np.array(candidate_cuts(free, size), dtype=np.int64)
 
     def estimate(self, b: float, spec: DeviceSpec) -> NodeArrays:
-        """Roofline estimates, exactly as ``costmodel.forward_time``/``backward_time``."""
+        """Roofline estimates, exactly as ``roofline.forward_time``/``backward_time``."""
         ff, bf, mv = _at(self.fwd_flops, b), _at(self.bwd_flops, b), _at(self.moved, b)
         fwd = np.where(ff > 0, np.maximum(ff / spec.flops, mv / spec.memory_bandwidth), 0.0)
         bwd = np.where(bf > 0, np.maximum(bf / spec.flops, 2 * mv / spec.memory_bandwidth), 0.0)
@@ -272,7 +272,7 @@ class UnitArrays:
     grads: np.ndarray
     activations: np.ndarray
     cut: np.ndarray
-    workspace: np.ndarray  # largest single activation in the unit (memory_model)
+    workspace: np.ndarray  # largest single activation in the unit (costs/memory.py)
     random: np.ndarray  # the unit has random ops
     reseed: float = 0.0  # seconds per forward/recompute of a stage with random ops
     input_grad: np.ndarray | None = None  # measured split backward (see NodeArrays)

@@ -1,4 +1,9 @@
-"""``vf.compile(profile=...)``: find, measure or check the profile a compile should use."""
+"""``vf.compile(profile=...)``: find, measure or check the profile a compile should use.
+
+Under torchrun every rank measures if any must, rank 0's profile is saved and broadcast, and the
+links are measured (``world/network.measure_network``), so every rank plans the same
+configuration.
+"""
 
 from __future__ import annotations
 

@@ -33,6 +33,12 @@ Why this is safe (the tests in ``tests/test_opportunistic.py`` check each point)
 Where the check means something: NCCL's ``Work.is_completed()`` turns true once a receive has
 landed; gloo's never does for a receive, so ``$VARUNA_FX_OPPORTUNISTIC_FORWARD`` ("auto", the
 default) turns the rule on for NCCL only; "on" / "off" force it (tests, benchmarks).
+
+It stays unverified on NCCL (no NCCL run has been made; the tests inject the arrival
+predicate on CPU). Under the stash cap the rule cannot move 1F1B's or GPipe's forwards (they
+hold their peak before every backward that has a forward after it); some Varuna and
+split-backward orders peak early and leave room (unit costs, varuna, P=2, m=8, recompute:
+stage 0 may run F5-F7 early).
 """
 
 from __future__ import annotations
