@@ -2,6 +2,12 @@
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_checkpoint.py            # ~100M GPT
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_checkpoint.py --small    # smoke test
+    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_checkpoint.py --checksums-only
+
+``--checksums-only`` measures only what the per-entry CRC-32 costs (format 3): saves with and
+without computing it, loads with and without verifying it (a checkpoint saved without
+checksums loads unverified), interleaved, and zlib.crc32's own throughput over the state's
+bytes in memory.
 
 One process, one GPT (fp32) after one AdamW step, so the state is model + two moments (~3x
 the parameters). Rows of one run compare side by side (interleaved, median of ``--repeats``);
@@ -36,6 +42,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -43,6 +50,8 @@ from rich.console import Console
 from rich.table import Table
 
 import varuna_fx as vf
+from varuna_fx.checkpoint import save_load
+from varuna_fx.checkpoint.raw_storage import RawWriter, byte_view
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 
 
@@ -100,15 +109,71 @@ def torch_save(obj: dict, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def checksum_cost(pipe: vf.Pipeline, opt: torch.optim.Optimizer, root: Path, repeats: int,
+                  console: Console) -> None:
+    """Save and load with and without the per-entry CRC-32, interleaved; crc32's speed."""
+    tensors = [t.detach().contiguous() for t in pipe.state_dict().values()]
+    tensors += [v.contiguous() for s in opt.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    start, cpu = time.perf_counter(), time.process_time()
+    for t in tensors:
+        zlib.crc32(byte_view(t))
+    crc_s, crc_cpu = time.perf_counter() - start, time.process_time() - cpu
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in
+                                                   ("save_on", "save_off", "load_on",
+                                                    "load_off")}
+    for i in range(repeats):
+        order = ("on", "off") if i % 2 == 0 else ("off", "on")
+        for mode in order:
+            RawWriter.checksums = mode == "on"  # off: what format 2 wrote
+            save_load.FORMAT = 3 if mode == "on" else 2
+            settle()
+            times[f"save_{mode}"].append(timed_cpu(lambda m=mode, i=i: pipe.save_checkpoint(
+                str(root / f"crc_{m}{i}"), optimizer=opt)))
+        RawWriter.checksums, save_load.FORMAT = True, 3
+        for mode in order:
+            settle()
+            times[f"load_{mode}"].append(timed_cpu(lambda m=mode, i=i: pipe.load_checkpoint(
+                str(root / f"crc_{m}{i}"), optimizer=opt)))
+        for mode in order:
+            shutil.rmtree(root / f"crc_{mode}{i}")
+    table = Table(title=f"per-entry CRC-32 (format 3) on {nbytes / 1e9:.2f} GB of model + "
+                  f"AdamW state, median of {repeats}")
+    for col in ("operation", "with s", "without s", "cost s", "cost %", "with CPU s",
+                "without CPU s"):
+        table.add_column(col, justify="right")
+    for what in ("save", "load"):
+        on = statistics.median(w for w, _ in times[f"{what}_on"])
+        off = statistics.median(w for w, _ in times[f"{what}_off"])
+        on_cpu = statistics.median(c for _, c in times[f"{what}_on"])
+        off_cpu = statistics.median(c for _, c in times[f"{what}_off"])
+        table.add_row(what, f"{on:.3f}", f"{off:.3f}", f"{on - off:+.3f}",
+                      f"{(on / off - 1) * 100:+.0f}%", f"{on_cpu:.3f}", f"{off_cpu:.3f}")
+    console.print(table)
+    console.print(f"  zlib.crc32 over the same bytes in memory, one thread: {crc_s:.3f} s wall, "
+                  f"{crc_cpu:.3f} s CPU ({nbytes / 1e9 / crc_cpu:.2f} GB per CPU second)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a tiny model (smoke test)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--checksums-only", action="store_true",
+                        help="only the cost of the per-entry checksums")
     args = parser.parse_args()
     console = Console(width=140)
     console.print(f"load average at start: {load_average()} ({os.cpu_count()} CPUs)")
     pipe, opt, tokens = build(args.small)
+    if args.checksums_only:
+        root = Path(tempfile.mkdtemp(prefix="vf_bench_crc_", dir=args.dir))
+        try:
+            checksum_cost(pipe, opt, root, args.repeats, console)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        console.print(f"load average at the end: {load_average()}")
+        return
     state = {n: t.detach() for n, t in pipe.state_dict().items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     nbytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()

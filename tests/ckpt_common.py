@@ -1,5 +1,8 @@
 """The model, data and eager reference the checkpoint tests share (one process and ranks).
 
+``compile_mlp`` / ``step``: a small float64 MLP pipeline (P=2) for tests of the checkpoint's
+safety, where the model only has to be real, not a GPT.
+
 A tiny tied GPT in float64 (so resumed training can be compared tightly) with two tensors
 forward never reads -- an auxiliary head and a version buffer -- which checkpoints must keep.
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import varuna_fx as vf
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 
 STEPS = 4  # the uninterrupted run; resumed runs stop after SPLIT and continue
@@ -48,3 +52,25 @@ def eager_training() -> dict[str, torch.Tensor]:
 
 
 TOL = {"rtol": 1e-9, "atol": 1e-11}  # float64: only summation order may differ
+
+
+def compile_mlp(seed: int = 0, stages: int = 2) -> vf.Pipeline:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 4)).double()
+    return vf.compile(model, example_inputs=(torch.randn(4, 8, dtype=torch.float64),),
+                      loss_fn=nn.functional.mse_loss, stages=stages, micro_batch_size=2)
+
+
+def step(pipe: vf.Pipeline, opt: torch.optim.Optimizer | None = None) -> float:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=g)
+    pipe.zero_grad()
+    loss = float(pipe.step(x, target=torch.zeros(4, 4, dtype=torch.float64)))
+    if opt is not None:
+        opt.step()
+    return loss
+
+
+def weights(pipe: vf.Pipeline) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in pipe.state_dict().items()}

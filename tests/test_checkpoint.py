@@ -364,7 +364,9 @@ def test_kill_9_mid_save_leaves_earlier_checkpoints_loadable(tmp_path: Path) -> 
             loader = vf.compile(nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]),
                                 example_inputs=(torch.randn(4, 1024),), stages=3,
                                 loss_fn=lambda out, t: out.square().mean())
-        for path in sorted(p for p in out.iterdir() if not p.name.endswith(".partial")):
+        # a killed save leaves its .partial and its (released) <path>.lock file
+        for path in sorted(p for p in out.iterdir()
+                           if p.is_dir() and not p.name.endswith(".partial")):
             extra = loader.load_checkpoint(str(path))
             assert str(path) <= latest
             assert all(bool((p == extra["step"]).all()) for p in loader.parameters()), path

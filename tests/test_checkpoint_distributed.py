@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import torch
 import varuna_fx as vf
 from ckpt_common import SPLIT, STEPS, TOL, eager_training, make_model, optimizer, tokens
 from dist_utils import SCRIPTS, launch
+from test_checkpoint_safety import Stealthy
 from varuna_fx.examples import lm_loss
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -66,7 +69,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     local = out / "local"
     pipe, opt = one_process(2, None, range(SPLIT))
     pipe.save_checkpoint(str(local), optimizer=opt, extra={"step": SPLIT})
+    crafted = out / "crafted"  # metadata that would run code, then return the genuine one
+    shutil.copytree(local, crafted)
+    genuine = pickle.loads((crafted / ".metadata").read_bytes())
+    (crafted / ".metadata").write_bytes(pickle.dumps(Stealthy(out / "ran", genuine)))
     two = run(out, 2, [
+        {"name": "crafted", "kind": "resume", "P": 2, "D": 1, "path": str(crafted)},
         # async: the next step runs while the shards are written (the SIGTERM test below
         # covers synchronous saves on ranks)
         {"name": "save", "kind": "save", "P": 2, "D": 1, "async": True,
@@ -74,6 +82,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"name": "resume_1x2", "kind": "resume", "P": 1, "D": 2, "path": str(local)},
         {"name": "resume_2x1", "kind": "resume", "P": 2, "D": 1, "micro": 4,
          "schedule": "1f1b", "path": str(local)},
+        {"name": "paths", "kind": "paths", "P": 2, "D": 1, "path": str(out / "own" / "ck")},
         {"name": "forgot", "kind": "forgot", "P": 2, "D": 1},  # last: its pipe stays open
     ])
     four = run(out, 4, [
@@ -127,6 +136,26 @@ def test_forgetting_to_load_after_skip_init_stops_every_rank(runs: dict) -> None
     for r in runs["forgot"]:
         assert r.get("error") == "UninitializedError", r
         assert "never loaded" in r["message"] and "pipe.load_checkpoint" in r["message"]
+
+
+def test_ranks_passing_different_paths_all_raise(runs: dict) -> None:
+    for r in runs["paths"]:
+        name, message = r["errors"]["save"]
+        assert name == "CheckpointError"
+        assert "ranks passed different paths to save_checkpoint (rank 0: " in message
+        assert "ck_0_" in message and "ck_1_" in message
+        name, message = r["errors"]["load"]
+        assert name == "CheckpointError" and "different paths to load_checkpoint" in message
+        assert "ck_good0" in message and "ck_good1" in message
+        # nothing was written for the refused save: only the two good checkpoints
+        assert r["written"] == ["ck_good0", "ck_good1"], r["written"]
+
+
+def test_crafted_metadata_runs_no_code_on_any_rank(runs: dict) -> None:
+    for r in runs["crafted"]:
+        assert r.get("error") == "CheckpointError", r
+        assert "DCP metadata refused" in r["message"] and "_operator.getitem" in r["message"]
+    assert not (runs["out"] / "ran").exists()
 
 
 def test_checkpoint_saved_on_ranks_resumes_in_one_process(runs: dict, eager: dict) -> None:

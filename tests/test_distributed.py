@@ -241,6 +241,10 @@ def test_stalled_peer_raises_peer_timeout(two_ranks: dict) -> None:
     assert "stage 0 (rank 0) waited 3.0 s for the gradient" in rank0["message"]
     assert "of micro-batch 0 from stage 1 (rank 1)" in rank0["message"]
     assert 3.0 <= rank0["elapsed"] < 5.0
+    # stepping on after catching it: refused at once, without blaming the timeout
+    assert rank0["again"].startswith("DistributedError: stage 0 (rank 0) cannot step: an "
+                                     "earlier step failed"), rank0["again"]
+    assert "Restart the job" in rank0["again"]
 
 
 def test_dead_peer_raises_peer_timeout_everywhere(four_ranks: dict) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.pipelining import pipe_split
 
 import varuna_fx as vf
 from registry import CASES
@@ -136,3 +137,69 @@ def test_step_input_with_another_sequence_length_or_dtype() -> None:
     pipe.zero_grad()
     pipe.step(tokens[:4], target=case.target[:4])  # another batch size is fine
     pipe.zero_grad()
+
+
+class TensorDefault(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor,
+                y: torch.Tensor = torch.zeros(16, 64)) -> torch.Tensor:  # noqa: B008 - the case
+        return (self.a(x) + y).pow(2).mean()
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx", "export"])
+def test_a_tensor_default_in_forward_is_refused_saying_what_to_do(tracer: str) -> None:
+    """fx raised a raw NameError ('_tensor_constant0'), "auto" did not fall back, and export
+    blamed Python/numpy arithmetic for the batch its rows fixed."""
+    with pytest.raises(vf.CaptureError, match=r"parameter 'y' defaults to a tensor \(shape "
+                       r"\(16, 64\)\).*Pass 'y' in example_inputs.*register_buffer"):
+        vf.compile(TensorDefault(), example_inputs=(torch.randn(16, 64),), stages=1,
+                   tracer=tracer)
+
+
+@pytest.mark.parametrize("block", [torch.no_grad, torch.inference_mode])
+def test_step_under_no_grad_says_a_step_needs_gradients(block) -> None:  # noqa: ANN001
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    x = torch.randn(8, 8)
+    pipe = vf.compile(model, example_inputs=(x,), stages=2, loss_fn=lambda o, t: o.mean())
+    with block(), pytest.raises(vf.InputError, match=r"pipe.step was called under torch\."
+                                r"(no_grad|inference_mode)\(\).*pipe\(\.\.\.\) for a "
+                                "forward-only evaluation"):
+        pipe.step(x)
+    pipe.step(x)  # outside the block it trains
+
+
+def test_a_sparse_input_is_refused_at_compile() -> None:
+    """It compiled, then step failed inside split_batch with a raw error."""
+    model = torch.nn.Linear(8, 1)
+    x = torch.randn(8, 8).to_sparse()
+    with pytest.raises(vf.InputError, match=r"argument 'input' is a sparse_coo tensor.*"
+                       r"input\.to_dense\(\)"):
+        vf.compile(model, example_inputs=(x,), stages=1, loss_fn=lambda o, t: o.mean())
+
+
+class WithPipeSplit(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        pipe_split()  # a torch.distributed.pipelining cut marker
+        return self.b(h).mean()
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_pipe_split_markers_are_ignored_with_a_warning(tracer: str) -> None:
+    """They were ignored without a word (fx records no node for them; export kept a no-op)."""
+    from varuna_fx.capture.untraced import PipeSplitIgnoredWarning
+    torch.manual_seed(0)
+    model, x = WithPipeSplit(), torch.randn(4, 8)
+    with pytest.warns(PipeSplitIgnoredWarning, match=r"pipe_split\(\) at .*test_errors.py:\d+: "
+                      r"varuna_fx ignores these markers.*stages=P"):
+        pipe = vf.compile(model, example_inputs=(x,), stages=2, tracer=tracer)
+    assert not any("pipe_split" in str(n.target) for s in pipe.stages
+                   for n in s.module.graph.nodes)
+    torch.testing.assert_close(torch.as_tensor(pipe.step(x)), model(x).detach())

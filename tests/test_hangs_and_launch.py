@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -143,3 +144,48 @@ def test_varuna_fx_run_listens_on_loopback_only(tmp_path: Path) -> None:
     assert master == "127.0.0.1"
     assert len(listening) >= 2, listening  # the rendezvous store and the master store
     assert all(a.startswith("127.0.0.1:") for a in listening), listening
+    for rank in range(2):  # gloo's pairs listened on the address the hostname resolves to
+        workers = Path(f"{out}.worker{rank}").read_text().splitlines()
+        assert workers and all(a.startswith("127.0.0.1:") for a in workers), workers
+
+
+def test_one_machine_runs_put_the_workers_sockets_on_loopback() -> None:
+    from varuna_fx.launch.standalone import loopback_interfaces
+    env = loopback_interfaces({})
+    assert set(env) == {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}
+    assert env["GLOO_SOCKET_IFNAME"].startswith("lo")
+    assert loopback_interfaces({"GLOO_SOCKET_IFNAME": "eth1"}) == \
+        {"NCCL_SOCKET_IFNAME": env["NCCL_SOCKET_IFNAME"]}  # the user's choice is kept
+
+
+WAITS_FOR_SIGTERM = """
+import signal, sys, time
+from pathlib import Path
+signal.signal(signal.SIGTERM, lambda *_: (Path(sys.argv[1] + ".saved").write_text("ok"),
+                                          sys.exit(0)))
+Path(sys.argv[1]).write_text("ready")
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_the_launcher_stops_it_cleanly(tmp_path: Path) -> None:
+    """What a spot supervisor sends: the workers got it and saved, but the launcher ended in a
+    SignalException traceback with exit code 1, which reads as a crash."""
+    script, ready = tmp_path / "worker.py", tmp_path / "ready"
+    script.write_text(WAITS_FOR_SIGTERM)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "varuna_fx.launch.cli", "run", "--nproc", "1", str(script),
+         str(ready)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": SRC})
+    deadline = time.monotonic() + 120
+    while not ready.exists() and time.monotonic() < deadline and agent.poll() is None:
+        time.sleep(0.2)
+    assert ready.exists(), agent.communicate(timeout=30)
+    agent.send_signal(signal.SIGTERM)
+    out, err = agent.communicate(timeout=120)
+    assert agent.returncode == 128 + signal.SIGTERM, (agent.returncode, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    assert "varuna-fx run: stopped by SIGTERM" in err
+    assert (tmp_path / "ready.saved").read_text() == "ok"  # the worker was told and saved

@@ -29,6 +29,7 @@ def small_gpt() -> tuple[torch.nn.Module, torch.Tensor]:
 def test_pass_list_names_every_pass_in_order() -> None:
     assert [p.name for p in PASSES] == [
         "capture", "annotate_shapes", "specialize_sizes", "annotate_backward", "mark_replicable",
+        "mark_sample_mixing",
         "assign_stages", "split_stages", "codegen"]
     assert all(p.guarantees for p in PASSES)
 

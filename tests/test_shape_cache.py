@@ -130,19 +130,34 @@ def test_graphs_the_key_cannot_describe_are_not_cached() -> None:
     assert entries() == []
 
 
+def sealed_text(entry: dict) -> str:
+    from varuna_fx.world.files import sealed
+    return sealed(entry)
+
+
 def test_a_bad_entry_is_ignored_and_rewritten() -> None:
     fresh = annotations(compile_fresh(gpt()))
     (path,) = entries()
-    good = json.loads(path.read_text())
-    good["observed"][3][0]["dtypes"] = ["torch.notadtype"]  # the right key, a wrong value
+    sealed = json.loads(path.read_text())
+    good = sealed["entry"]
+    wrong = json.loads(json.dumps(good))
+    wrong["observed"][3][0]["dtypes"] = ["torch.notadtype"]  # the right key, a wrong value
+    # a plausible edit that keeps the old digest: dropout's `random` flag turned off (with
+    # recompute, forward and recompute would then draw different masks)
+    edited = json.loads(json.dumps(good))
+    flags = [o[0] for o in edited["observed"] if isinstance(o, list) and o and "random" in o[0]]
+    flags[0]["random"] = not flags[0]["random"]
     for content in ["not json", "{}", json.dumps({"format": 1, "key": path.stem,
                                                   "nodes": [], "observed": []}),
-                    json.dumps(good)]:
+                    json.dumps({"sha256": sealed["sha256"], "entry": edited}),
+                    json.dumps({"sha256": "0" * 64, "entry": good}), sealed_text(wrong)]:
         path.write_text(content)
         ignored = shape_cache.stats["ignored"]
         assert annotations(compile_fresh(gpt())) == fresh
         assert shape_cache.stats["ignored"] == ignored + 1
-        assert json.loads(path.read_text())["observed"][3][0]["dtypes"] != ["torch.notadtype"]
+        rewritten = json.loads(path.read_text())["entry"]
+        assert rewritten["observed"][3][0]["dtypes"] != ["torch.notadtype"]
+        assert rewritten == good
 
 
 def test_the_environment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:

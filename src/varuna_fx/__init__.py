@@ -4,7 +4,7 @@ Public names only; docs/API.md in the repository is the reference.
 """
 
 from .api import compile
-from .checkpoint.save_load import latest_checkpoint
+from .checkpoint.directory import latest_checkpoint
 from .errors import (
     CaptureError,
     CheckpointError,

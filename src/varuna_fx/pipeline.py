@@ -119,6 +119,13 @@ class Pipeline:
     def step(self, *inputs: Any, target: Any = None, **kw_inputs: Any) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the mean loss."""
         self._check_runnable()
+        if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+            block = "torch.inference_mode()" if torch.is_inference_mode_enabled() \
+                else "torch.no_grad()"
+            raise InputError(
+                f"pipe.step was called under {block}: a step runs forward and backward, which "
+                "needs gradients. Call pipe.step outside that block, or pipe(...) for a "
+                "forward-only evaluation")
         if target is not None and "target" in self.captured.signature.parameters:
             # forward's own `target` (compile refused it alongside a loss_fn): feed the model
             kw_inputs, target = {**kw_inputs, "target": target}, None
@@ -220,6 +227,9 @@ class Pipeline:
         if mine:
             where = "" if isinstance(self.runtime, LocalRuntime) else \
                 f" on rank {dist.get_rank()}"
+            failed = getattr(self, "_failed_load", None)  # checkpoint/failures.py
+            if failed is not None:
+                failed.refuse(mine, where)
             raise_unloaded(mine, where)
 
     # -- parameters ----------------------------------------------------------------------------

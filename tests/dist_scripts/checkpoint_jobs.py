@@ -8,6 +8,8 @@ Each job writes ``OUT_DIR/<name>_rank<r>.pt``. Kinds:
 * ``resume``: load ``path`` at (P, D, micro-batch size, schedule), train to STEPS; reports the
   state this rank holds and how many parameters have optimizer state.
 * ``forgot``: built under ``vf.skip_init`` and stepped without loading (every rank must raise).
+* ``paths``: every rank saves to, then loads from, a path of its own (a timestamp in the name):
+  every rank must raise, and nothing may be written; then the same path works.
 * ``preempt``: the preemption-safe loop of docs/checkpoints.md (save every ``every`` steps and on
   preemption); writes its pid and progress so the test can signal it.
 """
@@ -82,7 +84,11 @@ def save(job: dict[str, Any]) -> dict[str, Any]:
 def resume(job: dict[str, Any]) -> dict[str, Any]:
     pipe = compile_job({**job, "seed": 7})  # another init: all must come from the checkpoint
     opt = optimizer(pipe.parameters())
-    extra = pipe.load_checkpoint(job["path"], optimizer=opt)
+    try:
+        extra = pipe.load_checkpoint(job["path"], optimizer=opt)
+    except vf.VarunaFxError:
+        pipe.close()  # the next job starts from a clean slate
+        raise
     with_state = sum(1 for p in pipe.parameters() if p in opt.state)
     run_steps(pipe, opt, range(extra["step"], STEPS))
     state = {n: t.detach().clone() for n, t in pipe.state_dict().items()}
@@ -95,6 +101,29 @@ def forgot(job: dict[str, Any]) -> dict[str, Any]:
     pipe = compile_job({**job, "skip_init": True})
     run_steps(pipe, optimizer(pipe.parameters()), range(1))  # raises: nothing was loaded
     return {"stepped": True}
+
+
+def paths(job: dict[str, Any]) -> dict[str, Any]:
+    pipe = compile_job(job)
+    opt = optimizer(pipe.parameters())
+    run_steps(pipe, opt, range(1))
+    errors = {}
+    own = f"{job['path']}_{RANK}_{time.time_ns()}"
+    for call in ("save", "load"):
+        try:
+            if call == "save":
+                pipe.save_checkpoint(own, optimizer=opt, extra={"step": 1})
+            else:
+                pipe.load_checkpoint(f"{job['path']}_good{RANK}", optimizer=opt)
+            errors[call] = None
+        except vf.VarunaFxError as exc:
+            errors[call] = (type(exc).__name__, str(exc))
+        if call == "save":  # one good checkpoint per rank-specific path, for the load
+            for r in range(2):
+                pipe.save_checkpoint(f"{job['path']}_good{r}", optimizer=opt,
+                                     extra={"step": r})
+    pipe.close()
+    return {"errors": errors, "written": sorted(os.listdir(Path(job["path"]).parent))}
 
 
 def preempt(job: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +148,7 @@ def main() -> None:
     for job in json.loads(sys.argv[2]):
         try:
             result = {"save": save, "resume": resume, "preempt": preempt,
-                      "forgot": forgot}[job["kind"]](job)
+                      "forgot": forgot, "paths": paths}[job["kind"]](job)
         except vf.VarunaFxError as exc:
             result = {"error": type(exc).__name__, "message": str(exc)}
         torch.save(result, OUT / f"{job['name']}_rank{RANK}.pt")

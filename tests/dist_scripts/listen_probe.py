@@ -1,6 +1,7 @@
 """`varuna-fx run --nproc 2 listen_probe.py OUT`: rank 0 writes MASTER_ADDR and the local
 addresses its launcher (the parent process: torchrun's agent, which hosts the rendezvous and
-master stores) listens on, one per line, to OUT."""
+master stores) listens on, one per line, to OUT; every rank writes what it listens on itself
+(gloo's pair sockets) to OUT.worker<rank>."""
 
 import os
 import sys
@@ -35,3 +36,12 @@ def listening(pid: int) -> list[str]:
 if os.environ["RANK"] == "0":
     lines = [os.environ.get("MASTER_ADDR", "?"), *listening(os.getppid())]
     Path(sys.argv[1]).write_text("\n".join(lines))
+
+# the workers' own gloo pair sockets, once the process group is up
+import torch.distributed as dist  # noqa: E402
+
+dist.init_process_group("gloo")
+dist.barrier()
+Path(f"{sys.argv[1]}.worker{os.environ['RANK']}").write_text("\n".join(listening(os.getpid())))
+dist.barrier()
+dist.destroy_process_group()

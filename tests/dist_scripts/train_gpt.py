@@ -180,6 +180,12 @@ def peer_loss(job: dict[str, Any]) -> dict[str, Any]:
     except vf.VarunaFxError as exc:
         outcome = {"error": type(exc).__name__, "message": str(exc)}
     outcome["elapsed"] = time.monotonic() - start
+    if outcome["error"]:  # a user who catches it and steps on: told the group is unusable
+        try:
+            pipe.step(batch[:, :-1], target=batch[:, 1:])
+            outcome["again"] = None
+        except vf.VarunaFxError as exc:
+            outcome["again"] = f"{type(exc).__name__}: {exc}"
     return outcome
 
 

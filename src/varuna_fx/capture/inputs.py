@@ -59,6 +59,13 @@ def bind_inputs(model: nn.Module, inputs: Any, kw_inputs: dict[str, Any] | None 
                 "that bind to named parameters, or wrap the model in a module with explicit ones"
             )
         if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided:
+                raise InputError(
+                    f"{what}: argument '{name}' is a {str(value.layout).removeprefix('torch.')} "
+                    "tensor; a pipeline splits every input along dim 0 into micro-batches and "
+                    f"sends slices between stages, which needs dense tensors: pass "
+                    f"{name}.to_dense() (or densify it inside forward from dense indices and "
+                    "values)")
             tensors[name] = value
         elif value is None or isinstance(value, (bool, int, float, str)):
             constants[name] = value

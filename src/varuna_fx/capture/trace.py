@@ -52,6 +52,9 @@ refuses, ``"auto"`` then captures with torch.export):
 
 from __future__ import annotations
 
+import inspect
+
+import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
@@ -67,6 +70,8 @@ from .untraced import (
     check_global_hooks,
     check_hooks,
     check_parameter_writes,
+    drop_pipe_splits,
+    pipe_splits_recorded,
     reentrant_checkpoints_recorded,
     refuse_reentrant_checkpoint,
 )
@@ -75,7 +80,9 @@ TRACERS = ("fx", "export", "auto")
 
 
 def capture(model: nn.Module, bound: BoundInputs, tracer: str = "auto") -> Captured:
-    with settings_kept(model), reentrant_checkpoints_recorded() as reentrant:
+    refuse_tensor_defaults(model, bound)
+    with settings_kept(model), reentrant_checkpoints_recorded() as reentrant, \
+            pipe_splits_recorded() as splits:
         try:
             captured = _capture(model, bound, tracer)
         except CaptureError:
@@ -83,7 +90,23 @@ def capture(model: nn.Module, bound: BoundInputs, tracer: str = "auto") -> Captu
                 raise
     if reentrant:
         refuse_reentrant_checkpoint(model, reentrant[0])
+    drop_pipe_splits(model, captured.gm, splits)
     return captured
+
+
+def refuse_tensor_defaults(model: nn.Module, bound: BoundInputs) -> None:
+    """A forward parameter left at a tensor default (``y=torch.zeros(16, 64)``): fx cannot
+    bake a tensor into the graph's code (a raw NameError) and torch.export, which keeps it, fixes
+    the batch to its rows. Neither is what the user meant, so say what to do instead."""
+    for name, param in inspect.signature(model.forward).parameters.items():
+        if isinstance(param.default, torch.Tensor) and name not in bound.tensors:
+            raise CaptureError(
+                f"{type(model).__name__}.forward's parameter '{name}' defaults to a tensor "
+                f"(shape {tuple(param.default.shape)}){defined_at(model)}, and the example "
+                "inputs leave it out: a pipeline cannot keep a tensor default (it is neither a "
+                f"batch input nor model state). Pass '{name}' in example_inputs and at every "
+                "step (with the batch on dim 0), or make it a buffer (self.register_buffer("
+                f"'{name}', ...)) that forward reads")
 
 
 def _capture(model: nn.Module, bound: BoundInputs, tracer: str) -> Captured:

@@ -276,3 +276,56 @@ def mark_rebinds(model: nn.Module, gm: fx.GraphModule, rebound: list[str],
                 f"would never update it. Write it in place (self.{key}.copy_(new_value))"
                 + (" or use tracer='fx'" if alone else ""))
         node_info(last_writes[fqn]).rebinds = fqn
+
+
+class PipeSplitIgnoredWarning(UserWarning):
+    """torch.distributed.pipelining's ``pipe_split()`` markers in forward: varuna_fx cuts
+    where the costs say and leaves them out."""
+
+
+@contextlib.contextmanager
+def pipe_splits_recorded() -> Iterator[list[str]]:
+    """Where forward calls torch.distributed.pipelining's ``pipe_split()`` while the body runs.
+    fx records no node for it (it takes no tensor), so its op is wrapped for that long, as
+    ``_calls_recorded`` does for methods; nothing when the op is not registered (the model
+    cannot call it then)."""
+    found: list[str] = []
+    try:
+        namespace = torch.ops.pippy
+        original = namespace._pipe_split
+    except (AttributeError, RuntimeError):
+        yield found
+        return
+
+    class Recording:  # the op, recording its calls (torch.export reads its overloads)
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            found.append(_first_frame_outside_torch())
+            return original(*args, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(original, name)
+
+    namespace._pipe_split = Recording()
+    try:
+        yield found
+    finally:
+        namespace._pipe_split = original
+
+
+def drop_pipe_splits(model: nn.Module, gm: fx.GraphModule, found: list[str]) -> None:
+    """Erase the ``pipe_split()`` markers torch.export records (a no-op call) and say that
+    they are ignored: the partition chooses cuts by cost, ``stages=`` chooses how many."""
+    markers = [n for n in gm.graph.nodes if n.op == "call_function"
+               and "pippy._pipe_split" in str(n.target)]
+    for node in markers:
+        gm.graph.erase_node(node)
+    if markers:
+        gm.recompile()
+    if not found and not markers:
+        return
+    where = f" at {found[0]}" if found and found[0] else ""
+    warnings.warn(
+        f"{type(model).__name__}.forward calls torch.distributed.pipelining.pipe_split()"
+        f"{where}: varuna_fx ignores these markers and cuts the model where its costs balance "
+        "the stages; choose the depth with vf.compile(..., stages=P)",
+        PipeSplitIgnoredWarning, stacklevel=4)

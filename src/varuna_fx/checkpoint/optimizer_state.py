@@ -116,6 +116,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
+    owner: dict[int, int] = {}  # saved group id -> the optimizer's group now
     for group in optimizer.param_groups:
         indices = list(range(index, index + len(group["params"])))
         members = fqns[index:index + len(indices)]
@@ -126,6 +127,12 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
                 f"parameters {members[:5]} share a param group now but had different "
                 "hyperparameters when saved: build the optimizer's param groups as they were"
             )
+        if ids and owner.setdefault(next(iter(ids)), len(groups)) != len(groups):
+            raise CheckpointError(  # as torch's load_state_dict refuses other group counts
+                f"param groups {owner[next(iter(ids))]} and {len(groups)} of the optimizer "
+                "were one param group when saved: the checkpoint's hyperparameters would "
+                "overwrite both groups' (lr, weight decay, ...). Build the optimizer's param "
+                "groups as they were when saved, and change them after loading")
         hyper = hypers[ids.pop()] if ids else {k: v for k, v in group.items() if k != "params"}
         groups.append({**hyper, "params": indices})
         for i, fqn in zip(indices, members):

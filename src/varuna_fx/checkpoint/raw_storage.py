@@ -16,14 +16,21 @@ staging, re-sharding by the load planner); only the bytes differ:
 
 The bytes are in the tensor's native byte order; a checkpoint records ``sys.byteorder`` in its
 marker and refuses to load on a machine of the other order.
+
+Checksums (format 3): each entry's CRC-32 is computed as it is written and recorded beside its
+(file, offset, length) in the metadata (:class:`ChecksummedInfo`); a load verifies every entry
+it reads -- a bit flip inside a tensor's bytes raises :class:`CheckpointError` naming the file
+and the entry. A format-2 checkpoint (no checksums) still loads, unverified. The reader's
+metadata is read without running code (``safe_metadata.py``).
 """
 
 from __future__ import annotations
 
-import io
 import os
 import threading
+import zlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,8 +49,21 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ..errors import CheckpointError
+from .safe_metadata import SafeMetadataReader, allow
+
 SUFFIX = ".raw"
 CHUNK = 1 << 30  # one syscall moves at most ~2 GiB on Linux: write/read in pieces below that
+
+
+@dataclass
+class ChecksummedInfo(_StorageInfo):
+    """Where an entry's bytes are, and their CRC-32 (None: written without checksums)."""
+
+    crc32: int | None = None
+
+
+allow(__name__, "ChecksummedInfo", ChecksummedInfo)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -60,6 +80,7 @@ class RawWriter(FileSystemWriter):
     # Another file (and thread, and fsync) per this many bytes, up to ``thread_count``: several
     # writes in flight keep a disk busy, but for a small checkpoint the fsyncs dominate.
     bytes_per_file = 128 << 20
+    checksums = True  # CRC-32 per entry (bench/bench_checkpoint.py measures the cost)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix: _StoragePrefix = plan.storage_data
@@ -73,7 +94,7 @@ class RawWriter(FileSystemWriter):
             name = f"{prefix.prefix}{i}{SUFFIX}"
             try:
                 results[i] = _write_file(os.path.join(self.path, name), name, buckets[i],
-                                         planner, self.sync_files)
+                                         planner, self.sync_files, self.checksums)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
                 errors.append(exc)
 
@@ -90,8 +111,11 @@ class RawWriter(FileSystemWriter):
         return done
 
 
-class RawReader(FileSystemReader):
-    """``FileSystemReader`` for what :class:`RawWriter` wrote."""
+class RawReader(SafeMetadataReader, FileSystemReader):
+    """``FileSystemReader`` for what :class:`RawWriter` wrote (``verify``: every entry must
+    carry a checksum, format 3)."""
+
+    verify = False
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -103,21 +127,41 @@ class RawReader(FileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path,
                                 []).append(item)
-        for relative, items in per_file.items():
-            # in file order: the disk reads forwards
-            items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
-            with open(os.path.join(self.path, relative), "rb", buffering=0) as f:
-                for item in items:
-                    self._read_item(f, item, planner)
+        errors: list[BaseException] = []
+
+        def read(relative: str, items: list[Any]) -> None:
+            try:
+                # in file order: the disk reads forwards
+                items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
+                with open(os.path.join(self.path, relative), "rb", buffering=0) as f:
+                    for item in items:
+                        self._read_item(f, item, planner)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                errors.append(exc)
+
+        # a thread per file, as they were written: reads and checksums (zlib releases the
+        # GIL) of several files overlap
+        work = list(per_file.items())
+        threads = [threading.Thread(target=read, args=job) for job in work[1:]]
+        for t in threads:
+            t.start()
+        if work:
+            read(*work[0])
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
     def _read_item(self, f: Any, item: Any, planner: LoadPlanner) -> None:
         info: _StorageInfo = self.storage_data[item.storage_index]
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(_read_exact(f, info.offset, info.length)))
-            return
+        if item.type == LoadItemType.BYTE_IO:  # DCP's planner would unpickle it: never
+            raise CheckpointError(
+                f"checkpoint entry {item.storage_index.fqn} is a pickled object (DCP BYTE_IO), "
+                "which varuna_fx never writes and does not unpickle: the checkpoint was "
+                "tampered with or not written by varuna_fx")
         meta = self.tensors[item.storage_index.fqn]
         assert isinstance(meta, TensorStorageMetadata)
         dtype = meta.properties.dtype
@@ -128,9 +172,11 @@ class RawReader(FileSystemReader):
         if whole and target.device.type == "cpu" and target.dtype == dtype \
                 and target.is_contiguous() and tuple(target.shape) == tuple(sizes):
             _read_into(f, info.offset, info.length, target)
+            self._check(info, target, item)
         else:  # a slice, another dtype or device: via a temporary, as DCP's reader does
             stored = torch.empty(sizes, dtype=dtype)
             _read_into(f, info.offset, info.length, stored)
+            self._check(info, stored, item)
             for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                 stored = stored.narrow(dim, start, length)
             if tuple(target.shape) != tuple(stored.shape):
@@ -138,6 +184,22 @@ class RawReader(FileSystemReader):
                                      f"destination {tuple(target.shape)}")
             target.copy_(stored)
         planner.commit_tensor(item, target)
+
+    def _check(self, info: _StorageInfo, tensor: torch.Tensor, item: Any) -> None:
+        crc = getattr(info, "crc32", None)
+        if crc is None:
+            if self.verify:
+                raise CheckpointError(
+                    f"{os.path.join(self.path, info.relative_path)}: entry "
+                    f"{item.storage_index.fqn} has no checksum, which every entry of this "
+                    "checkpoint format has: its metadata was tampered with")
+            return
+        if zlib.crc32(byte_view(tensor)) != crc:
+            raise CheckpointError(
+                f"{os.path.join(self.path, info.relative_path)}: the bytes of "
+                f"{item.storage_index.fqn} (offset {info.offset}, {info.length} bytes) do not "
+                "match the checksum written with them: the file is damaged (a bit flip, a "
+                "partial copy): load an earlier checkpoint, or copy this one again")
 
 
 def _balance(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -162,7 +224,7 @@ def _size(item: WriteItem) -> int:
 
 
 def _write_file(path: str, name: str, items: Iterable[WriteItem], planner: SavePlanner,
-                sync: bool) -> list[WriteResult]:
+                sync: bool, checksums: bool) -> list[WriteResult]:
     results = []
     with open(path, "wb", buffering=0) as f:
         offset = 0
@@ -176,8 +238,10 @@ def _write_file(path: str, name: str, items: Iterable[WriteItem], planner: SaveP
                     tensor = tensor.cpu()
                 buffer = byte_view(tensor.contiguous())
             _write_all(f, buffer)
+            crc = zlib.crc32(buffer) if checksums else None  # zlib releases the GIL
             results.append(WriteResult(index=item.index, size_in_bytes=len(buffer),
-                                       storage_data=_StorageInfo(name, offset, len(buffer))))
+                                       storage_data=ChecksummedInfo(name, offset, len(buffer),
+                                                                    crc32=crc)))
             offset += len(buffer)
         if sync:
             os.fsync(f.fileno())
@@ -189,12 +253,6 @@ def _write_all(f: Any, buffer: memoryview) -> None:
     while len(view):
         written = f.write(view[:CHUNK])
         view = view[written:]
-
-
-def _read_exact(f: Any, offset: int, length: int) -> bytes:
-    buffer = bytearray(length)
-    _fill(f, offset, memoryview(buffer))
-    return bytes(buffer)
 
 
 def _read_into(f: Any, offset: int, length: int, tensor: torch.Tensor) -> None:

@@ -8,45 +8,59 @@ model's FQNs, never by stage or rank, so it loads under any (P, D, micro-batch s
   hold (replicas, tied copies) once. No rank gathers the model.
 * ``optim/<fqn>/<key>`` and ``obj/optim/<fqn>``: optimizer state (``optimizer_state.py``).
 * ``obj/meta`` (rank 0): loss scale, the RNG state the step seeds are drawn from, the user's
-  ``extra`` dict.
+  ``extra`` dict (``contents.py``).
 
 Storage: DCP plans, deduplicates and records metadata; the bytes are written raw, one file per
-writer thread and rank, and read straight into the destination tensors (``raw_storage.py``,
-format 2; format-1 checkpoints, DCP's own ``torch.save`` records, still load). In one process
+writer thread and rank, with a CRC-32 per entry, and read straight into the destination tensors,
+verified (``raw_storage.py``, format 3; formats 2 and 1 still load). The metadata is read
+without running code and pickled entries are refused (``safe_metadata.py``). In one process
 DCP's steps run without ``torch.distributed`` (``dcp_local.py``).
 
-Atomic: DCP writes into ``<path>.partial``; when every rank is done, rank 0 writes the marker and
-renames the directory to ``<path>``. A kill at any moment leaves at most a ``.partial``
-directory, which :func:`latest_checkpoint` skips with a warning, and every earlier checkpoint
-untouched. ``async_save=True`` copies the state to host memory, returns a
-:class:`SaveHandle` and writes (and renames) in a background thread on its own process group,
+Before anything is written or read the ranks agree (``agreement.py``): the same path and
+optimizer class on every rank, then every rank's checks passed -- else every rank raises. A
+load that fails once bytes reach the model marks the model so steps refuse (``failures.py``).
+
+Atomic (``directory.py``): DCP writes into ``<path>.partial``; when every rank is done, rank 0
+writes the marker and renames the directory to ``<path>``. ``async_save=True`` copies the state to host memory, returns a
+:class:`SaveHandle` (``background.py``) and writes (and renames) in a background thread on its own process group,
 so training continues meanwhile; the next save, a load or ``pipe.close()`` waits for it.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import sys
-import threading
 import time
 import warnings
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError
 from ..init.skip import loaded
 from ..world.where import launched_distributed, resolve_timeout
 from . import dcp_local
+from .agreement import Agreement
+from .background import SaveHandle, in_thread
+from .contents import (
+    META,
+    MODEL,
+    check_model,
+    check_plain,
+    class_name,
+    few,
+    layout_summary,
+    rng_state,
+    set_rng_state,
+)
+from .directory import FORMAT, PARTIAL, commit, discard, prepare, read_marker, unlock
+from .failures import load_error, mark_failed, storage_error
 from .optimizer_state import (
     decode,
     encode,
@@ -56,30 +70,9 @@ from .optimizer_state import (
     wanted_keys,
 )
 from .raw_storage import RawReader, RawWriter
+from .safe_metadata import LegacyReader, SafeLoadPlanner
 
-# 2: tensors stored as raw bytes (raw_storage.py); 1: DCP's torch.save records (still read)
-FORMAT = 2
-READABLE = (1, 2)
-MARKER = "varuna_fx_checkpoint.json"
 WRITE_THREADS = 4
-PARTIAL = ".partial"
-MODEL = "model/"
-META = "obj/meta"
-
-
-class SaveHandle:
-    """An asynchronous save in flight: ``result()`` waits until the checkpoint is complete
-    (renamed into place on every rank) and returns its path, or raises what went wrong."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._future: Future[str] = Future()
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> str:
-        return self._future.result(timeout)
 
 
 class Checkpointer:
@@ -97,7 +90,9 @@ class Checkpointer:
             from datetime import timedelta
 
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        self.agreement = Agreement(self.group, self.rank, self.world)
         self.pending: SaveHandle | None = None
+        self.lock: int | None = None  # rank 0, while saving: the path's lock (directory.py)
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -105,10 +100,11 @@ class Checkpointer:
              extra: dict[str, Any] | None, *, async_save: bool = False) -> SaveHandle | None:
         self.wait()
         path = os.path.normpath(path)
+        kind = class_name(optimizer) if optimizer is not None else None
+        self.agreement.same_call("save_checkpoint", path, kind, self._holds_parameters())
         marker = {"format": FORMAT, "byteorder": sys.byteorder,
-                  "model": self.pipe.plan.model_name,
-                  "optimizer": _class_name(optimizer) if optimizer is not None else None,
-                  "plan": _layout_summary(self.pipe), "world": self.world}
+                  "model": self.pipe.plan.model_name, "optimizer": kind,
+                  "plan": layout_summary(self.pipe), "world": self.world}
         # a bad argument may show on one rank only (extra is rank 0's): every rank must learn
         # of it before the collective save, or the others would wait for that rank in vain
         state: dict[str, torch.Tensor] = {}
@@ -118,30 +114,53 @@ class Checkpointer:
         except CheckpointError as exc:
             error = exc
         if error is None and self.rank == 0:
-            error = _try(lambda: _prepare(path))
-        self._agree(error, f"preparing {path}")
-        # several writer threads (one file each): writing and fsync are I/O-bound, and
-        # several files in flight keep the disk's queue full
-        writer = RawWriter(path + PARTIAL, thread_count=WRITE_THREADS)
+            try:
+                self.lock = prepare(path)
+            except (OSError, CheckpointError) as exc:
+                error = storage_error(exc, path, "preparing")
+        writer: Any = None
+        try:
+            self.agreement.agree(error, f"preparing {path}")
+            try:  # several writer threads (one file each) keep the disk's queue full
+                writer = RawWriter(path + PARTIAL, thread_count=WRITE_THREADS)
+            except OSError as exc:
+                error = storage_error(exc, path, "creating")
+            self.agreement.agree(error, f"creating {path + PARTIAL}")
+        except BaseException:
+            self._release(path, failed=True)
+            raise
         planner = DefaultSavePlanner(flatten_state_dict=False)
         if not async_save:
-            if self.distributed:
-                dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group)
-            else:
-                dcp_local.save(state, writer, planner)
+            try:
+                if self.distributed:
+                    dcp.save(state, storage_writer=writer, planner=planner,
+                             process_group=self.group)
+                else:
+                    dcp_local.save(state, writer, planner)
+            except BaseException as exc:
+                self._release(path, failed=True)
+                raise storage_error(exc, path, "writing") from exc
             self._finish(path, marker)
             return None
         handle = SaveHandle(path)
-        if self.distributed:  # returns once `state` is copied to host memory
-            written = dcp.async_save(state, storage_writer=writer, planner=planner,
-                                     process_group=self.group)
-        else:
-            staged = writer.stage(state)  # the copy to host memory: all a caller waits for
-            written = _in_thread(lambda: dcp_local.save(staged, writer, planner))
+        try:
+            if self.distributed:  # returns once `state` is copied to host memory
+                written = dcp.async_save(state, storage_writer=writer, planner=planner,
+                                         process_group=self.group)
+            else:
+                staged = writer.stage(state)  # the copy to host memory: all a caller waits for
+                written = in_thread(lambda: dcp_local.save(staged, writer, planner))
+        except BaseException as exc:
+            self._release(path, failed=True)
+            raise storage_error(exc, path, "staging") from exc
 
         def finish(done: Future) -> None:  # on the writer thread
             try:
-                done.result()
+                try:
+                    done.result()
+                except BaseException as exc:
+                    self._release(path, failed=True)
+                    raise storage_error(exc, path, "writing") from exc
                 self._finish(path, marker)
                 handle._future.set_result(path)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
@@ -159,9 +178,10 @@ class Checkpointer:
         if extra is not None and not isinstance(extra, dict):
             raise CheckpointError(f"extra must be a dict, got {type(extra).__name__}")
         if self.rank == 0:
+            check_plain(extra or {})
             scaler = self.pipe.runtime.scaler
             meta = {"extra": extra or {}, "loss_scale": scaler.scale if scaler.enabled else None,
-                    "clean_steps": scaler._clean_steps, "rng": _rng_state()}
+                    "clean_steps": scaler._clean_steps, "rng": rng_state()}
             state[META] = encode(meta)
             try:
                 decode(state[META])
@@ -176,13 +196,28 @@ class Checkpointer:
         """Every rank has written its shard (DCP's save returned): mark complete, rename."""
         error = None
         if self.rank == 0:
-            error = _try(lambda: _commit(path, {**marker, "saved_at_ns": time.time_ns()}))
-        self._agree(error, f"completing {path}")
+            try:
+                commit(path, {**marker, "saved_at_ns": time.time_ns()})
+            except (OSError, CheckpointError) as exc:
+                error = storage_error(exc, path, "completing")
+            self._release(path, failed=error is not None)
+        self.agreement.agree(error, f"completing {path}")
+
+    def _release(self, path: str, failed: bool) -> None:
+        """Rank 0: a failed save's ``.partial`` goes (it would hold disk space later saves
+        need), then the path's lock."""
+        if self.rank != 0 or self.lock is None:
+            return
+        if failed:
+            discard(path)
+        unlock(path, self.lock)
+        self.lock = None
 
     def wait(self) -> None:
-        """Wait for the asynchronous save in flight, if any (raises its error)."""
+        """Wait for the asynchronous save in flight, if any (raises its error, unless its
+        handle's ``result()`` already raised it)."""
         pending, self.pending = self.pending, None
-        if pending is not None:
+        if pending is not None and not pending.reported:
             pending.result()
 
     # -- loading -------------------------------------------------------------------------------
@@ -190,50 +225,65 @@ class Checkpointer:
     def load(self, path: str, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         self.wait()
         path = os.path.normpath(path)
+        kind = class_name(optimizer) if optimizer is not None else None
+        self.agreement.same_call("load_checkpoint", path, kind, self._holds_parameters())
         dest: dict[str, torch.Tensor] = {}
         reader: Any = None
         metadata: Any = None
+        marker: dict[str, Any] = {}
         error: BaseException | None = None
         try:  # every rank checks; one rank's failure stops all before the collective load
-            reader, metadata, dest = self._destinations(path, optimizer)
+            marker, reader, metadata, dest = self._destinations(path, optimizer)
         except CheckpointError as exc:
             error = exc
-        self._agree(error, f"checking {path}")
-        planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
-        try:
+        seen = self.agreement.agree(error, f"checking {path}",
+                                    (marker.get("sequence"), marker.get("saved_at_ns")))
+        if len(set(seen)) > 1:  # replaced by another save between the ranks' reads
+            raise CheckpointError(f"{path} changed while the ranks opened it (markers "
+                                  f"{seen}): another job is saving to it; load it again")
+        planner = SafeLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
+        model = [t for k, t in dest.items() if k.startswith(MODEL)]
+        try:  # from the first byte read, a failure leaves the model partly overwritten
             if self.distributed:  # DCP gathers a failure to every rank: all raise
                 dcp.load(dest, storage_reader=reader, planner=planner, process_group=self.group)
             else:
                 dcp_local.load(dest, reader, planner, metadata)
-        except (OSError, CheckpointException) as exc:  # a data file missing or cut short
-            raise CheckpointError(
-                f"{path}: reading its tensors failed ({exc}); the checkpoint's files are "
-                "damaged or incomplete: load an earlier checkpoint, or copy this one again"
-            ) from exc
+            if optimizer is not None:
+                restore_optimizer(optimizer, self._names(), dest)
+            meta = decode(dest[META])
+            scaler = self.pipe.runtime.scaler
+            if scaler.enabled and meta["loss_scale"] is not None:  # fp16 saved and fp16 now
+                scaler.scale, scaler._clean_steps = meta["loss_scale"], meta["clean_steps"]
+            set_rng_state(meta["rng"])
+            extra = meta["extra"]
+        except BaseException as exc:
+            if not isinstance(exc, Exception | CheckpointException):
+                # KeyboardInterrupt and the like: not the checkpoint's fault, but the model
+                # may be partly overwritten all the same
+                mark_failed(self.pipe, model, path, exc)
+                raise
+            error = load_error(exc, path)
+            mark_failed(self.pipe, model, path, error)
+            raise error from exc
         loaded(self.pipe.state_dict().values())  # clears what vf.skip_init left unset
-        if optimizer is not None:
-            restore_optimizer(optimizer, self._names(), dest)
-        meta = decode(dest[META])
-        scaler = self.pipe.runtime.scaler
-        if scaler.enabled and meta["loss_scale"] is not None:  # fp16 saved and fp16 now
-            scaler.scale, scaler._clean_steps = meta["loss_scale"], meta["clean_steps"]
-        _set_rng_state(meta["rng"])
-        return meta["extra"]
+        self.pipe._failed_load = None
+        return extra
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _destinations(self, path: str, optimizer: torch.optim.Optimizer | None
-                      ) -> tuple[Any, Any, dict[str, torch.Tensor]]:
-        """Check ``path`` against this model and optimizer; its reader, its DCP metadata and
-        the tensors to load into."""
+                      ) -> tuple[dict[str, Any], Any, Any, dict[str, torch.Tensor]]:
+        """Check ``path`` against this model and optimizer; its marker, its reader, its DCP
+        metadata and the tensors to load into."""
         marker = read_marker(path)
-        reader = RawReader(path) if marker["format"] == 2 else FileSystemReader(path)
-        try:
-            full = reader.read_metadata()
-        except Exception as exc:
-            raise CheckpointError(f"{path}: DCP metadata unreadable ({exc})") from exc
+        if marker["format"] >= 2:
+            reader = RawReader(path)
+            reader.verify = marker["format"] >= 3
+        else:
+            reader = LegacyReader(path)
+        full = reader.read_metadata()  # no code runs (safe_metadata.py)
         metadata = full.state_dict_metadata
-        _check_model(self.pipe.state_layout, metadata, path)
+        check_model(self.pipe.state_layout, metadata, path)
         held = self.pipe.state_dict()
         keys = [MODEL + n for n in held] + [META]
         if optimizer is not None:
@@ -242,39 +292,33 @@ class Checkpointer:
                     f"{path} holds no optimizer state, but an optimizer was passed: load "
                     "without optimizer=, or from a checkpoint saved with one"
                 )
-            if marker["optimizer"] != _class_name(optimizer):
+            if marker["optimizer"] != class_name(optimizer):
                 raise CheckpointError(
                     f"{path} holds state of a {marker['optimizer']}, not of the "
-                    f"{_class_name(optimizer)} passed: use the same optimizer class"
+                    f"{class_name(optimizer)} passed: use the same optimizer class"
                 )
             keys += wanted_keys(parameter_fqns(optimizer, self._names()), list(metadata))
         elif marker.get("optimizer") is not None:
             warnings.warn(f"{path} holds {marker['optimizer']} state but no optimizer was "
                           "passed to load_checkpoint: the optimizer starts fresh", stacklevel=4)
+        wrong = [k for k in keys if not isinstance(metadata.get(k), TensorStorageMetadata)]
+        if wrong:
+            raise CheckpointError(
+                f"{path} lacks, or holds other than tensors under, {few(wrong)}: it was "
+                "tampered with or not written by varuna_fx; load a checkpoint "
+                "pipe.save_checkpoint wrote")
         # the model's own tensors are the destinations (DCP copies into them, casting as
         # needed): no second copy of the model in memory
         dest = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype)
                 for k in keys if not k.startswith(MODEL)}
         dest.update({MODEL + n: t.detach() for n, t in held.items()})
-        return reader, full, dest
+        return marker, reader, full, dest
+
+    def _holds_parameters(self) -> bool:
+        return any(True for _ in self.pipe.parameters())
 
     def _names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.pipe.named_parameters()}
-
-    def _agree(self, error: BaseException | None, what: str) -> None:
-        """A barrier that also tells every rank whether any rank failed (and raises there)."""
-        if not self.distributed:
-            if error is not None:
-                raise error
-            return
-        messages: list[Any] = [None] * self.world
-        dist.all_gather_object(messages, None if error is None else str(error), self.group)
-        if error is not None:
-            raise error
-        failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-        if failed:
-            rank, message = failed[0]
-            raise CheckpointError(f"rank {rank} failed {what}: {message}")
 
     def close(self) -> None:
         self.wait()
@@ -296,153 +340,3 @@ def wait_for_saves(pipe: Any) -> None:
     if found is not None:
         found.close()
         pipe._checkpointer = None
-
-
-def latest_checkpoint(directory: str | os.PathLike) -> str | None:
-    """The newest complete checkpoint directly under ``directory`` (by the time it completed),
-    or None. Directories a killed save left behind are skipped with a warning."""
-    root = Path(directory)
-    if not root.is_dir():
-        return None
-    complete: list[tuple[int, str]] = []
-    for entry in sorted(root.iterdir()):
-        if not entry.is_dir():
-            continue
-        if entry.name.endswith(PARTIAL) or (
-                not (entry / MARKER).exists() and (entry / ".metadata").exists()):
-            warnings.warn(f"skipping incomplete checkpoint {entry} (its save was interrupted)",
-                          stacklevel=2)
-            continue
-        try:
-            marker = json.loads((entry / MARKER).read_text())
-        except (OSError, ValueError):
-            continue  # not a checkpoint
-        complete.append((int(marker.get("saved_at_ns", 0)), str(entry)))
-    return max(complete)[1] if complete else None
-
-
-def read_marker(path: str) -> dict[str, Any]:
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path} is not a checkpoint: no such directory")
-    try:
-        with open(os.path.join(path, MARKER)) as f:
-            marker = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(
-            f"{path} is not a complete varuna_fx checkpoint (no valid {MARKER}): pass a "
-            "directory pipe.save_checkpoint wrote, e.g. vf.latest_checkpoint(dir)"
-        ) from exc
-    if marker.get("format") not in READABLE:
-        raise CheckpointError(f"{path} has checkpoint format {marker.get('format')}; this "
-                              f"varuna_fx reads formats {', '.join(map(str, READABLE))}")
-    if marker["format"] == 2 and marker.get("byteorder", sys.byteorder) != sys.byteorder:
-        raise CheckpointError(f"{path} was written on a {marker['byteorder']}-endian machine; "
-                              f"its raw tensor bytes cannot be read on this {sys.byteorder}-"
-                              "endian one")
-    return marker
-
-
-def _check_model(layout: Any, metadata: dict[str, Any], path: str) -> None:
-    """Refuse a checkpoint of another model, naming what differs."""
-    saved = {k[len(MODEL):]: tuple(v.size) for k, v in metadata.items() if k.startswith(MODEL)}
-    missing = [n for n in layout.names if n not in saved]
-    unexpected = [n for n in saved if n not in layout.shapes]
-    shapes = [f"{n} {saved[n]} saved, {layout.shapes[n]} now" for n in layout.names
-              if n in saved and saved[n] != layout.shapes[n]]
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)}: {_few(missing)}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)}: {_few(unexpected)}")
-        if shapes:
-            parts.append(f"shape mismatches: {_few(shapes)}")
-        raise CheckpointError(f"{path} is a checkpoint of another model ({'; '.join(parts)})")
-
-
-def _prepare(path: str) -> None:
-    """Rank 0, before a save: a stale ``.partial`` (a killed save) goes; the destination must
-    be free or a checkpoint (which the new one replaces)."""
-    if os.path.exists(path) and not os.path.exists(os.path.join(path, MARKER)):
-        raise CheckpointError(f"{path} exists and is not a checkpoint: refusing to overwrite it")
-    if os.path.exists(path + PARTIAL):
-        shutil.rmtree(path + PARTIAL)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-
-
-def _commit(path: str, marker: dict[str, Any]) -> None:
-    partial = path + PARTIAL
-    with open(os.path.join(partial, MARKER), "w") as f:
-        json.dump(marker, f)
-        f.flush()
-        os.fsync(f.fileno())
-    old = None
-    if os.path.exists(path):  # replacing a checkpoint: never leave neither in place
-        old = f"{path}.old-{os.getpid()}"
-        os.rename(path, old)
-    os.rename(partial, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _in_thread(fn: Any) -> Future:
-    """Run ``fn`` on a new thread; its result or exception arrives in the returned future.
-    Not a daemon: the interpreter waits for a checkpoint being written before it exits."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="varuna_fx checkpoint writer").start()
-    return future
-
-
-def _try(fn: Any) -> BaseException | None:
-    try:
-        fn()
-    except (OSError, CheckpointError) as exc:
-        return exc if isinstance(exc, CheckpointError) else CheckpointError(str(exc))
-    return None
-
-
-def _rng_state() -> dict[str, Any]:
-    """The generators step seeds (dropout) are drawn from: rank 0's, restored on every rank."""
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available() and \
-            len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _class_name(optimizer: torch.optim.Optimizer) -> str:
-    cls = type(optimizer)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _layout_summary(pipe: Any) -> dict[str, Any]:
-    plan = pipe.plan
-    return {"stages": plan.stages, "data_parallel": plan.data_parallel,
-            "micro_batch_size": plan.micro_batch_size, "schedule": plan.schedule.name}
-
-
-def _few(items: list[str], limit: int = 5) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")

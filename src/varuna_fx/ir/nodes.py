@@ -88,6 +88,8 @@ class NodeInfo:
     mutates: bool = False  # writes into an input or module state (capture/mutations.py)
     # capture: the buffer this write stores the tensor forward rebinds it to (`self.ema = ...`)
     rebinds: str = ""
+    # mark_sample_mixing: why micro-batching changes this node's result ("" if it does not)
+    mixes_samples: str = ""
     # annotate_backward
     fwd_flops: Affine = ZERO
     bwd_flops: Affine = ZERO

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -25,7 +26,7 @@ from varuna_fx.examples import demo_gpt, lm_loss
 from varuna_fx.launch.elastic import elastic_launch
 from varuna_fx.launch.factory import load_factory
 from varuna_fx.launch.plan_command import plan_as_dict, plan_command
-from varuna_fx.launch.standalone import loopback_stores, standalone_args
+from varuna_fx.launch.standalone import loopback_interfaces, loopback_stores, standalone_args
 from varuna_fx.planner.candidates import schedule_choices
 
 _load_factory = load_factory  # its home is launch/factory.py (launch/plan_command.py uses it too)
@@ -139,26 +140,38 @@ def _glue_torchrun_args(argv: list[str], run: argparse.ArgumentParser) -> list[s
 def cmd_run(args: argparse.Namespace) -> int:
     """Wrap torch.distributed.run: standalone on one machine, multi-node flags pass through;
     ``--elastic``: torchrun's elastic agent set up for morphing (varuna_fx.launch.elastic)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
     argv = torchrun_flags(args.torchrun_args)
-    if args.elastic:
-        launch = elastic_launch(
-            nproc=args.nproc, nnodes=args.nnodes or "1:1", rdzv_endpoint=args.rdzv_endpoint,
-            rdzv_id=args.rdzv_id, local_addr=args.local_addr, max_restarts=args.max_restarts,
-            rdzv_conf=args.rdzv_conf)
-        os.environ.update(launch.env)  # read by torchrun's rendezvous and inherited by workers
-        torchrun([*launch.argv, *argv, args.script, *args.script_args])
+    try:
+        if args.elastic:
+            launch = elastic_launch(
+                nproc=args.nproc, nnodes=args.nnodes or "1:1",
+                rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                local_addr=args.local_addr, max_restarts=args.max_restarts,
+                rdzv_conf=args.rdzv_conf)
+            os.environ.update(launch.env)  # read by torchrun's rendezvous, inherited by workers
+            torchrun([*launch.argv, *argv, args.script, *args.script_args])
+            return 0
+        if args.nnodes or args.rdzv_endpoint or args.local_addr:
+            raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for "
+                             "a fixed multi-machine job pass torchrun's flags in --torchrun-args")
+        one_machine = not any(a.startswith(("--nnodes", "--rdzv", "--standalone")) for a in argv)
+        if one_machine:  # as --standalone, but reachable from this machine only
+            argv = [*standalone_args(), *argv]
+            os.environ.update(loopback_interfaces())  # the workers' gloo/NCCL sockets too
+        with loopback_stores() if one_machine else nullcontext():
+            torchrun([f"--nproc-per-node={args.nproc}", *argv, args.script, *args.script_args])
         return 0
-    if args.nnodes or args.rdzv_endpoint or args.local_addr:
-        raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for a "
-                         "fixed multi-machine job pass torchrun's flags in --torchrun-args")
-    one_machine = not any(a.startswith(("--nnodes", "--rdzv", "--standalone")) for a in argv)
-    if one_machine:  # as --standalone, but reachable from this machine only
-        argv = [*standalone_args(), *argv]
-    with loopback_stores() if one_machine else nullcontext():
-        torchrun([f"--nproc-per-node={args.nproc}", *argv, args.script, *args.script_args])
-    return 0
+    except SignalException as stop:
+        # what a spot supervisor sends: torchrun passed it on to the workers (which save and
+        # exit, see pipe.preempted) and then raised; a traceback and exit code 1 read as a
+        # crash, so say what happened and exit as a process the signal ended does
+        name = signal.Signals(stop.sigval).name
+        print(f"varuna-fx run: stopped by {name}; the workers were sent {name} too (a "
+              "preemption-safe loop saves a checkpoint and exits)", file=sys.stderr)
+        return 128 + int(stop.sigval)
 
 
 _TRACER_HELP = ("how to capture the model: fx (torch.fx symbolic tracing), export "

@@ -5,11 +5,13 @@ torchrun's ``--standalone`` names ``localhost:0`` as the rendezvous endpoint, bu
 stores (the rendezvous and the workers' MASTER_PORT store) accept connections from the whole
 network. For a run on one machine we pass the standalone settings explicitly with 127.0.0.1
 and make every store server the launcher creates listen on a socket bound to 127.0.0.1
-(``TCPStore(master_listen_fd=...)``).
+(``TCPStore(master_listen_fd=...)``). The workers' own gloo/NCCL sockets are put on the
+loopback interface (``loopback_interfaces``).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from collections.abc import Iterator
@@ -26,6 +28,19 @@ def standalone_args() -> list[str]:
     """torchrun flags equal to ``--standalone`` but on the loopback address."""
     return ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:0",
             f"--rdzv-id={uuid.uuid4()}", f"--local-addr={LOOPBACK}"]
+
+
+def loopback_interfaces(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for the workers of a one-machine run: gloo and NCCL open their pair
+    sockets on the interface the hostname resolves to (a LAN address on most machines)
+    unless told otherwise, so they are told the loopback interface. A value the user set
+    is kept."""
+    environ = os.environ if environ is None else environ
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if not names:
+        return {}
+    return {key: names[0] for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+            if key not in environ}
 
 
 def loopback_listener(port: int) -> socket.socket:

@@ -263,9 +263,9 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
             TensorInfo(_fit_shape(s1, s2, b1, b2), dtype)
             for s1, s2, dtype in zip(o1.shapes, o2.shapes, o1.dtypes)
         ]
-        meta.out_bytes = Affine.fit(b1, o1.out_bytes, b2, o2.out_bytes)
-        meta.matmul_flops = Affine.fit(b1, o1.matmul_flops, b2, o2.matmul_flops)
-        meta.elementwise_flops = Affine.fit(b1, o1.elementwise_flops, b2, o2.elementwise_flops)
+        meta.out_bytes = _fit_count(b1, o1.out_bytes, b2, o2.out_bytes)
+        meta.matmul_flops = _fit_count(b1, o1.matmul_flops, b2, o2.matmul_flops)
+        meta.elementwise_flops = _fit_count(b1, o1.elementwise_flops, b2, o2.elementwise_flops)
     for node in gm.graph.nodes:
         # Activations read, not weights: an embedding reads a few rows of its table, and a
         # matmul is compute-bound anyway. (fx's module calls never see their weights as
@@ -273,6 +273,18 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
         meta = info(node)
         meta.in_bytes = sum((info(i).out_bytes for i in node.all_input_nodes
                              if i.op != "get_attr"), Affine())
+
+
+def _fit_count(b1: int, v1: float, b2: int, v2: float) -> Affine:
+    """A byte or FLOP count as ``const + per_sample * b``. A count that grows faster than the
+    batch (a batch x batch product: ``c * b**2``) fits a negative ``const``, so the line would
+    go below zero for small micro-batches (negative bytes on a link); it becomes the line
+    through zero and the example's count instead, ``c * b1 * b``: exact at the example's
+    batch ``b1`` and above the true count for every micro-batch size up to it."""
+    fitted = Affine.fit(b1, v1, b2, v2)
+    if fitted.const < 0:
+        return Affine(0.0, v1 / b1)
+    return fitted
 
 
 def _form(seen: dict[fx.Node, _Observed], node: Any

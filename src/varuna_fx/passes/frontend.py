@@ -32,6 +32,7 @@ from .annotate_backward import annotate_backward
 from .annotate_shapes import annotate_shapes
 from .manager import CompileState, Pass, run_passes
 from .mark_replicable import mark_replicable
+from .sample_mixing import mark_sample_mixing
 from .specialize_sizes import specialize_sizes
 
 
@@ -52,6 +53,8 @@ FRONT_PASSES: tuple[Pass, ...] = (
          "names", lambda s: annotate_backward(s.gm, s["canonical"])),
     Pass("mark_replicable", "cheap input/constant-derived nodes are copied into every stage "
          "that needs them, never sent", lambda s: mark_replicable(s.gm)),
+    Pass("mark_sample_mixing", "nodes whose result micro-batching changes (statistics over the "
+         "batch, batch x batch products) say why", lambda s: mark_sample_mixing(s.gm, s.model)),
 )
 
 # The model is captured afresh on every compile and the cache key is what that capture produced

@@ -29,7 +29,6 @@ ignored and rewritten, never an error. ``VARUNA_FX_GRAPH_CACHE=0`` turns the cac
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 from collections import Counter
@@ -41,9 +40,9 @@ import torch.fx as fx
 from torch import nn
 
 from ..capture.inputs import BoundInputs
-from ..world.files import cache_dir, write_atomically
+from ..world.files import cache_dir, sealed, unsealed, write_atomically
 
-FORMAT = 1
+FORMAT = 2  # 2: sealed with a digest of the content (world/files.sealed)
 MAX_ENTRIES = 64
 # what happened in this process (tests and benchmarks read it): hit, miss, write, uncacheable,
 # ignored (a file that could not be used)
@@ -98,7 +97,7 @@ def load(key: str, names: list[str]) -> list[Any] | None:
         stats["miss"] += 1
         return None
     try:
-        entry = json.loads(text)
+        entry = unsealed(text)
         if entry["format"] != FORMAT or entry["key"] != key or entry["nodes"] != names or \
                 len(entry["observed"]) != len(names):
             raise ValueError("another graph")
@@ -116,7 +115,7 @@ def store(key: str, names: list[str], observed: list[Any]) -> None:
     saves time."""
     directory = cache_dir("graphs")
     try:
-        write_atomically(directory, f"{key}.json", json.dumps(
+        write_atomically(directory, f"{key}.json", sealed(
             {"format": FORMAT, "key": key, "nodes": names, "observed": observed}))
         stats["write"] += 1
         _prune(directory)

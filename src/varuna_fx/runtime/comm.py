@@ -41,7 +41,13 @@ def launch(start: Callable[[], Any], who: str, what: str | Callable[[], str]) ->
     try:
         return start()
     except RuntimeError as exc:
-        raise peer_error(exc, 0.0, who, what) from exc
+        text = what() if callable(what) else what
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PeerTimeoutError(
+            f"{who} could not start {text}: the connection to its peers is broken (a peer "
+            "crashed or exited, or an earlier wait timed out, which leaves the process group "
+            "unusable). A longer timeout will not help: restart the job (under "
+            f"'varuna-fx run --elastic' the agents restart the workers) ({detail})") from exc
 
 
 def peer_error(exc: BaseException, waited: float, who: str,

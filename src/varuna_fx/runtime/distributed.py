@@ -33,6 +33,7 @@ from ..capture.captured import Captured
 from ..capture.inputs import BoundInputs
 from ..codegen import Stage
 from ..codegen.modes import Modes, capture_if_changed, evaluation_stages, modes_set, module_modes
+from ..errors import DistributedError, PeerTimeoutError
 from ..ir.nodes import info
 from ..planner.plan import Plan
 from ..schedule import validate
@@ -92,6 +93,24 @@ class DistributedRuntime(StepLoop):
         self._other: tuple[list[Stage], StageExecutor] | None = None  # another mode's stages
         # eval mode's stages, made at compile while this rank held every parameter (codegen/modes.py)
         self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
+
+    # A wait that timed out or lost its peer leaves the process group unusable: every later
+    # step would fail at once with a message about timeouts. It says so instead.
+    broken: PeerTimeoutError | None = None
+
+    def step(self, inputs: dict[str, torch.Tensor], target: Any = None,
+             flags: Sequence[bool | Callable[[], bool]] = ()) -> torch.Tensor:
+        if self.broken is not None:
+            raise DistributedError(
+                f"{self.who} cannot step: an earlier step failed talking to its peers "
+                f"({self.broken}), which leaves the process group unusable. Restart the job "
+                "(under 'varuna-fx run --elastic' the agents restart the workers) and resume "
+                "from the last checkpoint")
+        try:
+            return super().step(inputs, target, flags)
+        except PeerTimeoutError as exc:
+            self.broken = exc
+            raise
 
     # -- step-loop hooks -----------------------------------------------------------------------
 

@@ -27,8 +27,10 @@ import torch
 from torch import nn
 
 from ..codegen import Stage
+from ..passes.sample_mixing import warn_sample_mixing
 from ..planner.plan import Plan
 from .batching import micro_batch_loss, split_batch, split_target
+from .loss_fn_mixing import loss_fn_findings
 from .loss_weights import MeanLoss, warn_uneven_ignored_targets
 from .precision import LossScaler
 
@@ -85,6 +87,7 @@ class StepLoop:
     # -100): micro-batches are weighted by their counts (runtime/loss_weights.py)
     mean_loss: MeanLoss | None = None
     _warned_ignored = False  # a loss_fn's targets with uneven -100 counts: warned once
+    _judged_loss_fn = False  # whether the loss_fn was checked for mixing samples (first step)
 
     @property
     def random(self) -> bool:
@@ -112,7 +115,12 @@ class StepLoop:
             target_i = targets[i]
             if self.device is not None and isinstance(target_i, torch.Tensor):
                 target_i = target_i.to(self.device)
-            losses[i], scaled = micro_batch_loss(self.assemble(outputs), self.loss_fn,
+            output = self.assemble(outputs)
+            if self.loss_fn is not None and not self._judged_loss_fn:
+                self._judged_loss_fn = True
+                warn_sample_mixing("loss_fn", loss_fn_findings(self.loss_fn, output, target_i, b),
+                                   m, stacklevel=6)
+            losses[i], scaled = micro_batch_loss(output, self.loss_fn,
                                                  target_i, m, self.autocast, self.scaler.scale,
                                                  None if weights is None else weights[i])
             return scaled

@@ -3,9 +3,12 @@ written whole or not at all."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 CACHE_ENV = "VARUNA_FX_CACHE_DIR"  # the root of every on-disk cache
 # The profiles folder itself, as docs/API.md once documented it: still read, for profiles only,
@@ -36,3 +39,23 @@ def write_atomically(directory: Path, name: str, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def sealed(entry: dict[str, Any]) -> str:
+    """``entry`` as JSON with a digest of its content, so that a file edited or corrupted
+    after it was written is noticed by :func:`unsealed` (a cache must never serve something
+    other than what was computed for its key)."""
+    body = json.dumps(entry, sort_keys=True)
+    return json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "entry": entry})
+
+
+def unsealed(text: str) -> dict[str, Any]:
+    """The entry :func:`sealed` wrote; ``ValueError`` when the text is not such an entry or
+    its content no longer matches its digest."""
+    outer = json.loads(text)
+    if not isinstance(outer, dict) or not isinstance(outer.get("entry"), dict):
+        raise ValueError("not a sealed entry")
+    body = json.dumps(outer["entry"], sort_keys=True)
+    if hashlib.sha256(body.encode()).hexdigest() != outer.get("sha256"):
+        raise ValueError("content does not match its digest: edited or corrupted")
+    return outer["entry"]
