@@ -75,7 +75,7 @@ class DeadCode(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         unused = self.dead(x)  # noqa: F841
-        return self.b(self.a(x)).sum()
+        return self.b(self.a(x)).mean()
 
 
 def test_parameters_only_dead_code_reads_are_held() -> None:

@@ -24,8 +24,9 @@ from varuna_fx.ir.nodes import Affine, StageSpec, TensorInfo, Transfer, b
 from varuna_fx.runtime import executor as executor_module
 from varuna_fx.runtime.acks import release_keys
 from varuna_fx.runtime.executor import StageExecutor
-from varuna_fx.runtime.opportunistic import ENV, Cursor, rule_enabled, stash_peak
+from varuna_fx.runtime.opportunistic import ENV, rule_enabled
 from varuna_fx.schedule import Action, Kind, Schedule, build_schedule, peak_stash_counts
+from varuna_fx.schedule.cursor import Cursor, stash_peak
 from varuna_fx.schedule.placement import Placement
 
 CASES = [(name, P, m, rc) for name in ("varuna", "1f1b", "gpipe", "varuna-zb", "1f1b-zb")
@@ -119,7 +120,7 @@ def test_one_f_one_b_never_has_room_and_varuna_often_does() -> None:
 
 
 def _posting_order(me: int, acts: list[Action], spec: StageSpec) -> list[tuple]:
-    """The receives stage ``me`` posts, in order (as ``StageExecutor.expected``)."""
+    """The receives stage ``me`` posts, in order (as its lowered program's RECV ops)."""
     order = []
     for a in acts:
         if a.kind is Kind.F:
@@ -234,6 +235,9 @@ class _FakeInbox:
             msg = self._expected[self._next][1]
             self._posted[msg.key] = msg
             self._next += 1
+
+    def post(self, msg: object) -> None:  # the lowered program's RECV op
+        self._posted[msg.key] = msg  # type: ignore[attr-defined]
 
     def posted(self, key: tuple) -> bool:
         return key in self._posted
@@ -448,3 +452,47 @@ def test_ranks_disagreeing_on_the_rule_are_named(late_runs: dict) -> None:
     for r in late_runs[2]["disagree"]:
         assert r["error"] == "DistributedError"
         assert f"{ENV}=on" in r["message"] and f"{ENV}=off" in r["message"]
+
+
+def test_the_executor_issues_exactly_the_checked_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What is checked is what runs: the real executor loop's posts, computes and sends, with
+    forwards jumping, are the ops of ``schedule.walk`` over the lowered program the checker
+    proves (the same predicate deciding what landed), tensor by tensor in transfer order."""
+    from varuna_fx.schedule import OpKind, check_comms, walk
+
+    sched = build_schedule("varuna-zb", 3, 6, recompute=True)
+    issued: list[str] = []
+    monkeypatch.setattr(_FakeInbox, "post", lambda self, msg: (
+        issued.append(f"post {msg.kind} {msg.name} {msg.mb}"),
+        self._posted.__setitem__(msg.key, msg)))
+    real_run = StageExecutor.run
+
+    def recording_run(self: StageExecutor, *args: object) -> None:
+        self.outbox = types.SimpleNamespace(
+            send=lambda t, msg, proof: issued.append(f"send {msg.kind} {msg.name} {msg.mb}"),
+            release=lambda key: None)
+        worker_forward = self.worker.forward
+        self.worker.forward = lambda mb, *a: (issued.append(f"F{mb}"), worker_forward(mb, *a))[1]
+        real_run(self, *args)
+        recording.append(self)
+
+    recording: list[StageExecutor] = []
+    monkeypatch.setattr(StageExecutor, "run", recording_run)
+    calls, cursor, _ = _run_stage(sched, 1, set(range(6)), monkeypatch)
+    assert cursor.jumped, "the case exercises the rule"
+    ex = recording[0]
+    assert ex.lowered is not None
+    check_comms(ex.lowered, reorder=True, late=True)
+    program = ex.lowered.programs[1]
+    expected: list[str] = []
+    # stage 1 of _specs(3) takes h0 from stage 0 and sends h1 to stage 2
+    names = {OpKind.RECV_F: ("activation", "h0"), OpKind.RECV_B: ("gradient", "h1"),
+             OpKind.SEND_F: ("activation", "h1"), OpKind.SEND_B: ("gradient", "h0")}
+    for op in walk(program, True, True, lambda op: op.kind is OpKind.RECV_F):
+        if op.kind in names:
+            kind, value = names[op.kind]
+            verb = "post" if op.kind.name.startswith("RECV") else "send"
+            expected.append(f"{verb} {kind} {value} {op.mb}")
+        elif op.kind is OpKind.F:
+            expected.append(f"F{op.mb}")
+    assert issued == expected

@@ -9,7 +9,7 @@ It sits in passes/, below the planner, because the planner's ``analyze`` shares 
 
 The cache (``_CAPTURES``) is keyed by the fresh capture's code, the called modules' settings,
 parameter and buffer identities, tensor constants and modes, so a hit equals a fresh compile;
-capture itself runs on every compile, passes 2-5 once per captured graph, and passes 6-8 on
+capture itself runs on every compile, passes 2-6 once per captured graph, and passes 7-9 on
 ``ir.copy_graph_module(captured.gm)`` (nodes carrying copies of their annotations), so
 compiling the same model at P=4 leaves an earlier P=2 pipeline's graphs untouched. The profiler
 hands ``split_stages`` a chunk map instead of rewriting stage annotations. With the on-disk

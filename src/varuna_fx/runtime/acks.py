@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from ..ir.nodes import StageSpec
 from ..schedule import Action, Kind
-from .opportunistic import release_kind, stash_peak
+from ..schedule.cursor import release_kind, stash_peak
 
 Key = tuple[str, str, int, int]  # (kind, value name, peer stage, micro-batch), as Message.key
 

@@ -36,7 +36,7 @@ from ..codegen.modes import Modes, capture_if_changed, evaluation_stages, modes_
 from ..errors import DistributedError, PeerTimeoutError
 from ..ir.nodes import info
 from ..planner.plan import Plan
-from ..schedule import validate
+from ..schedule import Op, OpKind, validate
 from ..schedule.placement import Placement, check_world_size
 from ..world.where import comm_device, init_process_group, resolve_timeout
 from . import preemption
@@ -68,7 +68,7 @@ class DistributedRuntime(StepLoop):
                  groups: Groups, grad_sync: GradSync, *, assemble: Callable[[dict], Any],
                  loss_fn: Any, precision: str, timeout: float, device: torch.device,
                  input_shapes: dict[str, Any], offload_stash: bool,
-                 reorder: bool = False) -> None:
+                 reorder: bool = False, tied_holders: Sequence[tuple[int, ...]] = ()) -> None:
         self.stages, self.plan, self.placement, self.rank = stages, plan, placement, rank
         self.stage, self.replica = placement.coords(rank)
         self.stage_index, self.replica_index = self.stage, self.replica
@@ -89,7 +89,11 @@ class DistributedRuntime(StepLoop):
         validate(plan.schedule)
         self.executor.split = plan.schedule.split_backward
         self.executor.reorder = reorder  # Varuna's run-time rule (opportunistic.py)
+        self.executor.tied = list(tied_holders)
         self.per_stage = plan.schedule.per_stage
+        # the program every rank runs, proved against NCCL's rules before any message (the
+        # one check of the NCCL path possible without GPUs; cheap: milliseconds at P=8, m=16)
+        self.executor.program(self.per_stage)
         self._other: tuple[list[Stage], StageExecutor] | None = None  # another mode's stages
         # eval mode's stages, made at compile while this rank held every parameter (codegen/modes.py)
         self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
@@ -126,12 +130,31 @@ class DistributedRuntime(StepLoop):
         self.worker.seed = seed
 
     def run_actions(self, micro: list[dict[str, torch.Tensor]], loss_of: LossOf) -> None:
+        """The lowered program, its tail included: right after this stage's last backward the
+        tied sums and the data-parallel average start, then the sends and those reductions are
+        waited for; the loss all-reduce that closes the tail is :meth:`finish`'s."""
         self.grad_sync.before_step()
-        self.executor.run(self.per_stage, micro, loss_of if self.is_last else None)
-        pending = self.grad_sync.start()  # right after this stage's last backward
-        self.executor.outbox.drain()
-        for reduction in pending:
-            reduction.finish()
+        pending: list[Any] = []
+        tied = iter(range(len(self.grad_sync.tied)))
+        closed = False
+
+        def tail(op: Op) -> None:
+            nonlocal pending, closed
+            if op.kind is OpKind.ALLREDUCE and op.group.startswith("tied:"):
+                pending.append(self.grad_sync.start_tied(next(tied)))
+            elif op.kind is OpKind.ALLREDUCE and op.group.startswith("dp:"):
+                pending += self.grad_sync.start_data_parallel()
+            elif op.kind is OpKind.WAIT_SENDS:
+                self.executor.outbox.drain()
+            elif op.kind is OpKind.WAIT_REDUCE and not closed:
+                for reduction in pending:
+                    reduction.finish()
+                pending = []
+            else:  # ALLREDUCE(world) and its wait: finish() makes them, after the step's work
+                closed = True
+
+        self.executor.run(self.per_stage, micro, loss_of if self.is_last else None, tail)
+        assert next(tied, None) is None and closed, "the tail covers every reduction"
 
     def finish(self, losses: list[torch.Tensor], flags: Sequence[bool]
                ) -> tuple[torch.Tensor, tuple[bool, ...]]:
@@ -241,7 +264,7 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     runtime = DistributedRuntime(
         stages, plan, placement, rank, groups, sync, assemble=assemble, loss_fn=loss_fn,
         precision=precision, timeout=seconds, device=device, input_shapes=shapes,
-        offload_stash=offload_stash, reorder=reorder,
+        offload_stash=offload_stash, reorder=reorder, tied_holders=list(tied),
     )
     runtime.other_modes[eval_mode[0]] = eval_mode[1]
     return runtime

@@ -47,18 +47,25 @@ class GradSync:
                 p.grad.zero_()
 
     def start(self) -> list[AllReduce]:
-        """Launch every reduction of this stage's gradients (asynchronous)."""
-        pending = []
-        for params, group in self.tied:
-            pending.append(AllReduce(_grads(params), group, divide=self.replicas,
-                                     timeout=self.timeout, who=self.who,
-                                     what=f"the tied-parameter gradient sum {_ranks(group)}"))
-        if self.groups.data_parallel is not None and self.plain:
-            pending.append(AllReduce(_grads(self.plain), self.groups.data_parallel,
-                                     divide=self.replicas, timeout=self.timeout, who=self.who,
-                                     what="the data-parallel gradient all-reduce "
-                                     f"{_ranks(self.groups.data_parallel)}"))
-        return pending
+        """Launch every reduction of this stage's gradients (asynchronous): the tied sums in
+        order, then the data-parallel average (the lowered program's tail, one op each)."""
+        pending = [self.start_tied(k) for k in range(len(self.tied))]
+        return pending + self.start_data_parallel()
+
+    def start_tied(self, k: int) -> AllReduce:
+        """Launch the sum of this rank's ``k``-th tied set (``ALLREDUCE(tied:...)``)."""
+        params, group = self.tied[k]
+        return AllReduce(_grads(params), group, divide=self.replicas, timeout=self.timeout,
+                         who=self.who, what=f"the tied-parameter gradient sum {_ranks(group)}")
+
+    def start_data_parallel(self) -> list[AllReduce]:
+        """Launch the data-parallel average (``ALLREDUCE(dp:<stage>)``), if there is one."""
+        if self.groups.data_parallel is None or not self.plain:
+            return []
+        return [AllReduce(_grads(self.plain), self.groups.data_parallel, divide=self.replicas,
+                          timeout=self.timeout, who=self.who,
+                          what="the data-parallel gradient all-reduce "
+                          f"{_ranks(self.groups.data_parallel)}")]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model, on every rank."""

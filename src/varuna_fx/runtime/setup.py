@@ -90,7 +90,9 @@ class Groups:
     pipeline: Any = None  # the P stages of my replica: loss and grad-norm reductions
     data_parallel: Any = None  # the D replicas of my stage: the gradient average
     tied: list[tuple[list[str], Any]] = field(default_factory=list)  # my tied sets
-    # (sending rank, receiving rank) -> the group that carries that direction's messages
+    # (sending stage, receiving stage) -> the group that carries that direction's messages
+    # (keyed by stages, not ranks: with several stages per rank, two stage links between one
+    # rank pair must not share a FIFO; schedule/nccl_check.py, layout "stage-direction")
     links: dict[tuple[int, int], Any] = field(default_factory=dict)
     created: list[Any] = field(default_factory=list)
 
@@ -106,7 +108,8 @@ def build_groups(placement: Placement, tied: dict[tuple[int, ...], list[str]],
     replicas, in one collective instead of two.
 
     ``links``: the (sending stage, receiving stage) pairs that exchange point-to-point
-    messages; each direction of each pair gets a two-rank group of its own per replica. NCCL
+    messages; each direction of each stage pair gets a two-rank group of its own per replica
+    (schedule/nccl_check.py checks every schedule against exactly this layout). NCCL
     runs a pair's sends and receives on one stream per communicator, in the order they are
     issued, while the executor posts receives ahead of its sends: on one shared communicator
     stage 0's posted receive of gradient 0 would sit ahead of its send of activation 2, which
@@ -141,7 +144,7 @@ def build_groups(placement: Placement, tied: dict[tuple[int, ...], list[str]],
             a, b = placement.rank(src, r), placement.rank(dst, r)
             g = make(sorted([a, b]))
             if r == replica and stage in (src, dst):
-                groups.links[(a, b)] = g
+                groups.links[(src, dst)] = g
     return groups
 
 

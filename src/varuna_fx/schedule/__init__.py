@@ -1,4 +1,6 @@
-"""Pipeline schedules: generate (Varuna, 1F1B, GPipe, and their split-backward variants), validate, simulate and draw them.
+"""Pipeline schedules: generate (Varuna, 1F1B, GPipe, and their split-backward variants), validate,
+simulate and draw them; lower them to explicit sends and receives (``lowering.py``) and check
+those against NCCL's rules (``nccl_check.py``).
 
 >>> from varuna_fx.schedule import build_schedule, simulate
 >>> sched = build_schedule("varuna", num_stages=4, num_micro_batches=8)
@@ -20,6 +22,19 @@ from varuna_fx.schedule.generators import (
     schedule_names,
     with_micro_batches,
 )
+from varuna_fx.schedule.lowering import (
+    LOOKAHEAD,
+    Link,
+    Lowered,
+    Op,
+    OpKind,
+    RankProgram,
+    chain_links,
+    lower,
+    lower_schedule,
+    walk,
+)
+from varuna_fx.schedule.nccl_check import CommRun, check_comms, check_schedule_comms
 from varuna_fx.schedule.render import gantt, text_grid
 from varuna_fx.schedule.schedule_costs import ScheduleCosts
 from varuna_fx.schedule.simulate import SimResult, analytic_bubble, simulate, simulate_costs
@@ -28,7 +43,14 @@ from varuna_fx.schedule.structure import peak_stash, peak_stash_counts
 from varuna_fx.schedule.validate import execution_order, validate
 
 __all__ = [
+    "LOOKAHEAD",
     "Action",
+    "CommRun",
+    "Link",
+    "Lowered",
+    "Op",
+    "OpKind",
+    "RankProgram",
     "Kind",
     "SCHEDULES",
     "Schedule",
@@ -37,6 +59,9 @@ __all__ = [
     "StepTiming",
     "analytic_bubble",
     "build_schedule",
+    "chain_links",
+    "check_comms",
+    "check_schedule_comms",
     "cheaper",
     "check_schedule_name",
     "clear_caches",
@@ -45,6 +70,8 @@ __all__ = [
     "gantt",
     "has_quick",
     "is_split",
+    "lower",
+    "lower_schedule",
     "peak_stash",
     "peak_stash_counts",
     "recompute_per_stage",
@@ -55,5 +82,6 @@ __all__ = [
     "simulate_step",
     "text_grid",
     "validate",
+    "walk",
     "with_micro_batches",
 ]
