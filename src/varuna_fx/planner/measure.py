@@ -15,7 +15,7 @@ Sizes: 1, 2, 4 ... 32 (capped by the example batch) and the example batch itself
 planner may run it as one micro-batch). For a split-backward schedule ``compile`` hands the
 profiler the runtime's own split (``runtime/split_backward.input_grads``; the planner sits below
 the runtime) and each chunk's input-gradient and weight passes are timed too (together 14-17%
-more than the fused backward on the bench GPT; ``tests/test_profile_split.py``). Per-node costs
+more than the fused backward on the bench GPT; ``tests/planner/test_profile_split.py``). Per-node costs
 spread each chunk's time in proportion to the estimates. Activation memory counts each distinct
 view autograd saves once (not the storages they view: whether a reshape is a view depends on
 the batch size, which no affine fit follows).

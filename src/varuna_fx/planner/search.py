@@ -40,7 +40,7 @@ simulated with the "quick" generator (three of the six rule variants, at most 2.
 438 measured finalists: it waits at ``e / (1 + QUICK_SLACK)``) and the link-queue bound cut
 hopeless deep pipelines on slow links (1024 GPUs, 8 GiB, 1 Gbit/s: minutes -> seconds); now
 about 1.0 s (``schedule="auto"``: about 4 s), choosing bit for bit what the plain search
-chooses (``tests/test_planner_fast_paths.py``).
+chooses (``tests/planner/test_fast_paths.py``).
 """
 
 from __future__ import annotations

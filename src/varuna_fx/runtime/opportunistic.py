@@ -7,7 +7,7 @@ The executor asks only when the head of the list is a backward ``B(i)`` or a rec
 (which exists only to feed ``B(i)``), ``B(i)``'s gradient has not arrived, and the next forward
 ``F(j)`` still to run (the paper's choice; never a later one) already has its inputs.
 
-Why this is safe (the tests in ``tests/test_opportunistic.py`` check each point):
+Why this is safe (the tests in ``tests/runtime/test_opportunistic.py`` check each point):
 
 * **No deadlock.** A forward runs ahead only when every value it takes has already arrived
   (stage 0's inputs are local), so taking them does not wait, and nothing in the opportunistic

@@ -42,7 +42,7 @@ mis-pair a gradient 3>2 with an activation 0>1 on one FIFO, so ``Groups.links`` 
 stage pair. Model limits: several communicators progress independently, which NCCL promises
 only while their kernels fit on the GPU together (NCCL's "using multiple communicators
 concurrently" caveat); the evaluation forward and ``clip_grad_norm_``'s pipeline all-reduce are
-not lowered. Tests: ``tests/test_nccl_order.py``.
+not lowered. Tests: ``tests/schedule/test_nccl_order.py``.
 """
 
 from __future__ import annotations
