@@ -31,7 +31,7 @@ from .planner.measure import ProfileSettings
 from .planner.plan import Plan
 from .planner.resolve import resolve_profile
 from .runtime.split_backward import input_grads
-from .schedule import is_split
+from .schedule import is_split, placement_style
 from .schedule.placement import Placement
 from .world.where import resolve_timeout
 
@@ -44,6 +44,7 @@ def compile(  # noqa: A001 - the public name in API.md
     loss_fn: Callable[..., torch.Tensor] | None = None,
     global_batch_size: int | None = None,
     stages: int | None = None,
+    stages_per_rank: int | None = 1,
     data_parallel: int | None = None,
     micro_batch_size: int | None = None,
     schedule: str = "varuna",
@@ -62,12 +63,15 @@ def compile(  # noqa: A001 - the public name in API.md
     every pass's graph to (default ``$VARUNA_FX_DUMP``; see ``passes/manager.py``).
     ``recompute``: True / False force it on every stage but the last; "auto" recomputes only
     on the stages whose activations would not fit otherwise (``plan.recompute`` says which).
+    ``stages_per_rank``: v stages on each rank (virtual stages: ``schedule="interleaved-1f1b"``
+    or ``"zbv"``); the world is then (stages / v) x D ranks. None: the schedule's default.
     """
     o = CompileOptions(
         cluster=cluster, loss_fn=loss_fn, global_batch_size=global_batch_size, stages=stages,
-        data_parallel=data_parallel, micro_batch_size=micro_batch_size, schedule=schedule,
-        recompute=recompute, tracer=tracer, offload_stash=offload_stash, precision=precision,
-        timeout=timeout, profile=profile, dump=dump)
+        stages_per_rank=stages_per_rank, data_parallel=data_parallel,
+        micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute, tracer=tracer,
+        offload_stash=offload_stash, precision=precision, timeout=timeout, profile=profile,
+        dump=dump)
     check_model(model, example_inputs, o.loss_fn)
     cluster = o.cluster or Cluster.local(timeout=resolve_timeout(o.timeout))
     where_to = dump_dir(o.dump)
@@ -88,6 +92,7 @@ def compile(  # noqa: A001 - the public name in API.md
             data_parallel=o.data_parallel, micro_batch_size=o.micro_batch_size,
             schedule=o.schedule, recompute=rc,
             profile=resolve_profile(captured.gm, bound, o.profile, settings, timeout=o.timeout),
+            stages_per_rank=o.stages_per_rank,
         )
 
     # a split-backward schedule is planned with its input-gradient and weight passes timed
@@ -112,7 +117,8 @@ def compile(  # noqa: A001 - the public name in API.md
         "setting": CostSetting(
             micro_batch_size=config.micro_batch_size,
             device=config.device or device_spec(cluster.device),
-            bandwidth=config.pipeline_bandwidth, memory_cap=cluster.gpu_memory,
+            bandwidth=config.pipeline_bandwidth,
+            memory_cap=cluster.gpu_memory / config.schedule.stages_per_rank,
             stash_counts=config.stash_counts, recompute=o.recompute,
             node_times=config.node_times,
         ),
@@ -135,7 +141,9 @@ def compile(  # noqa: A001 - the public name in API.md
         recompute=flags,
         stage_costs=tuple(stage_totals(state.gm, built, state["partition"], state["setting"],
                                       priced.stage_memory)),
-        bounds=bounds, placement=Placement(config.stages, config.data_parallel),
+        bounds=bounds, placement=Placement(config.stages, config.data_parallel,
+                                           priced.schedule.stages_per_rank,
+                                           placement_style(priced.schedule.name)),
         tied_parameters={k: v for k, v in holders.items() if len(v) > 1},
         predicted_step_time=priced.step_time, tracer=captured.tracer,
         model_name=type(model).__name__, alternatives=priced.alternatives,

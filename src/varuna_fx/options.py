@@ -38,6 +38,7 @@ class CompileOptions:
     loss_fn: Callable[..., Any] | None = None
     global_batch_size: int | None = None
     stages: int | None = None
+    stages_per_rank: int | None = 1  # None: the schedule's default (the planner checks it)
     data_parallel: int | None = None
     micro_batch_size: int | None = None
     schedule: str = "varuna"

@@ -40,6 +40,7 @@ def compile_job(job: dict[str, Any], share: int) -> vf.Pipeline:
     micro = job.get("micro_batch_size", {}).get(str(RANK), 2)  # per rank: to disagree
     return vf.compile(model, example_inputs=(tokens[0, :share, :-1],), loss_fn=lm_loss,
                       stages=job["P"], data_parallel=job.get("D"), micro_batch_size=micro,
+                      stages_per_rank=job.get("v", 1),
                       schedule=job.get("schedule", "varuna"),
                       recompute=job.get("recompute", "auto"),
                       precision=job.get("precision", "fp32"), timeout=job.get("timeout"))
@@ -99,6 +100,7 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
              for m in pipe.runtime.executor._messages.values()]
     logits = pipe(tokens[0, lo:lo + share, :-1])  # evaluation: every rank gets the output
     result = {"losses": losses, "norms": norms, "params": params, "stage": pipe.stage_index,
+              "stages": list(pipe.local_stages),
               "replica": pipe.replica_index, "tied": pipe.plan.tied_parameters,
               "logits": logits, "rows": (lo, lo + share), "jumped": jumped, "held": held,
               "schedule": str(running), "rank": RANK, "links": links}

@@ -45,6 +45,8 @@ class StagePlan:
     # the split backward's input-gradient and weight passes, when the profile measured them
     input_grad: np.ndarray | None = None
     weight_grad: np.ndarray | None = None
+    # per weight held by several stages: (its gradient bytes, the stages holding a copy)
+    shared_holders: tuple[tuple[float, tuple[int, ...]], ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -322,10 +324,13 @@ class Balancer:
         copies = self.model.copies(starts, ends)
         grads = per_stage(u.grads)
         shared_grads = 0.0
+        holders = []
         for item, held_by in zip(self.model.shared, copies):
             grads[held_by] += item.grad
             if held_by.any():
                 shared_grads += item.grad
+                first = int(np.searchsorted(starts, item.nodes[0], side="right") - 1)
+                holders.append((item.grad, tuple(sorted({first, *np.flatnonzero(held_by)}))))
         cut = np.asarray(self.cut)
         reseed = u.reseed * np.logical_or.reduceat(u.random, starts)  # per action, see costs
         return StagePlan(
@@ -342,4 +347,5 @@ class Balancer:
             workspace=self.model.workspace(starts, ends),
             input_grad=None if u.input_grad is None else per_stage(u.input_grad),
             weight_grad=None if u.weight_grad is None else per_stage(u.weight_grad),
+            shared_holders=tuple((g, tuple(int(x) for x in h)) for g, h in holders),
         )

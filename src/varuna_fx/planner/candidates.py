@@ -11,6 +11,7 @@ from functools import lru_cache
 from ..schedule import (
     check_schedule_name,
     schedule_names,
+    virtual_names,
 )
 from .balance import StagePlan
 from .plan import Alternative
@@ -112,8 +113,9 @@ _PREFERENCE = ("varuna", "1f1b", "gpipe", "varuna-zb", "1f1b-zb", "gpipe-zb")
 
 
 def schedule_choices() -> list[str]:
-    """What ``schedule=`` accepts: every schedule name, and "auto"."""
-    return [*schedule_names(), AUTO]
+    """What ``schedule=`` accepts: every schedule name (those running several stages per rank
+    included), and "auto"."""
+    return [*schedule_names(), *virtual_names(), AUTO]
 
 
 def considered_schedules(schedule: str) -> list[str]:

@@ -30,15 +30,22 @@ from ..costs.roofline import DeviceSpec, NodeTimes
 from ..errors import PartitionError, PlanError
 from ..passes.assign_stages import CostSetting, compute_nodes, partition_problem, record_stages
 from ..passes.partition import Partition, partition
-from ..schedule import Schedule, build_schedule, peak_stash_counts
+from ..schedule import (
+    Schedule,
+    build_schedule,
+    default_stages_per_rank,
+    is_virtual,
+    peak_stash_counts,
+)
 from ..world.where import running_world
-from .candidates import Candidate, Space
+from .candidates import AUTO, Candidate, Space
 from .cluster import Cluster
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .plan import Alternative
 from .profile import Profile
 from .search import Planner
+from .virtual import weigh as weigh_virtual
 
 
 @dataclass
@@ -92,22 +99,34 @@ def default_micro_batch_size(batch: int, stages: int) -> int:
 def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch: int,
                          global_batch_size: int | None, stages: int | None,
                          data_parallel: int | None, micro_batch_size: int | None,
-                         schedule: str, recompute: bool, profile: Profile | None = None
-                         ) -> Configuration:
+                         schedule: str, recompute: bool, profile: Profile | None = None,
+                         stages_per_rank: int | None = 1) -> Configuration:
     """``profile``: measured costs (``varuna_fx.planner.Profile``), or None for estimates.
-    ``schedule``: a name, or "auto" (the planner picks the fastest that fits, per candidate)."""
+    ``schedule``: a name, or "auto" (the planner picks the fastest that fits, per candidate).
+    ``stages_per_rank``: v, stages each rank runs (a virtual schedule: ``interleaved-1f1b``,
+    ``zbv``); None: that schedule's default."""
+    v = check_stages_per_rank(schedule, stages_per_rank)
     if stages is not None:  # before any schedule is built: 10**6 stages would take minutes
         operations = len(compute_nodes(gm))
         if stages > operations:
             raise PartitionError(f"stages={stages} is more than the {operations} operations of "
                                  f"the model: use at most {operations} stages")
     planner = _planner(gm, cluster, schedule, recompute, profile)
+    planner.stages_per_rank = v
+    planner.memory_cap /= v  # a rank holds v stages (each checked at its share)
     alternatives: list[Alternative] = []
     world = running_world()
+    if v > 1:  # virtual stages: P given (or v per rank), D from the ranks
+        ranks = (world or cluster.gpus) // (data_parallel or 1)
+        stages = stages or v * max(1, ranks)
+        if stages % v:
+            raise PlanError(f"stages={stages} is not a multiple of stages_per_rank={v}: each "
+                            f"rank runs {v} stages; choose stages= a multiple of {v}")
+        data_parallel = data_parallel or max(1, (world or cluster.gpus) // (stages // v))
     # explicit values that cannot match the running ranks: the runtime says what to launch
     mismatch = world is not None and stages is not None and (
         world % stages != 0 or (data_parallel is not None and stages * data_parallel != world))
-    if stages is not None and (cluster.gpus == 1 or mismatch):  # nothing to search
+    if stages is not None and (cluster.gpus == 1 or mismatch or v > 1):  # nothing to search
         p, d = stages, data_parallel or max(1, cluster.gpus // stages)
         batch = replica_batch(example_batch, global_batch_size, d)
         b = micro_batch_size or default_micro_batch_size(batch, p)
@@ -122,6 +141,8 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
         best = result.best
         p, d, b, name = best.stages, best.data_parallel, best.micro_batch_size, best.schedule
         alternatives = result.alternatives
+        if stages_per_rank is None and schedule == AUTO:  # the planner chooses v too
+            p, name, v, alternatives = _weigh_virtual(planner, best, alternatives)
     m = replica_batch(example_batch, global_batch_size, d) // b
     net = planner.links(p, d)
     sched, counts = planner.built(p, m, name)  # the chosen schedule (schedule="auto")
@@ -131,6 +152,40 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
         stash_counts=tuple(counts), schedule=sched, planner=planner, alternatives=alternatives,
         device=planner.spec, node_times=planner.table.measured,
     )
+
+
+def _weigh_virtual(planner: Planner, best: Candidate, rows: list[Alternative]
+                   ) -> tuple[int, str, int, list[Alternative]]:
+    """(stages, schedule, v, the rows) after weighing virtual stages on ``best``'s ranks
+    (``virtual.py``): one that simulates faster is chosen; each becomes a row."""
+    pick, stages, name, v = best, best.stages, best.schedule, 1
+    found = weigh_virtual(planner, best)
+    for c, sched in found:
+        if c.step_time < pick.step_time:
+            pick, stages, name, v = c, c.stages, c.schedule, sched.stages_per_rank
+    planner.stages_per_rank = v
+    planner.memory_cap /= v
+    rows = [dataclasses.replace(a, chosen=False) if a.chosen and pick is not best else a
+            for a in rows] + [c.alternative(c is pick) for c, _ in found]
+    return stages, name, v, sorted(rows, key=lambda a: a.step_time)
+
+
+def check_stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
+    """v for ``schedule``: a virtual schedule runs at least 2 stages per rank, the others one."""
+    if stages_per_rank is None:
+        return default_stages_per_rank(schedule)
+    if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) \
+            or stages_per_rank < 1:
+        raise PlanError(f"stages_per_rank={stages_per_rank!r}: give a positive number of "
+                        "stages per rank (1: one stage per rank)")
+    if is_virtual(schedule) and stages_per_rank < 2:
+        raise PlanError(f"schedule={schedule!r} runs several stages per rank: pass "
+                        f"stages_per_rank={default_stages_per_rank(schedule)} (or more for "
+                        "interleaved-1f1b), or choose a schedule for one stage per rank")
+    if not is_virtual(schedule) and stages_per_rank > 1:
+        raise PlanError(f"stages_per_rank={stages_per_rank} needs a schedule that runs several "
+                        "stages per rank: schedule='interleaved-1f1b' or 'zbv'")
+    return stages_per_rank
 
 
 def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: str, recompute: bool,
@@ -159,14 +214,15 @@ def price(config: Configuration, bounds: tuple[int, ...],
     b, p, m = config.micro_batch_size, config.stages, config.num_micro_batches
     units = planner.table.unit_arrays(b, planner.spec, positions=list(bounds))
     balancer = planner.balancer_for(units, p)
-    c = Candidate(p, config.data_parallel, b, m)
+    c = Candidate(p, config.data_parallel, b, m, schedule=config.schedule.name)
     c.plan = balancer.stage_plan(list(range(p + 1)))
     # the search ordered schedules with unit costs (cached per P, m); the plan's schedule is
     # generated from this partition's own times (Varuna's order, split backward's W placement)
     # ``recompute``: the partition's per-stage choice (default: the planner's one setting)
     base = config.schedule
     rc = base.recompute if recompute is None else recompute
-    sched = build_schedule(base.name, p, m, rc, planner.schedule_costs(c, rc))
+    sched = build_schedule(base.name, p, m, rc, planner.schedule_costs(c, rc),
+                           stages_per_rank=base.stages_per_rank if base.is_virtual else None)
     counts = peak_stash_counts(sched)
     step = planner.simulated(c, sched, rc)
     c.memory = tuple(float(x) for x in c.plan.memory(counts, rc))

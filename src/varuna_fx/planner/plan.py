@@ -85,6 +85,11 @@ class Plan:
         return self.micro_batch_size * self.num_micro_batches * self.data_parallel
 
     @property
+    def stages_per_rank(self) -> int:
+        """v: the stages each rank runs (1 but with a virtual schedule)."""
+        return self.placement.stages_per_rank if self.placement is not None else 1
+
+    @property
     def balance(self) -> float:
         """max / mean stage time: 1.0 is perfect balance."""
         times = [s.time for s in self.stage_costs]
@@ -94,7 +99,9 @@ class Plan:
         step = (f", predicted step {self.predicted_step_time * 1e3:.2f} ms"
                 if self.predicted_step_time is not None else "")
         table = Table(title=(
-            f"{self.model_name}: P={self.stages} x D={self.data_parallel}, micro-batch "
+            f"{self.model_name}: P={self.stages}"
+            f"{f' ({self.stages_per_rank} per rank)' if self.stages_per_rank > 1 else ''}"
+            f" x D={self.data_parallel}, micro-batch "
             f"{self.micro_batch_size} x {self.num_micro_batches}, schedule {self.schedule.name}"
             f"{_recompute_note(self.recompute)}{step}"
         ))

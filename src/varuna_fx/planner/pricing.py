@@ -18,6 +18,7 @@ from ..schedule import (
     depends_on_costs,
     has_quick,
     is_split,
+    is_virtual,
     peak_stash_counts,
     simulate,
     simulate_step,
@@ -28,6 +29,7 @@ from .candidates import Candidate, considered_schedules, weight_grads
 from .cluster import Cluster
 from .cost_table import CostTable, UnitArrays
 from .network import Links, links
+from .virtual import rank_allreduce, rank_links
 
 
 class Pricing:
@@ -45,6 +47,9 @@ class Pricing:
         self.recompute = recompute
         self.network = network
         self.memory_cap = float(cluster.gpu_memory)
+        # v of a virtual schedule (several stages per rank; None: its default), set by
+        # ``configure`` before anything is built
+        self.stages_per_rank: int | None = None
         self._balancers: dict[int, Balancer] = {}
         self._plans: dict[tuple[int, int, tuple[int, ...], float], StagePlan | None] = {}
         self._schedules: dict[tuple[str, int, int], tuple[Schedule, list[int]]] = {}
@@ -86,7 +91,9 @@ class Pricing:
         name = schedule or self.schedules[0]
         key = (name, stages, micro_batches)
         if key not in self._schedules:
-            sched = build_schedule(name, stages, micro_batches, self.recompute)
+            sched = build_schedule(name, stages, micro_batches, self.recompute,
+                                   stages_per_rank=self.stages_per_rank if is_virtual(name)
+                                   else None)
             self._schedules[key] = (sched, peak_stash_counts(sched))
         return self._schedules[key]
 
@@ -198,6 +205,8 @@ class Pricing:
         plan = c.plan
         assert plan is not None
         net = self.links(c.stages, c.data_parallel)
+        if sched.is_virtual:  # stages on fewer ranks: links and reductions per rank
+            net = rank_links(self.links(sched.num_ranks, c.data_parallel), sched)
         backward, weight = self.backward_costs(plan, sched.name)
         # an order made for this candidate is timed once: no compiled simulation (the cached
         # cost-free ones, timed for many candidates, keep theirs); the same floats either way
@@ -207,7 +216,8 @@ class Pricing:
             recompute=plan.recompute, send_bytes=plan.send_bytes, latency=net.latency,
             bandwidth=net.bandwidths if c.stages > 1 else math.inf, weight_grad=weight,
         )
-        c.allreduce_time = self.allreduce(c)
+        c.allreduce_time = self.allreduce(c) if not sched.is_virtual else \
+            rank_allreduce(net, plan, sched, c.data_parallel)
         c.bubble = sim.bubble_fraction
         c.step_time = sim.step_time + c.allreduce_time
         return c.step_time

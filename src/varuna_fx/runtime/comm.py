@@ -79,10 +79,13 @@ class Message:
     shape: tuple[int, ...]
     dtype: torch.dtype
     group: Any = field(default=None, compare=False, repr=False)  # None: the default group
+    # the stage on this rank that sends or receives it (a rank may run several stages, and two
+    # of them may receive one value from one peer)
+    stage: int = -1
 
     @property
-    def key(self) -> tuple[str, str, int, int]:
-        return self.kind, self.name, self.peer_stage, self.mb
+    def key(self) -> tuple[str, str, int, int, int]:
+        return self.kind, self.name, self.peer_stage, self.mb, self.stage
 
     def describe(self, direction: str = "from") -> str:
         return (f"the {self.kind} {self.name!r} of micro-batch {self.mb} {direction} stage "

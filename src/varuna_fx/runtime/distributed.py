@@ -1,4 +1,5 @@
-"""Distributed runtime: this process runs one stage of one data-parallel replica.
+"""Distributed runtime: this process runs one stage of one data-parallel replica (or, with
+virtual stages, the ``v`` stages ``plan.placement`` gives its rank).
 
 ``make_distributed_runtime`` joins the job (process group, same plan on every rank, groups) and
 keeps only this stage's parameters; the runtime's step is the shared loop (``step.py``), whose
@@ -72,18 +73,20 @@ class DistributedRuntime(StepLoop):
         self.stages, self.plan, self.placement, self.rank = stages, plan, placement, rank
         self.stage, self.replica = placement.coords(rank)
         self.stage_index, self.replica_index = self.stage, self.replica
-        self.local_stages = [self.stage]
+        self.local_stages = placement.stages_of(rank)
         self.groups, self.grad_sync = groups, grad_sync
         self.assemble, self.loss_fn = assemble, loss_fn
         self.timeout, self.device, self.input_shapes = timeout, device, input_shapes
-        self.who = f"stage {self.stage} (rank {rank})"
-        self.is_last = self.stage == plan.stages - 1
+        self.who = f"{stage_label(self.local_stages)} (rank {rank})"
+        last = plan.stages - 1
+        self.is_last = last in self.local_stages
         self.autocast = autocast_factory(precision, device.type)
         self.scaler = LossScaler(enabled=precision == "fp16")
-        self.worker = StageWorker(stages[self.stage], recompute=plan.recompute[self.stage],
-                                  is_last=self.is_last, offload_stash=offload_stash,
-                                  autocast=self.autocast)
-        self.executor = StageExecutor(self.worker, stages, placement, self.replica,
+        self.workers = [StageWorker(stages[s], recompute=plan.recompute[s], is_last=s == last,
+                                    offload_stash=offload_stash, autocast=self.autocast)
+                        for s in self.local_stages]
+        self.worker = self.workers[0]
+        self.executor = StageExecutor(self.workers, stages, placement, self.replica,
                                       plan.micro_batch_size, device, timeout, self.who,
                                       links=groups.links)
         validate(plan.schedule)
@@ -91,9 +94,11 @@ class DistributedRuntime(StepLoop):
         self.executor.reorder = reorder  # Varuna's run-time rule (opportunistic.py)
         self.executor.tied = list(tied_holders)
         self.per_stage = plan.schedule.per_stage
+        # virtual stages: each rank's order of its stages' actions (None: per_stage)
+        self.rank_lists = plan.schedule.rank_lists
         # the program every rank runs, proved against NCCL's rules before any message (the
         # one check of the NCCL path possible without GPUs; cheap: milliseconds at P=8, m=16)
-        self.executor.program(self.per_stage)
+        self.executor.program(self.per_stage, self.rank_lists)
         self._other: tuple[list[Stage], StageExecutor] | None = None  # another mode's stages
         # eval mode's stages, made at compile while this rank held every parameter (codegen/modes.py)
         self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
@@ -127,7 +132,8 @@ class DistributedRuntime(StepLoop):
         return {k: v.to(self.device) for k, v in inputs.items()}
 
     def set_seed(self, seed: int) -> None:
-        self.worker.seed = seed
+        for worker in self.workers:
+            worker.seed = seed
 
     def run_actions(self, micro: list[dict[str, torch.Tensor]], loss_of: LossOf) -> None:
         """The lowered program, its tail included: right after this stage's last backward the
@@ -153,7 +159,8 @@ class DistributedRuntime(StepLoop):
             else:  # ALLREDUCE(world) and its wait: finish() makes them, after the step's work
                 closed = True
 
-        self.executor.run(self.per_stage, micro, loss_of if self.is_last else None, tail)
+        self.executor.run(self.per_stage, micro, loss_of if self.is_last else None, tail,
+                          self.rank_lists)
         assert next(tied, None) is None and closed, "the tail covers every reduction"
 
     def finish(self, losses: list[torch.Tensor], flags: Sequence[bool]
@@ -206,9 +213,10 @@ class DistributedRuntime(StepLoop):
 
     def _executor_for(self, stages: list[Stage]) -> StageExecutor:
         if self._other is None or self._other[0] is not stages:
-            worker = StageWorker(stages[self.stage], recompute=False, is_last=self.is_last,
-                                 autocast=self.autocast)
-            self._other = (stages, StageExecutor(worker, stages, self.placement, self.replica,
+            last = self.plan.stages - 1
+            workers = [StageWorker(stages[s], recompute=False, is_last=s == last,
+                                   autocast=self.autocast) for s in self.local_stages]
+            self._other = (stages, StageExecutor(workers, stages, self.placement, self.replica,
                                                  self.plan.micro_batch_size, self.device,
                                                  self.timeout, self.who,
                                                  links=self.groups.links))
@@ -238,36 +246,46 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     rank, world = dist.get_rank(), dist.get_world_size()
     # Varuna's run-time rule: on NCCL (receives can be polled) unless the environment says;
     # every rank must agree, since it changes which message proves a send delivered (acks.py)
-    reorder = rule_enabled(dist.get_backend())
+    # (not with virtual stages: the rule's stash bound and send proofs are one stage's)
+    reorder = rule_enabled(dist.get_backend()) and plan.stages_per_rank == 1
     runtime_text = f" opportunistic forwards ${RULE_ENV}={'on' if reorder else 'off'}"
     verify_same_plan(plan, plan_fingerprint(plan, stages, precision, runtime_text), seconds,
                      runtime_text)
-    check_world_size(world, plan.stages, plan.data_parallel)
+    check_world_size(world, plan.stages, plan.data_parallel, plan.stages_per_rank)
     placement = plan.placement or Placement(plan.stages, plan.data_parallel)
     stage, replica = placement.coords(rank)
+    local = placement.stages_of(rank)
     device = comm_device() if torch.cuda.is_available() else torch.device("cpu")
     tied = tied_sets(plan, model, canonical)
     links = message_links(stages, eval_mode[1][1] if eval_mode[1] is not None else None)
-    groups = build_groups(placement, tied, stage, replica, seconds, links)
+    groups = build_groups(placement, tied, local, replica, seconds, links)
     # stage 0 also keeps what forward never reads, so no rank loses those weights
-    keep = unread_tensors(model, layout) if stage == 0 else []
-    release_unheld(model, stages[stage], device, keep=keep)
+    keep = unread_tensors(model, layout) if 0 in local else []
+    release_unheld(model, [stages[s] for s in local], device, keep=keep)
     preemption.install_handlers()  # under torchrun: SIGTERM/SIGUSR1 -> pipe.preempted
 
-    held, buffers = held_tensors(model, layout.held_names(canonical, stages, [stage]))
-    who = f"stage {stage} (rank {rank})"
+    held, buffers = held_tensors(model, layout.held_names(canonical, stages, local))
+    who = f"{stage_label(local)} (rank {rank})"
     broadcast_initial({**held, **buffers}, groups, placement, stage, seconds, who)
     trained = {n: p for n, p in held.items() if n not in layout.unread}  # unread: no gradient
-    sync = GradSync(trained, groups, plan.tied_parameters, stage, plan.data_parallel, seconds, who)
+    sync = GradSync(trained, groups, plan.tied_parameters, local, plan.data_parallel, seconds, who)
     shapes = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
               if n.op == "placeholder" and info(n).outputs}
     runtime = DistributedRuntime(
         stages, plan, placement, rank, groups, sync, assemble=assemble, loss_fn=loss_fn,
         precision=precision, timeout=seconds, device=device, input_shapes=shapes,
-        offload_stash=offload_stash, reorder=reorder, tied_holders=list(tied),
+        offload_stash=offload_stash, reorder=reorder,
+        # (a tied set all on one rank, D = 1, has no group: autograd sums its copies there)
+        tied_holders=[h for h in tied if len(placement.holder_ranks(list(h))) > 1],
     )
     runtime.other_modes[eval_mode[0]] = eval_mode[1]
     return runtime
+
+
+def stage_label(local: list[int]) -> str:
+    """How errors name this rank's work: "stage 2", or "stages 0, 3" (virtual stages)."""
+    return f"stage {local[0]}" if len(local) == 1 else \
+        "stages " + ", ".join(str(s) for s in local)
 
 
 def _eval_mode_stages(model: nn.Module, captured: Captured, stages: list[Stage],

@@ -1,7 +1,8 @@
 """One rank's pipeline work: its lowered program, op by op, with real messages.
 
-The program is ``schedule.lower`` of the schedule's action lists (``program``): this stage's
-compute actions with explicit sends and receives, receives posted ``LOOKAHEAD`` compute actions
+The program is ``schedule.lower`` of the schedule's action lists (``program``): this rank's
+compute actions (one stage's, or with virtual stages the rank's list interleaving its stages',
+one worker per stage) with explicit sends and receives, receives posted ``LOOKAHEAD`` compute actions
 ahead (so activations and gradients land while the rank still computes), sends right after the
 action that made the value (they never block the loop), and the step's tail. :func:`run` walks
 it with ``schedule.walk``, the walk ``schedule/nccl_check.py`` proves deadlock-free under NCCL's
@@ -9,7 +10,8 @@ rules (and ``DistributedRuntime`` checks this very program at start): what is ch
 runs. One send or receive op stands for every tensor of its link and micro-batch, put on the
 wire in transfer order on both ends. A value used by several later stages is sent to each
 directly (skip connections are not relayed), and the gradients coming back from several
-consumers are summed here, on the producer.
+consumers are summed here, on the producer. A value passed between two stages of this rank is
+handed over in memory (the lowering has no op for it).
 
 Tags: ``(mb * T + transfer) * 3 + kind`` with ``T`` transfers in the plan and kind 0
 (activation), 1 (gradient) or 2 (an evaluation forward), so gloo matches every message exactly;
@@ -76,26 +78,33 @@ def check_lowered(lowered: Lowered, reorder: bool) -> None:
 
 
 class StageExecutor:
-    def __init__(self, worker: StageWorker, stages: list[Stage], placement: Placement,
-                 replica: int, micro_batch_size: int, device: torch.device,
-                 timeout: float, who: str, links: dict[tuple[int, int], Any] | None = None
-                 ) -> None:
-        self.worker = worker
+    def __init__(self, worker: StageWorker | list[StageWorker], stages: list[Stage],
+                 placement: Placement, replica: int, micro_batch_size: int,
+                 device: torch.device, timeout: float, who: str,
+                 links: dict[tuple[int, int], Any] | None = None) -> None:
+        """``worker``: this rank's stage worker, or one per stage it runs (virtual stages)."""
+        listed = worker if isinstance(worker, list) else [worker]
+        self.workers = {w.spec.index: w for w in listed}
+        self.worker = listed[0]
+        self.local = frozenset(self.workers)  # the stages this rank runs
         # (sending stage, receiving stage) -> its direction's process group (setup.build_groups);
         # a direction not listed uses the default group
         self.links = links or {}
-        self.spec = worker.spec
+        self.spec = self.worker.spec
         self.placement, self.replica = placement, replica
         self.micro_batch_size = micro_batch_size
         self.device, self.timeout, self.who = device, timeout, who
         every = [t for s in stages for t in s.spec.sends]  # identical on every rank
         self._tid = {(t.name, t.src, t.dst): k for k, t in enumerate(every)}
         order = self._tid.__getitem__
-        # in transfer order on both ends of every link: the order messages go on the wire
-        self._sends = sorted(self.spec.sends, key=lambda t: order((t.name, t.src, t.dst)))
-        self._recvs = sorted(self.spec.recvs, key=lambda t: order((t.name, t.src, t.dst)))
-        self._grad_in = [t for t in self._sends if t.requires_grad]
-        self._grad_out = [t for t in self._recvs if t.requires_grad]
+        # per local stage, in transfer order on both ends of every link: the order messages go
+        # on the wire; the gradients its backward takes (_grad_in) and gives back (_grad_out)
+        self._sends = {s: sorted(w.spec.sends, key=lambda t: order((t.name, t.src, t.dst)))
+                       for s, w in self.workers.items()}
+        self._recvs = {s: sorted(w.spec.recvs, key=lambda t: order((t.name, t.src, t.dst)))
+                       for s, w in self.workers.items()}
+        self._grad_in = {s: [t for t in ts if t.requires_grad] for s, ts in self._sends.items()}
+        self._grad_out = {s: [t for t in ts if t.requires_grad] for s, ts in self._recvs.items()}
         # which stage sends to which (and whether a gradient comes back): the lowering's links
         grads: dict[tuple[int, int], bool] = {}
         for t in every:
@@ -109,7 +118,7 @@ class StageExecutor:
         self.lowered: Lowered | None = None
         self._messages: dict[tuple, Message] = {}
         self._specs = [s.spec for s in stages]
-        self._proof_cache: dict[tuple, dict[tuple, tuple | None]] = {}
+        self._proof_cache: dict[tuple, dict[int, dict[tuple, tuple | None]]] = {}
         self.outbox = Outbox(timeout, who)
         self.split = False  # split-backward schedule: B computes input gradients only
         # set to a list to record (what, micro-batch, start, wall seconds, CPU seconds) of
@@ -135,28 +144,37 @@ class StageExecutor:
         return found
 
     def _make_message(self, t: Transfer, mb: int, kind: int, batch: int | None) -> Message:
-        peer = t.src if t.dst == self.spec.index else t.dst
+        mine, peer = (t.dst, t.src) if t.dst in self.local else (t.src, t.dst)
         tag = (mb * len(self._tid) + self._tid[(t.name, t.src, t.dst)]) * 3 + kind
         direction = (t.dst, t.src) if kind == GRADIENT else (t.src, t.dst)  # sending stage first
         return Message(
             kind="gradient" if kind == GRADIENT else "activation", name=t.name,
             peer_stage=peer, peer_rank=self.placement.rank(peer, self.replica), mb=mb, tag=tag,
             shape=t.tensor.concrete_shape(batch or self.micro_batch_size), dtype=t.tensor.dtype,
-            group=self.links.get(direction),
+            group=self.links.get(direction), stage=mine,
         )
 
-    def program(self, per_stage: list[list[Action]]) -> RankProgram:
-        """This rank's lowered program for ``per_stage``, proved deadlock-free under NCCL's
-        rules (:func:`check_lowered`) the first time each order is seen; ``self.lowered`` keeps
-        every rank's program of the last order."""
-        key = (self._order_key(per_stage), self.reorder, self.split)
+    def remote(self, t: Transfer) -> bool:
+        """Whether ``t`` crosses to another rank (else both its stages run here)."""
+        return not (t.src in self.local and t.dst in self.local)
+
+    def program(self, per_stage: list[list[Action]],
+                rank_lists: list[list[Action]] | None = None) -> RankProgram:
+        """This rank's lowered program for ``per_stage`` (with virtual stages: for
+        ``rank_lists``, each rank's order of its stages' actions), proved deadlock-free under
+        NCCL's rules (:func:`check_lowered`) the first time each order is seen;
+        ``self.lowered`` keeps every rank's program of the last order."""
+        lists = per_stage if rank_lists is None else rank_lists
+        key = (self._order_key(lists), self.reorder, self.split)
         if key not in self._programs:
             m = sum(a.kind is Kind.F for a in per_stage[self.spec.index])
-            lowered = lower(per_stage, list(range(len(per_stage))), m, name="step",
-                            split_backward=self.split, links=self.links_of_stages,
-                            tied=self.tied, replicas=self.placement.replicas)
+            ranks = [self.placement.pipeline_rank(s) for s in range(len(per_stage))]
+            lowered = lower(lists, ranks, m, name="step", split_backward=self.split,
+                            links=self.links_of_stages, tied=self.tied,
+                            replicas=self.placement.replicas)
             check_lowered(lowered, self.reorder)
-            self._programs[key] = (lowered, lowered.programs[self.spec.index])
+            mine = lowered.programs[self.placement.pipeline_rank(self.spec.index)]
+            self._programs[key] = (lowered, mine)
         self.lowered, program = self._programs[key]
         return program
 
@@ -174,17 +192,18 @@ class StageExecutor:
     def _op_wire(self, op: Op) -> list[tuple[Transfer, Message]]:
         """The tensors one send or receive op stands for, in transfer order (the same order
         on both ends, so NCCL pairs them one by one)."""
-        key = (op.kind, op.mb, op.peer)
+        key = (op.kind, op.stage, op.mb, op.peer)
         found = self._op_messages.get(key)
         if found is None:
+            s = op.stage
             if op.kind is OpKind.RECV_F:
-                ts, kind = [t for t in self._recvs if t.src == op.peer], ACTIVATION
+                ts, kind = [t for t in self._recvs[s] if t.src == op.peer], ACTIVATION
             elif op.kind is OpKind.RECV_B:
-                ts, kind = [t for t in self._grad_in if t.dst == op.peer], GRADIENT
+                ts, kind = [t for t in self._grad_in[s] if t.dst == op.peer], GRADIENT
             elif op.kind is OpKind.SEND_F:
-                ts, kind = [t for t in self._sends if t.dst == op.peer], ACTIVATION
+                ts, kind = [t for t in self._sends[s] if t.dst == op.peer], ACTIVATION
             else:
-                ts, kind = [t for t in self._grad_out if t.src == op.peer], GRADIENT
+                ts, kind = [t for t in self._grad_out[s] if t.src == op.peer], GRADIENT
             found = self._op_messages[key] = [(t, self.message(t, op.mb, kind)) for t in ts]
         return found
 
@@ -205,15 +224,17 @@ class StageExecutor:
     # -- a training step -----------------------------------------------------------------------
 
     def run(self, per_stage: list[list[Action]], micro: list[dict[str, torch.Tensor]],
-            loss_of: LossOf | None, tail: Callable[[Op], None] | None = None) -> None:
+            loss_of: LossOf | None, tail: Callable[[Op], None] | None = None,
+            rank_lists: list[list[Action]] | None = None) -> None:
         """Run this rank's lowered program for ``per_stage`` (every stage's list: they also
         tell when a send is delivered), op by op as :func:`schedule.walk` yields them, the one
         walk the NCCL-order checker proves; ``loss_of`` (last stage) gives the loss seed of a
-        micro-batch; ``tail`` runs the step's closing ops (all-reduces, waits)."""
-        program = self.program(per_stage)
+        micro-batch; ``tail`` runs the step's closing ops (all-reduces, waits); ``rank_lists``:
+        with virtual stages, each rank's order (``Schedule.rank_lists``)."""
+        program = self.program(per_stage, rank_lists)
         inbox = Inbox([], self.device, self.timeout, self.who)
         proofs = self._proofs(per_stage)
-        worker = self.worker
+        near: dict[tuple, torch.Tensor] = {}  # values between two stages of this rank
         trace = self.trace
         opened: list[tuple[str, int, float, float]] = []  # the compute action being traced
 
@@ -248,57 +269,84 @@ class StageExecutor:
                     inbox.post(msg)
             elif op.kind in SENDS:
                 for t, msg in self._op_wire(op):
-                    self._send(produced[t.name], msg, proofs[msg.key])
+                    self._send(produced[t.name], msg, proofs[op.stage][msg.key[:4]])
             elif op.kind in COMPUTE:
                 if trace is not None:
                     opened.append((op.kind.name, i, time.perf_counter(), time.process_time()))
+                s = op.stage
+                worker = self.workers[s]
                 if op.kind is OpKind.F:
-                    received = {t.name: take(msg.key) for t, msg in self._recv_messages(i)}
+                    received = {t.name: take(self.message(t, i, ACTIVATION).key)
+                                if self.remote(t) else near.pop((ACTIVATION, t.name, t.dst, i))
+                                for t in self._recvs[s]}
                     produced = worker.forward(i, micro[i], received)
+                    for t in self._sends[s]:  # to a stage of this rank: in the wire's dtype
+                        if not self.remote(t):
+                            near[(ACTIVATION, t.name, t.dst, i)] = \
+                                produced[t.name].detach().to(t.tensor.dtype)
                 elif op.kind is OpKind.R:
                     worker.recompute_mb(i, self.device)
                 elif op.kind is OpKind.W:  # weight gradients: no messages
                     worker.weight_grads(i)
                 else:
-                    loss = loss_of(i, worker.outputs_of(i)) if loss_of is not None else None
+                    loss = loss_of(i, worker.outputs_of(i)) \
+                        if loss_of is not None and worker.is_last else None
                     grads: dict[str, torch.Tensor] = {}
-                    for t in self._grad_in:  # one per consumer stage: summed on the producer
-                        g = take(self.message(t, i, GRADIENT).key)
+                    for t in self._grad_in[s]:  # one per consumer stage: summed on the producer
+                        g = take(self.message(t, i, GRADIENT).key) if self.remote(t) \
+                            else near.pop((GRADIENT, t.name, t.dst, i))
                         grads[t.name] = grads[t.name] + g if t.name in grads else g
                     produced = worker.backward(i, grads, loss, split=self.split)
+                    for t in self._grad_out[s]:
+                        if not self.remote(t):
+                            near[(GRADIENT, t.name, t.dst, i)] = produced[t.name]
             elif tail is not None:
                 tail(op)
         if trace is not None:
             close()
         assert inbox.pending == 0, "every posted receive is consumed by the schedule"
-
-    def _recv_messages(self, mb: int) -> list[tuple[Transfer, Message]]:
-        return [(t, self.message(t, mb, ACTIVATION)) for t in self._recvs]
+        assert not near, "every value passed within this rank is consumed"
 
     def _landed(self, msg: Message, inbox: Inbox) -> bool:
         if not inbox.posted(msg.key):
             return False  # not even posted: it cannot have landed
         return inbox.completed(msg.key) if self.arrived is None else self.arrived(msg)
 
-    def _proofs(self, per_stage: list[list[Action]]) -> dict[tuple, tuple | None]:
+    def _proofs(self, per_stage: list[list[Action]]) -> dict[int, dict[tuple, tuple | None]]:
+        """Per local stage: each send's key (as ``acks.release_keys`` names it) -> the key of
+        the received message that proves it delivered (``Message.key``: with the stage)."""
         key = (self._order_key(per_stage), self.reorder)  # (any order may run)
         if key not in self._proof_cache:
-            self._proof_cache[key] = release_keys(self.spec.index, per_stage, self._specs,
-                                                  reorder=self.reorder, split=self.split)
+            self._proof_cache[key] = {
+                s: {k: None if proof is None else (*proof, s)
+                    for k, proof in release_keys(s, per_stage, self._specs,
+                                                 reorder=self.reorder, split=self.split).items()}
+                for s in self.local}
         return self._proof_cache[key]
 
     # -- evaluation ----------------------------------------------------------------------------
 
     def evaluate(self, inputs: dict[str, torch.Tensor], batch: int,
                  autocast: Callable[[], Any]) -> dict[str, Any]:
-        """The whole batch as one micro-batch through this stage, without autograd."""
-        expected = [(0, self.message(t, 0, EVALUATION, batch)) for t in self.spec.recvs]
+        """The whole batch as one micro-batch through this rank's stages (in stage order, a
+        topological one), without autograd; returns the outputs of its highest stage."""
+        order = sorted(self.workers)
+        expected = [(k, self.message(t, 0, EVALUATION, batch)) for k, s in enumerate(order)
+                    for t in self.workers[s].spec.recvs if self.remote(t)]
         inbox = Inbox(expected, self.device, self.timeout, self.who)
-        inbox.post_until(1)
-        received = {t.name: inbox.take(("activation", t.name, t.src, 0)) for t in self.spec.recvs}
-        with torch.no_grad(), autocast():
-            outputs = self.worker.stage({**inputs, **received})
-        for t in self.spec.sends:
-            self._send(outputs[t.name], self.message(t, 0, EVALUATION, batch))
+        near: dict[tuple, torch.Tensor] = {}
+        outputs: dict[str, Any] = {}
+        for k, s in enumerate(order):
+            spec = self.workers[s].spec
+            inbox.post_until(k + 1)
+            received = {t.name: inbox.take(self.message(t, 0, EVALUATION, batch).key)
+                        if self.remote(t) else near.pop((t.name, t.dst)) for t in spec.recvs}
+            with torch.no_grad(), autocast():
+                outputs = self.workers[s].stage({**inputs, **received})
+            for t in spec.sends:
+                if self.remote(t):
+                    self._send(outputs[t.name], self.message(t, 0, EVALUATION, batch))
+                else:
+                    near[(t.name, t.dst)] = outputs[t.name].to(t.tensor.dtype)
         self.outbox.drain()
         return outputs

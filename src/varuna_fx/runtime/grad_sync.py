@@ -26,8 +26,11 @@ from .setup import Groups
 
 class GradSync:
     def __init__(self, held: dict[str, nn.Parameter], groups: Groups,
-                 tied_holders: dict[str, list[int]], stage: int, replicas: int,
+                 tied_holders: dict[str, list[int]], stage: int | list[int], replicas: int,
                  timeout: float, who: str) -> None:
+        # ``stage``: this rank's stage, or all it runs (virtual stages: copies of a tied
+        # parameter on two of them are one tensor here, summed by autograd)
+        local = {stage} if isinstance(stage, int) else set(stage)
         self.groups, self.replicas, self.timeout, self.who = groups, replicas, timeout, who
         self.held = {n: p for n, p in held.items() if p.requires_grad}
         tied_here = {n for names, _ in groups.tied for n in names}
@@ -36,10 +39,10 @@ class GradSync:
                      for names, g in groups.tied]
         # tied copies whose accumulated gradient another (lower) holder stage keeps
         self.not_lowest = [self.held[n] for n in tied_here
-                           if n in self.held and min(tied_holders[n]) != stage]
+                           if n in self.held and min(tied_holders[n]) not in local]
         # what this stage contributes to the global norm: tied parameters once, at the lowest
         self.norm_params = [p for n, p in self.held.items()
-                            if n not in tied_holders or min(tied_holders[n]) == stage]
+                            if n not in tied_holders or min(tied_holders[n]) in local]
 
     def before_step(self) -> None:
         for p in self.not_lowest:

@@ -98,7 +98,7 @@ class Groups:
 
 
 def build_groups(placement: Placement, tied: dict[tuple[int, ...], list[str]],
-                 stage: int, replica: int, timeout: float,
+                 stage: int | list[int], replica: int, timeout: float,
                  links: set[tuple[int, int]] | None = None) -> Groups:
     """``dist.new_group`` for every group of the job, on every rank in the same order (the
     call is collective), keeping the ones this rank belongs to.
@@ -115,7 +115,14 @@ def build_groups(placement: Placement, tied: dict[tuple[int, ...], list[str]],
     stage 0's posted receive of gradient 0 would sit ahead of its send of activation 2, which
     stage 1 waits for before it sends gradient 0. One communicator (stream) per direction keeps
     the two directions independent; within a direction sends and receives are issued in the
-    same order on both ends (executor.py)."""
+    same order on both ends (executor.py).
+
+    ``stage``: this rank's stage, or every stage it runs (virtual stages): then a stage pair
+    within one rank needs no group, two stage pairs between the same two ranks still get a
+    group each (``schedule/nccl_check.py``'s "stage-direction" layout), the data-parallel group
+    is the rank's (one for all its stages), and a tied set whose holders all run on one rank
+    needs no group when D = 1."""
+    local = {stage} if isinstance(stage, int) else set(stage)
     groups = Groups()
     span = timedelta(seconds=timeout)
 
@@ -124,26 +131,35 @@ def build_groups(placement: Placement, tied: dict[tuple[int, ...], list[str]],
         groups.created.append(group)
         return group
 
-    p, d = placement.stages, placement.replicas
-    if p > 1:
+    ranks, d = placement.ranks_per_replica, placement.replicas
+    mine = placement.pipeline_rank(min(local))
+    if ranks > 1:
         for r in range(d):
             g = make(placement.pipeline_ranks(r))
             if r == replica:
                 groups.pipeline = g
     if d > 1:
-        for s in range(p):
-            g = make(placement.replica_ranks(s))
-            if s == stage:
+        for position in range(ranks):  # the D ranks at one place of the pipeline
+            g = make([r * ranks + position for r in range(d)])
+            if position == mine:
                 groups.data_parallel = g
     for holders in sorted(tied):
-        g = make(placement.holder_ranks(list(holders)))
-        if stage in holders:
+        holder_ranks = placement.holder_ranks(list(holders))
+        if len(holder_ranks) == 1:
+            continue  # every copy on this one rank: autograd sums them, nothing to reduce
+        g = make(holder_ranks)
+        if local & set(holders):
             groups.tied.append((tied[holders], g))
     for r in range(d):
         for src, dst in sorted(links or ()):
             a, b = placement.rank(src, r), placement.rank(dst, r)
+            if a == b:
+                continue  # two stages of one rank: the value stays in the process
+            # one group per stage direction even when two share a rank pair (virtual
+            # stages): a V-shape's activations 0 -> 1 and gradients 3 -> 2 both go from rank
+            # 0 to rank 1, and rank 1 posts them in another order than rank 0 sends them
             g = make(sorted([a, b]))
-            if r == replica and stage in (src, dst):
+            if r == replica and (src in local or dst in local):
                 groups.links[(src, dst)] = g
     return groups
 
@@ -172,13 +188,15 @@ def tied_sets(plan: Plan, model: nn.Module, canonical: dict[str, str]) -> dict[t
     return sets
 
 
-def release_unheld(model: nn.Module, stage: Stage, device: torch.device,
+def release_unheld(model: nn.Module, stage: Stage | list[Stage], device: torch.device,
                    keep: list[torch.Tensor] | None = None) -> None:
-    """Keep (and move to ``device``) the tensors this stage's module uses; empty every other
-    parameter and buffer of the model in place, so the memory is released while the module
-    objects stay intact. Decided by identity with what the stage module holds, which is exactly
-    what its code can reach, plus ``keep``."""
-    used = {id(t) for t in [*stage.module.parameters(), *stage.module.buffers(), *(keep or [])]}
+    """Keep (and move to ``device``) the tensors this rank's stage modules use; empty every
+    other parameter and buffer of the model in place, so the memory is released while the
+    module objects stay intact. Decided by identity with what the stage modules hold, which is
+    exactly what their code can reach, plus ``keep``."""
+    held = stage if isinstance(stage, list) else [stage]
+    used = {id(t) for s in held for t in [*s.module.parameters(), *s.module.buffers()]}
+    used |= {id(t) for t in keep or []}
     seen: set[int] = set()
     released = False
     for tensor in [*model.parameters(), *model.buffers()]:
@@ -194,10 +212,10 @@ def release_unheld(model: nn.Module, stage: Stage, device: torch.device,
             if isinstance(tensor, nn.Parameter):
                 tensor.grad = None
     if released:
-        guard_released(model, stage.spec.index)
+        guard_released(model, ", ".join(str(s.spec.index) for s in held))
 
 
-def guard_released(model: nn.Module, stage: int) -> None:
+def guard_released(model: nn.Module, stage: int | str) -> None:
     """The user's model object now holds empty tensors for every other stage: its
     ``state_dict()`` would save them as if they were the weights (``torch.save`` on rank 0 is
     the usual habit), and ``load_state_dict`` would fail deep inside torch. Both raise a
@@ -223,15 +241,15 @@ def guard_released(model: nn.Module, stage: int) -> None:
 def broadcast_initial(named: dict[str, torch.Tensor], groups: Groups, placement: Placement,
                       stage: int, timeout: float, who: str) -> None:
     """Make the replicas start equal, as DDP does: replica 0 of each stage broadcasts its
-    parameters and buffers; a tied set comes from replica 0 of its lowest holder stage."""
+    parameters and buffers; a tied set comes from its lowest holder rank (in replica 0: every
+    replica holds the set, ranks are numbered replica-major)."""
     tied_names = {n for names, _ in groups.tied for n in names}
     works = []
     with torch.no_grad():
         for names, group in groups.tied:
-            lowest = min(placement.coords(r)[0] for r in dist.get_process_group_ranks(group))
+            lowest = min(dist.get_process_group_ranks(group))
             for n in names:
-                works.append(dist.broadcast(named[n], src=placement.rank(lowest, 0),
-                                            group=group, async_op=True))
+                works.append(dist.broadcast(named[n], src=lowest, group=group, async_op=True))
         if groups.data_parallel is not None:
             for n, t in named.items():
                 if n not in tied_names and t.numel():

@@ -15,6 +15,7 @@ from varuna_fx.schedule.generators import (
     cheaper,
     check_schedule_name,
     clear_caches,
+    default_stages_per_rank,
     depends_on_costs,
     has_quick,
     is_split,
@@ -41,6 +42,7 @@ from varuna_fx.schedule.simulate import SimResult, analytic_bubble, simulate, si
 from varuna_fx.schedule.simulate_step import StepTiming, simulate_costs_step, simulate_step
 from varuna_fx.schedule.structure import peak_stash, peak_stash_counts
 from varuna_fx.schedule.validate import execution_order, validate
+from varuna_fx.schedule.virtual import is_virtual, placement_style, virtual_names
 
 __all__ = [
     "LOOKAHEAD",
@@ -65,15 +67,18 @@ __all__ = [
     "cheaper",
     "check_schedule_name",
     "clear_caches",
+    "default_stages_per_rank",
     "depends_on_costs",
     "execution_order",
     "gantt",
     "has_quick",
     "is_split",
+    "is_virtual",
     "lower",
     "lower_schedule",
     "peak_stash",
     "peak_stash_counts",
+    "placement_style",
     "recompute_per_stage",
     "schedule_names",
     "simulate",
@@ -82,6 +87,7 @@ __all__ = [
     "simulate_step",
     "text_grid",
     "validate",
+    "virtual_names",
     "walk",
     "with_micro_batches",
 ]

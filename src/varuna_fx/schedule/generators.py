@@ -10,6 +10,10 @@ before its ``B``; the last stage keeps its activations and never recomputes.
 Every base schedule has a split-backward variant named ``<base>-zb`` (``varuna-zb``,
 ``1f1b-zb``, ``gpipe-zb``): the same order with each backward cut into its input-gradient part
 ``B`` and a weight-gradient part ``W`` that fills idle time (``split.py``).
+
+Schedules whose ranks run several stages (``interleaved-1f1b``, ``zbv``: ``virtual.py``) have
+their own registry, ``VIRTUAL_SCHEDULES``; :func:`build_schedule` takes their
+``stages_per_rank``. They are not in :func:`schedule_names` (whose schedules run any P).
 """
 
 from __future__ import annotations
@@ -18,12 +22,19 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from varuna_fx.errors import ScheduleError
+from varuna_fx.schedule import placement as placement_module
 from varuna_fx.schedule import split as split_module
 from varuna_fx.schedule import varuna as varuna_module
 from varuna_fx.schedule.actions import Action, Kind, Schedule
 from varuna_fx.schedule.schedule_costs import ScheduleCosts
 from varuna_fx.schedule.split import split_backward
 from varuna_fx.schedule.varuna import QUICK_VARIANTS, ROUGH_VARIANTS, varuna_order
+from varuna_fx.schedule.virtual import (
+    DEFAULT_STAGES_PER_RANK,
+    VIRTUAL_SCHEDULES,
+    is_virtual,
+    virtual_names,
+)
 
 StageLists = list[list[Action]]
 ScheduleFn = Callable[[int, int, Sequence[bool], ScheduleCosts], StageLists]
@@ -109,7 +120,7 @@ def depends_on_costs(name: str) -> bool:
     """Whether ``build_schedule(name, ...)`` orders by the costs it is given (Varuna's order,
     every split backward's W placement): such orders are made per candidate by an event
     simulation, the others once per (P, m)."""
-    return name not in _COST_FREE
+    return name not in _COST_FREE and not is_virtual(name)
 
 
 def schedule_names() -> list[str]:
@@ -118,15 +129,39 @@ def schedule_names() -> list[str]:
 
 
 def is_split(name: str) -> bool:
-    """Whether ``name`` is a split-backward schedule (``<base>-zb``)."""
+    """Whether ``name`` is a split-backward schedule (``<base>-zb``, or ``zbv``)."""
+    if is_virtual(name):
+        return VIRTUAL_SCHEDULES[name][2]
     return name.endswith(SPLIT_SUFFIX) and name[: -len(SPLIT_SUFFIX)] in SCHEDULES
 
 
 def check_schedule_name(name: str) -> None:
-    if name not in SCHEDULES and not is_split(name):
+    if name not in SCHEDULES and not is_split(name) and not is_virtual(name):
         raise ScheduleError(
-            f"unknown schedule {name!r}; valid choices are: {', '.join(schedule_names())}"
+            f"unknown schedule {name!r}; valid choices are: "
+            f"{', '.join(schedule_names() + virtual_names())}"
         )
+
+
+def default_stages_per_rank(name: str) -> int:
+    """The ``stages_per_rank`` a schedule runs when none is given (1 but for virtual ones)."""
+    return DEFAULT_STAGES_PER_RANK.get(name, 1)
+
+
+def _virtual(name: str, num_stages: int, num_micro_batches: int, rc: tuple[bool, ...],
+             stages_per_rank: int | None) -> Schedule:
+    """A schedule of ``VIRTUAL_SCHEDULES``: its generator's rank lists on its placement."""
+    style, generate, split = VIRTUAL_SCHEDULES[name]
+    v = stages_per_rank or DEFAULT_STAGES_PER_RANK[name]
+    if v < 2 or num_stages % v:
+        raise ScheduleError(
+            f"{name} runs several stages per rank: stages_per_rank={v} must be at least 2 and "
+            f"divide the {num_stages} stages (for one stage per rank use 1f1b or varuna)"
+        )
+    ranks = placement_module.stage_ranks(num_stages, v, style)
+    lists = generate(num_stages // v, v, num_micro_batches, rc)
+    return Schedule.virtual(name, num_stages, num_micro_batches, rc, ranks, lists,
+                            split_backward=split)
 
 
 def recompute_per_stage(recompute: bool | Sequence[bool], num_stages: int) -> tuple[bool, ...]:
@@ -164,7 +199,7 @@ CHEAPER: dict[str, dict[str, ScheduleFn]] = {
 def build_schedule(
     name: str, num_stages: int, num_micro_batches: int,
     recompute: bool | Sequence[bool] = True, costs: ScheduleCosts | None = None,
-    effort: str = "full",
+    effort: str = "full", stages_per_rank: int | None = None,
 ) -> Schedule:
     """Generate the schedule ``name`` for ``num_stages`` stages and ``num_micro_batches``.
 
@@ -172,6 +207,7 @@ def build_schedule(
     per-stage times cost-aware orders (Varuna's, the placement of split-backward ``W``) are
     generated from; unit costs and free links when None. ``effort``: "full", or a cheaper
     generator where there is one (``CHEAPER``: the planner's estimates of its candidates).
+    ``stages_per_rank``: v for a virtual schedule (``virtual.py``; default 2); 1 for the others.
     """
     check_schedule_name(name)
     if num_stages < 1:
@@ -181,6 +217,16 @@ def build_schedule(
     rc = recompute_per_stage(recompute, num_stages)
     costs = costs or ScheduleCosts.unit(num_stages)
     costs.check(num_stages)
+    if is_virtual(name):
+        sched = _virtual(name, num_stages, num_micro_batches, rc, stages_per_rank)
+        sched.recompute = _flag(recompute, rc)
+        sched.costs = costs
+        return sched
+    if stages_per_rank not in (None, 1):
+        raise ScheduleError(
+            f"{name} runs one stage per rank: stages_per_rank={stages_per_rank} needs a "
+            f"schedule for several ({', '.join(virtual_names())})"
+        )
     split = is_split(name)
     base = name[: -len(SPLIT_SUFFIX)] if split else name
     generate = CHEAPER[effort].get(base, SCHEDULES[base]) if effort != "full" \
@@ -199,17 +245,21 @@ def build_schedule(
                 bases.pop()
         per_stage = split_backward(bases, costs, rc, name, num_micro_batches,
                                    fit=effort != "rough")
-    # keep a plain bool when the flags are uniform, so old texts and callers read the same
-    flag: bool | tuple[bool, ...] = rc
-    if isinstance(recompute, bool):
-        flag = recompute
-    elif not any(rc):
-        flag = False
-    elif all(rc[:-1]):
-        flag = True
-    sched = Schedule(name, num_stages, num_micro_batches, flag, per_stage, split_backward=split)
+    sched = Schedule(name, num_stages, num_micro_batches, _flag(recompute, rc), per_stage,
+                     split_backward=split)
     sched.costs = costs
     return sched
+
+
+def _flag(recompute: bool | Sequence[bool], rc: tuple[bool, ...]) -> bool | tuple[bool, ...]:
+    """A plain bool when the flags are uniform, so old texts and callers read the same."""
+    if isinstance(recompute, bool):
+        return recompute
+    if not any(rc):
+        return False
+    if all(rc[:-1]):
+        return True
+    return rc
 
 
 # Orders that do not depend on costs, by (name, P, m, recompute flags): a planner weighing
@@ -247,4 +297,6 @@ def with_micro_batches(schedule: Schedule, num_micro_batches: int) -> Schedule:
     if schedule.num_micro_batches == num_micro_batches:
         return schedule
     return build_schedule(schedule.name, schedule.num_stages, num_micro_batches,
-                          schedule.recompute, schedule.costs)
+                          schedule.recompute, schedule.costs,
+                          stages_per_rank=schedule.stages_per_rank if schedule.is_virtual
+                          else None)

@@ -341,8 +341,8 @@ def _tail(stages: list[int], tied: Sequence[Sequence[int]], replicas: int) -> li
     average, wait for the sends, wait for the reductions, then the loss all-reduce."""
     ops = [Op(OpKind.ALLREDUCE, group="tied:" + "+".join(map(str, h)))
            for h in sorted(tuple(sorted(h)) for h in tied) if set(h) & set(stages)]
-    if replicas > 1:
-        ops += [Op(OpKind.ALLREDUCE, group=f"dp:{s}") for s in stages]
+    if replicas > 1:  # one per rank: its group averages every stage it holds (virtual stages)
+        ops.append(Op(OpKind.ALLREDUCE, group=f"dp:{min(stages)}"))
     return ops + [Op(OpKind.WAIT_SENDS), Op(OpKind.WAIT_REDUCE),
                   Op(OpKind.ALLREDUCE, group="world"), Op(OpKind.WAIT_REDUCE)]
 
@@ -353,8 +353,9 @@ def lower_schedule(schedule: Schedule, *, links: Sequence[Link] | None = None,
                    per_rank: Sequence[Sequence[Action]] | None = None) -> Lowered:
     """:func:`lower` for a :class:`Schedule`: one stage per rank unless ``ranks`` (the rank of
     each stage) and ``per_rank`` (each rank's merged order of its stages' actions) say."""
-    if ranks is None:
-        ranks = list(range(schedule.num_stages))
+    if ranks is None:  # a virtual schedule knows its placement and each rank's order
+        ranks = list(schedule.stage_ranks or range(schedule.num_stages))
+        per_rank = schedule.rank_lists if per_rank is None else per_rank
     if per_rank is None:
         if len(set(ranks)) != len(ranks):
             raise ScheduleError("several stages share a rank: pass per_rank, each rank's order "

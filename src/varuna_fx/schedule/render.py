@@ -2,6 +2,8 @@
 
 Both accept a :class:`Schedule` (timed with unit costs F=R=1, B=2 and free links, which is how
 the schedules are usually drawn in papers) or a :class:`SimResult` (real simulated times).
+A virtual schedule (ranks running several stages) is drawn one row per rank, each cell naming
+its stage (``2F0``).
 Matplotlib is drawn through ``matplotlib.figure.Figure`` directly, never pyplot, so no GUI
 backend is touched and this works on headless machines and inside test runs.
 """
@@ -35,12 +37,13 @@ def _grid_cells(sim: SimResult) -> tuple[list[list[str]], float]:
     durations = [e - s for s, e in zip(sim.starts, sim.ends) if e > s]
     unit = min(durations) if durations else 1.0
     ncols = round(sim.step_time / unit) if sim.step_time > 0 else 0
-    rows: list[list[str]] = [[""] * ncols for _ in range(sim.schedule.num_stages)]
+    sched = sim.schedule
+    rows: list[list[str]] = [[""] * ncols for _ in range(sched.num_ranks)]
     for act, start, end in zip(sim.actions, sim.starts, sim.ends):
         first = round(start / unit)
         stop = max(first + 1, round(end / unit))
-        row = rows[act.stage]
-        row[first] = action_label(act)
+        row = rows[sched.rank_of(act.stage)]
+        row[first] = str(act) if sched.is_virtual else action_label(act)
         for c in range(first + 1, min(stop, ncols)):
             row[c] = "-"  # continuation of a multi-slot action (e.g. a backward)
     return rows, unit
@@ -60,19 +63,22 @@ def text_grid(obj: Schedule | SimResult) -> str:
     ncols = len(rows[0]) if rows else 0
     ticks = [str(c).ljust(width) if c % 5 == 0 else " " * width for c in range(ncols)]
     lines.append("time    | " + " ".join(ticks).rstrip())
+    label = "rank " if sched.is_virtual else "stage"
     for s, row in enumerate(rows):
         cells = [(c or ".").ljust(width) if c != "-" else "-" * width for c in row]
-        lines.append(f"stage {s:<2}| " + " ".join(cells).rstrip())
+        lines.append(f"{label} {s:<2}| " + " ".join(cells).rstrip())
     return "\n".join(lines) + "\n"
 
 
 def _draw(ax: Axes, sim: SimResult, xlabel: str) -> None:
-    p = sim.schedule.num_stages
+    sched = sim.schedule
+    p = sched.num_ranks
     span = sim.step_time or 1.0
     for act, start, end in zip(sim.actions, sim.starts, sim.ends):
         width = end - start
+        row = sched.rank_of(act.stage)
         ax.barh(
-            act.stage,
+            row,
             width,
             left=start,
             height=0.8,
@@ -84,15 +90,16 @@ def _draw(ax: Axes, sim: SimResult, xlabel: str) -> None:
         if width / span > 0.008:
             ax.text(
                 start + width / 2,
-                act.stage,
-                str(act.mb),
+                row,
+                f"{act.stage}:{act.mb}" if sched.is_virtual else str(act.mb),
                 ha="center",
                 va="center",
                 color="white",
                 fontsize=_fontsize(width / span),
                 fontweight="bold",
             )
-    ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+    ax.set_yticks(range(p), [f"{'rank' if sched.is_virtual else 'stage'} {s}"
+                             for s in range(p)])
     ax.set_ylim(p - 0.5, -0.5)  # stage 0 on top, as pipelines are usually drawn
     ax.set_xlim(0, span)
     ax.set_xlabel(xlabel)
@@ -129,7 +136,7 @@ def gantt(
 
     sim = _as_sim(obj)
     if ax is None:
-        p = sim.schedule.num_stages
+        p = sim.schedule.num_ranks
         fig = Figure(figsize=(12, 0.5 * p + 1.5), layout="constrained")
         ax = fig.add_subplot()
     fig = ax.figure

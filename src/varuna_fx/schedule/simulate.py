@@ -6,6 +6,10 @@ one message at a time each way, latency + bytes / bandwidth). Same-stage depende
 F, B after R) are implied by the stage's sequential order, so every action has at most one edge
 that matters besides its predecessor.
 
+Virtual stages: the lists that run in order are the ranks' (``Schedule.lists``), so an action
+waits for its rank's previous action; a boundary between two stages on one rank costs nothing,
+and the boundaries between one pair of ranks share that pair's wire, each way (``wire``).
+
 :func:`simulate` replays a schedule compiled once (``structure.py``) and records its timeline;
 ``simulate_step.py`` times an order seen once, with the same arithmetic; both take their
 per-stage seconds from ``costs.stage_seconds``.
@@ -37,9 +41,9 @@ class SimResult:
 
     schedule: Schedule
     step_time: float
-    busy: list[float]
+    busy: list[float]  # per rank (per stage when each rank runs one)
     idle: list[float]
-    bubble_fraction: float  # mean over stages of idle / step_time
+    bubble_fraction: float  # mean over ranks of idle / step_time
     peak_stash_count: list[int]
     peak_stash_bytes: list[float] | None  # None when no stash_bytes were given
     starts: list[float] = field(repr=False)  # aligned with `actions`
@@ -86,25 +90,24 @@ def simulate(
     wire = link_seconds(p, send_bytes, bandwidth)  # seconds a message occupies the link
     comm = [0.0] + [float(latency) + w for w in wire] * 2  # forward links, then backward
     busy_for = [0.0] + wire * 2
-    free = [0.0] * len(comm)  # when each link direction is next free
+    free = [0.0] * comp.wires  # when each wire direction is next free
 
     starts: list[float] = []
     ends: list[float] = [0.0]  # slot 0: the "no dependency" sentinel
     start_append, end_append = starts.append, ends.append
-    for pk, dk, lk, ck in zip(comp.prev, comp.dep, comp.link, comp.cost_slot):
+    for pk, dk, lk, wk, ck in zip(comp.prev, comp.dep, comp.link, comp.wire, comp.cost_slot):
         a = ends[pk]
         b = ends[dk]
         if lk:  # messages of one direction cross in the order their receiver takes them
-            b = cross(free, lk, b, busy_for[lk], comm[lk])
+            b = cross(free, wk, b, busy_for[lk], comm[lk])
         t = a if a >= b else b
         start_append(t)
         end_append(t + cost[ck])
 
     step = max(ends)
-    busy = [
-        nf * fwd[s] + nr * rec[s] + nb * bwd[s] + nw * wgt[s]
-        for s, (nf, nr, nb, nw) in enumerate(comp.counts)
-    ]
+    busy = [0.0] * schedule.num_ranks
+    for s, (nf, nr, nb, nw) in enumerate(comp.counts):
+        busy[schedule.rank_of(s)] += nf * fwd[s] + nr * rec[s] + nb * bwd[s] + nw * wgt[s]
     idle = [step - b for b in busy]
     bubble = bubble_fraction(idle, step)
     peak_bytes = None

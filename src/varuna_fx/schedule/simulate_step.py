@@ -11,7 +11,7 @@ from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Kind, Schedule
 from varuna_fx.schedule.links import cross, link_seconds
 from varuna_fx.schedule.schedule_costs import ScheduleCosts, simulator_arguments, stage_seconds
-from varuna_fx.schedule.simulate import bubble_fraction
+from varuna_fx.schedule.simulate import bubble_fraction, simulate
 from varuna_fx.schedule.validate import check_complete, execution_order
 
 
@@ -44,7 +44,12 @@ def simulate_step(
     round-robin, each as far as its dependencies are done (compiling the schedule first
     cost several times the simulation at P=25, m=32, and each order is timed once). The
     sweep checks what ``check_complete`` does on the way (each action once, on its stage,
-    after its F / R / B); on anything wrong, ``check_complete`` says what."""
+    after its F / R / B); on anything wrong, ``check_complete`` says what. A virtual
+    schedule (ranks running several stages) is timed by :func:`simulate`."""
+    if schedule.is_virtual:
+        sim = simulate(schedule, forward, backward, recompute, send_bytes, latency, bandwidth,
+                       weight_grad=weight_grad)
+        return StepTiming(sim.step_time, sim.bubble_fraction)
     p, m = schedule.num_stages, schedule.num_micro_batches
     per_stage = schedule.per_stage
     if p < 1 or m < 1 or len(per_stage) != p or (

@@ -28,9 +28,11 @@ class CompiledSchedule:
     prev: list[int]  # 1 + index of the stage predecessor, or 0
     dep: list[int]  # 1 + index of the cross-stage dependency, or 0
     link: list[int]  # 1 + link index crossed by that dependency (+ P - 1 going back), or 0
+    wire: list[int]  # the rank-to-rank direction that message occupies (its link when v = 1)
     cost_slot: list[int]  # kind_slot * P + stage, into the flat cost table
     counts: list[tuple[int, int, int, int]]  # (#F, #R, #B, #W) per stage
     peak_stash: list[int]
+    wires: int  # how many wire slots ``free`` needs
 
 
 def peak_stash(acts: list[Action], split: bool = False) -> int:
@@ -65,12 +67,24 @@ def _compile(schedule: Schedule) -> CompiledSchedule:
     for k, a in enumerate(ids):
         index[a] = k + 1
     prev_of = [0] * (4 * m * p)
-    for acts in schedule.per_stage:
+    for acts in schedule.lists:  # what runs in order: a rank's list
         for before, act in zip(acts, acts[1:]):
             prev_of[action_id(act.stage, act.kind, act.mb, m)] = \
                 index[action_id(before.stage, before.kind, before.mb, m)]
-    prev, dep, link, slot = [], [], [], []
+    prev, dep, link, wire, slot = [], [], [], [], []
     across = 4 * m  # id offset of the same kind of action one stage away
+    rank_of, virtual, ranks = schedule.rank_of, schedule.is_virtual, schedule.num_ranks
+
+    def on_wire(lk: int, src: int, dst: int) -> None:
+        """The dependency crosses link slot ``lk`` from stage src to stage dst."""
+        a, b = rank_of(src), rank_of(dst)
+        if a == b:  # two stages of one rank: no message
+            link.append(0)
+            wire.append(0)
+        else:
+            link.append(lk)
+            wire.append(1 + a * ranks + b if virtual else lk)
+
     for act, a in zip(order, ids):
         s = act.stage
         prev.append(prev_of[a])
@@ -78,13 +92,14 @@ def _compile(schedule: Schedule) -> CompiledSchedule:
         slot.append(kind * p + s)
         if kind == 0 and s > 0:
             dep.append(index[a - across])
-            link.append(s)  # link s-1, shifted by one
+            on_wire(s, s - 1, s)  # link s-1, shifted by one
         elif kind == 2 and s < p - 1:
             dep.append(index[a + across])
-            link.append(s + p)  # link s, shifted by one, in the backward direction
+            on_wire(s + p, s + 1, s)  # link s, shifted by one, in the backward direction
         else:
             dep.append(0)
             link.append(0)
+            wire.append(0)
     return CompiledSchedule(
         key=_key(schedule),
         snapshot=[list(acts) for acts in schedule.per_stage],
@@ -92,12 +107,14 @@ def _compile(schedule: Schedule) -> CompiledSchedule:
         prev=prev,
         dep=dep,
         link=link,
+        wire=wire,
         cost_slot=slot,
         counts=[
             tuple(sum(a.kind is k for a in acts) for k in (Kind.F, Kind.R, Kind.B, Kind.W))
             for acts in schedule.per_stage
         ],
         peak_stash=peak_stash_counts(schedule),
+        wires=1 + max(ranks * ranks, 2 * p),
     )
 
 

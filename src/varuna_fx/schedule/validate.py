@@ -3,7 +3,9 @@
 Completeness is checked per stage against the required action set; deadlock freedom by running
 the schedule abstractly: any stage may execute the head of its list once the head's data
 dependencies are done. If every stage is stuck while actions remain, the schedule would hang the
-real runtime, and the error names what each stage waits for.
+real runtime, and the error names what each stage waits for. With virtual stages the lists that
+run in order are the ranks' (``Schedule.lists``): a rank waits at its head whichever of its
+stages that belongs to, which is what makes an interleaved order deadlock or not.
 """
 
 from __future__ import annotations
@@ -90,20 +92,46 @@ def check_complete(schedule: Schedule) -> None:
     for s in range(schedule.num_stages):
         if not _stage_ok(schedule, s):
             _check_stage(schedule, s)  # raises, naming what is wrong
+    if schedule.rank_lists is not None:
+        _check_ranks(schedule)
 
+
+def _check_ranks(schedule: Schedule) -> None:
+    """A virtual schedule: each stage has a rank, each rank list holds only its stages'
+    actions, and the per-stage lists are the ranks' orders of them."""
+    ranks = schedule.stage_ranks or ()
+    lists = schedule.rank_lists or []
+    if len(ranks) != schedule.num_stages or sorted(set(ranks)) != list(range(len(lists))):
+        raise ScheduleError(
+            f"schedule placement {list(ranks)} must give each of the {schedule.num_stages} "
+            f"stages one of the {len(lists)} ranks, every rank running some stage"
+        )
+    derived: list[list[Action]] = [[] for _ in range(schedule.num_stages)]
+    for r, acts in enumerate(lists):
+        for act in acts:
+            if not 0 <= act.stage < schedule.num_stages or ranks[act.stage] != r:
+                where = ranks[act.stage] if 0 <= act.stage < schedule.num_stages else "none"
+                raise ScheduleError(
+                    f"rank {r}'s list contains {act}, whose stage runs on rank {where}"
+                )
+            derived[act.stage].append(act)
+    if derived != schedule.per_stage:
+        raise ScheduleError("the per-stage lists differ from the ranks' lists: build a virtual "
+                            "schedule with Schedule.virtual")
 
 def _deadlock_message(schedule: Schedule, heads: list[int], done: set[Action]) -> str:
     waits = []
+    label = "stage" if schedule.rank_lists is None else "rank"
     for s, h in enumerate(heads):
-        if h < len(schedule.per_stage[s]):
-            act = schedule.per_stage[s][h]
+        if h < len(schedule.lists[s]):
+            act = schedule.lists[s][h]
             needs = [str(d) for d in dependencies(act, schedule) if d not in done]
-            waits.append(f"stage {s} waits at {act} (needs {', '.join(needs)})")
+            waits.append(f"{label} {s} waits at {act} (needs {', '.join(needs)})")
     return "deadlock: " + ", ".join(waits)
 
 
 def execution_order(schedule: Schedule) -> list[Action]:
-    """One global order respecting every stage's list and every data dependency.
+    """One global order respecting every stage's (rank's) list and every data dependency.
 
     Round-robin over stages, taking as many ready head actions from each as possible; the
     one-process runtime executes actions in exactly this order. Raises on deadlock.
@@ -156,7 +184,8 @@ def ordered_ids(schedule: Schedule) -> tuple[list[Action], list[int]]:
     first: list[list[int]] = []
     second: list[list[int]] = []
     stash = [1 if schedule.recomputes(s) else 0 for s in range(p)]  # B's own-stage input
-    for acts in schedule.per_stage:
+    lists = schedule.lists
+    for acts in lists:
         own, d1, d2 = [], [], []
         for act in acts:
             s, i, slot = act.stage, act.mb, _SLOT[act.kind]
@@ -182,13 +211,13 @@ def ordered_ids(schedule: Schedule) -> tuple[list[Action], list[int]]:
         ids.append(own)
         first.append(d1)
         second.append(d2)
-    heads = [0] * p
+    heads = [0] * len(lists)
     order: list[Action] = []
     order_ids: list[int] = []
-    total = sum(len(acts) for acts in schedule.per_stage)
+    total = sum(len(acts) for acts in lists)
     while len(order) < total:
         progressed = False
-        for s, acts in enumerate(schedule.per_stage):
+        for s, acts in enumerate(lists):
             h, n = heads[s], len(acts)
             own, d1, d2 = ids[s], first[s], second[s]
             while h < n and done[d1[h]] and done[d2[h]]:
@@ -208,13 +237,14 @@ def ordered_ids(schedule: Schedule) -> tuple[list[Action], list[int]]:
 def _slow_order(schedule: Schedule) -> tuple[list[Action], list[int]]:
     """Actions outside the schedule's stages or micro-batches (an invalid schedule, which
     ``check_complete`` reports): the order by Action objects, as before."""
-    heads = [0] * schedule.num_stages
+    lists = schedule.lists
+    heads = [0] * len(lists)
     done: set[Action] = set()
     order: list[Action] = []
-    total = sum(len(acts) for acts in schedule.per_stage)
+    total = sum(len(acts) for acts in lists)
     while len(order) < total:
         progressed = False
-        for s, acts in enumerate(schedule.per_stage):
+        for s, acts in enumerate(lists):
             while heads[s] < len(acts):
                 act = acts[heads[s]]
                 if any(d not in done for d in dependencies(act, schedule)):
