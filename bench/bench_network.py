@@ -120,6 +120,7 @@ def ours(case: dict, **options: Any) -> Variant:
         pipe.zero_grad()
         return pipe.step(xs, target=ys)
 
+    step.pipe = pipe  # type: ignore[attr-defined]  # (bench_defaults.py traces it)
     cut = plan.stage_costs[0].boundary_bytes if plan.stages > 1 else 0
     schedule = getattr(plan.schedule, "name", plan.schedule)  # a Schedule, or its name
     recompute = plan.recompute if isinstance(plan.recompute, bool) else \
@@ -334,14 +335,16 @@ def worker(args: argparse.Namespace) -> None:
 # -- the driver --------------------------------------------------------------------------------
 
 def launch(args: argparse.Namespace, link: str | None, cache: str, out: Path | None,
-           profile_only: bool = False) -> None:
+           profile_only: bool = False, script: str = __file__) -> None:
+    """Both ranks of ``script``'s worker (default: this file's) in their namespaces."""
     from netns_links import veth_pair
 
     extra = ["--worker", "--link", link or "unshaped", "--models", args.models,
              "--schedules", args.schedules, "--steps", str(args.steps), "--warmup",
              str(args.warmup), "--rounds", str(args.rounds), *(["--zb"] if args.zb else []),
              *(["--profile-only"] if profile_only else []), *(["--out", str(out)] if out else []),
-             *(["--pin"] if args.pin else [])]
+             *(["--pin"] if args.pin else []),
+             *(["--estimates"] if getattr(args, "estimates", False) else [])]
     base = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE_DIR": cache,
             "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
             "MASTER_PORT": str(PORT), "PYTHONPATH": str(HERE.parent / "src")}
@@ -351,7 +354,7 @@ def launch(args: argparse.Namespace, link: str | None, cache: str, out: Path | N
             for rank in (0, 1):
                 env = {**base, "RANK": str(rank), "MASTER_ADDR": pair.addresses[0],
                        "GLOO_SOCKET_IFNAME": pair.interfaces[rank]}
-                argv = pair.command(rank, [sys.executable, __file__, *extra])
+                argv = pair.command(rank, [sys.executable, script, *extra])
                 procs.append(subprocess.Popen(argv, env=env))
             deadline = time.time() + args.timeout
             for p in procs:

@@ -17,6 +17,8 @@ from .errors import (
     UninitializedError,
     VarunaFxError,
 )
+from .init.materialize import materialize
+from .init.record import deferred_init
 from .init.skip import skip_init
 from .pipeline import Pipeline
 from .planner.cluster import Cluster
@@ -38,7 +40,9 @@ __all__ = [
     "UninitializedError",
     "VarunaFxError",
     "compile",
+    "deferred_init",
     "latest_checkpoint",
+    "materialize",
     "skip_init",
 ]
 __version__ = "0.1.0"

@@ -47,7 +47,7 @@ def compile(  # noqa: A001 - the public name in API.md
     stages_per_rank: int | None = 1,
     data_parallel: int | None = None,
     micro_batch_size: int | None = None,
-    schedule: str = "varuna",
+    schedule: str = "auto",
     recompute: bool | str = "auto",
     tracer: str = "auto",
     offload_stash: bool = False,
@@ -153,7 +153,8 @@ def compile(  # noqa: A001 - the public name in API.md
                        plan.num_micro_batches)
     pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=o.loss_fn,
                          offload_stash=o.offload_stash, precision=o.precision,
-                         timeout=o.timeout)
+                         timeout=o.timeout,
+                         device=next((t.device for t in bound.tensors.values()), None))
     if o.global_batch_size is not None:
         pipe._replica_batch = o.global_batch_size // config.data_parallel
     return pipe

@@ -41,7 +41,7 @@ class CompileOptions:
     stages_per_rank: int | None = 1  # None: the schedule's default (the planner checks it)
     data_parallel: int | None = None
     micro_batch_size: int | None = None
-    schedule: str = "varuna"
+    schedule: str = "auto"
     recompute: bool | str = "auto"
     tracer: str = "auto"
     offload_stash: bool = False

@@ -20,6 +20,7 @@ from .checkpoint.save_load import checkpointer, wait_for_saves
 from .codegen import Stage
 from .codegen.modes import Modes, capture_if_changed, evaluation_stages, module_modes
 from .errors import InputError, VarunaFxError
+from .init.materialize import is_deferred, materialize_tensors
 from .init.skip import any_marked, loaded, raise_unloaded, unloaded
 from .ir.nodes import info
 from .planner.plan import Plan
@@ -39,8 +40,11 @@ from .world.where import launched_distributed
 
 def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                   canonical: dict[str, str], *, loss_fn: Any, offload_stash: bool,
-                  precision: str = "fp32", timeout: float | None = None) -> Pipeline:
-    """The distributed runtime under torchrun (world size > 1), else the one-process one."""
+                  precision: str = "fp32", timeout: float | None = None,
+                  device: torch.device | None = None) -> Pipeline:
+    """The distributed runtime under torchrun (world size > 1), else the one-process one.
+    A model built under ``vf.deferred_init`` is materialised here: in one process all of it
+    on ``device`` (the example inputs'), on a rank only its stage (``distributed.py``)."""
     check_precision(precision)
     assemble = OutputAssembler(captured)
     # the model's whole state, before a distributed rank empties what it does not hold
@@ -51,6 +55,9 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
             model, captured, stages, plan, canonical, assemble=assemble, loss_fn=loss_fn,
             offload_stash=offload_stash, precision=precision, timeout=timeout, layout=layout)
     else:
+        if is_deferred(model):
+            materialize_tensors(model, None, device or torch.device("cpu"),
+                                roots=[captured.gm, *(s.module for s in stages)])
         runtime = LocalRuntime(stages, plan, assemble=assemble, loss_fn=loss_fn,
                                offload_stash=offload_stash, precision=precision)
     runtime.mean_loss = find_mean_loss(captured.gm, captured.out_spec, captured.input_names,
@@ -210,8 +217,9 @@ class Pipeline:
         if any(t.is_meta for s in self.local_stages for t in self.stages[s].module.parameters()):
             raise InputError(
                 "the model's parameters are on the meta device: a pipeline compiled from a meta "
-                "model only plans. Build the model with real parameters (or "
-                "model.to_empty(device=...) and initialise them) and call vf.compile again"
+                "model only plans. Build it under `with vf.deferred_init(seed=0):` instead of "
+                "on the meta device (vf.compile then allocates and initialises each stage's "
+                "tensors where it runs), or with real parameters, and call vf.compile again"
             )
         self._edits.check()
         self._check_loaded()

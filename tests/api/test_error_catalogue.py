@@ -324,7 +324,25 @@ CATALOGUE = [
     row("meta model, real step", meta_model_step, Inp, "meta device", "real parameters"),
     row("built under skip_init, never loaded", skipped_init_step, vf.UninitializedError,
         "never loaded", "pipe.load_checkpoint", "without skip_init"),
+    # -- vf.deferred_init (tests/test_deferred_init.py has the rest) -------------------------
+    row("materialize a meta model", lambda _: vf.materialize(MLP.model.__class__().to("meta")),
+        vf.UninitializedError, "not built under vf.deferred_init", "deferred_init(seed"),
+    row("deferred tensor nothing initialised", lambda _: vf.materialize(_deferred_empty()),
+        vf.UninitializedError, "left", "torch.empty", "vf.skip_init"),
+    row("deferred_init nested", lambda _: _nested_deferred(), Inp, "do not nest"),
 ]
+
+
+def _deferred_empty() -> torch.nn.Module:
+    with vf.deferred_init(seed=0):
+        model = torch.nn.Module()
+        model.left = torch.nn.Parameter(torch.empty(3))
+    return model
+
+
+def _nested_deferred() -> None:
+    with vf.deferred_init(seed=0), vf.deferred_init(seed=1):
+        pass
 
 
 def test_every_row_has_a_unique_name() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,111 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import varuna_fx as vf
-from support.label_models import B, S, TokenLM, V, kept_labels_batch, token_ids
+from support.hf_zoo import ZOO, decoder_config, tf
+from support.label_models import B, TokenLM, V, kept_labels_batch, token_ids
 from tiers import tiered
-
-tf = pytest.importorskip("transformers")
-tf.logging.set_verbosity_error()
-
-
-def _padded(labels: torch.Tensor) -> torch.Tensor:
-    """Labels of unequal lengths: the first micro-batch keeps fewer than the second."""
-    labels = labels.clone()
-    labels[:2, S // 2:] = -100
-    return labels
-
-
-def _decoder(**extra: object) -> dict[str, object]:
-    return dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                vocab_size=V, max_position_embeddings=32, use_cache=False, bos_token_id=1,
-                eos_token_id=2, pad_token_id=0, **extra)
-
-
-def _encoder(**extra: object) -> dict[str, object]:
-    return dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                vocab_size=V, max_position_embeddings=40, pad_token_id=0,
-                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)
-
-
-def _lm(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    ids = token_ids(1)
-    return model, {"input_ids": ids, "labels": _padded(ids)}
-
-
-def _seq2seq(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    return model, {"input_ids": token_ids(1), "labels": _padded(token_ids(2))}
-
-
-def _image(model: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(3)
-    return model, {"pixel_values": torch.randn(B, 3, 16, 16, generator=g),
-                   "labels": torch.randint(0, 5, (B,), generator=g)}
-
-
-def _classify(model: nn.Module, problem: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(5)
-    labels = {"regression": lambda: torch.randn(B, 3, generator=g),
-              "single_label_classification":
-                  lambda: torch.randint(0, 3, (B,), generator=g)}[problem]()
-    return model, {"input_ids": token_ids(1), "labels": labels}
-
-
-# name -> a builder of (model, inputs); every text model's labels are padded with -100
-ZOO: dict[str, Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]] = {
-    "qwen2": lambda: _lm(tf.Qwen2ForCausalLM(tf.Qwen2Config(**_decoder(num_key_value_heads=1)))),
-    "mistral": lambda: _lm(tf.MistralForCausalLM(tf.MistralConfig(
-        **_decoder(num_key_value_heads=1, sliding_window=4)))),
-    "gemma": lambda: _lm(tf.GemmaForCausalLM(tf.GemmaConfig(
-        **_decoder(num_key_value_heads=1, head_dim=16)))),
-    "phi": lambda: _lm(tf.PhiForCausalLM(tf.PhiConfig(
-        **_decoder(resid_pdrop=0.0, embd_pdrop=0.0)))),
-    "gpt_neox": lambda: _lm(tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
-        **_decoder(hidden_dropout=0.0, attention_dropout=0.0)))),
-    "opt": lambda: _lm(tf.OPTForCausalLM(tf.OPTConfig(
-        num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=V,
-        max_position_embeddings=32, use_cache=False, word_embed_proj_dim=32, bos_token_id=1,
-        eos_token_id=2, pad_token_id=0, dropout=0.0, attention_dropout=0.0))),
-    "falcon": lambda: _lm(tf.FalconForCausalLM(tf.FalconConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=V,
-        use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_dropout=0.0,
-        attention_dropout=0.0))),
-    "bloom": lambda: _lm(tf.BloomForCausalLM(tf.BloomConfig(
-        n_layer=2, hidden_size=32, n_head=2, vocab_size=V, use_cache=False, bos_token_id=1,
-        eos_token_id=2, pad_token_id=0, hidden_dropout=0.0, attention_dropout=0.0))),
-    "gptj": lambda: _lm(tf.GPTJForCausalLM(tf.GPTJConfig(
-        n_layer=2, n_embd=32, n_head=2, rotary_dim=8, vocab_size=V, n_positions=32,
-        use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0))),
-    "distilbert": lambda: _lm(tf.DistilBertForMaskedLM(tf.DistilBertConfig(
-        n_layers=2, dim=32, hidden_dim=64, n_heads=2, vocab_size=V, max_position_embeddings=32,
-        pad_token_id=0, dropout=0.0, attention_dropout=0.0))),
-    "albert": lambda: _lm(tf.AlbertForMaskedLM(tf.AlbertConfig(
-        **_encoder(), embedding_size=16))),
-    "deberta_v2": lambda: _lm(tf.DebertaV2ForMaskedLM(tf.DebertaV2Config(
-        **_encoder(), relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"],
-        max_relative_positions=16))),
-    "t5": lambda: _seq2seq(tf.T5ForConditionalGeneration(tf.T5Config(
-        vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
-        num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
-        eos_token_id=2, use_cache=False))),
-    "bart": lambda: _seq2seq(tf.BartForConditionalGeneration(tf.BartConfig(
-        vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
-        max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
-        use_cache=False))),
-    "vit": lambda: _image(tf.ViTForImageClassification(tf.ViTConfig(
-        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=2, intermediate_size=64, num_labels=5, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0))),
-    "convnext": lambda: _image(tf.ConvNextForImageClassification(tf.ConvNextConfig(
-        num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5, image_size=16, num_stages=2))),
-    "bert_regression": lambda: _classify(tf.BertForSequenceClassification(tf.BertConfig(
-        **_encoder(), num_labels=3, problem_type="regression")), "regression"),
-    "llama_single_label": lambda: _classify(tf.LlamaForSequenceClassification(tf.LlamaConfig(
-        **_decoder(), num_labels=3, problem_type="single_label_classification")),
-        "single_label_classification"),
-}
 
 # (model, stages, schedule, recompute): each model under one configuration, all of them
 # covering P 1..3, every schedule family and recompute on and off
@@ -270,7 +167,7 @@ def test_hidden_states_come_back_once_per_layer_after_compile() -> None:
     # capture put the mark back but kept the hooks, so every later capture (the eval graph)
     # and the user's own eager calls collected each layer's hidden state twice
     torch.manual_seed(0)
-    model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**_decoder(num_key_value_heads=1,
+    model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**decoder_config(num_key_value_heads=1,
                                                           output_hidden_states=True)))
     ids = token_ids(1)
     inputs = {"input_ids": ids, "labels": ids}
@@ -289,7 +186,7 @@ def test_hidden_states_come_back_once_per_layer_after_compile() -> None:
 def test_a_model_returning_its_kv_cache_is_refused_naming_use_cache() -> None:
     # a decoder built from its config has use_cache=True: the error named the cache class
     # only, cut off mid-sentence, and said nothing about what to change
-    model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**{**_decoder(num_key_value_heads=1),
+    model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**{**decoder_config(num_key_value_heads=1),
                                                   "use_cache": True}))
     ids = token_ids(1)
     with pytest.raises(vf.CaptureError, match=r"model\.config\.use_cache = False"):
@@ -327,7 +224,7 @@ def test_router_load_balancing_loss_warns_with_micro_batches() -> None:
     from varuna_fx.capture.buffers import MicroBatchStateWarning
 
     torch.manual_seed(0)
-    model = tf.MixtralForCausalLM(tf.MixtralConfig(**_decoder(
+    model = tf.MixtralForCausalLM(tf.MixtralConfig(**decoder_config(
         num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
         output_router_logits=True)))
     ids = token_ids(1)

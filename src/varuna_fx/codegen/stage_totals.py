@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from ..costs.roofline import backward_time, forward_time
 from ..ir.nodes import info
-from ..passes.assign_stages import CostSetting
+from ..passes.assign_stages import CostSetting, canonical_parameters
 from ..passes.partition import Partition
 from ..planner.plan import StageCost
 from . import Stage
@@ -20,8 +20,8 @@ def stage_totals(gm: fx.GraphModule, stages: list[Stage], partition: Partition,
     the alternatives were weighed with, so the table and its alternatives row agree."""
     b = setting.micro_batch_size
     by_name = {n.name: n for n in gm.graph.nodes}
-    sizes = {name: p.numel() for name, p in gm.named_parameters(remove_duplicate=False)}
-    sizes.update({name: p.numel() for name, p in gm.named_buffers(remove_duplicate=False)})
+    # parameters only (buffers are not parameters), under the annotations' names
+    sizes = {name: p.numel() for name, p in canonical_parameters(gm).items()}
     result = []
     for stage in stages:
         nodes = [by_name[n] for n in stage.spec.nodes]

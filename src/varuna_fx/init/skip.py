@@ -35,6 +35,7 @@ import torch
 import torch.nn.init as nn_init
 
 from ..errors import UninitializedError
+from .record import mark_skipped
 
 # the random initialisers of torch.nn.init (drawing numbers is the cost): public, their
 # deprecated aliases (which call the public ones through a closure, not the module attribute)
@@ -140,7 +141,8 @@ def _is_dense(t: torch.Tensor, span: tuple[int, int]) -> bool:
 
 def mark(tensor: torch.Tensor) -> None:
     """Record ``tensor`` as never initialised (what a skipped init function does)."""
-    if tensor.is_meta:  # nothing to initialise, and the pipeline refuses meta tensors anyway
+    if tensor.is_meta:  # under vf.deferred_init: materialising allocates and marks it
+        mark_skipped(tensor)
         return
     with _marks_lock:
         key = id(tensor)

@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="samples per optimizer step over all replicas (default: each replica "
                            "takes the factory's example batch, so the global batch grows with D)")
     # (the search's P is ranks: schedules of several stages per rank are weighed by compile)
-    plan.add_argument("--schedule", default="varuna",
+    plan.add_argument("--schedule", default="auto",
                       choices=[c for c in schedule_choices() if not is_virtual(c)],
                       help=_SCHEDULE_HELP)
     plan.add_argument("--device-type", default=None,

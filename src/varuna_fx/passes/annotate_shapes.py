@@ -173,8 +173,12 @@ def _is_random_module(root: torch.nn.Module, n: fx.Node) -> bool:
 def _run_fake(gm: fx.GraphModule, bound: BoundInputs, batch: int) -> dict[fx.Node, _Observed]:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = _OpRecorder()
+    # a model on meta (vf.deferred_init, or planning only) computes with meta inputs: the real
+    # ones' device would be another than its weights'
+    on_meta = any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
     with mode:
-        fake = [torch.empty((batch, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        fake = [torch.empty((batch, *t.shape[1:]), dtype=t.dtype,
+                            device="meta" if on_meta else t.device)
                 for t in bound.tensors.values()]
     runner = _FakeRun(gm, recorder)
     # Tracing-time RNG, autograd and module state must not leak into the user's program.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch.fx as fx
+from torch import nn
 
 from ..capture.buffers import written_buffers
 from ..capture.mutations import after_write, view_write_chain
@@ -57,9 +58,26 @@ def params_read(node: fx.Node) -> dict[str, int]:
     return found
 
 
+def canonical_parameters(gm: fx.GraphModule) -> dict[str, nn.Parameter]:
+    """``gm``'s parameters under every name the annotations (``NodeInfo.params``) use.
+
+    fx keeps a tied weight under each of its model names; torch.export keeps it once, under
+    whichever name it met (``lm_head.weight`` of HF GPT-2), while the annotations use the
+    canonical (first) one (``transformer.wte.weight``): a get_attr node says which it is."""
+    found = dict(gm.named_parameters(remove_duplicate=False))
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) in found:
+            for name in info(node).params:
+                found.setdefault(name, found[str(node.target)])
+    return found
+
+
 def trainable_names(gm: fx.GraphModule) -> set[str]:
-    """Parameters with gradients: they carry WEIGHT_COPIES; buffers and frozen weights one."""
-    return {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    """Parameters with gradients: they carry WEIGHT_COPIES; buffers and frozen weights one.
+    Canonical names included, so a tied weight torch.export keeps under its other name is
+    still trainable (else it was priced as a buffer: no gradient, no optimizer state, no
+    all-reduce)."""
+    return {name for name, p in canonical_parameters(gm).items() if p.requires_grad}
 
 
 def partition_problem(gm: fx.GraphModule, setting: CostSetting) -> PartitionProblem:
@@ -76,6 +94,7 @@ def partition_problem(gm: fx.GraphModule, setting: CostSetting) -> PartitionProb
     # the last stage never recomputes: its forward is followed directly by its backward
     last_compute = times(False) if setting.recompute else None
     weights = np.zeros(n)
+    grads = np.zeros(n)  # what data parallelism all-reduces
     seen: set[str] = set()
     trainable = trainable_names(gm)
     for i, node in enumerate(nodes):  # a weight counts where it is first read
@@ -83,6 +102,7 @@ def partition_problem(gm: fx.GraphModule, setting: CostSetting) -> PartitionProb
             if name not in seen:
                 seen.add(name)
                 weights[i] += (WEIGHT_COPIES if name in trainable else 1) * nbytes
+                grads[i] += nbytes if name in trainable else 0
     # the largest single activation of a stage: its gradient is the backward's workspace
     workspace = np.array([
         info(x).out_bytes(b) if (info(x).fwd_flops(b) > 0) else 0.0 for x in nodes
@@ -131,7 +151,7 @@ def partition_problem(gm: fx.GraphModule, setting: CostSetting) -> PartitionProb
         bandwidth=setting.bandwidth, memory_cap=setting.memory_cap,
         stash_counts=setting.stash_counts, recompute=setting.recompute,
         last_stage_compute=last_compute, workspace_bytes=workspace,
-        shared=shared_weights(nodes, trainable), written_spans=spans,
+        shared=shared_weights(nodes, trainable), written_spans=spans, grad_bytes=grads,
     )
 
 

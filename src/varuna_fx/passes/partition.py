@@ -15,21 +15,31 @@ bottleneck that sends at most half the bytes wins. The send term prices bytes on
 sending 5x a block boundary's bytes, look free for 1% of balance), and on a measured fast link
 the send term is tiny, so the rule costs at most that sliver there.
 
+With D > 1 replicas each stage all-reduces the gradients of the parameters it holds (its own
+copies of tied weights included) once per step, after its last backward: a cost the
+per-micro-batch bottleneck does not see. On a slow link every stage costs its send, so every
+cut looks equal and the last stage (which sends nothing) was filled with compute up to the
+bottleneck, parameters piled with it (7.6M of 10M on a GPT at 0.1 Gbit/s), and its all-reduce
+became most of the step. Given ``allreduce_per_byte`` the partition minimises the step's own
+shape, ``(m + P - 1) x bottleneck + the largest stage's all-reduce``, over the partitions that
+cap the all-reduce (``weigh_allreduce.py``).
+
 Nothing here knows about graphs: tests feed it synthetic arrays.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..costs.memory import MemoryModel, SharedWeight, format_bytes
 from ..errors import PartitionError
+from .bottleneck import fewest_bytes, smallest_bottleneck
+from .weigh_allreduce import allreduce_matrix, weigh_allreduce
 
-_REL_TOL = 1e-9
 _FEWER_BYTES = 0.5  # "several times fewer": the loose partition must send at most this share
 
 
@@ -60,6 +70,14 @@ class PartitionProblem:
     # buffers forward writes: (first, last) node reading or writing each; the nodes between
     # stay on one stage (their cuts are forbidden), named when that leaves too few cuts
     written_spans: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    # [N] gradient bytes of the trainable parameters a node reads first (shared weights' copies
+    # come from ``shared``): what data parallelism all-reduces
+    grad_bytes: np.ndarray | None = None
+    # seconds per gradient byte of a stage's all-reduce over its replicas (ring: 2 (D-1)/D over
+    # the replica link's bandwidth), and per all-reduce; 0: one replica, nothing to weigh
+    allreduce_per_byte: float = 0.0
+    allreduce_latency: float = 0.0
+    micro_batches: int = 1  # m: the pipeline part of a step is about (m + P - 1) bottlenecks
 
     def __post_init__(self) -> None:
         n = len(self.compute)
@@ -71,6 +89,8 @@ class PartitionProblem:
             raise ValueError("workspace_bytes must have one entry per node")
         if len(self.cut_bytes) != n + 1:
             raise ValueError("cut_bytes must have one entry per cut position (N + 1)")
+        if self.grad_bytes is not None and len(self.grad_bytes) != n:
+            raise ValueError("grad_bytes must have one entry per node")
         if self.recompute == "auto" and self.last_stage_compute is None:
             raise ValueError("recompute='auto' needs last_stage_compute (the plain times)")
 
@@ -97,6 +117,8 @@ class Partition:
     stage_memory: tuple[float, ...]  # peak bytes of each stage (``memory_model``)
     bottleneck: float
     recompute: tuple[bool, ...] = ()  # per stage: whether it recomputes (set by the partition)
+    # per stage: seconds of its all-reduce over the replicas (``allreduce_per_byte``), or ()
+    allreduce: tuple[float, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -211,27 +233,52 @@ def partition(costs: PartitionProblem, num_stages: int) -> Partition:
     reduced = _reduce(costs, positions)
     stages = _Stages(reduced, num_stages)
     cut = np.asarray(reduced.cut_bytes, dtype=np.float64)
-    units = len(positions) - 1
-    # best[k][j]: smallest bottleneck of splitting units [0, j) into k + 1 stages.
-    best = np.full((num_stages, units + 1), np.inf)
-    best[0] = stages.cost(0)[0]
-    for k in range(1, num_stages):
-        best[k] = np.min(np.maximum(best[k - 1][:, None], stages.cost(k)), axis=0)
-    bottleneck = float(best[num_stages - 1][units]) if num_stages <= units else np.inf
+    bottleneck = smallest_bottleneck(stages.cost, num_stages, len(positions) - 1)
     if not np.isfinite(bottleneck):
         _explain_infeasible(costs, num_stages)
-    unit_bounds = _fewest_bytes(stages.cost, cut, num_stages, bottleneck)
+    unit_bounds = fewest_bytes(stages.cost, cut, num_stages, bottleneck)
     # an infinite bandwidth says the links are free (or the caller prices only compute)
     if costs.byte_tolerance > 0 and num_stages > 1 and np.isfinite(costs.bandwidth):
-        loose = _fewest_bytes(stages.cost, cut, num_stages,
-                              bottleneck * (1 + costs.byte_tolerance))
+        loose = fewest_bytes(stages.cost, cut, num_stages,
+                             bottleneck * (1 + costs.byte_tolerance))
         if _bytes_sent(cut, loose) <= _FEWER_BYTES * _bytes_sent(cut, unit_bounds):
             unit_bounds = loose
+    allreduce = _allreduce(reduced)
+    if allreduce is not None and num_stages > 1:
+        unit_bounds = weigh_allreduce(stages.cost, cut, allreduce, num_stages, unit_bounds,
+                                      reduced.micro_batches)
+    return _made(stages, allreduce, positions, unit_bounds)
+
+
+def evaluate(costs: PartitionProblem, bounds: tuple[int, ...]) -> Partition:
+    """The partition with the given ``bounds`` (P + 1 node positions), priced as
+    ``partition`` prices its own: stage costs, memory, recompute flags, all-reduce. Raises
+    PartitionError where a stage may not be (a forbidden cut) or does not fit."""
+    num_stages = len(bounds) - 1
+    positions = [int(b) for b in bounds]
+    reduced = _reduce(costs, positions)
+    stages = _Stages(reduced, num_stages)
+    units = list(range(num_stages + 1))
+    if not all(np.isfinite(stages.cost(k)[k, k + 1]) for k in range(num_stages)):
+        raise PartitionError(f"stage bounds {positions} cut where no cut may be, or a stage "
+                             "does not fit in memory")
+    return _made(stages, _allreduce(reduced), positions, units)
+
+
+def _allreduce(reduced: PartitionProblem) -> np.ndarray | None:
+    return allreduce_matrix(reduced.grad_bytes, reduced.shared, reduced.allreduce_per_byte,
+                            reduced.allreduce_latency, len(reduced.compute))
+
+
+def _made(stages: _Stages, allreduce: np.ndarray | None, positions: list[int],
+          unit_bounds: list[int]) -> Partition:
     pairs = list(zip(unit_bounds, unit_bounds[1:]))
     stage_times = tuple(float(stages.cost(k)[i, j]) for k, (i, j) in enumerate(pairs))
     flags = tuple(stages.recomputes(i, j, k) for k, (i, j) in enumerate(pairs))
     bounds = tuple(positions[u] for u in unit_bounds)
-    return Partition(bounds, stage_times, stages.memory(unit_bounds), max(stage_times), flags)
+    reduces = () if allreduce is None else tuple(float(allreduce[i, j]) for i, j in pairs)
+    return Partition(bounds, stage_times, stages.memory(unit_bounds), max(stage_times), flags,
+                     reduces)
 
 
 def _bytes_sent(cut: np.ndarray, unit_bounds: list[int]) -> float:
@@ -285,6 +332,7 @@ def _reduce(costs: PartitionProblem, positions: list[int]) -> PartitionProblem:
 
     last = costs.last_stage_compute
     workspace = costs.workspace_bytes
+    grads = costs.grad_bytes
     return dataclasses.replace(
         costs, compute=sums(costs.compute), weight_bytes=sums(costs.weight_bytes),
         activation_bytes=sums(costs.activation_bytes),
@@ -293,29 +341,8 @@ def _reduce(costs: PartitionProblem, positions: list[int]) -> PartitionProblem:
         workspace_bytes=None if workspace is None else np.maximum.reduceat(
             np.asarray(workspace, dtype=np.float64), positions[:-1]),
         shared=tuple(item.in_units(positions) for item in costs.shared),
+        grad_bytes=None if grads is None else sums(grads),
     )
-
-
-def _fewest_bytes(cost: Callable[[int], np.ndarray], cut: np.ndarray, num_stages: int,
-                  bottleneck: float) -> list[int]:
-    """Among partitions whose every stage costs <= bottleneck, the one sending fewest bytes
-    (``cost(k)``: the matrix of stage costs as the k-th stage)."""
-    n = len(cut) - 1
-    limit = bottleneck * (1 + _REL_TOL) + 1e-300
-    crossing = np.where(np.isfinite(cut), cut, np.inf)
-    total = np.full((num_stages, n + 1), np.inf)
-    parent = np.zeros((num_stages, n + 1), dtype=np.int64)
-    total[0] = np.where(cost(0)[0] <= limit, 0.0, np.inf)
-    for k in range(1, num_stages):
-        # entering stage k at cut i costs the bytes crossing cut i
-        candidates = np.where(cost(k) <= limit, (total[k - 1] + crossing)[:, None], np.inf)
-        parent[k] = np.argmin(candidates, axis=0)
-        total[k] = candidates[parent[k], np.arange(n + 1)]
-    bounds = [n]
-    for k in range(num_stages - 1, 0, -1):
-        bounds.append(int(parent[k][bounds[-1]]))
-    bounds.append(0)
-    return bounds[::-1]
 
 
 def held_together(spans: Mapping[str, tuple[int, int]], n: int) -> str:

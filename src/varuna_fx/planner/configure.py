@@ -29,7 +29,7 @@ import torch.fx as fx
 from ..costs.roofline import DeviceSpec, NodeTimes
 from ..errors import PartitionError, PlanError
 from ..passes.assign_stages import CostSetting, compute_nodes, partition_problem, record_stages
-from ..passes.partition import Partition, partition
+from ..passes.partition import Partition, PartitionProblem, evaluate, partition
 from ..schedule import (
     Schedule,
     build_schedule,
@@ -62,6 +62,9 @@ class Configuration:
     alternatives: list[Alternative] = field(default_factory=list)
     device: DeviceSpec | None = None  # what time estimates are made for
     node_times: NodeTimes | None = None  # measured costs, when a profile applies
+    # the search's own partition of the chosen row (node positions): what its step was priced
+    # with, so the compiled partition is never slower than the row (None: nothing searched)
+    searched_bounds: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
     planner.stages_per_rank = v
     planner.memory_cap /= v  # a rank holds v stages (each checked at its share)
     alternatives: list[Alternative] = []
+    searched: tuple[int, ...] | None = None
     world = running_world()
     if v > 1:  # virtual stages: P given (or v per rank), D from the ranks
         ranks = (world or cluster.gpus) // (data_parallel or 1)
@@ -143,6 +147,8 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
         alternatives = result.alternatives
         if stages_per_rank is None and schedule == AUTO:  # the planner chooses v too
             p, name, v, alternatives = _weigh_virtual(planner, best, alternatives)
+        if best.plan is not None and v == 1 and p == best.stages:  # unit -> node positions
+            searched = tuple(int(planner.table.units[u]) for u in best.plan.bounds)
     m = replica_batch(example_batch, global_batch_size, d) // b
     net = planner.links(p, d)
     sched, counts = planner.built(p, m, name)  # the chosen schedule (schedule="auto")
@@ -150,7 +156,7 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
         stages=p, data_parallel=d, micro_batch_size=b, num_micro_batches=m,
         pipeline_bandwidth=net.partition_bandwidth, allreduce_bandwidth=net.allreduce_bandwidth,
         stash_counts=tuple(counts), schedule=sched, planner=planner, alternatives=alternatives,
-        device=planner.spec, node_times=planner.table.measured,
+        device=planner.spec, node_times=planner.table.measured, searched_bounds=searched,
     )
 
 
@@ -214,12 +220,12 @@ def price(config: Configuration, bounds: tuple[int, ...],
     b, p, m = config.micro_batch_size, config.stages, config.num_micro_batches
     units = planner.table.unit_arrays(b, planner.spec, positions=list(bounds))
     balancer = planner.balancer_for(units, p)
-    c = Candidate(p, config.data_parallel, b, m, schedule=config.schedule.name)
+    base = config.schedule
+    c = Candidate(p, config.data_parallel, b, m, schedule=base.name)  # (the row shows it)
     c.plan = balancer.stage_plan(list(range(p + 1)))
     # the search ordered schedules with unit costs (cached per P, m); the plan's schedule is
     # generated from this partition's own times (Varuna's order, split backward's W placement)
     # ``recompute``: the partition's per-stage choice (default: the planner's one setting)
-    base = config.schedule
     rc = base.recompute if recompute is None else recompute
     sched = build_schedule(base.name, p, m, rc, planner.schedule_costs(c, rc),
                            stages_per_rank=base.stages_per_rank if base.is_virtual else None)
@@ -232,7 +238,10 @@ def price(config: Configuration, bounds: tuple[int, ...],
 
 def assign_and_price(gm: fx.GraphModule, config: Configuration,
                      setting: CostSetting) -> tuple[Partition, Priced]:
-    """The partition pass (``assign_stages``) for the stash counts of the schedule that runs.
+    """The partition pass (``assign_stages``) for the stash counts of the schedule that runs,
+    weighing each stage's all-reduce over the replicas (``allreduce_terms``), and never slower
+    than the search's own partition of the chosen row (``_searched``): the plan's predicted
+    step is at most every row the planner lists.
 
     That schedule is generated from the partition's own costs and recompute flags (``price``),
     so its counts are known only after partitioning, and they differ from the planner's
@@ -244,7 +253,7 @@ def assign_and_price(gm: fx.GraphModule, config: Configuration,
     least the schedule's, and its memory is restated at the schedule's counts: the plan, its
     alternatives row and ``Partition.stage_memory`` always print the model at the counts that
     run, and they never exceed what the cap was checked with."""
-    costs = partition_problem(gm, setting)
+    costs = dataclasses.replace(partition_problem(gm, setting), **allreduce_terms(config))
     counts = config.stash_counts
     safe: tuple[Partition, Priced] | None = None
     while True:
@@ -261,8 +270,40 @@ def assign_and_price(gm: fx.GraphModule, config: Configuration,
             safe, counts = (made, priced), runs  # fits a fortiori; try the schedule's own once
         else:
             counts = tuple(max(r, c) for r, c in zip(runs, counts))
+    searched = _searched(costs, config) if config.searched_bounds not in (None, made.bounds) \
+        else None
+    if searched is not None and searched[1].step_time < priced.step_time:
+        made, priced = searched
     record_stages(gm, made)
     return made, priced
+
+
+def allreduce_terms(config: Configuration) -> dict[str, float | int]:
+    """The partition's all-reduce weights (``PartitionProblem``) for the configuration's D."""
+    per_byte, latency = config.planner.links(config.stages, config.data_parallel) \
+        .allreduce_terms(config.data_parallel)
+    return {"allreduce_per_byte": per_byte, "allreduce_latency": latency,
+            "micro_batches": config.num_micro_batches}
+
+
+def _searched(costs: PartitionProblem, config: Configuration
+              ) -> tuple[Partition, Priced] | None:
+    """The search's partition of the chosen row, priced as ``assign_and_price`` prices its
+    own (checked against memory at stash counts at least those its schedule runs, its memory
+    stated at those), or None where it does not fit (or its counts do not settle)."""
+    assert config.searched_bounds is not None
+    counts = config.stash_counts
+    for _ in range(3):
+        try:
+            made = evaluate(dataclasses.replace(costs, stash_counts=counts),
+                            config.searched_bounds)
+        except PartitionError:
+            return None
+        priced = price(config, made.bounds, made.recompute)
+        if all(r <= c for r, c in zip(priced.stash_counts, counts)):  # fits a fortiori
+            return dataclasses.replace(made, stage_memory=priced.stage_memory), priced
+        counts = tuple(max(r, c) for r, c in zip(priced.stash_counts, counts))
+    return None
 
 
 def check_micro_batch(batch: int, micro_batch_size: int) -> None:

@@ -39,6 +39,14 @@ class Links:
         ring = 2 * (replicas - 1)
         return ring / replicas * nbytes / self.allreduce_bandwidth + ring * self.allreduce_latency
 
+    def allreduce_terms(self, replicas: int) -> tuple[float, float]:
+        """(seconds per byte, seconds per all-reduce) of ``allreduce``: (0, 0) for one
+        replica. The partition weighs each stage's all-reduce with them."""
+        if replicas <= 1:
+            return 0.0, 0.0
+        ring = 2 * (replicas - 1)
+        return ring / replicas / self.allreduce_bandwidth, ring * self.allreduce_latency
+
 
 def links(cluster: Cluster, stages: int, replicas: int,
           network: NetworkProfile | None = None) -> Links:

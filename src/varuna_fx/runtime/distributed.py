@@ -34,7 +34,8 @@ from ..capture.captured import Captured
 from ..capture.inputs import BoundInputs
 from ..codegen import Stage
 from ..codegen.modes import Modes, capture_if_changed, evaluation_stages, modes_set, module_modes
-from ..errors import DistributedError, PeerTimeoutError
+from ..errors import DistributedError, InputError, PeerTimeoutError
+from ..init.materialize import is_deferred, materialize_tensors, meta_without_record
 from ..ir.nodes import info
 from ..planner.plan import Plan
 from ..schedule import Op, OpKind, validate
@@ -239,6 +240,7 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     ``layout``: the model's state, recorded before this rank empties what it does not hold."""
     layout = layout or StateLayout.of(model, canonical, stages)
     seconds = resolve_timeout(timeout)
+    refuse_plain_meta(model)  # every rank has the same model: all raise, before any wait
     # eval mode's graph, cut now (a rank keeps only its stage's parameters), and before the
     # first collective, so peers never wait on it
     eval_mode = _eval_mode_stages(model, captured, stages, canonical, plan)
@@ -259,6 +261,11 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     tied = tied_sets(plan, model, canonical)
     links = message_links(stages, eval_mode[1][1] if eval_mode[1] is not None else None)
     groups = build_groups(placement, tied, local, replica, seconds, links)
+    if is_deferred(model):  # vf.deferred_init: allocate and initialise only this rank's stages
+        eval_roots = [] if eval_mode[1] is None else \
+            [eval_mode[1][0].gm, *(s.module for s in eval_mode[1][1])]
+        materialize_tensors(model, layout.held_names(canonical, stages, local), device,
+                            roots=[captured.gm, *(s.module for s in stages), *eval_roots])
     # stage 0 also keeps what forward never reads, so no rank loses those weights
     keep = unread_tensors(model, layout) if 0 in local else []
     release_unheld(model, [stages[s] for s in local], device, keep=keep)
@@ -280,6 +287,19 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     )
     runtime.other_modes[eval_mode[0]] = eval_mode[1]
     return runtime
+
+
+def refuse_plain_meta(model: nn.Module) -> None:
+    """A rank runs its stage on real tensors: a model put on the meta device without
+    ``vf.deferred_init`` has nothing to run (one process only plans with it)."""
+    names = meta_without_record(model)
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise InputError(
+            f"{len(names)} parameter(s)/buffer(s) are on the meta device ({shown}) with nothing "
+            "saying what they hold: under torchrun every rank needs its stage's real tensors. "
+            "Build the model under `with vf.deferred_init(seed=0):` (each rank then allocates "
+            "and initialises only its stage), or with real tensors")
 
 
 def stage_label(local: list[int]) -> str:

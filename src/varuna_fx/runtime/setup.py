@@ -206,6 +206,8 @@ def release_unheld(model: nn.Module, stage: Stage | list[Stage], device: torch.d
         if id(tensor) in used:
             if tensor.device != device:
                 tensor.data = tensor.data.to(device)
+        elif tensor.is_meta:  # another stage's tensor of a vf.deferred_init model: free
+            released = True
         else:
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=device)
             released = True

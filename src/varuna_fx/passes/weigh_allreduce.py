@@ -1,0 +1,101 @@
+"""Weighing each stage's data-parallel all-reduce in the partition.
+
+With D > 1 replicas each stage all-reduces the gradients of the parameters it holds (its own
+copies of tied weights included) once per step, after its last backward: a cost the
+per-micro-batch bottleneck does not see. The partition then minimises the step's own shape,
+``(m + P - 1) x bottleneck + the largest stage's all-reduce`` (the planner prices a step as the
+simulated pipeline plus the largest stage's all-reduce).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..costs.memory import MemoryModel, SharedWeight
+from .bottleneck import fewest_bytes, smallest_bottleneck
+
+_AR_GRID = 12  # all-reduce caps tried between the unweighed partition's and the lower bound
+_AR_REFINE = 4  # then this many between the best cap and the one above it
+
+
+def allreduce_matrix(grad_bytes: np.ndarray | None, shared: Sequence[SharedWeight],
+                     per_byte: float, latency: float, n: int) -> np.ndarray | None:
+    """[U + 1, U + 1]: seconds of stage [i, j)'s all-reduce over its replicas (the gradients
+    of the parameters it holds, tied copies included), or None with nothing to weigh."""
+    if per_byte <= 0 or grad_bytes is None:
+        return None
+    grads = MemoryModel(np.asarray(grad_bytes, dtype=np.float64), np.zeros(n),
+                        np.zeros(n + 1), np.zeros(n),
+                        [SharedWeight(s.grad, s.grad, s.nodes) for s in shared])
+    idx = np.arange(n + 1)
+    held = np.maximum(grads.held(idx[:, None], idx[None, :]), 0.0)
+    return np.where(held > 0, held * per_byte + latency, 0.0)
+
+
+def weigh_allreduce(stage_cost: Callable[[int], np.ndarray], cut: np.ndarray,
+                    allreduce: np.ndarray, num_stages: int, plain: list[int],
+                    micro_batches: int) -> list[int]:
+    """Bounds minimising ``(m + P - 1) x bottleneck + the largest stage all-reduce``.
+
+    The smallest bottleneck under a cap A on every stage's all-reduce, B(A), only grows as A
+    falls, and a partition under cap A scores at most ``(m + P - 1) B(A) + A``. So the caps
+    worth trying lie between the unweighed partition's largest all-reduce (``plain``, kept
+    when nothing beats it) and a lower bound of any partition's: a geometric grid over that
+    range, then a finer one around the best, each cap one bottleneck programme with the
+    stages over it forbidden; only the best cap's partition is made (fewest bytes among its
+    optimal ones, as ``partition``). The grid stops once the pipeline part alone reaches the
+    best score (lower caps cannot help)."""
+    fill = micro_batches + num_stages - 1
+    units = len(cut) - 1
+
+    def score(bounds: list[int]) -> float:
+        pairs = list(zip(bounds, bounds[1:]))
+        slowest = max(float(stage_cost(k)[i, j]) for k, (i, j) in enumerate(pairs))
+        return fill * slowest + max(float(allreduce[i, j]) for i, j in pairs)
+
+    def masked(cap: float) -> Callable[[int], np.ndarray]:
+        made: dict[int, np.ndarray] = {}  # stage_cost returns one cached matrix per kind
+
+        def cost(k: int) -> np.ndarray:
+            matrix = stage_cost(k)
+            if id(matrix) not in made:
+                made[id(matrix)] = np.where(allreduce <= cap, matrix, np.inf)
+            return made[id(matrix)]
+        return cost
+
+    plain_score = score(plain)
+    top = max(float(allreduce[i, j]) for i, j in zip(plain, plain[1:]))
+    singles = allreduce[np.arange(units), np.arange(1, units + 1)]
+    floor = max(float(singles.max(initial=0.0)), float(allreduce[0, units]) / num_stages)
+    if not top > floor > 0:
+        return plain
+    best: tuple[float, float, float] | None = None  # (estimate, cap, bottleneck)
+    tried = [top]
+
+    def attempt(cap: float) -> bool:
+        """Try ``cap``; False when every lower cap is hopeless (or none is possible)."""
+        nonlocal best
+        tried.append(cap)
+        found = smallest_bottleneck(masked(cap), num_stages, units)
+        limit = plain_score if best is None else best[0]
+        if not np.isfinite(found) or fill * found >= limit:
+            return False
+        if fill * found + cap < limit:
+            best = (fill * found + cap, cap, found)
+        return True
+
+    ratio = (floor / top) ** (1 / _AR_GRID)
+    for step in range(1, _AR_GRID + 1):
+        if not attempt(top * ratio**step):
+            break
+    if best is None:
+        return plain
+    above = min((c for c in tried if c > best[1]), default=top)
+    fine = (best[1] / above) ** (1 / (_AR_REFINE + 1))
+    for step in range(1, _AR_REFINE + 1):  # finer between the best cap and the one above
+        attempt(above * fine**step)
+    _, cap, found = best
+    bounds = fewest_bytes(masked(cap), cut, num_stages, found)
+    return bounds if score(bounds) < plain_score * (1 - 1e-12) else plain
