@@ -48,6 +48,7 @@ def compile(  # noqa: A001 - the public name in API.md
     data_parallel: int | None = None,
     micro_batch_size: int | None = None,
     schedule: str = "auto",
+    shard_optimizer: bool | str = "auto",
     recompute: bool | str = "auto",
     tracer: str = "auto",
     offload_stash: bool = False,
@@ -71,7 +72,7 @@ def compile(  # noqa: A001 - the public name in API.md
         stages_per_rank=stages_per_rank, data_parallel=data_parallel,
         micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute, tracer=tracer,
         offload_stash=offload_stash, precision=precision, timeout=timeout, profile=profile,
-        dump=dump)
+        shard_optimizer=shard_optimizer, dump=dump)
     check_model(model, example_inputs, o.loss_fn)
     cluster = o.cluster or Cluster.local(timeout=resolve_timeout(o.timeout))
     where_to = dump_dir(o.dump)
@@ -92,6 +93,7 @@ def compile(  # noqa: A001 - the public name in API.md
             data_parallel=o.data_parallel, micro_batch_size=o.micro_batch_size,
             schedule=o.schedule, recompute=rc,
             profile=resolve_profile(captured.gm, bound, o.profile, settings, timeout=o.timeout),
+            shard_optimizer=o.shard_optimizer,
             stages_per_rank=o.stages_per_rank,
         )
 
@@ -121,6 +123,7 @@ def compile(  # noqa: A001 - the public name in API.md
             memory_cap=cluster.gpu_memory / config.schedule.stages_per_rank,
             stash_counts=config.stash_counts, recompute=o.recompute,
             node_times=config.node_times,
+            optimizer_shards=config.data_parallel if config.shard_optimizer else 1,
         ),
     })
     run_passes(BACK_PASSES, state, dump=where_to, done=FRONT_PASSES)
@@ -147,6 +150,7 @@ def compile(  # noqa: A001 - the public name in API.md
         tied_parameters={k: v for k, v in holders.items() if len(v) > 1},
         predicted_step_time=priced.step_time, tracer=captured.tracer,
         model_name=type(model).__name__, alternatives=priced.alternatives,
+        shard_optimizer=config.shard_optimizer,
     )
     warn_micro_batch_state(model, captured.gm, plan.num_micro_batches)
     warn_sample_mixing(f"{type(model).__name__}.forward", graph_findings(captured.gm),
@@ -154,6 +158,7 @@ def compile(  # noqa: A001 - the public name in API.md
     pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=o.loss_fn,
                          offload_stash=o.offload_stash, precision=o.precision,
                          timeout=o.timeout,
+                         shard_optimizer=o.shard_optimizer,
                          device=next((t.device for t in bound.tensors.values()), None))
     if o.global_batch_size is not None:
         pipe._replica_batch = o.global_batch_size // config.data_parallel

@@ -43,6 +43,10 @@ class CheckpointError(VarunaFxError):
     """A checkpoint cannot be written or does not fit this model or optimizer."""
 
 
+class OptimizerError(VarunaFxError):
+    """An optimizer the pipeline cannot step correctly (sharded optimizer state, ZeRO-1)."""
+
+
 class UninitializedError(VarunaFxError):
     """A tensor ``vf.skip_init()`` left uninitialised was never loaded before a step."""
 

@@ -45,6 +45,7 @@ class CompileOptions:
     recompute: bool | str = "auto"
     tracer: str = "auto"
     offload_stash: bool = False
+    shard_optimizer: bool | str = "auto"  # ZeRO-1 over each stage's D replicas
     precision: str = "fp32"
     timeout: float | None = None  # None: $VARUNA_FX_TIMEOUT or the default, when waited on
     profile: Any = False  # False | True | a varuna_fx.planner.Profile (resolve_profile checks)
@@ -71,6 +72,7 @@ class CompileOptions:
         check_count("global_batch_size", self.global_batch_size, "samples per optimizer step")
         check_flag("recompute", self.recompute, (True, False, "auto"))
         check_flag("offload_stash", self.offload_stash)
+        check_flag("shard_optimizer", self.shard_optimizer, (True, False, "auto"))
         resolve_timeout(self.timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
         check_precision(self.precision)  # before capture and planning, not after
         if self.schedule not in schedule_choices():

@@ -35,13 +35,15 @@ from .runtime.precision import check_precision, optimizer_step
 from .runtime.setup import held_tensors
 from .runtime.shard import shard_batch
 from .runtime.step import Runtime
+from .runtime.zero import build_optimizer, guard_direct_optimizers
 from .world.where import launched_distributed
 
 
 def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                   canonical: dict[str, str], *, loss_fn: Any, offload_stash: bool,
                   precision: str = "fp32", timeout: float | None = None,
-                  device: torch.device | None = None) -> Pipeline:
+                  device: torch.device | None = None,
+                  shard_optimizer: bool | str = "auto") -> Pipeline:
     """The distributed runtime under torchrun (world size > 1), else the one-process one.
     A model built under ``vf.deferred_init`` is materialised here: in one process all of it
     on ``device`` (the example inputs'), on a rank only its stage (``distributed.py``)."""
@@ -62,13 +64,21 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
                                offload_stash=offload_stash, precision=precision)
     runtime.mean_loss = find_mean_loss(captured.gm, captured.out_spec, captured.input_names,
                                        loss_fn)
-    return Pipeline(model, captured, stages, plan, canonical, runtime, assemble, layout)
+    pipe = Pipeline(model, captured, stages, plan, canonical, runtime, assemble, layout)
+    pipe._shard_optimizer = shard_optimizer
+    if pipe.replicas > 1 and (shard_optimizer is True or
+                              (shard_optimizer == "auto" and plan.shard_optimizer)):
+        why = "shard_optimizer=True" if shard_optimizer is True else \
+            "the plan shards optimizer state to fit in memory"
+        guard_direct_optimizers(pipe.parameters(), f"{why} (ZeRO-1)")
+    return pipe
 
 
 class Pipeline:
     # the samples each replica must pass to step when compile was given global_batch_size
     # (global / D); None: any batch the micro-batch size divides
     _replica_batch: int | None = None
+    _shard_optimizer: bool | str = "auto"  # compile's shard_optimizer
 
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                  canonical: dict[str, str], runtime: Runtime,
@@ -282,6 +292,15 @@ class Pipeline:
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 for fp32 and bf16)."""
         return self.runtime.scaler.scale
+
+    def optimizer(self, cls: type, params: Any = None, **defaults: Any) -> torch.optim.Optimizer:
+        """``cls(params, **defaults)`` over this rank's parameters (``params``: parameters or
+        param groups from :meth:`named_parameters`; None: all), or, when the optimizer state is
+        sharded over the D replicas (``shard_optimizer``; runtime/zero.py), over this rank's
+        shard of them: an instance of ``cls`` whose state_dict holds this rank's shard only,
+        and whose step also gathers the updated parameters."""
+        return build_optimizer(self.runtime, dict(self.named_parameters()), cls, params,
+                               defaults, self._shard_optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """``optimizer.step()`` unless the last step overflowed (fp16), then update the loss

@@ -324,6 +324,14 @@ CATALOGUE = [
     row("meta model, real step", meta_model_step, Inp, "meta device", "real parameters"),
     row("built under skip_init, never loaded", skipped_init_step, vf.UninitializedError,
         "never loaded", "pipe.load_checkpoint", "without skip_init"),
+    # -- optimizers (sharded state: the distributed refusals are in tests/test_zero.py) ------
+    row("pipe.optimizer of a non-optimizer", step_after(
+        lambda p: p.optimizer(torch.nn.Linear)), vf.OptimizerError, "torch.optim.Optimizer"),
+    row("pipe.optimizer over a foreign tensor", step_after(
+        lambda p: p.optimizer(torch.optim.SGD, [torch.zeros(2, requires_grad=True)], lr=1.0)),
+        vf.OptimizerError, "not one of this rank's parameters", "pipe.named_parameters()"),
+    row("shard_optimizer not a choice", lambda _: compile_mlp(shard_optimizer="always"), E,
+        "shard_optimizer='always'", "'auto'"),
     # -- vf.deferred_init (tests/test_deferred_init.py has the rest) -------------------------
     row("materialize a meta model", lambda _: vf.materialize(MLP.model.__class__().to("meta")),
         vf.UninitializedError, "not built under vf.deferred_init", "deferred_init(seed"),

@@ -17,9 +17,9 @@ import varuna_fx as vf
 import varuna_fx.api as api
 from support.registry import CASES
 from tiers import tiered
-from varuna_fx.costs.memory import MemoryModel, SharedWeight
+from varuna_fx.costs.memory import WEIGHT_COPIES, MemoryModel, SharedWeight
 from varuna_fx.ir.nodes import info
-from varuna_fx.passes.assign_stages import WEIGHT_COPIES, compute_nodes, partition_problem
+from varuna_fx.passes.assign_stages import compute_nodes, partition_problem
 from varuna_fx.passes.partition import PartitionProblem, partition
 from varuna_fx.schedule import peak_stash_counts
 

@@ -12,6 +12,8 @@ canonical FQN, as DCP entries:
 
 Loading rebuilds a positional state dict for whatever parameters the new optimizer holds and
 hands it to ``optimizer.load_state_dict``, so every optimizer class's own checks and casts apply.
+A sharded (ZeRO-1) optimizer writes each parameter's elementwise state as the chunk it holds
+(``sharded_state.py``); either form loads into either kind of optimizer.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..runtime.zero import layout_of
+from .sharded_state import CHUNK_PREFIX, SavedState, restore_sharded, sharded_entries
 
 TENSOR_PREFIX = "optim/"
 GROUP_PREFIX = "optim_group/"
@@ -43,7 +47,11 @@ def decode(data: torch.Tensor) -> Any:
 
 
 def parameter_fqns(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str]:
-    """The FQN of every parameter in ``optimizer``, in its state-dict index order."""
+    """The FQN of every parameter in ``optimizer``, in its state-dict index order (a sharded
+    optimizer: every parameter its shards cover)."""
+    layout = layout_of(optimizer)
+    if layout is not None:
+        return layout.names()
     fqns, foreign = [], 0
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -62,6 +70,9 @@ def parameter_fqns(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> l
 def optimizer_entries(optimizer: torch.optim.Optimizer,
                       names: dict[int, str]) -> dict[str, torch.Tensor]:
     """``optimizer``'s state as DCP entries keyed by FQN."""
+    layout = layout_of(optimizer)
+    if layout is not None:
+        return sharded_entries(optimizer, layout, _group_id, encode, PREFIXES)
     fqns = parameter_fqns(optimizer, names)
     state = optimizer.state_dict()
     entries: dict[str, torch.Tensor] = {}
@@ -88,6 +99,7 @@ def optimizer_entries(optimizer: torch.optim.Optimizer,
 def wanted_keys(fqns: list[str], available: list[str]) -> list[str]:
     """The checkpoint keys holding these parameters' optimizer state."""
     mine = {f"{TENSOR_PREFIX}{f}/" for f in fqns}
+    chunks = {f"{CHUNK_PREFIX}{f}/" for f in fqns}
     missing = [f for f in fqns if f"{GROUP_PREFIX}{f}" not in available]
     if missing:
         raise CheckpointError(
@@ -97,6 +109,7 @@ def wanted_keys(fqns: list[str], available: list[str]) -> list[str]:
     objects = {f"{OBJECT_PREFIX}{f}" for f in fqns} | {f"{GROUP_PREFIX}{f}" for f in fqns}
     return [k for k in available
             if (k.startswith(TENSOR_PREFIX) and k[:k.rindex("/") + 1] in mine)
+            or (k.startswith(CHUNK_PREFIX) and k[:k.rindex("/", 0, k.rindex("/")) + 1] in chunks)
             or k in objects or k.startswith(GROUP_OBJECT_PREFIX)]
 
 
@@ -106,39 +119,53 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
     fqns = parameter_fqns(optimizer, names)
     hypers = {int(k[len(GROUP_OBJECT_PREFIX):]): decode(v) for k, v in loaded.items()
               if k.startswith(GROUP_OBJECT_PREFIX)}
-    tensors: dict[str, dict[str, Any]] = {}
-    for key, value in loaded.items():
-        if key.startswith(TENSOR_PREFIX):
-            fqn, name = key[len(TENSOR_PREFIX):].rsplit("/", 1)
-            tensors.setdefault(fqn, {})[name] = value
-        elif key.startswith(OBJECT_PREFIX):
-            tensors.setdefault(key[len(OBJECT_PREFIX):], {}).update(decode(value))
-    state: dict[int, dict[str, Any]] = {}
-    groups = []
-    index = 0
+    saved = SavedState(loaded, TENSOR_PREFIX, OBJECT_PREFIX, decode)
+
     owner: dict[int, int] = {}  # saved group id -> the optimizer's group now
-    for group in optimizer.param_groups:
-        indices = list(range(index, index + len(group["params"])))
-        members = fqns[index:index + len(indices)]
-        index += len(indices)
+    asked: list[int] = []  # the groups group_hyper was asked for so far
+
+    def group_hyper(members: list[str], group: dict[str, Any]) -> dict[str, Any]:
+        """The saved hyperparameters of the optimizer's next group (called once per group,
+        in order), holding the parameters ``members``."""
+        now = len(asked)
+        asked.append(now)
         ids = {int(loaded[f"{GROUP_PREFIX}{f}"][0]) for f in members}
         if len(ids) > 1:
             raise CheckpointError(
                 f"parameters {members[:5]} share a param group now but had different "
                 "hyperparameters when saved: build the optimizer's param groups as they were"
             )
-        if ids and owner.setdefault(next(iter(ids)), len(groups)) != len(groups):
+        if ids and owner.setdefault(next(iter(ids)), now) != now:
             raise CheckpointError(  # as torch's load_state_dict refuses other group counts
-                f"param groups {owner[next(iter(ids))]} and {len(groups)} of the optimizer "
+                f"param groups {owner[next(iter(ids))]} and {now} of the optimizer "
                 "were one param group when saved: the checkpoint's hyperparameters would "
                 "overwrite both groups' (lr, weight decay, ...). Build the optimizer's param "
                 "groups as they were when saved, and change them after loading")
-        hyper = hypers[ids.pop()] if ids else {k: v for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": indices})
+        return hypers[ids.pop()] if ids else {k: v for k, v in group.items() if k != "params"}
+
+    layout = layout_of(optimizer)
+    if layout is not None:
+        restore_sharded(optimizer, layout, saved, group_hyper)
+        return
+    shapes = {n: p.shape for group in optimizer.param_groups for p in group["params"]
+              for n in [names[id(p)]]}
+    tensors = {fqn: saved.whole_state(fqn, shapes[fqn]) for fqn in fqns}
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for group in optimizer.param_groups:
+        indices = list(range(index, index + len(group["params"])))
+        members = fqns[index:index + len(indices)]
+        index += len(indices)
+        groups.append({**group_hyper(members, group), "params": indices})
         for i, fqn in zip(indices, members):
-            if fqn in tensors:
+            if tensors[fqn]:
                 state[i] = tensors[fqn]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+PREFIXES = {"tensor": TENSOR_PREFIX, "group": GROUP_PREFIX, "object": OBJECT_PREFIX,
+            "group_object": GROUP_OBJECT_PREFIX}
 
 
 def _group_id(hyper: dict[str, Any]) -> int:

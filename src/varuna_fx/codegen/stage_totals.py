@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch.fx as fx
 
+from ..costs.memory import OPTIMIZER_COPIES
 from ..costs.roofline import backward_time, forward_time
 from ..ir.nodes import info
 from ..passes.assign_stages import CostSetting, canonical_parameters
@@ -22,6 +23,8 @@ def stage_totals(gm: fx.GraphModule, stages: list[Stage], partition: Partition,
     by_name = {n.name: n for n in gm.graph.nodes}
     # parameters only (buffers are not parameters), under the annotations' names
     sizes = {name: p.numel() for name, p in canonical_parameters(gm).items()}
+    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False)
+                 if p.requires_grad}
     result = []
     for stage in stages:
         nodes = [by_name[n] for n in stage.spec.nodes]
@@ -43,5 +46,8 @@ def stage_totals(gm: fx.GraphModule, stages: list[Stage], partition: Partition,
             memory=float(memory[stage.index]),
             forward_time=fwd,
             backward_time=bwd,
+            # the optimizer's state (Adam's moments) for the weights it reads, on each rank
+            optimizer_bytes=OPTIMIZER_COPIES * sum(v for k, v in held.items() if k in trainable)
+            / setting.optimizer_shards,
         ))
     return result

@@ -17,6 +17,12 @@ A stage holds at its peak (:func:`peak_bytes`, the one formula):
   input; and the activations autograd saves: for every micro-batch in flight without
   recompute, for the one micro-batch being replayed with recompute.
 
+Sharded optimizer state (ZeRO-1, ``runtime/zero.py``): each of a stage's D replicas keeps 1/D
+of the optimizer's state, so a trainable weight of ``n`` bytes is held as ``n`` (weight) + ``n``
+(gradient) + ``OPTIMIZER_COPIES * n / D`` (Adam's moments, in the parameters' own dtype, the
+precision the runtime keeps them in): :func:`held_copies` is that factor, used wherever weight
+bytes are counted (``assign_stages.partition_costs``, the planner's unit arrays).
+
 Stages are ranges of *units* (nodes, or the runs of nodes between candidate cuts); every array
 is per unit, ``cut`` per position (the bytes entering a stage that starts there).
 
@@ -35,6 +41,24 @@ import numpy as np
 # Integer byte counts summed in different orders differ by rounding only; the fast bounds in
 # ``reach`` keep this much room so they never admit a stage the exact formula rejects.
 _ROUNDING = 1e-9
+# What a trainable weight costs in copies of its bytes: itself, its gradient, and the optimizer
+# state (Adam's two moments), all in the parameters' dtype.
+WEIGHT_COPIES = 4
+OPTIMIZER_COPIES = 2
+
+
+def held_copies(optimizer_shards: int = 1) -> float:
+    """Copies of a trainable weight's bytes a stage holds when its optimizer state is split
+    over ``optimizer_shards`` replicas (1: unsharded, 4 copies)."""
+    return WEIGHT_COPIES - OPTIMIZER_COPIES + OPTIMIZER_COPIES / optimizer_shards
+
+
+def sharded_held(held: np.ndarray, grads: np.ndarray, optimizer_shards: int) -> np.ndarray:
+    """``held`` bytes (counted with :data:`WEIGHT_COPIES` per trainable weight, whose gradient
+    bytes are ``grads``) with the optimizer state split over ``optimizer_shards`` replicas."""
+    if optimizer_shards <= 1:
+        return held
+    return held - OPTIMIZER_COPIES * np.asarray(grads) * (1.0 - 1.0 / optimizer_shards)
 
 
 @dataclass(frozen=True)
@@ -44,6 +68,12 @@ class SharedWeight:
     held: float  # bytes on every stage reading it (with gradient and optimizer state)
     grad: float  # gradient bytes (0 for buffers and frozen weights)
     nodes: np.ndarray  # sorted positions of the nodes (or units) reading it
+
+    def sharded(self, optimizer_shards: int) -> SharedWeight:
+        """The same weight with its optimizer state split over ``optimizer_shards``."""
+        held = float(sharded_held(np.asarray(self.held), np.asarray(self.grad),
+                                  optimizer_shards))
+        return SharedWeight(held, self.grad, self.nodes)
 
     def in_units(self, positions: np.ndarray | Sequence[int]) -> SharedWeight:
         """The same weight with its readers given as units (``positions``: where each starts)."""

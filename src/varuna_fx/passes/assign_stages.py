@@ -19,13 +19,10 @@ from torch import nn
 
 from ..capture.buffers import written_buffers
 from ..capture.mutations import after_write, view_write_chain
-from ..costs.memory import SharedWeight
+from ..costs.memory import WEIGHT_COPIES, SharedWeight, held_copies
 from ..costs.roofline import DeviceSpec, NodeTimes, step_time
 from ..ir.nodes import info
 from .partition import Partition, PartitionProblem, partition
-
-# Weights, their gradients and Adam's two moments, all in the parameters' dtype.
-WEIGHT_COPIES = 4
 
 
 @dataclass(frozen=True)
@@ -39,6 +36,8 @@ class CostSetting:
     recompute: bool | str  # True | False | "auto": per stage, only where it must (partition)
     # Measured costs (a planner profile) replacing the FLOP-based estimates when given.
     node_times: NodeTimes | None = None
+    # replicas the optimizer state is split over (ZeRO-1): 1 = unsharded
+    optimizer_shards: int = 1
 
 
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -97,11 +96,12 @@ def partition_problem(gm: fx.GraphModule, setting: CostSetting) -> PartitionProb
     grads = np.zeros(n)  # what data parallelism all-reduces
     seen: set[str] = set()
     trainable = trainable_names(gm)
+    copies = held_copies(setting.optimizer_shards)
     for i, node in enumerate(nodes):  # a weight counts where it is first read
         for name, nbytes in params_read(node).items():
             if name not in seen:
                 seen.add(name)
-                weights[i] += (WEIGHT_COPIES if name in trainable else 1) * nbytes
+                weights[i] += (copies if name in trainable else 1) * nbytes
                 grads[i] += nbytes if name in trainable else 0
     # the largest single activation of a stage: its gradient is the backward's workspace
     workspace = np.array([
@@ -151,7 +151,7 @@ def partition_problem(gm: fx.GraphModule, setting: CostSetting) -> PartitionProb
         bandwidth=setting.bandwidth, memory_cap=setting.memory_cap,
         stash_counts=setting.stash_counts, recompute=setting.recompute,
         last_stage_compute=last_compute, workspace_bytes=workspace,
-        shared=shared_weights(nodes, trainable), written_spans=spans, grad_bytes=grads,
+        shared=shared_weights(nodes, trainable, copies), written_spans=spans, grad_bytes=grads,
     )
 
 
@@ -170,7 +170,8 @@ def written_buffer_spans(nodes: list[fx.Node], position: dict[fx.Node, int]
     return spans
 
 
-def shared_weights(nodes: list[fx.Node], trainable: set[str]) -> tuple[SharedWeight, ...]:
+def shared_weights(nodes: list[fx.Node], trainable: set[str],
+                   copies: float = WEIGHT_COPIES) -> tuple[SharedWeight, ...]:
     """Weights read by several compute nodes (tied embeddings): each stage reading one holds a
     copy, which the first-read accounting of ``weight_bytes`` does not see."""
     readers: dict[str, list[int]] = {}
@@ -180,7 +181,7 @@ def shared_weights(nodes: list[fx.Node], trainable: set[str]) -> tuple[SharedWei
             readers.setdefault(name, []).append(i)
             sizes[name] = nbytes
     return tuple(
-        SharedWeight(float((WEIGHT_COPIES if name in trainable else 1) * sizes[name]),
+        SharedWeight(float((copies if name in trainable else 1) * sizes[name]),
                      float(sizes[name]) if name in trainable else 0.0, np.array(sorted(set(at))))
         for name, at in readers.items() if len(set(at)) > 1)
 

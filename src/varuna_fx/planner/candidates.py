@@ -36,6 +36,7 @@ class Candidate:
     schedule: str = ""
     bound: float = 0.0  # seconds: the lower bound it was last pushed with
     estimated: bool = False  # step_time is a cheaper order's (see Planner.search)
+    shard: bool = False  # its memory counts the optimizer state sharded over D (ZeRO-1)
 
     @property
     def samples(self) -> int:
@@ -44,7 +45,8 @@ class Candidate:
     def alternative(self, chosen: bool = False) -> Alternative:
         return Alternative(self.stages, self.data_parallel, self.micro_batch_size,
                            self.num_micro_batches, self.step_time, self.bubble,
-                           self.allreduce_time, self.memory, chosen, self.schedule)
+                           self.allreduce_time, self.memory, chosen, self.schedule,
+                           self.shard)
 
 
 @dataclass

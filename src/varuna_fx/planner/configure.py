@@ -62,6 +62,7 @@ class Configuration:
     alternatives: list[Alternative] = field(default_factory=list)
     device: DeviceSpec | None = None  # what time estimates are made for
     node_times: NodeTimes | None = None  # measured costs, when a profile applies
+    shard_optimizer: bool = False  # memory counted with optimizer state split over D (ZeRO-1)
     # the search's own partition of the chosen row (node positions): what its step was priced
     # with, so the compiled partition is never slower than the row (None: nothing searched)
     searched_bounds: tuple[int, ...] | None = None
@@ -103,11 +104,14 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
                          global_batch_size: int | None, stages: int | None,
                          data_parallel: int | None, micro_batch_size: int | None,
                          schedule: str, recompute: bool, profile: Profile | None = None,
-                         stages_per_rank: int | None = 1) -> Configuration:
+                         stages_per_rank: int | None = 1,
+                         shard_optimizer: bool | str = False) -> Configuration:
     """``profile``: measured costs (``varuna_fx.planner.Profile``), or None for estimates.
     ``schedule``: a name, or "auto" (the planner picks the fastest that fits, per candidate).
     ``stages_per_rank``: v, stages each rank runs (a virtual schedule: ``interleaved-1f1b``,
-    ``zbv``); None: that schedule's default."""
+    ``zbv``); None: that schedule's default.
+    ``shard_optimizer``: True counts the optimizer state split over D wherever D > 1; "auto"
+    only where a candidate does not fit otherwise; False never."""
     v = check_stages_per_rank(schedule, stages_per_rank)
     if stages is not None:  # before any schedule is built: 10**6 stages would take minutes
         operations = len(compute_nodes(gm))
@@ -115,6 +119,7 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
             raise PartitionError(f"stages={stages} is more than the {operations} operations of "
                                  f"the model: use at most {operations} stages")
     planner = _planner(gm, cluster, schedule, recompute, profile)
+    planner.shard_optimizer = shard_optimizer
     planner.stages_per_rank = v
     planner.memory_cap /= v  # a rank holds v stages (each checked at its share)
     alternatives: list[Alternative] = []
@@ -135,7 +140,9 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
         batch = replica_batch(example_batch, global_batch_size, d)
         b = micro_batch_size or default_micro_batch_size(batch, p)
         check_micro_batch(batch, b)
-        name = planner.best_schedule(Candidate(p, d, b, batch // b))
+        given = Candidate(p, d, b, batch // b)
+        name = planner.best_schedule(given)
+        shard = given.shard
     else:
         space = Space(cluster.gpus, example_batch, global_batch_size, stages, data_parallel,
                       micro_batch_size, world=world)
@@ -144,6 +151,7 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
             raise explain_nothing_fits(planner, space)
         best = result.best
         p, d, b, name = best.stages, best.data_parallel, best.micro_batch_size, best.schedule
+        shard = best.shard
         alternatives = result.alternatives
         if stages_per_rank is None and schedule == AUTO:  # the planner chooses v too
             p, name, v, alternatives = _weigh_virtual(planner, best, alternatives)
@@ -157,6 +165,7 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
         pipeline_bandwidth=net.partition_bandwidth, allreduce_bandwidth=net.allreduce_bandwidth,
         stash_counts=tuple(counts), schedule=sched, planner=planner, alternatives=alternatives,
         device=planner.spec, node_times=planner.table.measured, searched_bounds=searched,
+        shard_optimizer=shard,
     )
 
 
@@ -219,9 +228,10 @@ def price(config: Configuration, bounds: tuple[int, ...],
     planner = config.planner
     b, p, m = config.micro_batch_size, config.stages, config.num_micro_batches
     units = planner.table.unit_arrays(b, planner.spec, positions=list(bounds))
-    balancer = planner.balancer_for(units, p)
+    d = config.data_parallel
+    balancer = planner.balancer_for(units, p, d if config.shard_optimizer else 1)
     base = config.schedule
-    c = Candidate(p, config.data_parallel, b, m, schedule=base.name)  # (the row shows it)
+    c = Candidate(p, d, b, m, schedule=base.name, shard=config.shard_optimizer)  # (the row shows it)
     c.plan = balancer.stage_plan(list(range(p + 1)))
     # the search ordered schedules with unit costs (cached per P, m); the plan's schedule is
     # generated from this partition's own times (Varuna's order, split backward's W placement)

@@ -32,6 +32,7 @@ class StageCost:
     memory: float  # estimated bytes on the device
     forward_time: float = 0.0  # estimated seconds of one micro-batch's forward
     backward_time: float = 0.0
+    optimizer_bytes: float = 0.0  # optimizer state on each of its ranks (1/D when sharded)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Alternative:
     stage_memory: tuple[float, ...]  # bytes per stage
     chosen: bool = False
     schedule: str = ""  # the schedule this row was simulated with (schedule="auto" varies it)
+    shard_optimizer: bool = False  # its memory has the optimizer state split over D (ZeRO-1)
 
     @property
     def max_memory(self) -> float:
@@ -79,6 +81,8 @@ class Plan:
     tracer: str = "fx"
     model_name: str = "model"
     alternatives: tuple[Alternative, ...] = ()  # best first
+    # whether optimizer state is sharded over the D replicas (ZeRO-1) in the memory priced
+    shard_optimizer: bool = False
 
     @property
     def global_batch_size(self) -> int:
@@ -104,15 +108,17 @@ class Plan:
             f" x D={self.data_parallel}, micro-batch "
             f"{self.micro_batch_size} x {self.num_micro_batches}, schedule {self.schedule.name}"
             f"{_recompute_note(self.recompute)}{step}"
+            f"{', optimizer state sharded over D (ZeRO-1)' if self.shard_optimizer else ''}"
         ))
         for name in ("stage", "nodes", "parameters", "FLOPs/mb", "activations/mb",
-                     "boundary/mb", "time/mb", "recompute", "memory"):
+                     "boundary/mb", "time/mb", "optimizer", "recompute", "memory"):
             table.add_column(name, justify="right")
         for s in self.stage_costs:
             rc = self.recompute[s.index] if s.index < len(self.recompute) else False
             table.add_row(str(s.index), str(s.nodes), _count(s.parameters), _count(s.flops),
                           format_bytes(s.activation_bytes), format_bytes(s.boundary_bytes),
-                          f"{s.time * 1e3:.3f} ms", "yes" if rc else "no", format_bytes(s.memory))
+                          f"{s.time * 1e3:.3f} ms", format_bytes(s.optimizer_bytes),
+                          "yes" if rc else "no", format_bytes(s.memory))
         tied = ", ".join(f"{k} (stages {v})" for k, v in self.tied_parameters.items())
         table.caption = f"balance max/mean {self.balance:.3f}" + (f"; tied: {tied}" if tied else "")
         return table
@@ -158,10 +164,11 @@ def alternatives_table(rows: Sequence[Alternative], title: str) -> Table:
             row.schedule if row.schedule and row.stages > 1 else "-",  # one stage: no schedule
             _seconds(row.step_time),
             _count(row.throughput), f"{row.bubble_fraction:.0%}", _seconds(row.allreduce_time),
-            format_bytes(row.max_memory),
+            format_bytes(row.max_memory) + (" (ZeRO-1)" if row.shard_optimizer else ""),
         )
     table.caption = ("* chosen. b x m: micro-batch size x count per replica; step: simulated "
-                     "pipeline + data-parallel all-reduce; memory: largest stage")
+                     "pipeline + data-parallel all-reduce; memory: largest stage (ZeRO-1: "
+                     "with the optimizer state sharded over D)")
     return table
 
 

@@ -4,11 +4,13 @@ the data-parallel and tied all-reduces."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
+from ..costs.memory import sharded_held
 from ..costs.roofline import DeviceSpec
 from ..schedule import (
     Schedule,
@@ -37,7 +39,8 @@ class Pricing:
     cached (the search in ``search.py`` and the bounds in ``bounds.py`` build on it)."""
 
     def __init__(self, table: CostTable, cluster: Cluster, *, schedule: str, recompute: bool,
-                 spec: DeviceSpec | None = None, network: NetworkProfile | None = None) -> None:
+                 spec: DeviceSpec | None = None, network: NetworkProfile | None = None,
+                 shard_optimizer: bool | str = False) -> None:
         self.table = table
         self.cluster = cluster
         self.spec = spec or cluster.spec
@@ -50,8 +53,11 @@ class Pricing:
         # v of a virtual schedule (several stages per rank; None: its default), set by
         # ``configure`` before anything is built
         self.stages_per_rank: int | None = None
-        self._balancers: dict[int, Balancer] = {}
-        self._plans: dict[tuple[int, int, tuple[int, ...], float], StagePlan | None] = {}
+        # optimizer state over the D replicas (ZeRO-1): True counts it sharded wherever D > 1,
+        # "auto" only for a candidate that does not fit otherwise, False never
+        self.shard_optimizer = shard_optimizer
+        self._balancers: dict[tuple[int, int], Balancer] = {}
+        self._plans: dict[tuple[int, int, tuple[int, ...], float, int], StagePlan | None] = {}
         self._schedules: dict[tuple[str, int, int], tuple[Schedule, list[int]]] = {}
         self._links: dict[tuple[int, int], Links] = {}
         self._totals: dict[int, tuple[float, ...]] = {}
@@ -59,30 +65,52 @@ class Pricing:
 
     # -- caches --------------------------------------------------------------------------------
 
-    def balancer(self, b: int) -> Balancer:
-        if b not in self._balancers:
+    def balancer(self, b: int, shards: int = 1) -> Balancer:
+        """Partitions at micro-batch size ``b``, the optimizer state split over ``shards``."""
+        if (b, shards) not in self._balancers:
             bw = links(self.cluster, 2, 1, self.network).partition_bandwidth
             units = self.table.unit_arrays(b, self.spec)
-            self._balancers[b] = Balancer(units, self.table.shared, bw, self.recompute)
-        return self._balancers[b]
+            self._balancers[b, shards] = self._make_balancer(units, bw, shards)
+        return self._balancers[b, shards]
 
-    def balancer_for(self, units: UnitArrays, stages: int) -> Balancer:
+    def balancer_for(self, units: UnitArrays, stages: int, shards: int = 1) -> Balancer:
         """A balancer over given unit arrays (one unit per stage of a made partition)."""
-        bw = self.links(stages, 1).partition_bandwidth
-        return Balancer(units, self.table.shared, bw, self.recompute)
+        return self._make_balancer(units, self.links(stages, 1).partition_bandwidth, shards)
+
+    def _make_balancer(self, units: UnitArrays, bandwidth: float, shards: int) -> Balancer:
+        shared = self.table.shared
+        if shards > 1:  # ZeRO-1: each replica holds 1/shards of the optimizer state
+            units = dataclasses.replace(
+                units, weights=sharded_held(units.weights, units.grads, shards))
+            shared = tuple(s.sharded(shards) for s in shared)
+        return Balancer(units, shared, bandwidth, self.recompute)
 
     def partition(self, b: int, stages: int, stash_counts: int | tuple[int, ...] | None,
-                  budget: float | None = None) -> StagePlan | None:
+                  budget: float | None = None, shards: int = 1) -> StagePlan | None:
         """Fastest partition whose stages fit ``budget`` (default: the device memory) by the
         memory model, each stage holding its ``stash_counts`` micro-batches (one count for
-        all, or per stage; None: one)."""
+        all, or per stage; None: one), the optimizer state split over ``shards`` replicas."""
         budget = self.memory_cap if budget is None else budget
         counts = (stash_counts or 1,) * stages if not isinstance(stash_counts, tuple) \
             else stash_counts
-        key = (b, stages, counts, budget)
+        key = (b, stages, counts, budget, shards)
         if key not in self._plans:
-            self._plans[key] = self.balancer(b).partition(stages, budget, counts)
+            self._plans[key] = self.balancer(b, shards).partition(stages, budget, counts)
         return self._plans[key]
+
+    def plan_candidate(self, c: Candidate, stash_counts: int | tuple[int, ...] | None = None,
+                       budget: float | None = None) -> StagePlan | None:
+        """``c``'s partition (as :meth:`partition`), with its optimizer state sharded over its
+        D replicas where the setting says: always for True, and for "auto" only when no
+        partition fits without (``c.shard`` records which)."""
+        d = c.data_parallel
+        shards = d if self.shard_optimizer is True and d > 1 else 1
+        plan = self.partition(c.micro_batch_size, c.stages, stash_counts, budget, shards)
+        if plan is None and self.shard_optimizer == "auto" and d > 1:
+            plan = self.partition(c.micro_batch_size, c.stages, stash_counts, budget, d)
+            shards = d
+        c.shard = plan is not None and shards > 1
+        return plan
 
     def built(self, stages: int, micro_batches: int,
               schedule: str = "") -> tuple[Schedule, list[int]]:
@@ -233,5 +261,11 @@ class Pricing:
         one micro-batch per stage), so that every stage fits by the memory model."""
         cap = self.memory_cap if cap is None else cap
         c.exact, c.stash_counts = True, tuple(counts)
-        c.plan = self.partition(c.micro_batch_size, c.stages, c.stash_counts, cap)
+        c.plan = self.plan_candidate(c, c.stash_counts, cap)
+        if c.plan is not None and not self._fits(c, counts, cap) and not c.shard and \
+                self.shard_optimizer == "auto" and c.data_parallel > 1:
+            # fits at these counts only with the optimizer state sharded
+            c.plan = self.partition(c.micro_batch_size, c.stages, c.stash_counts, cap,
+                                    c.data_parallel)
+            c.shard = c.plan is not None
         return c.plan is not None and self._fits(c, counts, cap)

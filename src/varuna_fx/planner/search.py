@@ -130,7 +130,7 @@ class Planner(Bounds):
                 else:
                     push(c.step_time, 4, c)
             elif level == 0:
-                c.plan = self.partition(c.micro_batch_size, c.stages, c.stash_counts)
+                c.plan = self.plan_candidate(c, c.stash_counts)
                 result.partitioned += 1
                 if c.plan is not None:
                     push(self.bound_from_stages(c), 1, c)
@@ -186,7 +186,7 @@ class Planner(Bounds):
         that fit (partitioned as the search would); the first weighed when none does."""
         if len(self.schedules) == 1:
             return self.schedules[0]
-        c.plan = self.partition(c.micro_batch_size, c.stages, None)
+        c.plan = self.plan_candidate(c)
         if c.plan is None:
             return self.schedules[0]
         timed = []

@@ -171,7 +171,7 @@ class DistributedRuntime(StepLoop):
         decides the same."""
         local_inf = False
         if self.scaler.enabled:
-            local_inf = self.scaler.unscale_(self.grad_sync.held.values())
+            local_inf = self.scaler.unscale_(self.grad_sync.reduced())
         loss = torch.stack(losses).mean() / self.plan.data_parallel if losses else \
             torch.zeros(())
         # Every rank must all-reduce the same dtype (gloo aborts on a mix): float64 on all,

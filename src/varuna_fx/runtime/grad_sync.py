@@ -10,6 +10,9 @@
 * **Gradient clipping** needs the norm of the whole model: each stage adds its squares (a tied
   parameter only on its lowest holder), one all-reduce over the replica's P stages sums them
   (the replicas already agree), and every stage scales by the same factor.
+* **Sharded optimizer state** (``zero.py``, set by ``pipe.optimizer``): the parameters it
+  shards are reduce-scattered instead (tied ones still all-reduced first); the norm is then the
+  shards' squares summed over every rank, and the fp16 unscale acts on the shards' gradients.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import nn
 
 from .comm import AllReduce, wait
 from .setup import Groups
+from .zero import ZeroReduce, ZeroSync
 
 
 class GradSync:
@@ -43,6 +47,21 @@ class GradSync:
         # what this stage contributes to the global norm: tied parameters once, at the lowest
         self.norm_params = [p for n, p in self.held.items()
                             if n not in tied_holders or min(tied_holders[n]) in local]
+        self.zero: ZeroSync | None = None  # set by pipe.optimizer when it shards
+        self.replica = 0
+
+    def shard(self, zero: ZeroSync, replica: int) -> None:
+        """Reduce the parameters ``zero`` holds by reduce-scatter from now on."""
+        self.zero, self.replica = zero, replica
+        sharded = {id(pc.param) for b in zero.layout.buckets for pc in b.pieces}
+        self.plain = [p for p in self.plain if id(p) not in sharded]
+
+    def reduced(self) -> list[nn.Parameter]:
+        """Whose ``.grad`` holds the averaged gradient after a step (what fp16 unscales)."""
+        if self.zero is None:
+            return list(self.held.values())
+        sharded = {id(pc.param) for b in self.zero.layout.buckets for pc in b.pieces}
+        return [*self.zero.shards(), *(p for p in self.held.values() if id(p) not in sharded)]
 
     def before_step(self) -> None:
         for p in self.not_lowest:
@@ -61,19 +80,32 @@ class GradSync:
         return AllReduce(_grads(params), group, divide=self.replicas, timeout=self.timeout,
                          who=self.who, what=f"the tied-parameter gradient sum {_ranks(group)}")
 
-    def start_data_parallel(self) -> list[AllReduce]:
-        """Launch the data-parallel average (``ALLREDUCE(dp:<stage>)``), if there is one."""
-        if self.groups.data_parallel is None or not self.plain:
-            return []
-        return [AllReduce(_grads(self.plain), self.groups.data_parallel, divide=self.replicas,
-                          timeout=self.timeout, who=self.who,
-                          what="the data-parallel gradient all-reduce "
-                          f"{_ranks(self.groups.data_parallel)}")]
+    def start_data_parallel(self) -> list[AllReduce | ZeroReduce]:
+        """Launch the data-parallel average (``ALLREDUCE(dp:<stage>)``), if there is one: the
+        all-reduce of what is not sharded, and the sharded reduce-scatters. The lowered tail
+        starts (and its wait finishes) the tied sums first, which sharded tied buckets read."""
+        pending: list[AllReduce | ZeroReduce] = []
+        if self.groups.data_parallel is not None and self.plain:
+            pending.append(AllReduce(_grads(self.plain), self.groups.data_parallel,
+                                     divide=self.replicas, timeout=self.timeout, who=self.who,
+                                     what="the data-parallel gradient all-reduce "
+                                     f"{_ranks(self.groups.data_parallel)}"))
+        if self.zero is not None:
+            pending.append(self.zero.start())
+        return pending
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model, on every rank."""
         norm_type = float(norm_type)
         grads = [p.grad for p in self.norm_params if p.grad is not None]
+        group = self.groups.pipeline
+        if self.zero is not None:  # shards differ per replica: sum over every rank
+            sharded = {id(pc.param) for b in self.zero.layout.buckets for pc in b.pieces}
+            # an unsharded parameter is the same on every replica: counted on replica 0
+            grads = [p.grad for p in self.norm_params
+                     if id(p) not in sharded and p.grad is not None and self.replica == 0]
+            grads += [s.grad for s in self.zero.norm_shards() if s.grad is not None]
+            group = dist.group.WORLD
         device = grads[0].device if grads else torch.device("cpu")
         if dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
@@ -89,14 +121,14 @@ class GradSync:
             local = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros(())
             op = dist.ReduceOp.SUM
         total = local.to(device, torch.float64).reshape(1)
-        if self.groups.pipeline is not None:
-            work = dist.all_reduce(total, op=op, group=self.groups.pipeline, async_op=True)
+        if group is not None:
+            work = dist.all_reduce(total, op=op, group=group, async_op=True)
             wait(work, self.timeout, self.who,
-                 f"the gradient-norm sum over the pipeline {_ranks(self.groups.pipeline)}")
+                 f"the gradient-norm sum {_ranks(group)}")
         total = total[0] if math.isinf(norm_type) else total[0].pow(1.0 / norm_type)
         total = total.to(result_dtype)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        every = [p.grad for p in self.held.values() if p.grad is not None]
+        every = [p.grad for p in self.reduced() if p.grad is not None]
         if every:
             torch._foreach_mul_(every, coef.to(every[0].device))
         return total
