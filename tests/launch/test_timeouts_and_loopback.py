@@ -102,9 +102,16 @@ def test_standalone_run_builds_a_loopback_rendezvous(monkeypatch: pytest.MonkeyP
     from varuna_fx.launch.cli import cmd_run, main
 
     calls: list[list[str]] = []
-    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: calls.append(argv))
+    seen: list[str | None] = []
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: (
+        calls.append(argv), seen.append(os.environ.get("GLOO_SOCKET_IFNAME"))))
     main(["run", "--nproc", "2", "train.py", "--lr", "1"])
     (argv,) = calls
+    # the workers get the loopback interface; this process keeps its own environment (a later
+    # launch from it, such as an elastic one in namespaces, must not inherit it)
+    assert seen[0] is not None and seen[0].startswith("lo")
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
     assert "--standalone" not in argv  # it would name localhost:0, listening on every interface
     assert "--rdzv-endpoint=127.0.0.1:0" in argv and "--local-addr=127.0.0.1" in argv
     assert argv[-3:] == ["train.py", "--lr", "1"]

@@ -14,8 +14,8 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from rich.console import Console
@@ -153,17 +153,19 @@ def cmd_run(args: argparse.Namespace) -> int:
                 rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                 local_addr=args.local_addr, max_restarts=args.max_restarts,
                 rdzv_conf=args.rdzv_conf)
-            os.environ.update(launch.env)  # read by torchrun's rendezvous, inherited by workers
-            torchrun([*launch.argv, *argv, args.script, *args.script_args])
+            # read by torchrun's rendezvous, inherited by workers
+            with _environment(launch.env):
+                torchrun([*launch.argv, *argv, args.script, *args.script_args])
             return 0
         if args.nnodes or args.rdzv_endpoint or args.local_addr:
             raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for "
                              "a fixed multi-machine job pass torchrun's flags in --torchrun-args")
         one_machine = not any(a.startswith(("--nnodes", "--rdzv", "--standalone")) for a in argv)
+        env = {}
         if one_machine:  # as --standalone, but reachable from this machine only
             argv = [*standalone_args(), *argv]
-            os.environ.update(loopback_interfaces())  # the workers' gloo/NCCL sockets too
-        with loopback_stores() if one_machine else nullcontext():
+            env = loopback_interfaces()  # the workers' gloo/NCCL sockets too
+        with loopback_stores() if one_machine else nullcontext(), _environment(env):
             torchrun([f"--nproc-per-node={args.nproc}", *argv, args.script, *args.script_args])
         return 0
     except SignalException as stop:
@@ -174,6 +176,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"varuna-fx run: stopped by {name}; the workers were sent {name} too (a "
               "preemption-safe loop saves a checkpoint and exits)", file=sys.stderr)
         return 128 + int(stop.sigval)
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment (the workers inherit them) while the body runs,
+    then the environment as it was: ``main`` may run inside a longer-lived process (a test, a
+    notebook), whose later launches must not inherit them."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 _TRACER_HELP = ("how to capture the model: fx (torch.fx symbolic tracing), export "
