@@ -2,7 +2,7 @@
 
 Run: ``python bench/bench_balance.py``. Model: the shipped GPT (tied embedding / LM head) with
 48 layers, d=1024, a 50257-token vocabulary, sequence 1024, micro-batch 1, on meta parameters.
-Every split is evaluated on the SAME cost arrays (``partition_costs``: forward + recompute +
+Every split is evaluated on the SAME cost arrays (``partition_problem``: forward + recompute +
 backward per node, plus the send time of what crosses the stage's right edge):
 
 * ours: ``pipe.plan.stage_costs[s].time`` (checked equal to the arrays at our cuts);
@@ -32,8 +32,8 @@ import varuna_fx as vf
 from varuna_fx.costs.roofline import device_spec, step_time
 from varuna_fx.examples import GPT, GPTConfig
 from varuna_fx.ir.nodes import info
-from varuna_fx.passes.assign_stages import CostSetting, compute_nodes, partition_costs
-from varuna_fx.passes.partition import PartitionCosts, partition
+from varuna_fx.passes.assign_stages import CostSetting, compute_nodes, partition_problem
+from varuna_fx.passes.partition import PartitionProblem, partition
 from varuna_fx.schedule import build_schedule, peak_stash_counts
 
 CFG = GPTConfig(n_layer=48, n_embd=1024, n_head=16, vocab_size=50257, block_size=1024)
@@ -128,7 +128,7 @@ def main() -> None:
                     cluster.inter_node_bandwidth  # a replica's neighbouring stages
                 setting = CostSetting(MB, device_spec(cluster.device), bandwidth,
                                       cluster.gpu_memory, in_flight, True)
-                costs: PartitionCosts = partition_costs(gm, setting)
+                costs: PartitionProblem = partition_problem(gm, setting)
                 nodes = compute_nodes(gm)
                 send = costs.cut_bytes / setting.bandwidth
                 send[-1] = 0.0
@@ -141,7 +141,7 @@ def main() -> None:
                 units = unit_of_nodes(nodes)
                 per = CFG.n_layer // p
                 eq_b = bounds_from_units(units, [0] + [1 + s * per for s in range(1, p)])
-                unit_split = partition(PartitionCosts(params, np.zeros_like(params),
+                unit_split = partition(PartitionProblem(params, np.zeros_like(params),
                                                       np.zeros_like(params),
                                                       np.zeros(len(params) + 1)), p)
                 par_b = bounds_from_units(units, list(unit_split.bounds[:-1]))

@@ -15,10 +15,10 @@ import time
 import torch
 
 import varuna_fx as vf
-from varuna_fx import api
 from varuna_fx.capture.inputs import bind_inputs
 from varuna_fx.capture.trace import capture
 from varuna_fx.examples import GPT, GPTConfig
+from varuna_fx.passes import frontend
 
 
 def _median(fn, repeats: int = 3) -> float:  # noqa: ANN001
@@ -39,7 +39,7 @@ def measure(n_layer: int) -> tuple[float, float, float]:
         vf.compile(model, example_inputs=(tokens,), stages=stages, micro_batch_size=2)
 
     def fresh() -> None:
-        api._CAPTURES.clear()
+        frontend._CAPTURES.clear()
         compile_once()
 
     compile_once()  # warm the interpreter and the cache

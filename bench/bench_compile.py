@@ -36,10 +36,10 @@ STAGES = 8
 WARM = 3  # warm compiles per configuration; the median is reported
 PHASES: dict[str, list[str]] = {  # reported phase -> functions api.compile calls
     "capture": ["bind_inputs", "capture", "canonical_names"],
-    "annotate": ["annotate_shapes", "annotate_costs", "mark_replicable"],
+    "annotate": ["annotate_shapes", "annotate_backward", "mark_replicable"],
     "partition": ["choose_configuration", "assign_stages", "check_assignment"],
     "split+codegen": ["split_stages", "check_split", "build_stage", "check_parameters"],
-    "plan+runtime": ["stage_costs", "price", "make_pipeline"],
+    "plan+runtime": ["stage_totals", "price", "make_pipeline"],
 }
 TIMES: dict[str, float] = defaultdict(float)
 

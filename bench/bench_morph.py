@@ -223,7 +223,7 @@ def useful_work(morph_s: float, save_s: float) -> list[dict]:
         expected_fraction_on_signal,
         expected_fraction_periodic,
         preemption_trace,
-        simulate,
+        simulate_preemptions,
         young_daly_interval,
     )
 
@@ -233,8 +233,8 @@ def useful_work(morph_s: float, save_s: float) -> list[dict]:
         best = max(grid, key=lambda t: expected_fraction_periodic(mean, t, save_s, morph_s))
         horizon = mean * 1000
         trace = preemption_trace(mean, horizon, seed=0)
-        periodic = simulate(trace, horizon, interval_s=best, save_s=save_s, morph_s=morph_s)
-        on_signal = simulate(trace, horizon, interval_s=None, save_s=save_s, morph_s=morph_s,
+        periodic = simulate_preemptions(trace, horizon, interval_s=best, save_s=save_s, morph_s=morph_s)
+        on_signal = simulate_preemptions(trace, horizon, interval_s=None, save_s=save_s, morph_s=morph_s,
                              policy="on_signal")
         rows.append({"mean_interval_s": mean, "best_interval_s": best,
                      "periodic_sim": periodic.fraction,

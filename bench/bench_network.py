@@ -318,16 +318,16 @@ def worker(args: argparse.Namespace) -> None:
                              predicted_ms=None if predicted is None else 1e3 * predicted))
         del variants
     if rank == 0 and args.out:
-        from varuna_fx.planner.network import quick_network
+        from varuna_fx.world.network import measure_network
 
-        net = quick_network()
+        net = measure_network()
         for row in rows:
             row["measured_link"] = None if net is None else [net.latency, net.bandwidth]
         Path(args.out).write_text(json.dumps(rows))
     elif args.out:
-        from varuna_fx.planner.network import quick_network
+        from varuna_fx.world.network import measure_network
 
-        quick_network()
+        measure_network()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -345,7 +345,7 @@ def launch(args: argparse.Namespace, link: str | None, cache: str, out: Path | N
              *(["--profile-only"] if profile_only else []), *(["--out", str(out)] if out else []),
              *(["--pin"] if args.pin else []),
              *(["--estimates"] if getattr(args, "estimates", False) else [])]
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE": cache,
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE_DIR": cache,
             "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
             "MASTER_PORT": str(PORT), "PYTHONPATH": str(HERE.parent / "src")}
     with veth_pair(link, prefix=args.prefix) as pair:

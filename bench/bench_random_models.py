@@ -4,7 +4,7 @@ Run: ``python bench/bench_random_models.py`` (2,000 cases; ``--cases``, ``--star
 ``--all`` also generates the features in ``PENDING_FIXES``, whose bugs are being fixed;
 ``--only FEATURE`` generates only cases that use FEATURE; ``--quiet`` omits the programs).
 
-Each case is ``tests/random_models.py``'s ``Case.generate(seed)``, checked by ``run_case``:
+Each case is ``tests/support/random_models.py``'s ``Case.generate(seed)``, checked by ``run_case``:
 loss, every gradient and the eval output against eager, and with dropout active the pipeline
 against its one-stage self. Every failing case prints its seed, its program and its error; the
 table counts, per feature, the cases that used it and how many of them failed (a failing case
@@ -24,7 +24,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-import random_models as rm  # noqa: E402
+from support import random_models as rm  # noqa: E402
 
 
 def main() -> int:

@@ -169,7 +169,7 @@ def rounds(args: argparse.Namespace, runs: list[Any]) -> list[dict[str, Any]]:
 def launch(args: argparse.Namespace) -> None:
     console = Console(width=120)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.setdefault("VARUNA_FX_CACHE", tempfile.mkdtemp(prefix="varuna_fx_profiles_"))
+    env.setdefault("VARUNA_FX_CACHE_DIR", tempfile.mkdtemp(prefix="varuna_fx_profiles_"))
     me = os.path.abspath(__file__)
     common = ["--steps", str(args.steps), "--global-batch-size", str(args.global_batch_size),
               "--rounds", str(args.rounds)]

@@ -272,7 +272,7 @@ def launch(args: argparse.Namespace, cache: str, out: str, profile_only: bool) -
     extra = ["--worker", "--models", args.models, "--schedules", args.schedules, "--rounds",
              str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
              "--out", out, *(["--profile-only"] if profile_only else [])]
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE": cache, "WORLD_SIZE": "2",
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE_DIR": cache, "WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(args.port), "LOCAL_WORLD_SIZE": "1",
             "LOCAL_RANK": "0", "PYTHONPATH": str(HERE.parent / "src")}
     procs = [subprocess.Popen([sys.executable, __file__, *extra], env={**base, "RANK": str(r)})
@@ -295,7 +295,7 @@ def run_local(args: argparse.Namespace, cache: str, out: str) -> None:
     subprocess.run([sys.executable, __file__, "--local-worker", "--models", args.models,
                     "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup",
                     str(args.warmup), "--out", out],
-                   env={**env, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE": cache,
+                   env={**env, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE_DIR": cache,
                         "PYTHONPATH": str(HERE.parent / "src")},
                    check=True, timeout=args.timeout)
 

@@ -97,7 +97,7 @@ def launch(args: argparse.Namespace, link: str, cache: str, out: Path | None,
              "--warmup", str(args.warmup), "--rounds", str(args.rounds),
              *(["--planner"] if args.planner else []),
              *(["--profile-only"] if profile_only else []), *(["--out", str(out)] if out else [])]
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE": cache,
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE_DIR": cache,
             "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
             "MASTER_PORT": str(PORT), "PYTHONPATH": str(HERE.parent / "src")}
     with veth_pair(None if link == "unshaped" else link, prefix="netv") as pair:

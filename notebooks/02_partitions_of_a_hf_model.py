@@ -24,7 +24,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import varuna_fx as vf
 from varuna_fx.ir.nodes import info
-from varuna_fx.passes.assign_stages import CostSetting, compute_nodes, partition_costs
+from varuna_fx.passes.assign_stages import CostSetting, compute_nodes, partition_problem
 
 torch.manual_seed(0)
 config = GPT2Config(n_layer=8, n_embd=64, n_head=4, vocab_size=1000, n_positions=32,
@@ -40,7 +40,7 @@ print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} p
       f"traced with {pipes[2].plan.tracer}")
 
 # %% [markdown]
-# Every split is evaluated on the partitioner's own cost arrays (`partition_costs`): the
+# Every split is evaluated on the partitioner's own cost arrays (`partition_problem`): the
 # estimated forward + recompute + backward time of each operation at the plan's micro-batch
 # size, in graph order, plus the time to send what crosses a stage's right edge; the last stage
 # never recomputes.
@@ -51,7 +51,7 @@ nodes = compute_nodes(gm)
 cluster = vf.Cluster.local()
 setting = CostSetting(pipes[2].plan.micro_batch_size, cluster.spec,
                       float(cluster.intra_node_bandwidth), float(cluster.gpu_memory), 1, True)
-costs = partition_costs(gm, setting)
+costs = partition_problem(gm, setting)
 send = costs.cut_bytes / setting.bandwidth
 
 

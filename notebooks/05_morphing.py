@@ -31,7 +31,7 @@ from varuna_fx.planner.morphing import (
     expected_fraction_on_signal,
     expected_fraction_periodic,
     preemption_trace,
-    simulate,
+    simulate_preemptions,
     young_daly_interval,
 )
 
@@ -50,9 +50,9 @@ print(f"morph {MORPH_S} s, checkpoint {SAVE_S} s")
 # %%
 HOUR = 3600.0
 trace = preemption_trace(600.0, 2 * HOUR, seed=3)
-periodic = simulate(trace, 2 * HOUR, interval_s=300.0, save_s=SAVE_S, morph_s=MORPH_S,
+periodic = simulate_preemptions(trace, 2 * HOUR, interval_s=300.0, save_s=SAVE_S, morph_s=MORPH_S,
                     record=True)
-on_signal = simulate(trace, 2 * HOUR, interval_s=None, save_s=SAVE_S, morph_s=MORPH_S,
+on_signal = simulate_preemptions(trace, 2 * HOUR, interval_s=None, save_s=SAVE_S, morph_s=MORPH_S,
                      policy="on_signal", record=True)
 
 fig, ax = plt.subplots(figsize=(9, 4))
@@ -88,7 +88,7 @@ for mean, color in ((600.0, "tab:red"), (3600.0, "tab:blue")):
     horizon = mean * 300
     tr = preemption_trace(mean, horizon, seed=0)
     exp = [expected_fraction_periodic(mean, i, SAVE_S, MORPH_S) for i in intervals]
-    sim = [simulate(tr, horizon, interval_s=i, save_s=SAVE_S, morph_s=MORPH_S).fraction
+    sim = [simulate_preemptions(tr, horizon, interval_s=i, save_s=SAVE_S, morph_s=MORPH_S).fraction
            for i in intervals]
     sig = expected_fraction_on_signal(mean, None, SAVE_S, MORPH_S)
     ax.plot(intervals, exp, color=color, label=f"periodic, one per {mean / 60:.0f} min")

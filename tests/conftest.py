@@ -7,9 +7,10 @@
 * After collection the objects created so far (torch, transformers, the registry's models) are
   frozen out of the garbage collector: every later full collection, and the five pytest runs
   at exit, would otherwise walk them all again (1-2 s of the fast tier's ~30).
-* Every test gets its own (empty, created on first write) directory for the on-disk graph cache
-  (``$VARUNA_FX_CACHE_DIR``, inherited by the processes it launches): tests never write to
-  ~/.cache and never hit an entry another test wrote.
+* Every test gets its own (empty, created on first write) directory for the on-disk caches,
+  graphs and profiles (``$VARUNA_FX_CACHE_DIR``, inherited by the processes it launches; the
+  old profiles-only alias ``$VARUNA_FX_CACHE`` is dropped from the environment): tests never
+  write to ~/.cache and never hit an entry another test wrote.
 * ``one_capture_per_model``: sweeps that compile the same unchanged model many times capture it
   once (see the fixture).
 """
@@ -60,6 +61,7 @@ def _fast_tests_launch_no_process(request: pytest.FixtureRequest,
 _CACHE_ROOT = tempfile.mkdtemp(prefix="varuna_fx_test_cache_")
 _cache_dirs = itertools.count()
 os.environ["VARUNA_FX_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "session")  # session fixtures
+os.environ.pop("VARUNA_FX_CACHE", None)  # a user's alias must not outlive the isolation above
 
 
 def _fresh_cache_dir() -> str:

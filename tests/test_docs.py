@@ -40,3 +40,27 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     for install in ("pip install --quiet torch==2.13.0", 'pip install --quiet -e ".[dev]"'):
         assert any(install in line for line in ci)
     assert 'pip install torch==2.13.0 && pip install -e ".[dev]" && ' + ci[-1] in README
+
+
+def test_architecture_is_a_map_of_every_module_in_one_line_rows() -> None:
+    """ARCHITECTURE.md's layer diagram names every module of the package, and its rows stay one
+    line each (the detail lives in the module docstrings)."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    entries: list[str] = []
+    for line in block.splitlines():
+        if line.strip():
+            if line.startswith(" ") and entries:
+                entries[-1] += " " + line.strip()
+            else:
+                entries.append(line)
+    package = ROOT / "src" / "varuna_fx"
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "__init__.py" and path.parent != package:
+            continue
+        folder = "" if path.parent == package else f"{path.parent.name}/"
+        name = path.stem
+        assert any((folder in entry or not folder) and re.search(rf"\b{name}\b", entry)
+                   for entry in entries), f"{folder}{name} is not in ARCHITECTURE.md's layers"
+    long = [line[:60] for line in text.splitlines() if len(line) > 240]
+    assert not long, f"ARCHITECTURE.md rows over 240 characters: {long}"

@@ -10,40 +10,30 @@ from torch import nn
 
 from .capture.buffers import warn_micro_batch_state
 from .capture.inputs import bind_inputs
-from .capture.trace import TRACERS
 from .codegen import build_stage
-from .codegen.stage_totals import stage_costs
+from .codegen.stage_totals import stage_totals
 from .costs.roofline import device_spec
-from .errors import PlanError, VarunaFxError
+from .errors import PlanError
 from .ir.nodes import copy_graph_module
-from .options import (
-    check_compile_arguments,
-    check_devices,
-    check_global_batch,
-    check_target_parameter,
-)
-from .passes.annotate_costs import canonical_names
+from .options import CompileOptions, check_devices, check_global_batch, check_model
+from .passes.annotate_backward import canonical_names
 from .passes.assign_stages import CostSetting
 from .passes.check import check_assignment, check_parameters, check_split
-from .passes.frontend import _CAPTURES, FRONT_PASSES, _fingerprint, captured_and_annotated
+from .passes.frontend import FRONT_PASSES, captured_and_annotated
 from .passes.manager import CompileState, Pass, dump_dir, run_passes
 from .passes.sample_mixing import graph_findings, warn_sample_mixing
 from .passes.split_stages import split_stages
 from .pipeline import Pipeline, make_pipeline
-from .planner.candidates import AUTO, schedule_choices
+from .planner.candidates import AUTO
 from .planner.cluster import Cluster
 from .planner.configure import Configuration, assign_and_price, choose_configuration
 from .planner.measure import ProfileSettings
 from .planner.plan import Plan
 from .planner.resolve import resolve_profile
-from .runtime.comm import resolve_timeout
 from .runtime.split_backward import input_grads
 from .schedule import is_split, placement_style
 from .schedule.placement import Placement
-
-# the front end's cache lives in passes/frontend.py (the planner shares it); these names stay here
-_captured_and_annotated = captured_and_annotated
-__all__ = ["BACK_PASSES", "PASSES", "compile", "_CAPTURES", "_fingerprint"]
+from .world.where import resolve_timeout
 
 
 def compile(  # noqa: A001 - the public name in API.md
@@ -77,45 +67,42 @@ def compile(  # noqa: A001 - the public name in API.md
     ``stages_per_rank``: v stages on each rank (virtual stages: ``schedule="interleaved-1f1b"``
     or ``"zbv"``); the world is then (stages / v) x D ranks. None: the schedule's default.
     """
-    check_compile_arguments(stages=stages, data_parallel=data_parallel,
-                            micro_batch_size=micro_batch_size,
-                            global_batch_size=global_batch_size, recompute=recompute,
-                            offload_stash=offload_stash, timeout=timeout,
-                            precision=precision, cluster=cluster, loss_fn=loss_fn,
-                            schedule=schedule, tracer=tracer,
-                            shard_optimizer=shard_optimizer)
-    _check_arguments(model, example_inputs, schedule, tracer, stages)
-    check_target_parameter(model, loss_fn)
-    if recompute not in (True, False, "auto") or not isinstance(recompute, (bool, str)):
-        raise VarunaFxError(f"recompute={recompute!r}: choose True, False or 'auto'")
-    cluster = cluster or Cluster.local(timeout=resolve_timeout(timeout))
-    where_to = dump_dir(dump)
+    o = CompileOptions(
+        cluster=cluster, loss_fn=loss_fn, global_batch_size=global_batch_size, stages=stages,
+        stages_per_rank=stages_per_rank, data_parallel=data_parallel,
+        micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute, tracer=tracer,
+        offload_stash=offload_stash, precision=precision, timeout=timeout, profile=profile,
+        shard_optimizer=shard_optimizer, dump=dump)
+    check_model(model, example_inputs, o.loss_fn)
+    cluster = o.cluster or Cluster.local(timeout=resolve_timeout(o.timeout))
+    where_to = dump_dir(o.dump)
 
     # capture + annotate (FRONT_PASSES, cached per model): shapes and costs as functions of b
     bound = bind_inputs(model, example_inputs)
     check_devices(model, bound.tensors)
-    check_global_batch(global_batch_size, bound.batch_size)
+    check_global_batch(o.global_batch_size, bound.batch_size)
     canonical = canonical_names(model)
-    captured = captured_and_annotated(model, bound, tracer, canonical, where_to)
+    captured = captured_and_annotated(model, bound, o.tracer, canonical, where_to)
 
     # configure: P, D and the micro-batch size (given, or chosen from measured or estimated
     # costs); the planner also builds the schedule object the plan will carry
     def configure(rc: bool) -> Configuration:
         return choose_configuration(
             captured.gm, cluster, example_batch=bound.batch_size,
-            global_batch_size=global_batch_size, stages=stages, data_parallel=data_parallel,
-            micro_batch_size=micro_batch_size, schedule=schedule, recompute=rc,
-            profile=resolve_profile(captured.gm, bound, profile, settings, timeout=timeout),
-            shard_optimizer=shard_optimizer,
-            stages_per_rank=stages_per_rank,
+            global_batch_size=o.global_batch_size, stages=o.stages,
+            data_parallel=o.data_parallel, micro_batch_size=o.micro_batch_size,
+            schedule=o.schedule, recompute=rc,
+            profile=resolve_profile(captured.gm, bound, o.profile, settings, timeout=o.timeout),
+            shard_optimizer=o.shard_optimizer,
+            stages_per_rank=o.stages_per_rank,
         )
 
     # a split-backward schedule is planned with its input-gradient and weight passes timed
     # by the runtime's own split (they cost more than the fused backward)
     settings = ProfileSettings(split=input_grads) \
-        if isinstance(schedule, str) and (is_split(schedule) or schedule == AUTO) else None
+        if is_split(o.schedule) or o.schedule == AUTO else None
 
-    if recompute == "auto":
+    if o.recompute == "auto":
         # plan as if nothing recomputed (the fastest when memory allows); only if no
         # configuration fits that way, as if every stage did. The partition pass then
         # decides per stage.
@@ -124,7 +111,7 @@ def compile(  # noqa: A001 - the public name in API.md
         except PlanError:
             config = configure(True)
     else:
-        config = configure(bool(recompute))
+        config = configure(bool(o.recompute))
 
     # partition, split, codegen (BACK_PASSES) on this compile's own copy of the graph
     state = CompileState(model, copy_graph_module(captured.gm), values={
@@ -134,7 +121,7 @@ def compile(  # noqa: A001 - the public name in API.md
             device=config.device or device_spec(cluster.device),
             bandwidth=config.pipeline_bandwidth,
             memory_cap=cluster.gpu_memory / config.schedule.stages_per_rank,
-            stash_counts=config.stash_counts, recompute=recompute,
+            stash_counts=config.stash_counts, recompute=o.recompute,
             node_times=config.node_times,
             optimizer_shards=config.data_parallel if config.shard_optimizer else 1,
         ),
@@ -155,7 +142,7 @@ def compile(  # noqa: A001 - the public name in API.md
         micro_batch_size=config.micro_batch_size,
         num_micro_batches=config.num_micro_batches, schedule=priced.schedule,
         recompute=flags,
-        stage_costs=tuple(stage_costs(state.gm, built, state["partition"], state["setting"],
+        stage_costs=tuple(stage_totals(state.gm, built, state["partition"], state["setting"],
                                       priced.stage_memory)),
         bounds=bounds, placement=Placement(config.stages, config.data_parallel,
                                            priced.schedule.stages_per_rank,
@@ -168,12 +155,13 @@ def compile(  # noqa: A001 - the public name in API.md
     warn_micro_batch_state(model, captured.gm, plan.num_micro_batches)
     warn_sample_mixing(f"{type(model).__name__}.forward", graph_findings(captured.gm),
                        plan.num_micro_batches)
-    pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=loss_fn,
-                         offload_stash=offload_stash, precision=precision, timeout=timeout,
-                         shard_optimizer=shard_optimizer,
+    pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=o.loss_fn,
+                         offload_stash=o.offload_stash, precision=o.precision,
+                         timeout=o.timeout,
+                         shard_optimizer=o.shard_optimizer,
                          device=next((t.device for t in bound.tensors.values()), None))
-    if global_batch_size is not None:
-        pipe._replica_batch = global_batch_size // config.data_parallel
+    if o.global_batch_size is not None:
+        pipe._replica_batch = o.global_batch_size // config.data_parallel
     return pipe
 
 
@@ -216,23 +204,3 @@ BACK_PASSES: tuple[Pass, ...] = (
 )
 PASSES: tuple[Pass, ...] = FRONT_PASSES + BACK_PASSES  # the whole list, in order
 
-
-def _check_arguments(model: Any, example_inputs: Any, schedule: str, tracer: str,
-                     stages: int | None) -> None:
-    if not isinstance(model, nn.Module):
-        raise VarunaFxError(f"compile expects a torch.nn.Module, got {type(model).__name__}")
-    if example_inputs is None:
-        raise VarunaFxError(
-            "example_inputs is required: a tuple of positional args or a dict of keyword args "
-            "for one sample batch (dim 0 of every tensor is the batch)"
-        )
-    if schedule not in schedule_choices():
-        raise VarunaFxError(
-            f"schedule={schedule!r} is unknown; choose one of {schedule_choices()} (\"auto\": "
-            "the planner picks the fastest that fits)"
-        )
-    if tracer not in TRACERS:
-        raise VarunaFxError(f"tracer={tracer!r} is unknown; choose one of {TRACERS}")
-    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
-                               or stages < 1):
-        raise VarunaFxError(f"stages={stages!r}: give a positive number of pipeline stages")

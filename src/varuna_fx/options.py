@@ -1,18 +1,87 @@
-"""Checking ``vf.compile``'s scalar arguments before any work is done.
+"""``vf.compile``'s options: one frozen object, checked once, before any work is done.
 
-Each check says which argument is wrong and what to pass instead. ``bool`` is refused where a
-count is expected: ``True`` is an ``int`` in Python, and ``stages=True`` meaning one stage is
-never what the user meant.
+:class:`CompileOptions` holds every keyword ``vf.compile`` takes besides the model and its
+example inputs (the torchtitan way: a frozen options object rather than arguments passed
+along one by one). Making one checks all of them, each error saying which option is wrong and
+what to pass instead; the rest of ``compile`` reads the checked object. ``bool`` is refused
+where a count is expected: ``True`` is an ``int`` in Python, and ``stages=True`` meaning one
+stage is never what the user meant.
+
+What depends on the model or its bound inputs (the model's type, example inputs given, their
+devices, a ``target`` parameter) is checked here too, by the functions below, once compile has
+them.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
+from .capture.trace import TRACERS
 from .errors import InputError, VarunaFxError
+from .planner.candidates import schedule_choices
 from .planner.cluster import Cluster
 from .runtime.precision import check_precision
 from .world.where import resolve_timeout
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The options of one ``vf.compile`` call (docs/API.md has their meaning), valid once
+    made."""
+
+    cluster: Cluster | None = None  # None: Cluster.local()
+    loss_fn: Callable[..., Any] | None = None
+    global_batch_size: int | None = None
+    stages: int | None = None
+    stages_per_rank: int | None = 1  # None: the schedule's default (the planner checks it)
+    data_parallel: int | None = None
+    micro_batch_size: int | None = None
+    schedule: str = "auto"
+    recompute: bool | str = "auto"
+    tracer: str = "auto"
+    offload_stash: bool = False
+    shard_optimizer: bool | str = "auto"  # ZeRO-1 over each stage's D replicas
+    precision: str = "fp32"
+    timeout: float | None = None  # None: $VARUNA_FX_TIMEOUT or the default, when waited on
+    profile: Any = False  # False | True | a varuna_fx.planner.Profile (resolve_profile checks)
+    dump: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.cluster is not None and not isinstance(self.cluster, Cluster):
+            raise VarunaFxError(
+                f"cluster={_short(self.cluster)} is not a vf.Cluster: the second positional "
+                "argument of vf.compile is the cluster; pass the inputs as example_inputs=(...)"
+            )
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise VarunaFxError(f"loss_fn={_short(self.loss_fn)} is not callable: pass a "
+                                "function loss_fn(output, target) -> 0-d tensor, or None")
+        named = (("schedule", self.schedule, "varuna"), ("tracer", self.tracer, "auto"),
+                 ("precision", self.precision, "fp32"))
+        for name, value, default in named:
+            if not isinstance(value, str):
+                raise VarunaFxError(f"{name}={_short(value)}: give its name as a string, e.g. "
+                                    f"{name}={default!r}")
+        check_count("stages", self.stages, "pipeline stages")
+        check_count("data_parallel", self.data_parallel, "data-parallel replicas")
+        check_count("micro_batch_size", self.micro_batch_size, "samples per micro-batch")
+        check_count("global_batch_size", self.global_batch_size, "samples per optimizer step")
+        check_flag("recompute", self.recompute, (True, False, "auto"))
+        check_flag("offload_stash", self.offload_stash)
+        check_flag("shard_optimizer", self.shard_optimizer, (True, False, "auto"))
+        resolve_timeout(self.timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
+        check_precision(self.precision)  # before capture and planning, not after
+        if self.schedule not in schedule_choices():
+            raise VarunaFxError(
+                f"schedule={self.schedule!r} is unknown; choose one of {schedule_choices()} "
+                "(\"auto\": the planner picks the fastest that fits)"
+            )
+        if self.tracer not in TRACERS:
+            raise VarunaFxError(f"tracer={self.tracer!r} is unknown; choose one of {TRACERS}")
 
 
 def check_count(name: str, value: Any, what: str) -> None:
@@ -29,35 +98,16 @@ def check_flag(name: str, value: Any, allowed: tuple[Any, ...] = (True, False)) 
         raise VarunaFxError(f"{name}={value!r}: use one of {list(allowed)}")
 
 
-def check_compile_arguments(*, stages: Any, data_parallel: Any, micro_batch_size: Any,
-                            global_batch_size: Any, recompute: Any, offload_stash: Any,
-                            timeout: Any, precision: Any = "fp32", cluster: Any = None,
-                            loss_fn: Any = None, schedule: Any = "auto",
-                            tracer: Any = "auto", shard_optimizer: Any = "auto") -> None:
-    if cluster is not None and not isinstance(cluster, Cluster):
+def check_model(model: Any, example_inputs: Any, loss_fn: Any) -> None:
+    """The model is a module, example inputs are given, and ``target`` means one thing."""
+    if not isinstance(model, nn.Module):
+        raise VarunaFxError(f"compile expects a torch.nn.Module, got {type(model).__name__}")
+    if example_inputs is None:
         raise VarunaFxError(
-            f"cluster={_short(cluster)} is not a vf.Cluster: the second positional argument of "
-            "vf.compile is the cluster; pass the inputs as example_inputs=(...)"
+            "example_inputs is required: a tuple of positional args or a dict of keyword args "
+            "for one sample batch (dim 0 of every tensor is the batch)"
         )
-    if loss_fn is not None and not callable(loss_fn):
-        raise VarunaFxError(f"loss_fn={_short(loss_fn)} is not callable: pass a function "
-                            "loss_fn(output, target) -> 0-d tensor, or None")
-    named = (("schedule", schedule, "varuna"), ("tracer", tracer, "auto"),
-             ("precision", precision, "fp32"))
-    for name, value, default in named:
-        if not isinstance(value, str):
-            raise VarunaFxError(f"{name}={_short(value)}: give its name as a string, e.g. "
-                                f"{name}={default!r}")
-
-    check_count("stages", stages, "pipeline stages")
-    check_count("data_parallel", data_parallel, "data-parallel replicas")
-    check_count("micro_batch_size", micro_batch_size, "samples per micro-batch")
-    check_count("global_batch_size", global_batch_size, "samples per optimizer step")
-    check_flag("recompute", recompute, (True, False, "auto"))
-    check_flag("offload_stash", offload_stash)
-    check_flag("shard_optimizer", shard_optimizer, (True, False, "auto"))
-    resolve_timeout(timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
-    check_precision(precision)  # before capture and planning, not after
+    check_target_parameter(model, loss_fn)
 
 
 def check_devices(model: Any, tensors: dict[str, Any]) -> None:
@@ -92,8 +142,6 @@ def check_target_parameter(model: Any, loss_fn: Any) -> None:
     """``pipe.step(..., target=y)`` hands ``y`` to ``loss_fn``. A forward that itself takes a
     parameter named ``target`` gets it from that keyword when there is no loss_fn (the model
     computes its loss); with a loss_fn the two meanings would be confused, so refuse."""
-    import inspect
-
     try:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

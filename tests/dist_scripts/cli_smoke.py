@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import varuna_fx as vf  # noqa: E402
-from dist_common import make_model_and_data  # noqa: E402
+from support.training import make_model_and_data  # noqa: E402
 from varuna_fx.examples import lm_loss  # noqa: E402
 
 model, tokens = make_model_and_data()

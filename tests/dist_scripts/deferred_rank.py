@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import varuna_fx as vf  # noqa: E402
-from deferred_common import CFG, SEED, batch, deferred_gpt  # noqa: E402
+from support.deferred import CFG, SEED, batch, deferred_gpt  # noqa: E402
 from varuna_fx.examples import GPT, lm_loss  # noqa: E402
 
 RANK = int(os.environ["RANK"])

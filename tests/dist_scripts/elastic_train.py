@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import varuna_fx as vf  # noqa: E402
-from dist_common import ADAM_EPS, CONFIG, GLOBAL_BATCH  # noqa: E402
+from support.training import ADAM_EPS, CONFIG, GLOBAL_BATCH  # noqa: E402
 from varuna_fx.examples import GPT, lm_loss  # noqa: E402
 from varuna_fx.runtime import preemption  # noqa: E402
 

@@ -1,6 +1,6 @@
 """A loss that is a mean over the labels each micro-batch keeps, on 2 gloo ranks (P = 2):
 each rank saves its losses and gradients to ``<out>/rank<r>.pt``.
-Used by tests/test_hf_zoo.py::test_mean_over_kept_labels_on_two_ranks_matches_eager."""
+Used by tests/capture/test_hf_models.py::test_mean_over_kept_labels_on_two_ranks_matches_eager."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import test_hf_zoo as t  # noqa: E402
 import varuna_fx as vf  # noqa: E402
+from support import label_models as t  # noqa: E402
 
 out = Path(sys.argv[1])
 torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """One rank of a distributed test: trains the tiny tied GPT under each requested layout.
 
-Usage (under tests/dist_utils.launch): ``train_gpt.py OUT_DIR JOBS_JSON``. ``JOBS_JSON`` is a
+Usage (under tests/support/dist.launch): ``train_gpt.py OUT_DIR JOBS_JSON``. ``JOBS_JSON`` is a
 list of jobs run one after another in this process; each writes ``OUT_DIR/<name>_rank<r>.pt``
 with the losses, clipped norms and held parameters after the steps, or the error it raised.
 Job kinds: ``train`` (compile, 3 AdamW steps with clipping; with ``"reorder": true`` under
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import varuna_fx as vf  # noqa: E402
-from dist_common import ADAM_EPS, CONFIG, GLOBAL_BATCH, make_model_and_data  # noqa: E402
+from support.training import ADAM_EPS, CONFIG, GLOBAL_BATCH, make_model_and_data  # noqa: E402
 from varuna_fx.examples import (
     GPT,  # noqa: E402
     lm_loss,  # noqa: E402

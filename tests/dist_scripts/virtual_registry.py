@@ -15,8 +15,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import varuna_fx as vf  # noqa: E402
-from helpers import call_args  # noqa: E402
-from registry import CASES  # noqa: E402
+from support.eager import call_args  # noqa: E402
+from support.registry import CASES  # noqa: E402
 
 MODELS = ("unet_skips", "albert_shared", "kwargs_dict")
 SCHEDULES = ("interleaved-1f1b", "zbv")

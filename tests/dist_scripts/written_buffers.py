@@ -1,6 +1,6 @@
 """Models whose forward writes buffers, trained three steps on 3 gloo ranks (P = 3); each
 rank saves its losses, state and gradients to ``<out>/rank<r>.pt``.
-Used by tests/test_written_buffers.py::test_written_buffers_on_three_ranks_match_eager."""
+Used by tests/capture/test_written_buffers.py::test_written_buffers_on_three_ranks_match_eager."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import test_written_buffers as t  # noqa: E402
 import varuna_fx as vf  # noqa: E402
+from support import stateful_models as t  # noqa: E402
 
 out = Path(sys.argv[1])
 results = {}

@@ -1,4 +1,4 @@
-"""One rank of the sharded-optimizer (ZeRO-1) tests: the float64 tied GPT of tests/zero_common.py.
+"""One rank of the sharded-optimizer (ZeRO-1) tests: the float64 tied GPT of tests/support/zero.py.
 
 Usage: ``zero_jobs.py OUT_DIR JOBS_JSON``. Each job writes ``OUT_DIR/<name>_rank<r>.pt``; kinds:
 
@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import varuna_fx as vf  # noqa: E402
-from ckpt_common import make_model  # noqa: E402
+from support.training import ckpt_model  # noqa: E402
+from support.zero import BATCH, MAX_NORM, SPLIT, STEPS, make_optimizer, schedule, tokens  # noqa: E402
 from varuna_fx.examples import lm_loss  # noqa: E402
 from varuna_fx.runtime.zero import layout_of, shard_state_bytes  # noqa: E402
-from zero_common import BATCH, MAX_NORM, SPLIT, STEPS, make_optimizer, schedule, tokens  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 OUT = Path(sys.argv[1])
@@ -36,7 +36,7 @@ OUT = Path(sys.argv[1])
 
 def compile_job(job: dict[str, Any], seed: int = 0, **kw: Any) -> vf.Pipeline:
     share = BATCH // job["D"]
-    return vf.compile(make_model(seed=seed), example_inputs=(tokens()[0, :share, :-1],),
+    return vf.compile(ckpt_model(seed=seed), example_inputs=(tokens()[0, :share, :-1],),
                       loss_fn=lm_loss, stages=job["P"], data_parallel=job["D"],
                       micro_batch_size=2, shard_optimizer=job.get("shard", True), **kw)
 

@@ -1,4 +1,8 @@
-"""Non-strict torch.export into the canonical graph (see ``trace.py``)."""
+"""Non-strict torch.export into the canonical graph (see ``trace.py``).
+
+``BatchNorm(momentum=None)`` compiles with fx only: torch.export cannot trace its
+``float(num_batches_tracked)``.
+"""
 
 from __future__ import annotations
 

@@ -10,6 +10,11 @@ capture: refused with an error naming it and what to do, or marked for a later c
   recompute; a buffer forward rebinds is written in place by its stage, which torch.export
   (2.13) leaves out for a submodule's buffer, and which must keep its shape and dtype
   (``NodeInfo.rebinds``, checked by ``annotate_shapes``).
+
+Not refused but per micro-batch: a parameter hook (``p.register_hook``) runs once per
+micro-batch on that micro-batch's gradient, so a non-linear one (clipping each gradient)
+differs from eager on the whole batch; a ``torch.autocast`` block computes per micro-batch in
+low precision, so its gradients differ from eager's within that precision.
 """
 
 from __future__ import annotations

@@ -44,8 +44,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError
 from ..init.skip import loaded
-from ..runtime.comm import resolve_timeout
-from ..world.where import launched_distributed
+from ..world.where import launched_distributed, resolve_timeout
 from . import dcp_local
 from .agreement import Agreement
 from .background import SaveHandle, in_thread

@@ -7,6 +7,8 @@ differ from those at compile, the model is captured again in its current modes: 
 is the compiled one, the compiled stages serve; otherwise evaluation runs the new graph, cut
 where the compiled stages hold the parameters it reads (so a distributed rank has them), and
 training refuses with a clear error (a plan is made for one training graph).
+
+Distributed ranks capture eval mode at compile, with zero-filled example inputs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..capture.inputs import BoundInputs
 from ..capture.trace import capture
 from ..errors import VarunaFxError
 from ..ir.nodes import info
-from ..passes.annotate_costs import annotate_costs
+from ..passes.annotate_backward import annotate_backward
 from ..passes.annotate_shapes import annotate_shapes
 from ..passes.mark_replicable import mark_replicable
 from ..passes.specialize_sizes import specialize_sizes
@@ -63,7 +65,7 @@ def evaluation_stages(model: nn.Module, fresh: Captured, bound: BoundInputs,
     gm = fresh.gm
     annotate_shapes(gm, bound)
     specialize_sizes(gm)
-    annotate_costs(gm, canonical)
+    annotate_backward(gm, canonical)
     mark_replicable(gm)
     holders: dict[str, set[int]] = {}
     for s in compiled:

@@ -15,7 +15,7 @@ from ..planner.plan import StageCost
 from . import Stage
 
 
-def stage_costs(gm: fx.GraphModule, stages: list[Stage], partition: Partition,
+def stage_totals(gm: fx.GraphModule, stages: list[Stage], partition: Partition,
                 setting: CostSetting, memory: Sequence[float]) -> list[StageCost]:
     """``memory``: bytes per stage by the planner's memory model (``configure.price``), the one
     the alternatives were weighed with, so the table and its alternatives row agree."""
@@ -42,7 +42,7 @@ def stage_costs(gm: fx.GraphModule, stages: list[Stage], partition: Partition,
             activation_bytes=sum(info(n).out_bytes(b) for n in nodes
                                  if info(n).fwd_flops(b) > 0),
             boundary_bytes=sum(t.nbytes(b) for t in stage.spec.sends),
-            time=partition.stage_costs[stage.index],
+            time=partition.stage_times[stage.index],
             memory=float(memory[stage.index]),
             forward_time=fwd,
             backward_time=bwd,

@@ -25,6 +25,9 @@ bytes are counted (``assign_stages.partition_costs``, the planner's unit arrays)
 
 Stages are ranges of *units* (nodes, or the runs of nodes between candidate cuts); every array
 is per unit, ``cut`` per position (the bytes entering a stage that starts there).
+
+An estimate from shapes: it leaves out the allocator's fragmentation, temporary buffers inside
+an operation other than the largest activation's gradient, and communication buffers.
 """
 
 from __future__ import annotations
@@ -204,3 +207,14 @@ class MemoryModel:
         ends = np.arange(lo + 1, hi + 1)
         fits = self.peak(i, ends, stash, recompute) <= cap
         return hi if fits.all() else lo + int(np.argmin(fits))
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes for people, readable at every scale ("0.00 GiB" would hide a tiny memory, a typo
+    in ``gpu_memory``): GiB and TiB with two decimals, MiB and KiB with one, else whole bytes.
+    Every message and table that prints a size uses this one."""
+    for unit, size, digits in (("TiB", 2**40, 2), ("GiB", 2**30, 2), ("MiB", 2**20, 1),
+                               ("KiB", 2**10, 1)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.{digits}f} {unit}"
+    return f"{nbytes:.0f} bytes"

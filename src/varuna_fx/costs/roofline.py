@@ -2,7 +2,7 @@
 
 A node's time is a roofline: the larger of its FLOPs over the device's throughput and the bytes
 it reads and writes over the device's memory bandwidth (elementwise ops are memory-bound).
-Backward FLOPs come from ``annotate_costs``; recomputation adds one more forward.
+Backward FLOPs come from ``annotate_backward``; recomputation adds one more forward.
 """
 
 from __future__ import annotations

@@ -6,6 +6,14 @@ torch.export holds weak references to) and puts it wherever the old one was: in 
 in every other module tree given (``roots``: the captured graph, the stage modules). Tied
 tensors are one object, so they stay one. A tensor ``vf.skip_init`` skipped is allocated and
 marked (``skip.py``): a step before a checkpoint fills it raises, as for any skipped tensor.
+
+Limits: a ``copy.deepcopy`` of a deferred model is not recorded (refused when materialised);
+random values are the same on every layout of one device type (a CUDA generator draws other
+numbers than a CPU one); a torch.export stage's ``.code`` text still reads ``device=meta`` where
+the graph was retargeted; tensors computed from more than 1 MiB of unrecorded CPU data are
+refused, not carried. ``pipeline.make_pipeline`` materialises a deferred model whole in one
+process; ``runtime/distributed.py`` materialises only ``layout.held_names(...)`` of its stage
+before ``release_unheld`` and refuses a meta model without records (``refuse_plain_meta``).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class NodeInfo:
     rebinds: str = ""
     # mark_sample_mixing: why micro-batching changes this node's result ("" if it does not)
     mixes_samples: str = ""
-    # annotate_costs
+    # annotate_backward
     fwd_flops: Affine = ZERO
     bwd_flops: Affine = ZERO
     params: dict[str, int] = field(default_factory=dict)  # canonical FQN -> bytes, read here

@@ -26,6 +26,14 @@ ARCHITECTURE.md "Elastic morphing"):
 
 Heartbeats every second, 3 missed = gone, and a 1 s last call keep a morph short (torchrun's
 defaults add up to 45 s).
+
+The machine hosting ``--rdzv-endpoint`` must stay: when it vanishes the other agents stop within
+a second with ``RendezvousConnectionError`` (the c10d backend has no failover; an etcd
+rendezvous would). Found on torch 2.13 with two agents in network namespaces
+(``tests/launch/test_elastic.py``, helper ``tests/support/netns.py``).
+
+A shrunken job of one process runs the local runtime; under torchrun it still installs the
+preemption handlers, so its agent's SIGTERM on a join saves instead of killing.
 """
 
 from __future__ import annotations

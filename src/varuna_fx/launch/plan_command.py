@@ -12,11 +12,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..costs.memory import format_bytes
 from ..errors import VarunaFxError
 from ..planner.analyze import Analyzed, analyze, plan_for
 from ..planner.candidates import Candidate, SearchResult
 from ..planner.cluster import Cluster
-from ..planner.plan import Alternative, Plan, _bytes, _count, _seconds, alternatives_table
+from ..planner.plan import Alternative, Plan, _count, _seconds, alternatives_table
 from ..planner.profile import Profile
 from .factory import load_factory
 
@@ -129,7 +130,7 @@ def describe(cluster: Cluster, name: str, result: SearchResult, measured: bool,
         "predicted step "
         f"{_seconds(best.step_time)}\n"
         f"cluster: {cluster.gpus} devices, {cluster.gpus_per_node} per node, "
-        f"{_bytes(float(cluster.gpu_memory))} each; costs from {costs}\n"
+        f"{format_bytes(float(cluster.gpu_memory))} each; costs from {costs}\n"
         f"search: {result.considered} candidates, {result.partitioned} partitioned, "
         f"{result.simulated} simulated in {result.seconds:.2f} s (capture and annotation "
         f"{seconds.get('capture+annotate', 0):.2f} s)"
@@ -149,11 +150,11 @@ def stage_table(best: Candidate) -> Table:
         slow = int((plan.forward + plan.backward).argmax())
         rows = sorted({0, 1, 2, slow, len(rows) - 3, len(rows) - 2, len(rows) - 1})
     for s in rows:
-        send = _bytes(float(plan.send_bytes[s])) if s < plan.num_stages - 1 else "-"
-        memory = _bytes(best.memory[s]) if best.memory else "-"
+        send = format_bytes(float(plan.send_bytes[s])) if s < plan.num_stages - 1 else "-"
+        memory = format_bytes(best.memory[s]) if best.memory else "-"
         table.add_row(str(s), _seconds(float(plan.forward[s])),
                       _seconds(float(plan.recompute[s])), _seconds(float(plan.backward[s])),
-                      send, _bytes(float(plan.weights[s])), memory)
+                      send, format_bytes(float(plan.weights[s])), memory)
     return table
 
 

@@ -22,7 +22,7 @@ from ..capture.mutations import after_write, view_write_chain
 from ..costs.memory import WEIGHT_COPIES, SharedWeight, held_copies
 from ..costs.roofline import DeviceSpec, NodeTimes, step_time
 from ..ir.nodes import info
-from .partition import Partition, PartitionCosts, partition
+from .partition import Partition, PartitionProblem, partition
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def trainable_names(gm: fx.GraphModule) -> set[str]:
     return {name for name, p in canonical_parameters(gm).items() if p.requires_grad}
 
 
-def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
+def partition_problem(gm: fx.GraphModule, setting: CostSetting) -> PartitionProblem:
     nodes = compute_nodes(gm)
     n = len(nodes)
     position = {node: i for i, node in enumerate(nodes)}
@@ -146,7 +146,7 @@ def partition_costs(gm: fx.GraphModule, setting: CostSetting) -> PartitionCosts:
     cut = np.cumsum(crossing)[: n + 1]
     cut[np.cumsum(forbidden)[: n + 1] > 0] = np.inf
     cut[0] = cut[n] = 0.0
-    return PartitionCosts(
+    return PartitionProblem(
         compute=compute, weight_bytes=weights, activation_bytes=activations, cut_bytes=cut,
         bandwidth=setting.bandwidth, memory_cap=setting.memory_cap,
         stash_counts=setting.stash_counts, recompute=setting.recompute,
@@ -187,7 +187,7 @@ def shared_weights(nodes: list[fx.Node], trainable: set[str],
 
 
 def assign_stages(gm: fx.GraphModule, num_stages: int, setting: CostSetting) -> Partition:
-    result = partition(partition_costs(gm, setting), num_stages)
+    result = partition(partition_problem(gm, setting), num_stages)
     record_stages(gm, result)
     return result
 

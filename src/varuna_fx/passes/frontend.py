@@ -5,8 +5,16 @@ exploring in a notebook) reuses its annotated graph; the planner's ``analyze`` s
 passes never write into this graph: ``vf.compile`` annotates a copy (``ir.copy_graph_module``),
 so pipelines compiled from one cached graph do not change each other.
 
-Moved here from api.py (the cache and ``_captured_and_annotated``) because the planner, which
-sits below api, needs it; api re-exports the names.
+It sits in passes/, below the planner, because the planner's ``analyze`` shares the cache.
+
+The cache (``_CAPTURES``) is keyed by the fresh capture's code, the called modules' settings,
+parameter and buffer identities, tensor constants and modes, so a hit equals a fresh compile;
+capture itself runs on every compile, passes 2-6 once per captured graph, and passes 7-9 on
+``ir.copy_graph_module(captured.gm)`` (nodes carrying copies of their annotations), so
+compiling the same model at P=4 leaves an earlier P=2 pipeline's graphs untouched. The profiler
+hands ``split_stages`` a chunk map instead of rewriting stage annotations. With the on-disk
+``shape_cache`` a restarted job skips both fake-tensor runs (a 100M GPT's compile: 1.27 s ->
+0.40 s); passes 3-5 always run (~25 ms together).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from torch import nn
 from ..capture.captured import Captured
 from ..capture.inputs import BoundInputs
 from ..capture.trace import capture
-from .annotate_costs import annotate_costs
+from .annotate_backward import annotate_backward
 from .annotate_shapes import annotate_shapes
 from .manager import CompileState, Pass, run_passes
 from .mark_replicable import mark_replicable
@@ -41,8 +49,8 @@ FRONT_PASSES: tuple[Pass, ...] = (
     Pass("specialize_sizes", "size()/.shape of activations are constants or arithmetic on the "
          "batch size: ints never pin two operations to one stage",
          lambda s: specialize_sizes(s.gm)),
-    Pass("annotate_costs", "backward FLOPs and the parameters each node reads, under canonical "
-         "names", lambda s: annotate_costs(s.gm, s["canonical"])),
+    Pass("annotate_backward", "backward FLOPs and the parameters each node reads, under canonical "
+         "names", lambda s: annotate_backward(s.gm, s["canonical"])),
     Pass("mark_replicable", "cheap input/constant-derived nodes are copied into every stage "
          "that needs them, never sent", lambda s: mark_replicable(s.gm)),
     Pass("mark_sample_mixing", "nodes whose result micro-batching changes (statistics over the "

@@ -6,6 +6,9 @@ every pass it runs the generic graph check plus the pass's own checker, and, whe
 ``VARUNA_FX_DUMP=<dir>`` is set (or ``dump=`` is given), writes the graph the pass left as
 readable code, headed by its provenance (every pass run so far and what each guarantees), the
 way lightning-thunder writes its traces. The stage code header names the same list.
+
+The generic check after every pass is ``check_graph`` (fx's lint, and no two nodes sharing a
+``NodeInfo``); dumps are ``<dir>/NN_<pass>.py``, each stage's graph after the split.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..costs.memory import MemoryModel, SharedWeight
+from ..costs.memory import MemoryModel, SharedWeight, format_bytes
 from ..errors import PartitionError
 from .bottleneck import fewest_bytes, smallest_bottleneck
 from .weigh_allreduce import allreduce_matrix, weigh_allreduce
@@ -44,7 +44,7 @@ _FEWER_BYTES = 0.5  # "several times fewer": the loose partition must send at mo
 
 
 @dataclass(frozen=True)
-class PartitionCosts:
+class PartitionProblem:
     compute: np.ndarray  # [N] time of each node (forward + backward (+ recompute))
     weight_bytes: np.ndarray  # [N] bytes for the node's parameters (weights, grads, optimizer)
     activation_bytes: np.ndarray  # [N] bytes of activations one micro-batch leaves at the node
@@ -113,7 +113,7 @@ class PartitionCosts:
 @dataclass(frozen=True)
 class Partition:
     bounds: tuple[int, ...]  # P + 1 positions, bounds[0] = 0, bounds[-1] = N
-    stage_costs: tuple[float, ...]  # compute + send time of each stage
+    stage_times: tuple[float, ...]  # seconds: compute + send time of each stage
     stage_memory: tuple[float, ...]  # peak bytes of each stage (``memory_model``)
     bottleneck: float
     recompute: tuple[bool, ...] = ()  # per stage: whether it recomputes (set by the partition)
@@ -134,7 +134,7 @@ class _Stages:
     through the stage's stash count; a stage ending at N is the last one (k = P - 1), which
     never recomputes and is the only one allowed to end there."""
 
-    def __init__(self, costs: PartitionCosts, num_stages: int) -> None:
+    def __init__(self, costs: PartitionProblem, num_stages: int) -> None:
         n = len(costs.compute)
         self.n, self.num_stages, self.cap = n, num_stages, costs.memory_cap
         self.mode = costs.recompute
@@ -214,7 +214,7 @@ class _Stages:
         return cost
 
 
-def partition(costs: PartitionCosts, num_stages: int) -> Partition:
+def partition(costs: PartitionProblem, num_stages: int) -> Partition:
     """Optimal contiguous partition of N nodes into ``num_stages`` non-empty stages."""
     n = len(costs.compute)
     if num_stages < 1:
@@ -250,7 +250,7 @@ def partition(costs: PartitionCosts, num_stages: int) -> Partition:
     return _made(stages, allreduce, positions, unit_bounds)
 
 
-def evaluate(costs: PartitionCosts, bounds: tuple[int, ...]) -> Partition:
+def evaluate(costs: PartitionProblem, bounds: tuple[int, ...]) -> Partition:
     """The partition with the given ``bounds`` (P + 1 node positions), priced as
     ``partition`` prices its own: stage costs, memory, recompute flags, all-reduce. Raises
     PartitionError where a stage may not be (a forbidden cut) or does not fit."""
@@ -265,7 +265,7 @@ def evaluate(costs: PartitionCosts, bounds: tuple[int, ...]) -> Partition:
     return _made(stages, _allreduce(reduced), positions, units)
 
 
-def _allreduce(reduced: PartitionCosts) -> np.ndarray | None:
+def _allreduce(reduced: PartitionProblem) -> np.ndarray | None:
     return allreduce_matrix(reduced.grad_bytes, reduced.shared, reduced.allreduce_per_byte,
                             reduced.allreduce_latency, len(reduced.compute))
 
@@ -273,11 +273,11 @@ def _allreduce(reduced: PartitionCosts) -> np.ndarray | None:
 def _made(stages: _Stages, allreduce: np.ndarray | None, positions: list[int],
           unit_bounds: list[int]) -> Partition:
     pairs = list(zip(unit_bounds, unit_bounds[1:]))
-    stage_costs = tuple(float(stages.cost(k)[i, j]) for k, (i, j) in enumerate(pairs))
+    stage_times = tuple(float(stages.cost(k)[i, j]) for k, (i, j) in enumerate(pairs))
     flags = tuple(stages.recomputes(i, j, k) for k, (i, j) in enumerate(pairs))
     bounds = tuple(positions[u] for u in unit_bounds)
     reduces = () if allreduce is None else tuple(float(allreduce[i, j]) for i, j in pairs)
-    return Partition(bounds, stage_costs, stages.memory(unit_bounds), max(stage_costs), flags,
+    return Partition(bounds, stage_times, stages.memory(unit_bounds), max(stage_times), flags,
                      reduces)
 
 
@@ -285,7 +285,7 @@ def _bytes_sent(cut: np.ndarray, unit_bounds: list[int]) -> float:
     return float(sum(cut[j] for j in unit_bounds[1:-1]))
 
 
-def _candidate_cuts(costs: PartitionCosts) -> list[int]:
+def _candidate_cuts(costs: PartitionProblem) -> list[int]:
     free = free_nodes(costs.compute, costs.weight_bytes, costs.activation_bytes,
                       costs.workspace_bytes, costs.shared)
     return candidate_cuts(free, np.asarray(costs.cut_bytes, dtype=np.float64))
@@ -324,7 +324,7 @@ def candidate_cuts(free: np.ndarray, cut_bytes: np.ndarray) -> list[int]:
     return positions
 
 
-def _reduce(costs: PartitionCosts, positions: list[int]) -> PartitionCosts:
+def _reduce(costs: PartitionProblem, positions: list[int]) -> PartitionProblem:
     """Costs of the units between consecutive candidate cuts."""
     def sums(values: np.ndarray) -> np.ndarray:
         prefix = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
@@ -360,7 +360,7 @@ def held_together(spans: Mapping[str, tuple[int, int]], n: int) -> str:
             "together in forward to allow more stages")
 
 
-def _explain_infeasible(costs: PartitionCosts, num_stages: int) -> None:
+def _explain_infeasible(costs: PartitionProblem, num_stages: int) -> None:
     if not np.isfinite(costs.memory_cap):
         raise PartitionError(
             f"cannot cut the model into {num_stages} stages: too few places where only tensors "
@@ -371,19 +371,10 @@ def _explain_infeasible(costs: PartitionCosts, num_stages: int) -> None:
     loose = partition(unconstrained, num_stages)
     worst = int(np.argmax(loose.stage_memory))
     raise PartitionError(
-        f"no partition into {num_stages} stages fits in {_gib(costs.memory_cap)} per device: "
-        f"the best balanced one needs {_gib(loose.stage_memory[worst])} on stage {worst}. "
+        f"no partition into {num_stages} stages fits in {format_bytes(costs.memory_cap)} per device: "
+        f"the best balanced one needs {format_bytes(loose.stage_memory[worst])} on stage {worst}. "
         "Use more stages, a smaller micro-batch, "
         + ("" if costs.recompute else "recomputation, ")  # only what is not on already
         + "or devices with more memory"
     )
 
-
-def _gib(nbytes: float) -> str:
-    """Readable at every scale: "0.00 GiB" would hide a tiny memory (a typo in gpu_memory)."""
-    if nbytes >= 2**24:
-        return f"{nbytes / 2**30:.2f} GiB"
-    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.1f} {unit}"
-    return f"{nbytes:.0f} bytes"

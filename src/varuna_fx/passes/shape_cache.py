@@ -40,7 +40,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..capture.inputs import BoundInputs
-from ..world.files import sealed, unsealed, write_atomically
+from ..world.files import cache_dir, sealed, unsealed, write_atomically
 
 FORMAT = 2  # 2: sealed with a digest of the content (world/files.sealed)
 MAX_ENTRIES = 64
@@ -54,11 +54,6 @@ _SOURCES = (Path(__file__).with_name("annotate_shapes.py"), Path(__file__))
 
 def enabled() -> bool:
     return os.environ.get("VARUNA_FX_GRAPH_CACHE", "1").strip() not in ("0", "false", "no", "off")
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("VARUNA_FX_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "varuna_fx") / "graphs"
 
 
 def graph_key(gm: fx.GraphModule, bound: BoundInputs) -> str | None:
@@ -95,7 +90,7 @@ def graph_key(gm: fx.GraphModule, bound: BoundInputs) -> str | None:
 
 def load(key: str, names: list[str]) -> list[Any] | None:
     """The observations stored under ``key`` for a graph whose nodes are ``names``, or None."""
-    path = cache_dir() / f"{key}.json"
+    path = cache_dir("graphs") / f"{key}.json"
     try:
         text = path.read_text()
     except OSError:
@@ -118,7 +113,7 @@ def store(key: str, names: list[str], observed: list[Any]) -> None:
     """Write an entry atomically (a reader sees the old file or the whole new one); keep the
     newest :data:`MAX_ENTRIES`. A cache that cannot be written is skipped silently: it only
     saves time."""
-    directory = cache_dir()
+    directory = cache_dir("graphs")
     try:
         write_atomically(directory, f"{key}.json", sealed(
             {"format": FORMAT, "key": key, "nodes": names, "observed": observed}))

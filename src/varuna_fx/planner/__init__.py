@@ -8,9 +8,8 @@
 
 from .analyze import Analyzed, analyze, plan_for
 from .candidates import Candidate, SearchResult, Space
-from .costs import CostTable, MeasuredTimes
+from .cost_table import CostTable, MeasuredTimes
 from .measure import ProfileSettings
-from .network import NetworkProfile, measure_network
 from .profile import ChunkProfile, Profile
 from .resolve import profile_here, resolve_profile
 from .search import Planner
@@ -21,14 +20,12 @@ __all__ = [
     "ChunkProfile",
     "CostTable",
     "MeasuredTimes",
-    "NetworkProfile",
     "Planner",
     "Profile",
     "ProfileSettings",
     "SearchResult",
     "Space",
     "analyze",
-    "measure_network",
     "plan_for",
     "profile_here",
     "resolve_profile",

@@ -14,11 +14,11 @@ import torch.fx as fx
 from torch import nn
 
 from ..capture.inputs import BoundInputs, bind_inputs
-from ..passes.annotate_costs import canonical_names
+from ..passes.annotate_backward import canonical_names
 from ..passes.frontend import captured_and_annotated
 from .candidates import SearchResult, Space
 from .cluster import Cluster
-from .costs import CostTable
+from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .measure import ProfileSettings
 from .profile import Profile

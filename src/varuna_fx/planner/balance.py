@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..costs.memory import _ROUNDING, MemoryModel, SharedWeight, peak_bytes
-from .costs import UnitArrays
+from .cost_table import UnitArrays
 
 _TOLERANCE = 1e-4  # relative precision of the bottleneck
 
@@ -72,7 +72,7 @@ class StagePlan:
     def memory(self, stash_counts: Sequence[int], recompute: bool | Sequence[bool]
                ) -> np.ndarray:
         """Peak bytes per stage with ``stash_counts[s]`` micro-batches in flight on stage s
-        (``memory_model.peak_bytes`` of this plan's per-stage terms)."""
+        (``costs.memory.peak_bytes`` of this plan's per-stage terms)."""
         return peak_bytes(self.weights, self.input_bytes, self.activations, self.workspace,
                           np.asarray(stash_counts, dtype=float), self.flags(recompute))
 
@@ -108,7 +108,7 @@ class Balancer:
         # Where a stage starting at i stops fitting does not depend on the threshold the
         # bisection tries, so it is found once per (stash count, memory cap) for every start
         # instead of once per greedy step (10^5 calls per search). Exact when the peak grows
-        # with the stage's end (nonnegative bytes, as costs.py fits them), so that the
+        # with the stage's end (nonnegative bytes, as cost_table.py fits them), so that the
         # farthest fitting end below any limit is min(limit, the farthest overall);
         # otherwise every step asks the model, as it always did.
         self._monotone = all(bool(np.all(np.asarray(a) >= 0)) for a in (

@@ -1,7 +1,7 @@
 """Lower bounds of a candidate's step, from the cheapest to the tightest: from the model's totals
 (every candidate at once), from its partition, from the link queue and from Little's law over
 the stash counts. The search (``search.py``) orders its heap by them; each is proved in its
-docstring, and ``tests/test_planner_fast_paths.py`` checks them against simulated steps."""
+docstring, and ``tests/planner/test_fast_paths.py`` checks them against simulated steps."""
 
 from __future__ import annotations
 

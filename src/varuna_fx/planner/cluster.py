@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from ..costs.roofline import DEVICES, DeviceSpec, device_spec
 from ..errors import VarunaFxError
-from ..world import where
-from ..world.where import NetworkProfile
+from ..world import network, where
+from ..world.network import NetworkProfile
 
 _BYTE_UNITS = {
     "": 1, "b": 1,
@@ -165,7 +165,7 @@ class Cluster:
         """The job we are running in: world size from torch.distributed or torchrun's env.
 
         Launched on several ranks (torchrun), it joins the process group and measures the links
-        the job will use (:func:`varuna_fx.world.where.quick_network`: ping-pongs and an all-reduce,
+        the job will use (:func:`varuna_fx.world.network.measure_network`: ping-pongs and an all-reduce,
         about a second, the same numbers on every rank), so plans price
         transfers by the real network instead of assuming fast links. Every rank must call it
         then. ``measure_network=False`` skips that and keeps the stated defaults. ``timeout``:
@@ -173,10 +173,10 @@ class Cluster:
         the process group then keeps for its collectives)."""
         import torch
 
-        network = None
+        measured = None
         if measure_network and where.launched_distributed():
             where.init_process_group(300.0 if timeout is None else timeout)
-            network = where.quick_network()
+            measured = network.measure_network()
         world = where.world_size()
         if torch.cuda.is_available():
             memory = torch.cuda.get_device_properties(0).total_memory
@@ -190,7 +190,7 @@ class Cluster:
             gpu_memory=memory,
             device=device,
             device_type=local_device_type(),
-            network=network,
+            network=measured,
         )
 
 

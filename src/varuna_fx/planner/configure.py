@@ -9,6 +9,13 @@ cannot match the running ranks (the runtime then says what to launch instead).
 
 Layer: above ``planner`` and ``schedule``, below ``api``; imports nothing from the runtime
 (``world/where.py`` answers whether this is a distributed run).
+
+Pricing (``price``) simulates the made partition with the planner's costs (``cost_table`` unit
+arrays and ``balance.StagePlan``) and prices its memory with the one memory model, so the plan
+table's memory column, the chosen alternatives row and ``Partition.stage_memory`` are the same
+numbers. On the registry models ``assign_and_price`` always reached its fixed point after one
+or two rounds. The search checks memory with its own schedule's counts, so a plan the planner
+thought fitted can still be re-cut (or refused) by the partition pass.
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ import torch.fx as fx
 
 from ..costs.roofline import DeviceSpec, NodeTimes
 from ..errors import PartitionError, PlanError
-from ..passes.assign_stages import CostSetting, compute_nodes, partition_costs, record_stages
-from ..passes.partition import Partition, PartitionCosts, evaluate, partition
+from ..passes.assign_stages import CostSetting, compute_nodes, partition_problem, record_stages
+from ..passes.partition import Partition, PartitionProblem, evaluate, partition
 from ..schedule import (
     Schedule,
     build_schedule,
@@ -33,7 +40,7 @@ from ..schedule import (
 from ..world.where import running_world
 from .candidates import AUTO, Candidate, Space
 from .cluster import Cluster
-from .costs import CostTable
+from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .plan import Alternative
 from .profile import Profile
@@ -256,7 +263,7 @@ def assign_and_price(gm: fx.GraphModule, config: Configuration,
     least the schedule's, and its memory is restated at the schedule's counts: the plan, its
     alternatives row and ``Partition.stage_memory`` always print the model at the counts that
     run, and they never exceed what the cap was checked with."""
-    costs = dataclasses.replace(partition_costs(gm, setting), **allreduce_terms(config))
+    costs = dataclasses.replace(partition_problem(gm, setting), **allreduce_terms(config))
     counts = config.stash_counts
     safe: tuple[Partition, Priced] | None = None
     while True:
@@ -282,14 +289,14 @@ def assign_and_price(gm: fx.GraphModule, config: Configuration,
 
 
 def allreduce_terms(config: Configuration) -> dict[str, float | int]:
-    """The partition's all-reduce weights (``PartitionCosts``) for the configuration's D."""
+    """The partition's all-reduce weights (``PartitionProblem``) for the configuration's D."""
     per_byte, latency = config.planner.links(config.stages, config.data_parallel) \
         .allreduce_terms(config.data_parallel)
     return {"allreduce_per_byte": per_byte, "allreduce_latency": latency,
             "micro_batches": config.num_micro_batches}
 
 
-def _searched(costs: PartitionCosts, config: Configuration
+def _searched(costs: PartitionProblem, config: Configuration
               ) -> tuple[Partition, Priced] | None:
     """The search's partition of the chosen row, priced as ``assign_and_price`` prices its
     own (checked against memory at stash counts at least those its schedule runs, its memory

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from ..costs.memory import format_bytes
 from ..errors import PlanError
 from .candidates import Candidate, Space
 from .search import Planner
@@ -51,23 +52,16 @@ def explain_nothing_fits(planner: Planner, space: Space) -> PlanError:
         c = min(group, key=lambda x: (x.micro_batch_size, x.num_micro_batches))
         tried.append((smallest_memory(planner, c), c))
     need, c = min(tried, key=lambda t: t[0])
-    have = _gib(planner.memory_cap)
+    have = format_bytes(planner.memory_cap)
     if not math.isfinite(need):
         return PlanError(f"no configuration of P, D and micro-batch size fits in {have} per "
                          "device; use devices with more memory or a smaller model")
-    options = [f"devices with at least {_gib(need)}", "more devices", "a smaller global batch"]
+    options = [f"devices with at least {format_bytes(need)}", "more devices", "a smaller global batch"]
     if not planner.recompute:  # only suggest what is not already on
         options.append("recompute=True")
     return PlanError(
         f"no configuration of P, D and micro-batch size fits in {have} per device: the "
-        f"smallest needs {_gib(need)} per device (P={c.stages}, D={c.data_parallel}, "
+        f"smallest needs {format_bytes(need)} per device (P={c.stages}, D={c.data_parallel}, "
         f"micro-batch {c.micro_batch_size}). Use {', '.join(options[:-1])} or {options[-1]}"
     )
 
-
-def _gib(nbytes: float) -> str:
-    """Readable at every scale: "0.00 GiB" would hide a tiny memory (a typo in gpu_memory)."""
-    for unit, size, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 1)):
-        if nbytes >= size:
-            return f"{nbytes / size:.{digits}f} {unit}"
-    return f"{nbytes:.0f} bytes"

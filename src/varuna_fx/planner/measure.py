@@ -10,6 +10,15 @@ token ids, real masks. Per size and chunk: the forward without autograd, the for
 chunks so slow drift hits all alike; then a least-squares ``const + per_sample * b`` fit.
 Memory: the bytes autograd saves for the backward (CPU), or the allocator's peak over forward
 and backward (GPU).
+
+Sizes: 1, 2, 4 ... 32 (capped by the example batch) and the example batch itself up to 128 (the
+planner may run it as one micro-batch). For a split-backward schedule ``compile`` hands the
+profiler the runtime's own split (``runtime/split_backward.input_grads``; the planner sits below
+the runtime) and each chunk's input-gradient and weight passes are timed too (together 14-17%
+more than the fused backward on the bench GPT; ``tests/planner/test_profile_split.py``). Per-node costs
+spread each chunk's time in proportion to the estimates. Activation memory counts each distinct
+view autograd saves once (not the storages they view: whether a reshape is a view depends on
+the batch size, which no affine fit follows).
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from ..ir.nodes import Affine
 from ..passes.assign_stages import compute_nodes, trainable_names
 from ..passes.split_stages import split_stages
 from .cluster import local_device_type
-from .costs import CostTable
+from .cost_table import CostTable
 from .profile import ChunkProfile, Profile, graph_hash
 
 

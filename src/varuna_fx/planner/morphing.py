@@ -26,8 +26,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
-__all__ = ["SimResult", "expected_fraction_periodic", "expected_fraction_on_signal",
-           "preemption_trace", "simulate", "young_daly_interval"]
+__all__ = ["PreemptionResult", "expected_fraction_periodic", "expected_fraction_on_signal",
+           "preemption_trace", "simulate_preemptions", "young_daly_interval"]
 
 
 def preemption_trace(mean_interval_s: float, horizon_s: float, seed: int = 0) -> list[float]:
@@ -44,7 +44,7 @@ def preemption_trace(mean_interval_s: float, horizon_s: float, seed: int = 0) ->
 
 
 @dataclass
-class SimResult:
+class PreemptionResult:
     horizon_s: float
     useful_s: float  # training work done and kept
     lost_s: float  # training work done, then lost to a preemption
@@ -59,9 +59,9 @@ class SimResult:
         return self.useful_s / self.horizon_s
 
 
-def simulate(trace: list[float], horizon_s: float, *, interval_s: float | None, save_s: float,
+def simulate_preemptions(trace: list[float], horizon_s: float, *, interval_s: float | None, save_s: float,
              morph_s: float, policy: str = "periodic", signal_save_s: float | None = None,
-             grace_s: float = 30.0, record: bool = False) -> SimResult:
+             grace_s: float = 30.0, record: bool = False) -> PreemptionResult:
     """Replay ``trace`` (sorted preemption times) for ``horizon_s`` seconds of wall time.
 
     interval_s: seconds of training between periodic checkpoints; None: no periodic ones
@@ -76,7 +76,7 @@ def simulate(trace: list[float], horizon_s: float, *, interval_s: float | None, 
     signal_save_s = save_s if signal_save_s is None else signal_save_s
     saves_on_signal = policy == "on_signal" and signal_save_s <= grace_s
     events = [p for p in sorted(trace) if p < horizon_s]
-    res = SimResult(horizon_s, 0.0, 0.0, 0.0, 0.0, len(events))
+    res = PreemptionResult(horizon_s, 0.0, 0.0, 0.0, 0.0, len(events))
     committed = 0.0  # work safe in a checkpoint
     pending = 0.0  # work done since the last checkpoint
     t, i = 0.0, 0

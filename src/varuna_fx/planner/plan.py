@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from rich.console import Console, Group
 from rich.table import Table
 
+from ..costs.memory import format_bytes
 from ..schedule import Schedule
 from ..schedule.placement import Placement
 
@@ -115,9 +116,9 @@ class Plan:
         for s in self.stage_costs:
             rc = self.recompute[s.index] if s.index < len(self.recompute) else False
             table.add_row(str(s.index), str(s.nodes), _count(s.parameters), _count(s.flops),
-                          _bytes(s.activation_bytes), _bytes(s.boundary_bytes),
-                          f"{s.time * 1e3:.3f} ms", _bytes(s.optimizer_bytes),
-                          "yes" if rc else "no", _bytes(s.memory))
+                          format_bytes(s.activation_bytes), format_bytes(s.boundary_bytes),
+                          f"{s.time * 1e3:.3f} ms", format_bytes(s.optimizer_bytes),
+                          "yes" if rc else "no", format_bytes(s.memory))
         tied = ", ".join(f"{k} (stages {v})" for k, v in self.tied_parameters.items())
         table.caption = f"balance max/mean {self.balance:.3f}" + (f"; tied: {tied}" if tied else "")
         return table
@@ -163,7 +164,7 @@ def alternatives_table(rows: Sequence[Alternative], title: str) -> Table:
             row.schedule if row.schedule and row.stages > 1 else "-",  # one stage: no schedule
             _seconds(row.step_time),
             _count(row.throughput), f"{row.bubble_fraction:.0%}", _seconds(row.allreduce_time),
-            _bytes(row.max_memory) + (" (ZeRO-1)" if row.shard_optimizer else ""),
+            format_bytes(row.max_memory) + (" (ZeRO-1)" if row.shard_optimizer else ""),
         )
     table.caption = ("* chosen. b x m: micro-batch size x count per replica; step: simulated "
                      "pipeline + data-parallel all-reduce; memory: largest stage (ZeRO-1: "
@@ -185,9 +186,3 @@ def _count(n: float) -> str:
             return f"{n / scale:.2f}{suffix}"
     return f"{n:.0f}"
 
-
-def _bytes(n: float) -> str:
-    for scale, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {suffix}"
-    return f"{n:.0f} B"

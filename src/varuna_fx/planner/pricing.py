@@ -26,11 +26,12 @@ from ..schedule import (
     simulate_step,
 )
 from ..schedule.varuna import QUICK_VARIANTS, ROUGH_VARIANTS, overflows, stash_floor
+from ..world.network import NetworkProfile
 from .balance import Balancer, StagePlan
 from .candidates import Candidate, considered_schedules, weight_grads
 from .cluster import Cluster
-from .costs import CostTable, UnitArrays
-from .network import Links, NetworkProfile, links
+from .cost_table import CostTable, UnitArrays
+from .network import Links, links
 from .virtual import rank_allreduce, rank_links
 
 

@@ -4,9 +4,9 @@ A :class:`Profile` holds, for contiguous chunks of the graph's compute nodes, th
 forward, recompute (forward with autograd) and backward time and the activation memory, each
 fitted as ``const + per_sample * b`` (:class:`varuna_fx.ir.nodes.Affine`, so ``.expr`` is sympy like
 every other cost). ``measure.py`` makes them; the planner turns them into per-node costs with
-:class:`varuna_fx.planner.costs.MeasuredTimes`.
+:class:`varuna_fx.planner.cost_table.MeasuredTimes`.
 
-Profiles are cached as JSON under ``$VARUNA_FX_CACHE`` (default ``~/.cache/varuna_fx/profiles``),
+Profiles are cached as JSON under ``$VARUNA_FX_CACHE_DIR/profiles`` (default ``~/.cache/varuna_fx/profiles``),
 keyed by a hash of the graph (every node's op, target and output shapes), the parameters' dtype,
 the device and the thread count, so compiling the same model again re-plans without measuring.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,10 +28,10 @@ import torch.fx as fx
 from ..costs.roofline import device_spec
 from ..errors import PlanError
 from ..ir.nodes import Affine, info
-from ..world.files import write_atomically
+from ..world.files import cache_dir, write_atomically
+from ..world.network import NetworkProfile
 from .cluster import Cluster
-from .costs import CostTable, MeasuredTimes, interpolate, monotone
-from .network import NetworkProfile
+from .cost_table import CostTable, MeasuredTimes, interpolate, monotone
 
 FORMAT = 3  # bump when the JSON layout or the measuring method changes (3: memory counts
 # the saved tensors' own bytes, see measure._memory)
@@ -159,11 +158,6 @@ def profile_key(gm: fx.GraphModule, device: str, dtype: str, threads: int,
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("VARUNA_FX_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "varuna_fx" / "profiles"
-
-
 def load_cached(key: str, graph: str | None = None) -> Profile | None:
     """The cached profile for ``key``, or None (then the caller measures again).
 
@@ -171,7 +165,7 @@ def load_cached(key: str, graph: str | None = None) -> Profile | None:
     version of this code wrote: a file is used only when its stored key and graph hash are
     the ones asked for and every time and byte count in it is a finite, non-negative number;
     otherwise it is ignored with a warning."""
-    path = cache_dir() / f"{key}.json"
+    path = cache_dir("profiles") / f"{key}.json"
     try:
         text = path.read_text()
     except OSError:
@@ -227,7 +221,7 @@ def _ignored(path: Path, why: str) -> None:
 
 
 def save_cached(profile: Profile) -> None:
-    directory = cache_dir()
+    directory = cache_dir("profiles")
     try:
         write_atomically(directory, f"{profile.key}.json", profile.to_json())
     except OSError as exc:

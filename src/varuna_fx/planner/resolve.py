@@ -1,4 +1,9 @@
-"""``vf.compile(profile=...)``: find, measure or check the profile a compile should use."""
+"""``vf.compile(profile=...)``: find, measure or check the profile a compile should use.
+
+Under torchrun every rank measures if any must, rank 0's profile is saved and broadcast, and the
+links are measured (``world/network.measure_network``), so every rank plans the same
+configuration.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import torch.fx as fx
 
 from ..capture.inputs import BoundInputs
 from ..errors import VarunaFxError
+from ..world.network import measure_network
 from ..world.where import (
     in_process_group,
     init_process_group,
@@ -18,7 +24,6 @@ from ..world.where import (
 )
 from .cluster import local_device_type
 from .measure import ProfileSettings, measure
-from .network import quick_network
 from .profile import (
     Profile,
     graph_hash,
@@ -86,6 +91,6 @@ def profile_here(gm: fx.GraphModule, bound: BoundInputs, settings: ProfileSettin
     if group:
         dist.broadcast_object_list(found, src=0)
         assert found[0] is not None
-        found[0].network = quick_network()
+        found[0].network = measure_network()
     assert found[0] is not None
     return found[0]

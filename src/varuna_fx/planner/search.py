@@ -24,6 +24,23 @@ level and pushes it back:
 A candidate popped at level 3 is faster than every bound left in the heap, so the first ``top``
 popped are the top of the whole space, exactly as evaluating everything would rank them (tested)
 -- after a few hundred partitions and a handful of simulations instead of ~10^4 of each.
+
+``schedule="auto"`` adds the schedule to the search: after a candidate is partitioned (its
+bounds so far hold for every schedule, the split backward's with only the input-gradient part
+on the chain back) it branches into one candidate per schedule of ``schedule_names()``, each
+checked against memory with its own order's stash counts and simulated with its own order;
+ties go to plain before split backward. With P given on one device (nothing to search)
+``Planner.best_schedule`` simulates each schedule for that configuration. The exact partition
+(``passes/partition.py``) is then made for the chosen configuration and simulated once more by
+``configure.price`` for ``Plan.predicted_step_time``.
+
+Speed (bench/RESULTS.md "Planner speed"): making orders was most of the search (21 s on the
+1024-GPU bench) until the generators timed each order as they made it, a finalist was first
+simulated with the "quick" generator (three of the six rule variants, at most 2.1% slower over
+438 measured finalists: it waits at ``e / (1 + QUICK_SLACK)``) and the link-queue bound cut
+hopeless deep pipelines on slow links (1024 GPUs, 8 GiB, 1 Gbit/s: minutes -> seconds); now
+about 1.0 s (``schedule="auto"``: about 4 s), choosing bit for bit what the plain search
+chooses (``tests/planner/test_fast_paths.py``).
 """
 
 from __future__ import annotations

@@ -19,11 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PeerTimeoutError
-
-# resolve_timeout's home is world/where.py (the planner needs it too, below the runtime)
-from ..world.where import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from ..world.where import TIMEOUT_ENV
-from ..world.where import resolve_timeout as resolve_timeout
 
 BUCKET_BYTES = 25 * 2**20  # all-reduce bucket size, as DDP
 

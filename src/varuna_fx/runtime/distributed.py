@@ -5,6 +5,20 @@ virtual stages, the ``v`` stages ``plan.placement`` gives its rank).
 keeps only this stage's parameters; the runtime's step is the shared loop (``step.py``), whose
 hooks here run the stage's action list (``executor.py``), reduce gradients (``grad_sync.py``)
 and make the one world all-reduce of the step (loss, fp16 overflow, the caller's flags).
+
+The job: gloo on CPU, NCCL on GPU. Ranks all-gather a hash of the plan (``setup.py``), so ranks
+that planned differently are named instead of deadlocking, then require world = P x D. Ranks are
+numbered replica-major (``rank = replica * P + stage``, ``schedule/placement.py``), so a
+replica's stages are consecutive ranks on one node and only the gradient all-reduce crosses
+nodes. Each rank keeps only the tensors its stage module uses and empties the rest in place;
+replica 0's weights are broadcast at start, as DDP does. Point-to-point messages travel on a
+two-rank group per direction of each communicating stage pair (``setup.build_groups``: on NCCL
+one communicator and stream per direction). After the last backward, tied parameters are summed
+and the rest averaged (``grad_sync.py``); one world all-reduce then carries the mean loss, the
+fp16 overflow flag and the step loop's flags, so every rank returns the same loss and skips the
+same steps. Every wait has a deadline (``timeout=`` / ``$VARUNA_FX_TIMEOUT``, 300 s), and the
+one-process runtime shares the stage worker, the casting of boundary values to their planned
+dtype, autocast and loss scaling, so both give the same numbers.
 """
 
 from __future__ import annotations
@@ -27,10 +41,10 @@ from ..ir.rng import RandomKey
 from ..planner.plan import Plan
 from ..schedule import Op, OpKind, validate
 from ..schedule.placement import Placement, check_world_size
-from ..world.where import comm_device, init_process_group
+from ..world.where import comm_device, init_process_group, resolve_timeout
 from . import preemption
 from .batching import check_batch_shapes
-from .comm import launch, peer_error, resolve_timeout, wait
+from .comm import launch, peer_error, wait
 from .executor import StageExecutor
 from .grad_sync import GradSync
 from .model_state import StateLayout, unread_tensors

@@ -7,7 +7,7 @@ The executor asks only when the head of the list is a backward ``B(i)`` or a rec
 (which exists only to feed ``B(i)``), ``B(i)``'s gradient has not arrived, and the next forward
 ``F(j)`` still to run (the paper's choice; never a later one) already has its inputs.
 
-Why this is safe (the tests in ``tests/test_opportunistic.py`` check each point):
+Why this is safe (the tests in ``tests/runtime/test_opportunistic.py`` check each point):
 
 * **No deadlock.** A forward runs ahead only when every value it takes has already arrived
   (stage 0's inputs are local), so taking them does not wait, and nothing in the opportunistic
@@ -33,6 +33,12 @@ Why this is safe (the tests in ``tests/test_opportunistic.py`` check each point)
 Where the check means something: NCCL's ``Work.is_completed()`` turns true once a receive has
 landed; gloo's never does for a receive, so ``$VARUNA_FX_OPPORTUNISTIC_FORWARD`` ("auto", the
 default) turns the rule on for NCCL only; "on" / "off" force it (tests, benchmarks).
+
+It stays unverified on NCCL (no NCCL run has been made; the tests inject the arrival
+predicate on CPU). Under the stash cap the rule cannot move 1F1B's or GPipe's forwards (they
+hold their peak before every backward that has a forward after it); some Varuna and
+split-backward orders peak early and leave room (unit costs, varuna, P=2, m=8, recompute:
+stage 0 may run F5-F7 early).
 """
 
 from __future__ import annotations

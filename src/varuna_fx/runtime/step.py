@@ -11,6 +11,11 @@ Hooking a flag into the step's world all-reduce (e.g. "a rank was preempted"): p
 the fp16 overflow, and returns them ORed over all ranks. A flag may be a function, read when the
 step's work is done: a preemption signal that arrives during a step then rides that step's
 all-reduce instead of the next one's (a whole step sooner).
+
+Each micro-batch's loss is scaled by 1/m (so gradients equal eager ``loss.backward()`` on the
+whole batch), or weighted by its kept labels (``loss_weights.py``). The step's dropout seed is
+drawn on every replica and replica 0's draw is kept, so a one-replica torchrun run and the
+one-process run use the same masks.
 """
 
 from __future__ import annotations

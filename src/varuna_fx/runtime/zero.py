@@ -25,6 +25,12 @@ element's own gradient and state are sharded (``ELEMENTWISE``; a class of one's 
 ``varuna_fx_elementwise = True``); others are refused. An optimizer built directly over the
 parameters while sharding is on is refused at its first step (:func:`guard_direct_optimizers`):
 its parameters would see unaveraged gradients.
+
+Limits: "auto" shards a candidate only when it does not fit unsharded, so a candidate that fits
+unsharded on a memory-bound partition is not tried sharded (where a looser cap might balance it
+better). Loading a checkpoint into a sharded optimizer reads every chunk of the parameters the
+rank holds (the other replicas' too), transiently the stage's whole state. The gradients are
+copied into a flat buffer per bucket for the reduction (as the all-reduce's buckets are).
 """
 
 from __future__ import annotations

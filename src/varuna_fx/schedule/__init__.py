@@ -9,7 +9,6 @@ those against NCCL's rules (``nccl_check.py``).
 """
 
 from varuna_fx.schedule.actions import Action, Kind, Schedule
-from varuna_fx.schedule.costs import ScheduleCosts
 from varuna_fx.schedule.generators import (
     SCHEDULES,
     build_schedule,
@@ -38,17 +37,10 @@ from varuna_fx.schedule.lowering import (
 )
 from varuna_fx.schedule.nccl_check import CommRun, check_comms, check_schedule_comms
 from varuna_fx.schedule.render import gantt, text_grid
-from varuna_fx.schedule.simulate import (
-    SimResult,
-    StepTiming,
-    analytic_bubble,
-    peak_stash,
-    peak_stash_counts,
-    simulate,
-    simulate_costs,
-    simulate_costs_step,
-    simulate_step,
-)
+from varuna_fx.schedule.schedule_costs import ScheduleCosts
+from varuna_fx.schedule.simulate import SimResult, analytic_bubble, simulate, simulate_costs
+from varuna_fx.schedule.simulate_step import StepTiming, simulate_costs_step, simulate_step
+from varuna_fx.schedule.structure import peak_stash, peak_stash_counts
 from varuna_fx.schedule.validate import execution_order, validate
 from varuna_fx.schedule.virtual import is_virtual, placement_style, virtual_names
 

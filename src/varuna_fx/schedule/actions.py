@@ -90,7 +90,7 @@ class Schedule:
     # per-stage lists are then derived from these); None: stage s is rank s
     stage_ranks: tuple[int, ...] | None = None
     rank_lists: list[list[Action]] | None = None
-    # Compiled simulation data (see simulate.py); not part of the schedule's identity.
+    # Compiled simulation data (see structure.py); not part of the schedule's identity.
     _compiled: Any = field(default=None, init=False, repr=False, compare=False)
     # The ScheduleCosts a cost-aware order was generated from (None: parsed or unit costs).
     costs: Any = field(default=None, init=False, repr=False, compare=False)

@@ -9,7 +9,7 @@ cursor the executor does: what is checked is what runs.
 from __future__ import annotations
 
 from varuna_fx.schedule.actions import Action, Kind
-from varuna_fx.schedule.simulate import peak_stash
+from varuna_fx.schedule.structure import peak_stash
 
 
 def release_kind(split: bool) -> Kind:

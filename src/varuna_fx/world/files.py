@@ -1,4 +1,5 @@
-"""Small files written whole or not at all (the on-disk caches)."""
+"""The on-disk caches: where they live (one variable, ``$VARUNA_FX_CACHE_DIR``) and small files
+written whole or not at all."""
 
 from __future__ import annotations
 
@@ -8,6 +9,21 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+CACHE_ENV = "VARUNA_FX_CACHE_DIR"  # the root of every on-disk cache
+# The profiles folder itself, as docs/API.md once documented it: still read, for profiles only,
+# when $VARUNA_FX_CACHE_DIR is not set.
+PROFILES_ALIAS_ENV = "VARUNA_FX_CACHE"
+
+
+def cache_dir(kind: str) -> Path:
+    """The folder of one cache (``"graphs"``: the shape pass's observations, ``"profiles"``:
+    measured profiles): ``$VARUNA_FX_CACHE_DIR/<kind>``, default ``~/.cache/varuna_fx/<kind>``."""
+    root = os.environ.get(CACHE_ENV)
+    if root:
+        return Path(root) / kind
+    alias = os.environ.get(PROFILES_ALIAS_ENV) if kind == "profiles" else None
+    return Path(alias) if alias else Path.home() / ".cache" / "varuna_fx" / kind
 
 
 def write_atomically(directory: Path, name: str, text: str) -> None:

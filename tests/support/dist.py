@@ -1,0 +1,92 @@
+"""Launch a script on N local ranks (gloo on CPU) and collect what each rank saved.
+
+Each rank is a plain subprocess given the environment torchrun would set (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Unlike torchrun this lets one rank die
+without the launcher killing the others, which the peer-failure tests need, and it starts
+faster. ``varuna-fx run`` (torchrun) is exercised separately.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCRIPTS = Path(__file__).parents[1] / "dist_scripts"
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int | None  # None: killed at the deadline
+    output: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env.pop("VARUNA_FX_TIMEOUT", None)
+    return env
+
+
+def launch(script: str, nproc: int, args: list[str], *, timeout: float = 120.0) -> list[RankResult]:
+    """Run ``dist_scripts/<script>`` on ``nproc`` ranks; kill all at ``timeout`` seconds."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / script), *args],
+                              env=rank_env(r, nproc, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(nproc)]
+    deadline = time.monotonic() + timeout
+    results = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            results.append(RankResult(rank, proc.returncode, out))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            out, _ = proc.communicate()
+            results.append(RankResult(rank, None, out))
+    return results
+
+
+def launch_ok(script: str, nproc: int, args: list[str], *,
+              timeout: float = 120.0) -> list[RankResult]:
+    """:func:`launch`, failing the test with every rank's output unless all ranks exit 0."""
+    ranks = launch(script, nproc, args, timeout=timeout)
+    logs = "\n".join(f"--- rank {r.rank} ---\n{r.output[-2000:]}" for r in ranks)
+    assert all(r.returncode == 0 for r in ranks), logs
+    return ranks
+
+
+def run_jobs(tmp_path: Path, nproc: int, jobs: list[dict[str, Any]], *,
+             timeout: float = 120.0) -> dict[str, list[dict[str, Any]]]:
+    """Run ``train_gpt.py`` jobs on ``nproc`` ranks: {job name: [rank 0's result, ...]}."""
+    results = launch("train_gpt.py", nproc, [str(tmp_path), json.dumps(jobs)], timeout=timeout)
+    collected: dict[str, list[dict[str, Any]]] = {}
+    for job in jobs:
+        per_rank = []
+        for r in job.get("ranks", range(nproc)):  # a job may kill some ranks on purpose
+            path = tmp_path / f"{job['name']}_rank{r}.pt"
+            if not path.exists():
+                logs = "\n".join(f"--- rank {x.rank} (exit {x.returncode}) ---\n{x.output[-3000:]}"
+                                 for x in results)
+                raise AssertionError(f"rank {r} wrote no result for job {job['name']}\n{logs}")
+            per_rank.append(torch.load(path, weights_only=False))
+        collected[job["name"]] = per_rank
+    return collected
