@@ -77,7 +77,8 @@ _PRODUCT_NAMES = {"mul", "div", "truediv", "true_divide", "imul", "itruediv"}
 _POSITIONAL_NAMES = {"arange", "linspace", "logspace", "randperm", "eye", "range"}
 _TEMPLATE_NAMES = {"new_ones", "new_zeros", "new_full", "new_empty", "new_empty_strided",
                    "new_tensor", "zeros_like", "ones_like", "empty_like", "full_like", "size",
-                   "sym_size", "dim", "numel", "sym_numel"}
+                   "sym_size", "dim", "numel", "sym_numel", "rand_like", "randn_like",
+                   "randint_like"}
 _BATCH_NORM = {_aten.batch_norm.default, _aten.native_batch_norm.default,
                _aten._native_batch_norm_legit.default,
                _aten._native_batch_norm_legit_functional.default,
@@ -149,9 +150,11 @@ def _reason(op: Op, values: dict[int, _Value], outputs: set[int]) -> str:
     if op.output_batch_dims != 0 or not batched_in or op.kind in (ITEM, TEMPLATE):
         return ""
     # the batch dimension disappears here: a statistic over samples (or a pick of some)
+    down = _downstream(op, values)
+    if op.output not in outputs and not down:
+        return ""  # only its shape is used (randn_like(h[:1])), or nothing is
     if op.kind == INDEX:
         return "picks samples by their position in the batch"
-    down = _downstream(op, values)
     if any(d.output_batch_dims > 0 for d in down):
         return "computes a statistic over the batch that per-sample values then use"
     if op.kind == MEAN and all(_linear_after(d, values) for d in down):
@@ -163,11 +166,13 @@ def _reason(op: Op, values: dict[int, _Value], outputs: set[int]) -> str:
 
 
 def _downstream(op: Op, values: dict[int, _Value]) -> list[Op]:
+    """Every op that uses ``op``'s values, directly or through others (an op that reads only
+    a shape, ``randn_like``, uses none of them)."""
     seen: dict[int, Op] = {}
     todo = [op.output]
     while todo:
         for user in values[todo.pop()].users:
-            if id(user) not in seen:
+            if id(user) not in seen and user.kind != TEMPLATE:
                 seen[id(user)] = user
                 todo.append(user.output)
     return list(seen.values())
