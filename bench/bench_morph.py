@@ -31,6 +31,7 @@ checkpoints (best interval) and for save-on-signal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -81,8 +82,11 @@ def worker(args: argparse.Namespace) -> None:
     stamps["imported"] = time.time()
     cfg = config(args.small)
     torch.manual_seed(0)
-    # the new layout always resumes: the checkpoint overwrites every weight (README's loop)
-    with vf.skip_init(enabled=args.phase == "new"):
+    # the new layout always resumes: the checkpoint overwrites every weight (README's loop);
+    # --deferred: built as README's loop builds a big model, under vf.deferred_init too (each
+    # rank then materialises only its stage)
+    deferred = vf.deferred_init(seed=0) if args.deferred else contextlib.nullcontext()
+    with deferred, vf.skip_init(enabled=args.phase == "new"):
         model = GPT(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size + 1),
                            generator=torch.Generator().manual_seed(1))
@@ -166,7 +170,8 @@ def launch(phase: str, ranks: int, args: argparse.Namespace) -> list[subprocess.
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
                 env.pop(k, None)
         argv = [sys.executable, __file__, "--worker", "--phase", phase, "--dir", args.dir,
-                "--batch", str(args.batch), *(["--small"] if args.small else [])]
+                "--batch", str(args.batch), *(["--small"] if args.small else []),
+                *(["--deferred"] if args.deferred else [])]
         procs.append(subprocess.Popen(argv, env=env))
     return procs
 
@@ -252,6 +257,8 @@ def main() -> None:
     ap.add_argument("--phase", default="old", help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--small", action="store_true", help="a tiny GPT: smoke test")
+    ap.add_argument("--deferred", action="store_true",
+                    help="build under vf.deferred_init as well (README's loop for big models)")
     ap.add_argument("--batch", type=int, default=4, help="global batch (sequences of 64)")
     ap.add_argument("--old-ranks", type=int, default=2)
     ap.add_argument("--new-ranks", type=int, default=1)
@@ -283,7 +290,8 @@ def main() -> None:
     print(f"  morph    {res['morph_s']:6.2f} s  (signal -> first step on the new layout; "
           f"target <= 10 s; imports {res['imports_s']:.2f} s of restart, pipe.close "
           f"{res['close_s']:.2f} s of exit)")
-    print(f"  the new process built the model under vf.skip_init; its compile's graph cache: "
+    print(f"  the new process built the model under "
+          f"{'vf.deferred_init + ' if args.deferred else ''}vf.skip_init; its compile's graph cache: "
           f"{res['graph_cache']}")
     cpu = res["new_cpu_s"]
     print("  CPU seconds of the new process: " + ", ".join(f"{k} {v:.2f}" for k, v in
