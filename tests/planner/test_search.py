@@ -216,6 +216,7 @@ def test_plan_table_and_its_alternatives_row_agree() -> None:
     largest = max((float(re.findall(r"([\d.]+) (?:MiB|KiB)", row)[-1]), row)
                   for row in stage_rows)[1]
     chosen_row = next(line for line in alternatives.splitlines() if "*" in line.split()[:2])
+    chosen_row = chosen_row.replace(" (ZeRO-1)", "")  # a row that shards marks it after memory
     assert largest.split()[-2:] == chosen_row.split()[-2:]  # e.g. "2.6 MiB" in both
     chosen = next(a for a in plan.alternatives if a.chosen)
     assert [s.memory for s in plan.stage_costs] == pytest.approx(list(chosen.stage_memory))

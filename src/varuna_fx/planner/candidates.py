@@ -26,6 +26,9 @@ class Candidate:
     plan: StagePlan | None = None
     # stash counts the partition was made for; None: one micro-batch per stage (a relaxation)
     stash_counts: tuple[int, ...] | None = None
+    # the stash counts of the order it was simulated with (``Pricing.finish``): its memory
+    # was checked at these, so the partition pass starts from them
+    run_counts: tuple[int, ...] | None = None
     exact: bool = False  # partitioned with the schedule's real stash counts
     step_time: float = math.inf
     allreduce_time: float = 0.0

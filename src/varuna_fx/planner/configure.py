@@ -125,6 +125,7 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
     alternatives: list[Alternative] = []
     searched: tuple[int, ...] | None = None
     world = running_world()
+    best: Candidate | None = None
     if v > 1:  # virtual stages: P given (or v per rank), D from the ranks
         ranks = (world or cluster.gpus) // (data_parallel or 1)
         stages = stages or v * max(1, ranks)
@@ -160,6 +161,11 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
     m = replica_batch(example_batch, global_batch_size, d) // b
     net = planner.links(p, d)
     sched, counts = planner.built(p, m, name)  # the chosen schedule (schedule="auto")
+    if best is not None and best.run_counts is not None and (p, name) == \
+            (best.stages, best.schedule) and len(best.run_counts) == p:
+        # the cost-aware order the search checked memory with (a split backward's unit-cost
+        # order may hold more: compile then re-cut for counts the search never needed)
+        counts = list(best.run_counts)
     return Configuration(
         stages=p, data_parallel=d, micro_batch_size=b, num_micro_batches=m,
         pipeline_bandwidth=net.partition_bandwidth, allreduce_bandwidth=net.allreduce_bandwidth,
@@ -264,6 +270,28 @@ def assign_and_price(gm: fx.GraphModule, config: Configuration,
     alternatives row and ``Partition.stage_memory`` always print the model at the counts that
     run, and they never exceed what the cap was checked with."""
     costs = dataclasses.replace(partition_problem(gm, setting), **allreduce_terms(config))
+    try:
+        made, priced = _settled(costs, config)
+    except PartitionError:
+        # the schedule made from the pass's own costs holds more micro-batches than the search's
+        # order did and nothing fits them; the search's own partition of the chosen row was
+        # checked with its order's counts: it runs, where it fits as priced here
+        if config.searched_bounds is None:
+            raise
+        fallback = _searched(costs, config)
+        if fallback is None:
+            raise
+        made, priced = fallback
+    searched = _searched(costs, config) if config.searched_bounds not in (None, made.bounds) \
+        else None
+    if searched is not None and searched[1].step_time < priced.step_time:
+        made, priced = searched
+    record_stages(gm, made)
+    return made, priced
+
+
+def _settled(costs: PartitionProblem, config: Configuration) -> tuple[Partition, Priced]:
+    """The partition pass at the stash counts its own schedule runs (``assign_and_price``)."""
     counts = config.stash_counts
     safe: tuple[Partition, Priced] | None = None
     while True:
@@ -271,21 +299,14 @@ def assign_and_price(gm: fx.GraphModule, config: Configuration,
         priced = price(config, made.bounds, made.recompute)
         runs = priced.stash_counts
         if runs == counts:  # checked at exactly the counts that run
-            break
+            return made, priced
         if safe is not None:  # the exact try did not settle: keep the one that fits
             made, priced = safe
-            made = dataclasses.replace(made, stage_memory=priced.stage_memory)
-            break
+            return dataclasses.replace(made, stage_memory=priced.stage_memory), priced
         if all(r <= c for r, c in zip(runs, counts)):
             safe, counts = (made, priced), runs  # fits a fortiori; try the schedule's own once
         else:
             counts = tuple(max(r, c) for r, c in zip(runs, counts))
-    searched = _searched(costs, config) if config.searched_bounds not in (None, made.bounds) \
-        else None
-    if searched is not None and searched[1].step_time < priced.step_time:
-        made, priced = searched
-    record_stages(gm, made)
-    return made, priced
 
 
 def allreduce_terms(config: Configuration) -> dict[str, float | int]:

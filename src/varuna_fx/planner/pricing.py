@@ -228,8 +228,10 @@ class Pricing:
             if self._overflows(c, effort):
                 return None  # as below, from orders given up as soon as a stage overflows
             sched = self.ordered(c, effort)  # the new partition's own order
-            if not self._fits(c, peak_stash_counts(sched)):
+            counts = peak_stash_counts(sched)
+            if not self._fits(c, counts):
                 return None
+        c.run_counts = tuple(counts)  # what its memory was checked with: compile starts there
         return self.simulated(c, sched)
 
     def _cannot_fit(self, c: Candidate) -> bool:
