@@ -75,6 +75,13 @@ _LINEAR_NAMES = {
 }
 _PRODUCT_NAMES = {"mul", "div", "truediv", "true_divide", "imul", "itruediv"}
 _POSITIONAL_NAMES = {"arange", "linspace", "logspace", "randperm", "eye", "range"}
+# ops that move rows by indices (a mixture of experts sorts tokens by expert and scatters them
+# back): positions used only through them keep each sample's values its own
+_INDEXING_NAMES = {"index_add", "index_copy", "index_put", "index_fill", "scatter",
+                   "scatter_add", "scatter_reduce", "gather", "take", "take_along_dim", "sort",
+                   "argsort", "index_select", "repeat_interleave"}
+# counts over the batch (tokens per expert) that steer bookkeeping, not values
+_COUNT_NAMES = {"histc", "bincount"}
 _TEMPLATE_NAMES = {"new_ones", "new_zeros", "new_full", "new_empty", "new_empty_strided",
                    "new_tensor", "zeros_like", "ones_like", "empty_like", "full_like", "size",
                    "sym_size", "dim", "numel", "sym_numel", "rand_like", "randn_like",
@@ -99,6 +106,9 @@ class Op:
     output_batch_dims: int
     where: str = ""  # the user's source line
     index_first: bool = False  # INDEX: indexes dim 0 with the batch-sized values
+    # its value is an integer or bool tensor: a count or a mask over the batch (which experts
+    # any token chose, in a mixture of experts) steers bookkeeping, not per-sample values
+    counts: bool = False
 
 
 @dataclass
@@ -147,7 +157,7 @@ def _reason(op: Op, values: dict[int, _Value], outputs: set[int]) -> str:
         if not _only_indexes_the_batch(op, values):
             return "makes values that depend on the batch size (arange over the batch)"
         return ""
-    if op.output_batch_dims != 0 or not batched_in or op.kind in (ITEM, TEMPLATE):
+    if op.output_batch_dims != 0 or not batched_in or op.kind in (ITEM, TEMPLATE) or op.counts:
         return ""
     # the batch dimension disappears here: a statistic over samples (or a pick of some)
     down = _downstream(op, values)
@@ -196,8 +206,8 @@ def _only_indexes_the_batch(op: Op, values: dict[int, _Value]) -> bool:
     while todo:
         v = todo.pop()
         for user in values[v].users:
-            if user.kind == INDEX and user.inputs and user.inputs[0] != v and user.index_first:
-                continue
+            if user.kind == INDEX:
+                continue  # used to pick, sort or scatter rows, not as values
             if user.kind in (LINEAR, ITEM) and id(user) not in seen:
                 seen.add(id(user))
                 todo.append(user.output)
@@ -254,10 +264,10 @@ def kind_of_call(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> st
         at = _ATEN_LOSSES[target]
         reduction = args[at] if len(args) > at else kwargs.get("reduction", 1)
         return MEAN if reduction == 1 else OTHER
-    name = _name_of(target)
+    name = _name_of(target).rstrip("_")  # in-place variants (index_put_) as their op
     if "dynamic" in name and ("quantize" in name or "linear" in name):
         return QUANTIZED
-    if name in ("getitem", "index", "index_select") or target is operator.getitem:
+    if name in ("getitem", "index") or name in _INDEXING_NAMES or target is operator.getitem:
         return INDEX
     if name == "mean":
         return MEAN
@@ -309,6 +319,8 @@ def ops_of_graph(gm: fx.GraphModule, model: nn.Module | None = None,
             name=node.name, kind=kind, inputs=tuple(ids[i] for i in inputs), output=ids[node],
             input_batch_dims=tuple(dims(i) for i in inputs), output_batch_dims=dims(node),
             where=info(node).source, index_first=kind == INDEX and _indexes_dim0(node, dims),
+            counts=_name_of(node.target) in _COUNT_NAMES or bool(info(node).outputs) and not any(
+                o.dtype.is_floating_point or o.dtype.is_complex for o in info(node).outputs),
         ))
     return ops, outputs
 
