@@ -16,7 +16,8 @@ from torch import nn
 from .capture.captured import Captured
 from .capture.inputs import BoundInputs, bind_inputs
 from .capture.model_edits import ModelEdits, traced_modules
-from .checkpoint.save_load import checkpointer, wait_for_saves
+from .checkpoint.failures import FailedLoad
+from .checkpoint.save_load import Checkpointer
 from .codegen import Stage
 from .codegen.modes import Modes, capture_if_changed, evaluation_stages, module_modes
 from .errors import InputError, VarunaFxError
@@ -79,6 +80,11 @@ class Pipeline:
     # (global / D); None: any batch the micro-batch size divides
     _replica_batch: int | None = None
     _shard_optimizer: bool | str = "auto"  # compile's shard_optimizer
+    # checkpoints (checkpoint/): the checkpointer, made at the first save or load (its process
+    # group, the save in flight); while set, the refusal a load that failed partway left
+    _checkpointer: Checkpointer | None = None
+    _failed_load: FailedLoad | None = None
+    _closed = False  # pipe.close() released the process groups
 
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                  canonical: dict[str, str], runtime: Runtime,
@@ -221,7 +227,7 @@ class Pipeline:
         return self.other_modes[modes]
 
     def _check_runnable(self) -> None:
-        if getattr(self, "_closed", False):
+        if self._closed:
             raise VarunaFxError("the pipeline was closed (pipe.close() released its process "
                                 "groups): call vf.compile again to run the model")
         if any(t.is_meta for s in self.local_stages for t in self.stages[s].module.parameters()):
@@ -245,9 +251,8 @@ class Pipeline:
         if mine:
             where = "" if isinstance(self.runtime, LocalRuntime) else \
                 f" on rank {dist.get_rank()}"
-            failed = getattr(self, "_failed_load", None)  # checkpoint/failures.py
-            if failed is not None:
-                failed.refuse(mine, where)
+            if self._failed_load is not None:  # checkpoint/failures.py
+                self._failed_load.refuse(mine, where)
             raise_unloaded(mine, where)
 
     # -- parameters ----------------------------------------------------------------------------
@@ -310,7 +315,9 @@ class Pipeline:
 
     def close(self) -> None:
         """Release what the runtime holds (process groups); the pipeline is unusable after."""
-        wait_for_saves(self)  # an async checkpoint still being written completes first
+        if self._checkpointer is not None:  # an async save still being written completes first
+            self._checkpointer.close()
+            self._checkpointer = None
         self.runtime.close()
         self._closed = True
 
@@ -353,13 +360,23 @@ class Pipeline:
         ``async_save=True`` returns once the state is copied to host memory and writes in the
         background: the returned handle's ``.result()`` waits until the checkpoint is
         complete. See docs/checkpoints.md."""
-        return checkpointer(self).save(str(path), optimizer, extra, async_save=async_save)
+        return self._checkpoints().save(str(path), optimizer, extra, async_save=async_save)
 
     def load_checkpoint(self, path: str,
                         optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Load a checkpoint saved under any layout; returns the ``extra`` dict it was saved
         with."""
-        return checkpointer(self).load(str(path), optimizer)
+        outcome = self._checkpoints().load(str(path), optimizer)
+        if isinstance(outcome, FailedLoad):  # partly overwritten: refuse to run until a load
+            self._failed_load = outcome      # succeeds
+            raise outcome.error
+        self._failed_load = None
+        return outcome
+
+    def _checkpoints(self) -> Checkpointer:
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer(self)
+        return self._checkpointer
 
     @property
     def preempted(self) -> bool:

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..planner.plan import Plan
+from ..runtime.model_state import StateLayout
 
 MODEL = "model/"
 META = "obj/meta"
@@ -37,13 +39,12 @@ def class_name(optimizer: torch.optim.Optimizer) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def layout_summary(pipe: Any) -> dict[str, Any]:
-    plan = pipe.plan
+def layout_summary(plan: Plan) -> dict[str, Any]:
     return {"stages": plan.stages, "data_parallel": plan.data_parallel,
             "micro_batch_size": plan.micro_batch_size, "schedule": plan.schedule.name}
 
 
-def check_model(layout: Any, metadata: dict[str, Any], path: str) -> None:
+def check_model(layout: StateLayout, metadata: dict[str, Any], path: str) -> None:
     """Refuse a checkpoint of another model, naming what differs."""
     saved = {k[len(MODEL):]: tuple(v.size) for k, v in metadata.items() if k.startswith(MODEL)}
     missing = [n for n in layout.names if n not in saved]

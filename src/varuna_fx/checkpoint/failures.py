@@ -5,7 +5,8 @@
   DCP's ``CheckpointException`` carrying one from another rank) is chained.
 * A load that fails after its first byte reached the model (a truncated or damaged shard, a
   tampered entry, an optimizer that does not fit) leaves some tensors overwritten. They are
-  marked with ``vf.skip_init``'s machinery (``init/skip.py``), so the pipeline refuses to step
+  marked with ``vf.skip_init``'s machinery (``init/skip.py``), and the load returns a
+  :class:`FailedLoad` that the pipeline keeps (``Pipeline._failed_load``), so it refuses to step
   or evaluate -- on every rank that failed -- until a load succeeds; the refusal names the
   checkpoint and the error.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -70,9 +70,11 @@ def load_error(exc: BaseException, path: str) -> CheckpointError:
 
 
 class FailedLoad:
-    """The refusal a pipeline raises while a failed load's partial overwrite stands."""
+    """The refusal a pipeline raises while a failed load's partial overwrite stands;
+    ``error``: what the failed load itself raises."""
 
     def __init__(self, path: str, error: BaseException) -> None:
+        self.error = error
         said = str(error).splitlines()[0] if str(error) else type(error).__name__
         self.message = f"the last pipe.load_checkpoint({path!r}) failed partway ({said})"
 
@@ -84,9 +86,10 @@ class FailedLoad:
             "successfully before stepping")
 
 
-def mark_failed(pipe: Any, tensors: Iterable[torch.Tensor], path: str,
-                error: BaseException) -> None:
-    """Refuse to step until a load succeeds (``Pipeline._check_loaded`` asks)."""
+def mark_failed(tensors: Iterable[torch.Tensor], path: str,
+                error: BaseException) -> FailedLoad:
+    """Mark ``tensors`` as not loaded; the refusal to keep until a load succeeds
+    (``Pipeline._check_loaded`` raises it)."""
     for t in tensors:
         mark(t)
-    pipe._failed_load = FailedLoad(path, error)
+    return FailedLoad(path, error)

@@ -18,7 +18,11 @@ DCP's steps run without ``torch.distributed`` (``dcp_local.py``).
 
 Before anything is written or read the ranks agree (``agreement.py``): the same path and
 optimizer class on every rank, then every rank's checks passed -- else every rank raises. A
-load that fails once bytes reach the model marks the model so steps refuse (``failures.py``).
+load that fails once bytes reach the model marks the model and returns the refusal the pipeline
+keeps until a load succeeds (``failures.py``).
+
+The pipeline is read through :class:`Checkpointable` (``checkpointable.py``); it owns its
+:class:`Checkpointer` and nothing here writes onto it.
 
 Atomic (``directory.py``): DCP writes into ``<path>.partial``; when every rank is done, rank 0
 writes the marker and renames the directory to ``<path>``. ``async_save=True`` copies the state to host memory, returns a
@@ -48,6 +52,7 @@ from ..world.where import launched_distributed, resolve_timeout
 from . import dcp_local
 from .agreement import Agreement
 from .background import SaveHandle, in_thread
+from .checkpointable import Checkpointable
 from .contents import (
     META,
     MODEL,
@@ -60,7 +65,7 @@ from .contents import (
     set_rng_state,
 )
 from .directory import FORMAT, PARTIAL, commit, discard, prepare, read_marker, unlock
-from .failures import load_error, mark_failed, storage_error
+from .failures import FailedLoad, load_error, mark_failed, storage_error
 from .optimizer_state import (
     decode,
     encode,
@@ -76,10 +81,11 @@ WRITE_THREADS = 4
 
 
 class Checkpointer:
-    """Per pipeline: the process group checkpoints use (separate from training's, so an
-    asynchronous save's collectives never interleave with a step's) and the save in flight."""
+    """Per pipeline (``Pipeline._checkpointer``, made at its first save or load): the process
+    group checkpoints use (separate from training's, so an asynchronous save's collectives never
+    interleave with a step's) and the save in flight."""
 
-    def __init__(self, pipe: Any) -> None:
+    def __init__(self, pipe: Checkpointable) -> None:
         self.pipe = pipe
         self.distributed = launched_distributed() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -104,7 +110,7 @@ class Checkpointer:
         self.agreement.same_call("save_checkpoint", path, kind, self._holds_parameters())
         marker = {"format": FORMAT, "byteorder": sys.byteorder,
                   "model": self.pipe.plan.model_name, "optimizer": kind,
-                  "plan": layout_summary(self.pipe), "world": self.world}
+                  "plan": layout_summary(self.pipe.plan), "world": self.world}
         # a bad argument may show on one rank only (extra is rank 0's): every rank must learn
         # of it before the collective save, or the others would wait for that rank in vain
         state: dict[str, torch.Tensor] = {}
@@ -222,7 +228,11 @@ class Checkpointer:
 
     # -- loading -------------------------------------------------------------------------------
 
-    def load(self, path: str, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    def load(self, path: str, optimizer: torch.optim.Optimizer | None
+             ) -> dict[str, Any] | FailedLoad:
+        """The ``extra`` dict the checkpoint was saved with. A failure before the first byte
+        reaches the model raises; one after it marks the tensors and returns the
+        :class:`FailedLoad` (its ``error`` for the caller to raise, the refusal for it to keep)."""
         self.wait()
         path = os.path.normpath(path)
         kind = class_name(optimizer) if optimizer is not None else None
@@ -260,13 +270,11 @@ class Checkpointer:
             if not isinstance(exc, Exception | CheckpointException):
                 # KeyboardInterrupt and the like: not the checkpoint's fault, but the model
                 # may be partly overwritten all the same
-                mark_failed(self.pipe, model, path, exc)
-                raise
+                return mark_failed(model, path, exc)
             error = load_error(exc, path)
-            mark_failed(self.pipe, model, path, error)
-            raise error from exc
+            error.__cause__, error.__suppress_context__ = exc, True  # `raise error from exc`
+            return mark_failed(model, path, error)
         loaded(self.pipe.state_dict().values())  # clears what vf.skip_init left unset
-        self.pipe._failed_load = None
         return extra
 
     # -- helpers -------------------------------------------------------------------------------
@@ -321,22 +329,8 @@ class Checkpointer:
         return {id(p): n for n, p in self.pipe.named_parameters()}
 
     def close(self) -> None:
+        """Complete an asynchronous save in flight and release the checkpoint process group."""
         self.wait()
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
-
-
-def checkpointer(pipe: Any) -> Checkpointer:
-    found = getattr(pipe, "_checkpointer", None)
-    if found is None:
-        found = pipe._checkpointer = Checkpointer(pipe)
-    return found
-
-
-def wait_for_saves(pipe: Any) -> None:
-    """Complete an asynchronous save in flight and release the checkpoint process group."""
-    found = getattr(pipe, "_checkpointer", None)
-    if found is not None:
-        found.close()
-        pipe._checkpointer = None
