@@ -97,7 +97,7 @@ def test_partition_pass_planner_and_table_print_the_same_bytes(name: str, stages
     pipe, (gm, setting, made, priced) = _compile(name, stages)
     plan = pipe.plan
     table = [s.memory for s in plan.stage_costs]
-    # the partition pass, the planner's StagePlan (``price``) and the table: one set of numbers
+    # the partition pass, the planner's PartitionCosts (``price``) and the table: one set of numbers
     assert made.bounds == plan.bounds
     assert list(made.stage_memory) == pytest.approx(table, rel=1e-12)
     assert list(priced.stage_memory) == pytest.approx(table, rel=1e-12)

@@ -56,7 +56,7 @@ def test_a_step_lasts_a_round_trip_plus_the_slowest_links_queue() -> None:
                         send_bytes=sizes, latency=latency, bandwidth=bandwidth,
                         weight_grad=weight).step_time
         # the forward each stage runs (a recomputing stage's first pass keeps no graph, as
-        # StagePlan.sim_forward: the simulator is given that one), the part of the backward
+        # PartitionCosts.sim_forward: the simulator is given that one), the part of the backward
         # the stage upstream waits for
         chain = [b - w for b, w in zip(backward, weight)] if is_split(name) else backward
         trip = sum(forward) + sum(chain) + 2 * sum(links)

@@ -11,7 +11,7 @@ import torch
 import varuna_fx as vf
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.planner import Analyzed, Planner, Space, analyze
-from varuna_fx.planner.balance import StagePlan
+from varuna_fx.planner.balance import PartitionCosts
 from varuna_fx.planner.network import Links
 from varuna_fx.planner.virtual import rank_allreduce, rank_links, weigh
 from varuna_fx.schedule import build_schedule
@@ -36,9 +36,9 @@ def test_rank_links_follow_the_placement() -> None:
     assert looped.bandwidths == [1.0, 2.0, 3.0, 1.0, 1.0, 2.0, 3.0]  # 3 -> 0: slowest between
 
 
-def _plan(grads: list[float], shared: tuple = ()) -> StagePlan:
+def _plan(grads: list[float], shared: tuple = ()) -> PartitionCosts:
     z = np.zeros(len(grads))
-    return StagePlan(tuple(range(len(grads) + 1)), z, z, z, z[:-1], z, z, np.asarray(grads),
+    return PartitionCosts(tuple(range(len(grads) + 1)), z, z, z, z[:-1], z, z, np.asarray(grads),
                      0.0, z, z, shared_holders=shared)
 
 

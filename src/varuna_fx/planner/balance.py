@@ -7,7 +7,7 @@ every stage as long as the threshold allows is optimal for the bottleneck withou
 (starting a stage later never hurts), so bisection on the threshold finds the minimal bottleneck
 in O(log(1/tol) · P · log U) -- about a millisecond for P = 64. Memory is the package's one
 model (``costs/memory.py``), at each stage's own stash count: a stage ends where it stops
-fitting (``MemoryModel.reach``), so :class:`StagePlan` prices exactly what the partition was
+fitting (``MemoryModel.reach``), so :class:`PartitionCosts` prices exactly what the partition was
 checked with (a starting point that shifts a stage's input or shared-weight copies makes the
 greedy a heuristic under a binding cap; the exact pass then makes the final partition).
 """
@@ -28,8 +28,9 @@ _TOLERANCE = 1e-4  # relative precision of the bottleneck
 
 
 @dataclass
-class StagePlan:
-    """A partition evaluated at one micro-batch size: per-stage sums (``send_bytes``: per link)."""
+class PartitionCosts:
+    """A partition (``bounds``) and its per-stage costs at one micro-batch size (``send_bytes``:
+    per link). Not a :class:`~varuna_fx.planner.plan.Plan`: the search prices many of these."""
 
     bounds: tuple[int, ...]  # unit positions, P + 1
     forward: np.ndarray  # no-grad forward (recomputing stages) -- seconds per micro-batch
@@ -215,7 +216,7 @@ class Balancer:
         return [*bounds, n]
 
     def partition(self, stages: int, memory_cap: float,
-                  stash_counts: int | Sequence[int]) -> StagePlan | None:
+                  stash_counts: int | Sequence[int]) -> PartitionCosts | None:
         """Smallest-bottleneck partition (to 1e-4) that fits, or None if none fits.
         ``stash_counts``: micro-batches each stage holds at once (one for all, or per stage)."""
         if stages > self.count:
@@ -234,7 +235,7 @@ class Balancer:
                 lo = mid
             else:
                 hi, best = mid, found
-        return self.stage_plan(self.balanced(hi, stages, memory_cap, stash_counts) or best)
+        return self.partition_costs(self.balanced(hi, stages, memory_cap, stash_counts) or best)
 
     def _reach(self, threshold: float, memory_cap: float, stash: int) -> list[int]:
         """For every start i, the farthest end of a stage costing <= threshold that fits as a
@@ -293,7 +294,7 @@ class Balancer:
         return [*bounds, n]
 
     def min_memory_partition(self, stages: int,
-                             stash_counts: int | Sequence[int]) -> StagePlan | None:
+                             stash_counts: int | Sequence[int]) -> PartitionCosts | None:
         """The partition whose largest stage is smallest (to 1e-4, as the greedy finds it)."""
         if stages > self.count:
             return None
@@ -310,9 +311,9 @@ class Balancer:
                 lo = mid
             else:
                 hi, best = mid, found
-        return None if best is None else self.stage_plan(best)
+        return None if best is None else self.partition_costs(best)
 
-    def stage_plan(self, bounds: list[int]) -> StagePlan:
+    def partition_costs(self, bounds: list[int]) -> PartitionCosts:
         u = self.units
         starts = np.asarray(bounds[:-1])
         ends = np.asarray(bounds[1:])
@@ -333,7 +334,7 @@ class Balancer:
                 holders.append((item.grad, tuple(sorted({first, *np.flatnonzero(held_by)}))))
         cut = np.asarray(self.cut)
         reseed = u.reseed * np.logical_or.reduceat(u.random, starts)  # per action, see costs
-        return StagePlan(
+        return PartitionCosts(
             bounds=tuple(bounds),
             forward=per_stage(u.forward) + reseed,
             recompute=per_stage(u.recompute) + reseed,

@@ -13,7 +13,7 @@ from ..schedule import (
     schedule_names,
     virtual_names,
 )
-from .balance import StagePlan
+from .balance import PartitionCosts
 from .plan import Alternative
 
 
@@ -23,7 +23,7 @@ class Candidate:
     data_parallel: int
     micro_batch_size: int
     num_micro_batches: int
-    plan: StagePlan | None = None
+    plan: PartitionCosts | None = None
     # stash counts the partition was made for; None: one micro-batch per stage (a relaxation)
     stash_counts: tuple[int, ...] | None = None
     # the stash counts of the order it was simulated with (``Pricing.finish``): its memory

@@ -11,7 +11,7 @@ Layer: above ``planner`` and ``schedule``, below ``api``; imports nothing from t
 (``world/where.py`` answers whether this is a distributed run).
 
 Pricing (``price``) simulates the made partition with the planner's costs (``cost_table`` unit
-arrays and ``balance.StagePlan``) and prices its memory with the one memory model, so the plan
+arrays and ``balance.PartitionCosts``) and prices its memory with the one memory model, so the plan
 table's memory column, the chosen alternatives row and ``Partition.stage_memory`` are the same
 numbers. On the registry models ``assign_and_price`` always reached its fixed point after one
 or two rounds. The search checks memory with its own schedule's counts, so a plan the planner
@@ -238,7 +238,7 @@ def price(config: Configuration, bounds: tuple[int, ...],
     balancer = planner.balancer_for(units, p, d if config.shard_optimizer else 1)
     base = config.schedule
     c = Candidate(p, d, b, m, schedule=base.name, shard=config.shard_optimizer)  # (the row shows it)
-    c.plan = balancer.stage_plan(list(range(p + 1)))
+    c.plan = balancer.partition_costs(list(range(p + 1)))
     # the search ordered schedules with unit costs (cached per P, m); the plan's schedule is
     # generated from this partition's own times (Varuna's order, split backward's W placement)
     # ``recompute``: the partition's per-stage choice (default: the planner's one setting)

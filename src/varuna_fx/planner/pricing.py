@@ -27,7 +27,7 @@ from ..schedule import (
 )
 from ..schedule.varuna import QUICK_VARIANTS, ROUGH_VARIANTS, overflows, stash_floor
 from ..world.network import NetworkProfile
-from .balance import Balancer, StagePlan
+from .balance import Balancer, PartitionCosts
 from .candidates import Candidate, considered_schedules, weight_grads
 from .cluster import Cluster
 from .cost_table import CostTable, UnitArrays
@@ -58,7 +58,7 @@ class Pricing:
         # "auto" only for a candidate that does not fit otherwise, False never
         self.shard_optimizer = shard_optimizer
         self._balancers: dict[tuple[int, int], Balancer] = {}
-        self._plans: dict[tuple[int, int, tuple[int, ...], float, int], StagePlan | None] = {}
+        self._plans: dict[tuple[int, int, tuple[int, ...], float, int], PartitionCosts | None] = {}
         self._schedules: dict[tuple[str, int, int], tuple[Schedule, list[int]]] = {}
         self._links: dict[tuple[int, int], Links] = {}
         self._totals: dict[int, tuple[float, ...]] = {}
@@ -87,7 +87,7 @@ class Pricing:
         return Balancer(units, shared, bandwidth, self.recompute)
 
     def partition(self, b: int, stages: int, stash_counts: int | tuple[int, ...] | None,
-                  budget: float | None = None, shards: int = 1) -> StagePlan | None:
+                  budget: float | None = None, shards: int = 1) -> PartitionCosts | None:
         """Fastest partition whose stages fit ``budget`` (default: the device memory) by the
         memory model, each stage holding its ``stash_counts`` micro-batches (one count for
         all, or per stage; None: one), the optimizer state split over ``shards`` replicas."""
@@ -100,7 +100,7 @@ class Pricing:
         return self._plans[key]
 
     def plan_candidate(self, c: Candidate, stash_counts: int | tuple[int, ...] | None = None,
-                       budget: float | None = None) -> StagePlan | None:
+                       budget: float | None = None) -> PartitionCosts | None:
         """``c``'s partition (as :meth:`partition`), with its optimizer state sharded over its
         D replicas where the setting says: always for True, and for "auto" only when no
         partition fits without (``c.shard`` records which)."""
@@ -173,7 +173,7 @@ class Pricing:
         return ScheduleCosts.of(plan.sim_forward(rc), backward,
                                 recompute=plan.recompute, links=links, weight_grad=weight)
 
-    def backward_costs(self, plan: StagePlan,
+    def backward_costs(self, plan: PartitionCosts,
                        schedule: str = "") -> tuple[list[float], list[float]]:
         """(backward, its weight-gradient part W) per stage, as the schedule runs them: for a
         split-backward schedule with a profile that timed the split, the input-gradient pass

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..schedule import Schedule, peak_stash_counts
-from .balance import StagePlan
+from .balance import PartitionCosts
 from .candidates import Candidate
 from .network import Links
 
@@ -42,7 +42,7 @@ def rank_links(net: Links, schedule: Schedule) -> Links:
     return dataclasses.replace(net, bandwidths=bandwidths)
 
 
-def rank_allreduce(net: Links, plan: StagePlan, schedule: Schedule, replicas: int) -> float:
+def rank_allreduce(net: Links, plan: PartitionCosts, schedule: Schedule, replicas: int) -> float:
     """Seconds of the step's gradient reductions with the stages on ``schedule``'s ranks: each
     rank's gradients over the replicas (the largest rank's), plus the tied weights whose copies
     are on several ranks."""
