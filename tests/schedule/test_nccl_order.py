@@ -20,8 +20,8 @@ from varuna_fx.schedule import (
     Kind,
     Link,
     Lowered,
-    Op,
     OpKind,
+    RankOp,
     build_schedule,
     check_comms,
     check_schedule_comms,
@@ -230,12 +230,12 @@ def test_collectives_must_be_issued_by_every_member() -> None:
 def test_ops_print_and_parse() -> None:
     for text in ("2F5", "0R3", "1W0", "0SEND_F3>1", "1RECV_B2<2", "ALLREDUCE(tied:0+3)",
                  "ALLREDUCE(dp:2)", "WAIT_SENDS", "WAIT_REDUCE"):
-        assert str(Op.parse(text)) == text
-    assert Op.parse("0SEND_F3>1").message == Op.parse("1RECV_F3<0").message
-    assert Op.parse("1SEND_B2>0").message == Op.parse("0RECV_B2<1").message
+        assert str(RankOp.parse(text)) == text
+    assert RankOp.parse("0SEND_F3>1").message == RankOp.parse("1RECV_F3<0").message
+    assert RankOp.parse("1SEND_B2>0").message == RankOp.parse("0RECV_B2<1").message
     for bad in ("0SEND_F3<1", "1RECV_B2>2", "2X5", "ALLREDUCE()"):
         with pytest.raises(ScheduleError):
-            Op.parse(bad)
+            RankOp.parse(bad)
     with pytest.raises(ScheduleError, match="bad lowered-schedule header"):
         Lowered.parse("# nope\nrank 0: 0F0\n")
     with pytest.raises(ScheduleError, match="expected 'rank 1: <ops>'"):
@@ -250,13 +250,13 @@ def test_lowering_places_receives_lookahead_actions_ahead() -> None:
     # the receive of compute action k is posted just before compute action k - 2
     for k, act in enumerate(prog.compute):
         for recv in prog.waits[k]:
-            before = str(Op.compute(prog.compute[max(0, k - 2)]))
+            before = str(RankOp.compute(prog.compute[max(0, k - 2)]))
             assert ops.index(str(recv)) < ops.index(before)
-            assert ops.index(str(recv)) < ops.index(str(Op.compute(act)))
+            assert ops.index(str(recv)) < ops.index(str(RankOp.compute(act)))
     # sends right after the action whose value they carry
     for k, act in enumerate(prog.compute):
         for send in prog.after[k]:
-            assert ops.index(str(send)) == ops.index(str(Op.compute(act))) + 1 + \
+            assert ops.index(str(send)) == ops.index(str(RankOp.compute(act))) + 1 + \
                 prog.after[k].index(send)
     assert [a for a in prog.compute] == sched.per_stage[1]
     with pytest.raises(ScheduleError, match="stage 1 is on rank 1"):

@@ -39,7 +39,7 @@ from ..init.materialize import is_deferred, materialize_tensors, meta_without_re
 from ..ir.nodes import info
 from ..ir.rng import RandomKey
 from ..planner.plan import Plan
-from ..schedule import Op, OpKind, validate
+from ..schedule import OpKind, RankOp, validate
 from ..schedule.placement import Placement, check_world_size
 from ..world.where import comm_device, init_process_group, resolve_timeout
 from . import preemption
@@ -146,7 +146,7 @@ class DistributedRuntime(StepLoop):
         tied = iter(range(len(self.grad_sync.tied)))
         closed = False
 
-        def tail(op: Op) -> None:
+        def tail(op: RankOp) -> None:
             nonlocal pending, closed
             if op.kind is OpKind.ALLREDUCE and op.group.startswith("tied:"):
                 pending.append(self.grad_sync.start_tied(next(tied)))

@@ -45,8 +45,8 @@ from ..schedule.lowering import (
     SENDS,
     Link,
     Lowered,
-    Op,
     OpKind,
+    RankOp,
     RankProgram,
     Walk,
     lower,
@@ -189,7 +189,7 @@ class StageExecutor:
             found = self._order_keys[id(per_stage)] = (per_stage, number)
         return found[1]
 
-    def _op_wire(self, op: Op) -> list[tuple[Transfer, Message]]:
+    def _op_wire(self, op: RankOp) -> list[tuple[Transfer, Message]]:
         """The tensors one send or receive op stands for, in transfer order (the same order
         on both ends, so NCCL pairs them one by one)."""
         key = (op.kind, op.stage, op.mb, op.peer)
@@ -224,7 +224,7 @@ class StageExecutor:
     # -- a training step -----------------------------------------------------------------------
 
     def run(self, per_stage: list[list[Action]], micro: list[dict[str, torch.Tensor]],
-            loss_of: LossOf | None, tail: Callable[[Op], None] | None = None,
+            loss_of: LossOf | None, tail: Callable[[RankOp], None] | None = None,
             rank_lists: list[list[Action]] | None = None) -> None:
         """Run this rank's lowered program for ``per_stage`` (every stage's list: they also
         tell when a send is delivered), op by op as :func:`schedule.walk` yields them, the one
@@ -248,7 +248,7 @@ class StageExecutor:
                               time.process_time() - cpu))
             return value
 
-        def landed(op: Op) -> bool:  # every tensor of a posted receive has arrived
+        def landed(op: RankOp) -> bool:  # every tensor of a posted receive has arrived
             return all(self._landed(msg, inbox) for _, msg in self._op_wire(op))
 
         def close() -> None:  # a traced action lasts until its sends are out

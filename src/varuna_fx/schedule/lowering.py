@@ -67,7 +67,7 @@ _TAIL_RE = re.compile(r"^(ALLREDUCE)\(([a-z0-9+:]+)\)$|^(WAIT_SENDS|WAIT_REDUCE)
 
 
 @dataclass(frozen=True)
-class Op:
+class RankOp:
     """One operation of a rank: compute, a send or receive (``peer``: the other stage), or a
     tail collective (``group``: "tied:0+3", "dp:2", "world")."""
 
@@ -78,7 +78,7 @@ class Op:
     group: str = ""
 
     @classmethod
-    def compute(cls, action: Action) -> Op:
+    def compute(cls, action: Action) -> RankOp:
         return cls(OpKind(action.kind.value), action.stage, action.mb)
 
     @cached_property
@@ -106,7 +106,7 @@ class Op:
         return str(self.kind)
 
     @classmethod
-    def parse(cls, text: str) -> Op:
+    def parse(cls, text: str) -> RankOp:
         text = text.strip()
         if m := _COMPUTE_RE.match(text):
             return cls(OpKind(m.group(2)), int(m.group(1)), int(m.group(3)))
@@ -148,29 +148,29 @@ class RankProgram:
 
     rank: int
     compute: list[Action]
-    before: list[list[Op]]
-    after: list[list[Op]]
-    tail: list[Op]
+    before: list[list[RankOp]]
+    after: list[list[RankOp]]
+    tail: list[RankOp]
     # filled by Lowered from its links
-    waits: list[list[Op]] = field(default_factory=list, init=False, repr=False)
+    waits: list[list[RankOp]] = field(default_factory=list, init=False, repr=False)
     index: dict[Action, int] = field(default_factory=dict, init=False, repr=False)
-    compute_ops: list[Op] = field(default_factory=list, init=False, repr=False)
+    compute_ops: list[RankOp] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.index = {a: k for k, a in enumerate(self.compute)}
-        self.compute_ops = [Op.compute(a) for a in self.compute]
+        self.compute_ops = [RankOp.compute(a) for a in self.compute]
 
     @property
-    def ops(self) -> list[Op]:
+    def ops(self) -> list[RankOp]:
         """The static order: everything the rank issues, in the order it issues it."""
-        out: list[Op] = []
+        out: list[RankOp] = []
         for k, op in enumerate(self.compute_ops):
             out += self.before[k]
             out.append(op)
             out += self.after[k]
         return out + self.before[len(self.compute)] + self.tail
 
-    def backward_waits(self, k: int) -> list[Op]:
+    def backward_waits(self, k: int) -> list[RankOp]:
         """The receives of the backward that compute action ``k`` (a B or its R) feeds."""
         act = self.compute[k]
         b = self.index.get(Action(act.stage, Kind.B, act.mb))
@@ -231,7 +231,7 @@ class Lowered:
             if match is None or int(match.group(1)) != len(programs):
                 raise ScheduleError(f"bad line {line!r}: expected 'rank {len(programs)}: <ops>'")
             programs.append(_program(int(match.group(1)),
-                                     [Op.parse(t) for t in match.group(2).split()]))
+                                     [RankOp.parse(t) for t in match.group(2).split()]))
         return cls(name, int(p), int(m), split is not None, int(ahead), ranks, int(d),
                    programs, links)
 
@@ -242,13 +242,13 @@ _HEADER_RE = re.compile(
 )
 
 
-def _program(rank: int, ops: list[Op]) -> RankProgram:
+def _program(rank: int, ops: list[RankOp]) -> RankProgram:
     """A program from its flat order: the sends right after a compute action that carry what
     it produced are its ``after``; everything else goes before the next compute action."""
     compute: list[Action] = []
-    before: list[list[Op]] = [[]]
-    after: list[list[Op]] = []
-    tail: list[Op] = []
+    before: list[list[RankOp]] = [[]]
+    after: list[list[RankOp]] = []
+    tail: list[RankOp] = []
     for op in ops:
         if op.kind in COMPUTE:
             if tail:
@@ -267,7 +267,7 @@ def _program(rank: int, ops: list[Op]) -> RankProgram:
     return RankProgram(rank, compute, before, after, tail)
 
 
-def _produces(action: Action, send: Op) -> bool:
+def _produces(action: Action, send: RankOp) -> bool:
     """Whether ``send`` carries what ``action`` computed."""
     kind = Kind.F if send.kind is OpKind.SEND_F else Kind.B
     return (action.stage, action.kind, action.mb) == (send.stage, kind, send.mb)
@@ -291,18 +291,18 @@ def lower(per_rank: Sequence[Sequence[Action]], ranks: Sequence[int], num_micro_
     programs = []
     for r, actions in enumerate(per_rank):
         n = len(actions)
-        before: list[list[Op]] = [[] for _ in range(n + 1)]
-        after: list[list[Op]] = [[] for _ in range(n)]
+        before: list[list[RankOp]] = [[] for _ in range(n + 1)]
+        after: list[list[RankOp]] = [[] for _ in range(n)]
         for k, a in enumerate(actions):
             s, i = a.stage, a.mb
             if ranks[s] != r:
                 raise ScheduleError(f"rank {r}'s list holds {a}, but stage {s} is on rank "
                                     f"{ranks[s]}")
             if a.kind is Kind.F:
-                after[k] = [Op(OpKind.SEND_F, s, i, k_.dst) for k_ in out.get(s, ())
+                after[k] = [RankOp(OpKind.SEND_F, s, i, k_.dst) for k_ in out.get(s, ())
                             if ranks[k_.dst] != r]
             elif a.kind is Kind.B:
-                after[k] = [Op(OpKind.SEND_B, s, i, k_.src) for k_ in into.get(s, ())
+                after[k] = [RankOp(OpKind.SEND_B, s, i, k_.src) for k_ in into.get(s, ())
                             if k_.gradient and ranks[k_.src] != r]
             before[max(0, k - lookahead)] += _receives(a, into, out, ranks)
         here = sorted({a.stage for a in actions})
@@ -323,28 +323,28 @@ def _by_stage(links: Sequence[Link]) -> tuple[dict[int, list[Link]], dict[int, l
 
 
 def _receives(action: Action, into: dict[int, list[Link]], out: dict[int, list[Link]],
-              ranks: Sequence[int]) -> list[Op]:
+              ranks: Sequence[int]) -> list[RankOp]:
     """The receives ``action`` takes: a forward the activations from every upstream stage on
     another rank, a backward the gradients from every such downstream stage."""
     s, i, r = action.stage, action.mb, ranks[action.stage]
     if action.kind is Kind.F:
-        return [Op(OpKind.RECV_F, s, i, k.src) for k in into.get(s, ()) if ranks[k.src] != r]
+        return [RankOp(OpKind.RECV_F, s, i, k.src) for k in into.get(s, ()) if ranks[k.src] != r]
     if action.kind is Kind.B:
-        return [Op(OpKind.RECV_B, s, i, k.dst) for k in out.get(s, ())
+        return [RankOp(OpKind.RECV_B, s, i, k.dst) for k in out.get(s, ())
                 if k.gradient and ranks[k.dst] != r]
     return []
 
 
-def _tail(stages: list[int], tied: Sequence[Sequence[int]], replicas: int) -> list[Op]:
+def _tail(stages: list[int], tied: Sequence[Sequence[int]], replicas: int) -> list[RankOp]:
     """After the last compute action, as ``DistributedRuntime.run_actions`` and ``finish``:
     start the tied sums (one group per holder set, in sorted order) and the data-parallel
     average, wait for the sends, wait for the reductions, then the loss all-reduce."""
-    ops = [Op(OpKind.ALLREDUCE, group="tied:" + "+".join(map(str, h)))
+    ops = [RankOp(OpKind.ALLREDUCE, group="tied:" + "+".join(map(str, h)))
            for h in sorted(tuple(sorted(h)) for h in tied) if set(h) & set(stages)]
     if replicas > 1:  # one per rank: its group averages every stage it holds (virtual stages)
-        ops.append(Op(OpKind.ALLREDUCE, group=f"dp:{min(stages)}"))
-    return ops + [Op(OpKind.WAIT_SENDS), Op(OpKind.WAIT_REDUCE),
-                  Op(OpKind.ALLREDUCE, group="world"), Op(OpKind.WAIT_REDUCE)]
+        ops.append(RankOp(OpKind.ALLREDUCE, group=f"dp:{min(stages)}"))
+    return ops + [RankOp(OpKind.WAIT_SENDS), RankOp(OpKind.WAIT_REDUCE),
+                  RankOp(OpKind.ALLREDUCE, group="world"), RankOp(OpKind.WAIT_REDUCE)]
 
 
 def lower_schedule(schedule: Schedule, *, links: Sequence[Link] | None = None,
@@ -369,7 +369,7 @@ def lower_schedule(schedule: Schedule, *, links: Sequence[Link] | None = None,
 
 
 def walk(program: RankProgram, split: bool, reorder: bool,
-         landed: Callable[[Op], bool]) -> Walk:
+         landed: Callable[[RankOp], bool]) -> Walk:
     """The ops of ``program`` in the order the rank issues them, each yielded when it is due
     (resume the generator once it ran). With ``reorder`` (Varuna's run-time rule,
     ``runtime/opportunistic.py``), when the next action is a backward (or its recompute) whose
@@ -383,15 +383,15 @@ class Walk:
     """:func:`walk`'s iterable; it keeps its :class:`Cursor` (jumped forwards, peak held)."""
 
     def __init__(self, program: RankProgram, split: bool, reorder: bool,
-                 landed: Callable[[Op], bool]) -> None:
+                 landed: Callable[[RankOp], bool]) -> None:
         self.program, self.reorder, self.landed = program, reorder, landed
         self.cursor = Cursor(program.compute, split)
 
-    def __iter__(self) -> Iterator[Op]:
+    def __iter__(self) -> Iterator[RankOp]:
         prog, cursor, landed = self.program, self.cursor, self.landed
         posted = 0  # before-lists issued so far
 
-        def post_through(k: int) -> Iterator[Op]:
+        def post_through(k: int) -> Iterator[RankOp]:
             nonlocal posted
             while posted <= k:
                 yield from prog.before[posted]

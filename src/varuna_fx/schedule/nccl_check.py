@@ -61,8 +61,8 @@ from varuna_fx.schedule.lowering import (
     SENDS,
     Link,
     Lowered,
-    Op,
     OpKind,
+    RankOp,
     Walk,
     lower_schedule,
 )
@@ -76,7 +76,7 @@ class _Entry:
     """One issued communication of one rank."""
 
     proc: Proc
-    op: Op
+    op: RankOp
     comm: tuple
     channel: tuple | None = None  # p2p: (comm, sending proc, receiving proc)
     partner: _Entry | None = None  # p2p: its match, once both are issued
@@ -104,7 +104,7 @@ class _Run:
         self.procs: list[Proc] = [(p.rank, r) for r in range(d) for p in lowered.programs]
         self.program = {(p.rank, r): p for r in range(d) for p in lowered.programs}
         self.queues: dict[tuple[Proc, tuple], deque[_Entry]] = {}
-        self.issued: dict[tuple[Proc, Op], _Entry] = {}
+        self.issued: dict[tuple[Proc, RankOp], _Entry] = {}
         self.channels: dict[tuple, tuple[list[_Entry], list[_Entry]]] = {}
         self.collectives: dict[tuple, list[list[_Entry]]] = {}
         self.computed: set[tuple[Proc, Action]] = set()
@@ -121,13 +121,13 @@ class _Run:
             self.local_out[k.src].append(k)
         self.walks = {p: Walk(self.program[p], lowered.split_backward, reorder,
                               lambda op, p=p: self._landed(p, op)) for p in self.procs}
-        self.iters: dict[Proc, Iterator[Op]] = {p: iter(w) for p, w in self.walks.items()}
-        self.pending: dict[Proc, Op | None] = {p: next(self.iters[p], None) for p in self.procs}
+        self.iters: dict[Proc, Iterator[RankOp]] = {p: iter(w) for p, w in self.walks.items()}
+        self.pending: dict[Proc, RankOp | None] = {p: next(self.iters[p], None) for p in self.procs}
         self.waiting: dict[Proc, _Entry | None] = {p: None for p in self.procs}  # blocking
 
     # -- state ---------------------------------------------------------------------------------
 
-    def _landed(self, proc: Proc, op: Op) -> bool:
+    def _landed(self, proc: Proc, op: RankOp) -> bool:
         if self.late and op.kind is OpKind.RECV_B:
             return False  # the adversary: every gradient is late, so forwards jump most
         entry = self.issued.get((proc, op))
@@ -140,7 +140,7 @@ class _Run:
         return f"rank {proc[0]}" if self.lowered.replicas == 1 else \
             f"rank {proc[0]} of replica {proc[1]}"
 
-    def _p2p_comm(self, sender: Proc, receiver: Proc, op: Op) -> tuple:
+    def _p2p_comm(self, sender: Proc, receiver: Proc, op: RankOp) -> tuple:
         a, b, rep = sender[0], receiver[0], sender[1]
         if self.layout == "stage-direction":
             _, src, dst, _ = op.message
@@ -174,7 +174,7 @@ class _Run:
 
     # -- issuing -------------------------------------------------------------------------------
 
-    def _issue(self, proc: Proc, op: Op) -> _Entry:
+    def _issue(self, proc: Proc, op: RankOp) -> _Entry:
         if (proc, op) in self.issued:
             raise ScheduleError(f"{self._name(proc)} issues {op} twice")
         if op.kind is OpKind.ALLREDUCE:
@@ -226,7 +226,7 @@ class _Run:
 
     # -- one rank's next op --------------------------------------------------------------------
 
-    def _blocker(self, proc: Proc, op: Op, explain: bool = False) -> str | None:
+    def _blocker(self, proc: Proc, op: RankOp, explain: bool = False) -> str | None:
         """Why ``op`` cannot run now (None: it can; ``explain``: say it in full)."""
         waiting = self.waiting[proc]
         if waiting is not None:
