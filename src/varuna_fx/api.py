@@ -15,7 +15,7 @@ from .codegen.stage_totals import stage_totals
 from .costs.roofline import device_spec
 from .errors import PlanError
 from .ir.nodes import copy_graph_module
-from .options import CompileOptions, check_devices, check_global_batch, check_model
+from .options import CompileOptions, check_compile_arguments, check_devices, check_global_batch
 from .passes.annotate_backward import canonical_names
 from .passes.assign_stages import CostSetting
 from .passes.check import check_assignment, check_parameters, check_split
@@ -73,7 +73,7 @@ def compile(  # noqa: A001 - the public name in API.md
         micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute, tracer=tracer,
         offload_stash=offload_stash, precision=precision, timeout=timeout, profile=profile,
         shard_optimizer=shard_optimizer, dump=dump)
-    check_model(model, example_inputs, o.loss_fn)
+    check_compile_arguments(model, example_inputs, o.loss_fn)
     cluster = o.cluster or Cluster.local(timeout=resolve_timeout(o.timeout))
     where_to = dump_dir(o.dump)
 

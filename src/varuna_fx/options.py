@@ -98,7 +98,7 @@ def check_flag(name: str, value: Any, allowed: tuple[Any, ...] = (True, False)) 
         raise VarunaFxError(f"{name}={value!r}: use one of {list(allowed)}")
 
 
-def check_model(model: Any, example_inputs: Any, loss_fn: Any) -> None:
+def check_compile_arguments(model: Any, example_inputs: Any, loss_fn: Any) -> None:
     """The model is a module, example inputs are given, and ``target`` means one thing."""
     if not isinstance(model, nn.Module):
         raise VarunaFxError(f"compile expects a torch.nn.Module, got {type(model).__name__}")

@@ -44,7 +44,7 @@ def layout_summary(plan: Plan) -> dict[str, Any]:
             "micro_batch_size": plan.micro_batch_size, "schedule": plan.schedule.name}
 
 
-def check_model(layout: StateLayout, metadata: dict[str, Any], path: str) -> None:
+def check_same_model(layout: StateLayout, metadata: dict[str, Any], path: str) -> None:
     """Refuse a checkpoint of another model, naming what differs."""
     saved = {k[len(MODEL):]: tuple(v.size) for k, v in metadata.items() if k.startswith(MODEL)}
     missing = [n for n in layout.names if n not in saved]

@@ -56,8 +56,8 @@ from .checkpointable import Checkpointable
 from .contents import (
     META,
     MODEL,
-    check_model,
     check_plain,
+    check_same_model,
     class_name,
     few,
     layout_summary,
@@ -291,7 +291,7 @@ class Checkpointer:
             reader = LegacyReader(path)
         full = reader.read_metadata()  # no code runs (safe_metadata.py)
         metadata = full.state_dict_metadata
-        check_model(self.pipe.state_layout, metadata, path)
+        check_same_model(self.pipe.state_layout, metadata, path)
         held = self.pipe.state_dict()
         keys = [MODEL + n for n in held] + [META]
         if optimizer is not None:
