@@ -24,7 +24,7 @@ checkpoint and take one step. Timestamps from both sides split the morph into:
 Plain processes stand in for torchrun's workers here; an elastic agent adds its re-rendezvous
 (about 1 s with ``varuna-fx run --elastic``'s settings) before "restart". The useful-work
 fraction at one preemption per 10 minutes (and per hour) then comes from
-``varuna_fx.planner.morphing`` with the measured morph and save times, for Varuna's periodic
+``varuna_fx.launch.morphing`` with the measured morph and save times, for Varuna's periodic
 checkpoints (best interval) and for save-on-signal.
 """
 
@@ -224,7 +224,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def useful_work(morph_s: float, save_s: float) -> list[dict]:
-    from varuna_fx.planner.morphing import (
+    from varuna_fx.launch.morphing import (
         expected_fraction_on_signal,
         expected_fraction_periodic,
         preemption_trace,

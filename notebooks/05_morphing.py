@@ -20,14 +20,14 @@
 # - **Save on signal** (`pipe.preempted`: SIGTERM/SIGUSR1 sets it on every rank after the same
 #   step, the loop saves within the grace period): only the save and the morph.
 #
-# `varuna_fx.planner.morphing` replays a preemption trace against both. The costs below are measured by
+# `varuna_fx.launch.morphing` replays a preemption trace against both. The costs below are measured by
 # `bench/bench_morph.py` for a 100M-parameter GPT on CPU (see bench/RESULTS.md); change them to
 # your own.
 
 # %%
 import matplotlib.pyplot as plt
 
-from varuna_fx.planner.morphing import (
+from varuna_fx.launch.morphing import (
     expected_fraction_on_signal,
     expected_fraction_periodic,
     preemption_trace,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from varuna_fx.planner.morphing import (
+from varuna_fx.launch.morphing import (
     expected_fraction_on_signal,
     expected_fraction_periodic,
     preemption_trace,
