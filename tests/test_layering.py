@@ -140,3 +140,42 @@ def test_no_file_over_500_lines() -> None:
     long = {str(p.relative_to(PACKAGE)): n for p in sources()
             if (n := len(p.read_text().splitlines())) > 500}
     assert not long, f"split these along their seams: {long}"
+
+
+# Folders whose import path docs/API.md documents for users: only these re-export names.
+FACES = {"planner", "schedule"}
+
+
+def test_folder_faces_follow_one_rule() -> None:
+    """Every folder's ``__init__.py`` says in a docstring what the folder holds; only a
+    documented face (``FACES``) adds more: imports from its own modules, listed in ``__all__``."""
+    api = (PACKAGE.parent.parent / "docs" / "API.md").read_text()
+    broken = []
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        folder = init.parent.name
+        tree = ast.parse(init.read_text())
+        if ast.get_docstring(tree) is None:
+            broken.append(f"{folder}/__init__.py has no docstring saying what the folder holds")
+        body = tree.body[1:] if ast.get_docstring(tree) is not None else tree.body
+        if folder not in FACES:
+            if body:
+                broken.append(f"{folder}/__init__.py holds more than its docstring (line "
+                              f"{body[0].lineno}): import from the module that defines it")
+            continue
+        assert f"from varuna_fx.{folder} import" in api, f"{folder} is no documented face"
+        imported: set[str] = set()
+        listed: set[str] = set()
+        for node in body:
+            if isinstance(node, ast.ImportFrom) and \
+                    (node.level == 1 or (node.module or "").startswith(f"varuna_fx.{folder}.")):
+                imported.update(a.asname or a.name for a in node.names)
+            elif isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == \
+                    ["__all__"]:
+                listed = set(ast.literal_eval(node.value))
+            else:
+                broken.append(f"{folder}/__init__.py line {node.lineno}: a face only imports "
+                              "from its own modules and lists them in __all__")
+        if imported != listed:
+            broken.append(f"{folder}/__init__.py: __all__ differs from what it imports "
+                          f"({sorted(imported ^ listed)})")
+    assert not broken, "\n".join(broken)

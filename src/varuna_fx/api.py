@@ -10,7 +10,7 @@ from torch import nn
 
 from .capture.buffers import warn_micro_batch_state
 from .capture.inputs import bind_inputs
-from .codegen import build_stage
+from .codegen.stage_module import build_stage
 from .codegen.stage_totals import stage_totals
 from .costs.roofline import device_spec
 from .errors import PlanError

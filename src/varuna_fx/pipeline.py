@@ -18,8 +18,8 @@ from .capture.inputs import BoundInputs, bind_inputs
 from .capture.model_edits import ModelEdits, traced_modules
 from .checkpoint.failures import FailedLoad
 from .checkpoint.save_load import Checkpointer
-from .codegen import Stage
 from .codegen.modes import Modes, capture_if_changed, evaluation_stages, module_modes
+from .codegen.stage_module import Stage
 from .errors import InputError, VarunaFxError
 from .init.materialize import is_deferred, materialize_tensors
 from .init.skip import any_marked, loaded, raise_unloaded, unloaded

@@ -9,7 +9,7 @@ import varuna_fx as vf
 from support.eager import assert_grads_equal, call_args, eager_grads
 from support.registry import CASES
 from tiers import product, tiered
-from varuna_fx.codegen import run_code
+from varuna_fx.codegen.stage_module import run_code
 
 # the sweep compiles each unchanged registry model many times: capture it once per model
 pytestmark = pytest.mark.usefixtures("one_capture_per_model")

@@ -1,3 +1,3 @@
-from .stage_module import Stage, build_stage, run_code
-
-__all__ = ["Stage", "build_stage", "run_code"]
+"""Stages as code: each stage's ``fx.Graph`` -> a readable Python module holding its parameters
+(``stage_module``), its costs totalled for the plan's table (``stage_totals``), and the stages
+of another train/eval mode (``modes``)."""

@@ -29,7 +29,7 @@ from ..passes.annotate_shapes import annotate_shapes
 from ..passes.mark_replicable import mark_replicable
 from ..passes.specialize_sizes import specialize_sizes
 from ..passes.split_stages import split_stages
-from . import Stage, build_stage
+from .stage_module import Stage, build_stage
 
 Modes = tuple[bool, ...]
 

@@ -12,7 +12,7 @@ from ..ir.nodes import info
 from ..passes.assign_stages import CostSetting, canonical_parameters
 from ..passes.partition import Partition
 from ..planner.plan import StageCost
-from . import Stage
+from .stage_module import Stage
 
 
 def stage_totals(gm: fx.GraphModule, stages: list[Stage], partition: Partition,

@@ -32,8 +32,8 @@ from torch import nn
 
 from ..capture.captured import Captured
 from ..capture.inputs import BoundInputs
-from ..codegen import Stage
 from ..codegen.modes import Modes, capture_if_changed, evaluation_stages, modes_set, module_modes
+from ..codegen.stage_module import Stage
 from ..errors import DistributedError, InputError, PeerTimeoutError
 from ..init.materialize import is_deferred, materialize_tensors, meta_without_record
 from ..ir.nodes import info

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..codegen import Stage
+from ..codegen.stage_module import Stage
 from ..errors import DistributedError
 from ..ir.nodes import Transfer
 from ..schedule import Action, Kind

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..codegen import Stage
+from ..codegen.stage_module import Stage
 from ..ir.rng import RandomKey
 from ..planner.plan import Plan
 from ..schedule import Action, Kind, execution_order, validate, with_micro_batches

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..codegen import Stage
+from ..codegen.stage_module import Stage
 from ..errors import InputError
 
 

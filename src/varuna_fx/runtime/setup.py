@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..codegen import Stage
+from ..codegen.stage_module import Stage
 from ..errors import DistributedError
 from ..planner.plan import Plan
 from ..schedule.placement import Placement

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..codegen import Stage
+from ..codegen.stage_module import Stage
 from ..ir.rng import RandomKey, next_step_seed
 from ..passes.sample_mixing import warn_sample_mixing
 from ..planner.plan import Plan

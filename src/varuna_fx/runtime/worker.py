@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..codegen import Stage
+from ..codegen.stage_module import Stage
 from ..ir.rng import RandomKey, rng_context
 from .split_backward import Deferred, input_grads
 
