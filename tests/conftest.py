@@ -6,7 +6,7 @@
   test that slipped into the fast tier is seen (a list, not a failure: CI machines are shared).
 * After collection the objects created so far (torch, transformers, the registry's models) are
   frozen out of the garbage collector: every later full collection, and the five pytest runs
-  at exit, would otherwise walk them all again (1-2 s of the fast tier's ~30).
+  at exit, would otherwise walk them all again (1-2 s of CPU).
 * Every test gets its own (empty, created on first write) directory for the on-disk caches,
   graphs and profiles (``$VARUNA_FX_CACHE_DIR``, inherited by the processes it launches; the
   old profiles-only alias ``$VARUNA_FX_CACHE`` is dropped from the environment): tests never

@@ -1,6 +1,6 @@
 """The two test tiers.
 
-``pytest -m "not slow"`` is the fast tier: a quick check (under 30 s of CPU on an idle machine)
+``pytest -m "not slow"`` is the fast tier: a quick check (its time: README, "Run the tests")
 that still runs every schedule, P in {1, 2, 3}, both tracers, a few random models, one small
 Hugging Face model, the error catalogue and the codegen goldens. ``pytest`` runs everything (CI).
 
