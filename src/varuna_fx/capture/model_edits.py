@@ -13,9 +13,8 @@ Checked per step: a submodule, parameter or buffer the stages hold replaced; its
 or device changed; a plain attribute of a module traced into the graph changed; a parameter
 frozen at compile unfrozen; a hook added to or removed from a traced module; code monkeypatched
 on a traced module or its class (``model.forward = f``, ``Block.gate = g``, a changed
-``__class__``). Measured (``bench/bench_edit_check.py``, shared machine): 0.6 ms (fx) / 1.1 ms
-(torch.export) per step for a 12-layer GPT. Global module hooks added after compile are not
-checked. Capture puts back every plain attribute forward's Python changed while traced and
+``__class__``). What it costs per step: bench/RESULTS.md, "Per-step model-edit check". Global
+module hooks added after compile are not checked. Capture puts back every plain attribute forward's Python changed while traced and
 removes the hooks forward registered while traced (a Hugging Face model installs
 output-capturing hooks on its first call and marks itself: kept, each later call collected every
 hidden state twice); a forward run after compile that sets such a mark is an edit like any

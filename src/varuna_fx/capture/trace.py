@@ -46,8 +46,8 @@ refuses, ``"auto"`` then captures with torch.export):
   torch.export's ``_assert_tensor_metadata`` checks are dropped with its input guards (under
   autocast the dtype differs, as in eager).
 * Each node's ``stack_trace`` (user frames only) is recorded by our tracer, not fx's
-  ``record_stack_traces``, whose frame filter imports torch._dynamo/_inductor/export (~0.6 s
-  of CPU in a fresh process).
+  ``record_stack_traces``, whose frame filter imports torch._dynamo/_inductor/export (a
+  fresh process pays for it: bench/RESULTS.md, "Figures the code cites").
 """
 
 from __future__ import annotations

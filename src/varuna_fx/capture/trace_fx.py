@@ -29,8 +29,9 @@ class Tracer(fx.Tracer):
     # Each node keeps its source lines (error messages and the generated stage code show them),
     # but not through fx's own ``record_stack_traces``: in torch 2.13 that symbolizes frames
     # with the profiler and filters them with ``symbolic_shapes.uninteresting_files()``, whose
-    # first call imports torch._dynamo, torch._inductor and torch.export (~2 s of CPU, most of
-    # a restarted job's compile) -- and it still kept fx's own frames. See ``create_node``.
+    # first call imports torch._dynamo, torch._inductor and torch.export (a restarted job's
+    # compile pays for it: bench/RESULTS.md, "Figures the code cites") -- and it still kept
+    # fx's own frames. See ``create_node``.
     record_stack_traces = False
     # Buffers (causal masks, rotary tables) become get_attr nodes instead of baked constants,
     # so they may be sliced by traced sizes and are owned by the stages that read them.

@@ -1,8 +1,8 @@
 """``vf.skip_init()``: build a model without initialising its tensors, to load them next.
 
 A process that resumes from a checkpoint overwrites every weight it builds, yet building a
-~100M-parameter GPT spends ~0.9 s of CPU drawing random numbers in ``torch.nn.init`` (most of
-the model build, in a restart that should take seconds). Under ``skip_init`` the random
+model spends most of its time drawing random numbers in ``torch.nn.init``, in a restart that
+should take seconds (bench/RESULTS.md, "Figures the code cites"). Under ``skip_init`` the random
 initialisers of ``torch.nn.init`` (``normal_``, ``uniform_``, ``kaiming_uniform_``... and so
 every standard module's ``reset_parameters``) return their tensor untouched: ``torch.empty``'s
 garbage, or whatever the tensor held. The deterministic fills (``zeros_``, ``ones_``,

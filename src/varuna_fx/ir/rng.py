@@ -150,7 +150,8 @@ def _seed_device(args: tuple, kwargs: dict, value: int) -> None:
     if device.type == "cuda":
         torch.cuda.default_generators[device.index or 0].manual_seed(value)
     else:
-        # not torch.manual_seed: it also seeds every lazy device backend (0.1-0.5 ms on CPU)
+        # not torch.manual_seed: it also seeds every lazy device backend, a cost per call
+        # (bench/RESULTS.md, "Figures the code cites")
         torch.default_generator.manual_seed(value)
 
 

@@ -13,8 +13,8 @@ capture itself runs on every compile, passes 2-6 once per captured graph, and pa
 ``ir.copy_graph_module(captured.gm)`` (nodes carrying copies of their annotations), so
 compiling the same model at P=4 leaves an earlier P=2 pipeline's graphs untouched. The profiler
 hands ``split_stages`` a chunk map instead of rewriting stage annotations. With the on-disk
-``shape_cache`` a restarted job skips both fake-tensor runs (a 100M GPT's compile: 1.27 s ->
-0.40 s); passes 3-5 always run (~25 ms together).
+``shape_cache`` a restarted job skips both fake-tensor runs; passes 3-5 always run (they are
+cheap; the figures: bench/RESULTS.md, "Figures the code cites").
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ FRONT_PASSES: tuple[Pass, ...] = (
 # (the graph's code, with attributes such as ``self.alpha`` baked in as constants; the type and
 # settings of every module it calls; the identity of every parameter and buffer; tensor
 # constants; modes), so a hit is exactly what a fresh compile would annotate. It skips the
-# fake-tensor runs and cost passes (~75% of a compile: bench/RESULTS.md, "Capture cache").
+# fake-tensor runs and cost passes (most of a compile: bench/RESULTS.md, "Capture cache").
 _CAPTURES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Captured]] = \
     weakref.WeakKeyDictionary()
 

@@ -11,9 +11,10 @@ of the programme is priced as the k-th stage of the pipeline. Among the partitio
 optimal bottleneck it picks the one that sends the fewest bytes in total ("prefer cuts where
 few, small values cross"). And it never trades several times the bytes for a sliver of
 balance: on a finite-bandwidth link, a partition within ``byte_tolerance`` (2%) of the optimal
-bottleneck that sends at most half the bytes wins. The send term prices bytes only as well as the bandwidth is known (an assumed fast link makes a cut inside an MLP,
-sending 5x a block boundary's bytes, look free for 1% of balance), and on a measured fast link
-the send term is tiny, so the rule costs at most that sliver there.
+bottleneck that sends at most half the bytes wins. The send term prices bytes only as well as the bandwidth is known (an assumed fast link makes
+a cut inside a block, sending several times a block boundary's bytes, look free for a sliver of
+balance: bench/RESULTS.md, "Figures the code cites"), and on a measured fast link the send term
+is tiny, so the rule costs at most that sliver there.
 
 With D > 1 replicas each stage all-reduces the gradients of the parameters it holds (its own
 copies of tied weights included) once per step, after its last backward: a cost the

@@ -1,8 +1,8 @@
 """An on-disk cache of what ``annotate_shapes`` observes, for a process that compiles again.
 
 A job restarted after a preemption compiles the same model on the same example shapes; the two
-fake-tensor runs of ``annotate_shapes`` are most of that compile (~1 s for a 100M GPT, 0.7 s of
-it importing ``torch._dynamo``, which ``FakeTensorMode`` needs). The cache keeps the raw
+fake-tensor runs of ``annotate_shapes`` are most of that compile, much of it importing
+``torch._dynamo``, which ``FakeTensorMode`` needs (bench/RESULTS.md, "Figures the code cites"). The cache keeps the raw
 observations of both runs per node (shapes, dtypes, bytes, FLOP counts, randomness), so the
 annotations are still derived by ``annotate_shapes``' own code from them.
 

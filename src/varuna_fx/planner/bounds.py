@@ -208,7 +208,7 @@ class Bounds(Pricing):
         ``_totals_at`` and ``_hops``; ``wire_s`` is at least the fewest bytes any cut
         sends over the slowest link's bandwidth. Slow links make this the binding bound of
         deep pipelines with many micro-batches, for which orders of 10^5 tasks were
-        otherwise made (minutes of search at 1 Gbit/s and 8 GiB)."""
+        otherwise made (bench/RESULTS.md, "Figures the code cites")."""
         b, p, m = c.micro_batch_size, c.stages, c.num_micro_batches
         chain = self._totals_at(b, self._split_bound(c) is not None)[3]
         hops = self._hops(b, p, c.data_parallel)

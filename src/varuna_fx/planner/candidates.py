@@ -89,9 +89,8 @@ class Space:
 def weight_grads(backward: Sequence[float]) -> list[float]:
     """The weight-gradient part (``W``) of each stage's backward, for split-backward schedules:
     the first stage computes no input gradients (its inputs are the batch), so its whole
-    backward is ``W`` and its ``B`` is free (measured on the GPT of bench_network.py: B 0.5 ms,
-    W 160 ms); later stages about half (measured: 88 and 99 ms). With one stage, nothing
-    is split."""
+    backward is ``W`` and its ``B`` is free; later stages about half (as measured:
+    bench/RESULTS.md, "Figures the code cites"). With one stage, nothing is split."""
     values = [float(b) / 2 for b in backward]
     if len(values) > 1:
         values[0] = float(backward[0])
@@ -109,8 +108,8 @@ def _divisors(n: int) -> tuple[int, ...]:
 
 
 AUTO = "auto"  # schedule=: let the planner choose among schedule_names()
-# How much faster the full order generator may be than the quick one (the most measured:
-# 2.1%; see schedule/varuna.py QUICK_VARIANTS): a quick estimate e bounds the full step
+# How much faster the full order generator may be than the quick one (above the most found;
+# see schedule/varuna.py QUICK_VARIANTS): a quick estimate e bounds the full step
 # below by e / (1 + QUICK_SLACK), which is what the search orders estimated candidates by.
 QUICK_SLACK = 0.05
 # ties (equal simulated steps, e.g. one stage) go to the first here: plain before split backward

@@ -8,7 +8,8 @@ activations and cut bytes come from ``assign_stages.partition_problem`` itself (
 sizes), so the planner and the partition pass cannot disagree about them.
 
 Nodes are grouped into *units* between the cut positions worth considering (allowed cuts, one per
-run of free nodes -- the same reduction the partitioner makes), which shrinks the arrays ~5x.
+run of free nodes -- the same reduction the partitioner makes), which shrinks the arrays
+several-fold (bench/RESULTS.md, "Figures the code cites").
 Measured profiles replace the time estimates through :class:`MeasuredTimes`.
 """
 
@@ -60,11 +61,10 @@ def interpolate(sizes: np.ndarray, values: np.ndarray, b: float) -> np.ndarray:
 
     Why not one ``const + per_sample * b`` line over all sizes: on a CPU a matmul with a few
     rows runs at a fraction of its large-batch speed, so the per-sample slope of small sizes
-    overstates large ones (measured: an MLP's backward fitted from b <= 8 predicted 30 ms at
-    b = 32, the run took 15 ms). Why not the last segment's slope above the range: it is the
-    difference of two noisy samples, multiplied by the distance, so timing noise at 16 and 32
-    became +-50% at 128 (predicted 39 ms for a step that took 78 ms); in proportion, the error
-    stays the largest sample's own."""
+    overstates large ones. Why not the last segment's slope above the range: it is the
+    difference of two noisy samples, multiplied by the distance, so timing noise at two sizes
+    became a large error far above them; in proportion, the error stays the largest sample's
+    own. (The runs: bench/RESULTS.md, "Figures the code cites".)"""
     if len(sizes) == 1 or b >= sizes[-1]:
         return values[:, -1] * (b / sizes[-1])
     j = int(np.clip(np.searchsorted(sizes, b, side="right") - 1, 0, len(sizes) - 2))

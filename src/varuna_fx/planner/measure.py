@@ -52,8 +52,9 @@ class ProfileSettings:
     # micro-batch sizes, capped by the example batch (and the batch itself when it falls
     # between two, or lies above them up to ``largest``): the planner interpolates between
     # measured sizes, so they should cover the ones it may pick -- extrapolating small sizes'
-    # per-sample cost to big micro-batches overstated an MLP's backward 2x on a CPU, and
-    # extrapolating from 32 to 128 was off by 2x either way
+    # per-sample cost to big micro-batches overstated an MLP's backward on a CPU, and
+    # extrapolating from 32 to 128 was off either way (bench/RESULTS.md, "Figures the code
+    # cites"; planner/cost_table.py: interpolate)
     sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     largest: int = 128
     repeats: int = 7

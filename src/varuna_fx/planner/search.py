@@ -34,13 +34,11 @@ ties go to plain before split backward. With P given on one device (nothing to s
 (``passes/partition.py``) is then made for the chosen configuration and simulated once more by
 ``configure.price`` for ``Plan.predicted_step_time``.
 
-Speed (bench/RESULTS.md "Planner speed"): making orders was most of the search (21 s on the
-1024-GPU bench) until the generators timed each order as they made it, a finalist was first
-simulated with the "quick" generator (three of the six rule variants, at most 2.1% slower over
-438 measured finalists: it waits at ``e / (1 + QUICK_SLACK)``) and the link-queue bound cut
-hopeless deep pipelines on slow links (1024 GPUs, 8 GiB, 1 Gbit/s: minutes -> seconds); now
-about 1.0 s (``schedule="auto"``: about 4 s), choosing bit for bit what the plain search
-chooses (``tests/planner/test_fast_paths.py``).
+Speed (bench/RESULTS.md, "Planner speed"): making orders was most of the search until the
+generators timed each order as they made it, a finalist was first simulated with the "quick"
+generator (three of the six rule variants, within a few percent of the full set: it waits at
+``e / (1 + QUICK_SLACK)``) and the link-queue bound cut hopeless deep pipelines on slow links,
+each choosing bit for bit what the plain search chooses (``tests/planner/test_fast_paths.py``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ one sample (or twice over, for a micro-batch of one): the two runs say which dim
 each value scale with the batch, and ``passes/sample_mixing.py``'s analysis finds statistics
 over the batch, batch x batch products and positions in the batch, as for the model's own
 graph. Real tensors on purpose: fake or meta tensors, or any dispatch mode, would import
-torch._dynamo (~0.6 s that a restarted job otherwise never pays). A ``loss_fn`` that fx cannot
+torch._dynamo (an import a restarted job otherwise never pays: bench/RESULTS.md, "Figures the
+code cites"). A ``loss_fn`` that fx cannot
 trace, or that fails on the smaller batch, is not judged.
 """
 

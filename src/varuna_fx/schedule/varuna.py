@@ -291,15 +291,13 @@ _VARIANTS: tuple[tuple[int | None, bool, float], ...] = (
 )
 
 
-# A cheaper order for the planner's first look at a candidate: three of the six variants.
-# Over the orders of 438 planner finalists (GPT 48 x 1024 on 1024 devices, the 12-layer GPT
-# of notebook 04 and an 8-layer one, slow and fast links, with and without recompute) the
-# full set's order was at most 2.1% faster than the best of these three (the best pair
-# missed by up to 17%). Any subset's order is one the runtime could run, so its step is an
-# upper bound of the full order's.
+# A cheaper order for the planner's first look at a candidate: three of the six variants,
+# whose order came within a few percent of the full set's over the planner's finalists where
+# the best pair did not (bench/RESULTS.md, "Figures the code cites"). Any subset's order is one
+# the runtime could run, so its step is an upper bound of the full order's.
 QUICK_VARIANTS: tuple[int, ...] = (2, 3, 4)
-# Cheaper still, for rows a planner only lists: the variant that won most often (within 3.7%
-# of the full set on 16 of those 18 finalists, but 34% slower on one).
+# Cheaper still, for rows a planner only lists: the variant that won most often (close to the
+# full set on most finalists, far off on a few: the same section).
 ROUGH_VARIANTS: tuple[int, ...] = (2,)
 # Orders already made, per variant: the same ones are asked for again, by the split backward
 # (its base order), by a plan priced with the partition the planner chose, and by the

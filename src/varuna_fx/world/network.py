@@ -37,8 +37,8 @@ def measure_network(target: float = 0.03, largest: int = 2**24,
     way takes ``target`` seconds (a slow link is timed with about a MiB, a fast one with up to
     ``largest`` bytes); then an all-reduce of the small and a large size. One direction at a
     time, as a pipeline mostly sends: on a shaped link, traffic both ways at once also queues
-    each direction's acknowledgements behind the other's data (measured: 55-80 instead of 99
-    Mbit/s on a 100 Mbit/s tbf link). Each timing is the slowest rank's median, agreed with an
+    each direction's acknowledgements behind the other's data (bench/RESULTS.md, "Commodity
+    links"). Each timing is the slowest rank's median, agreed with an
     all-reduce of the maxima, so every rank derives the same numbers (the slowest link
     decides). Every rank must call it; None without a process group of 2+."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
