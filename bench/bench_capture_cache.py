@@ -9,25 +9,14 @@ price of checking), medians of 3.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
+from common import median_seconds
 
 import varuna_fx as vf
 from varuna_fx.capture.inputs import bind_inputs
 from varuna_fx.capture.trace import capture
 from varuna_fx.examples import GPT, GPTConfig
 from varuna_fx.passes import frontend
-
-
-def _median(fn, repeats: int = 3) -> float:  # noqa: ANN001
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure(n_layer: int) -> tuple[float, float, float]:
@@ -43,10 +32,10 @@ def measure(n_layer: int) -> tuple[float, float, float]:
         compile_once()
 
     compile_once()  # warm the interpreter and the cache
-    cold = _median(fresh)
+    cold = median_seconds(fresh, 3)
     compile_once()
-    cached = _median(lambda: compile_once(stages=4))
-    only = _median(lambda: capture(model, bind_inputs(model, (tokens,)), "auto"))
+    cached = median_seconds(lambda: compile_once(stages=4), 3)
+    only = median_seconds(lambda: capture(model, bind_inputs(model, (tokens,)), "auto"), 3)
     return cold, cached, only
 
 

@@ -46,6 +46,7 @@ import zlib
 from pathlib import Path
 
 import torch
+from common import median_seconds
 from rich.console import Console
 from rich.table import Table
 
@@ -72,15 +73,6 @@ def step(pipe: vf.Pipeline, opt: torch.optim.Optimizer, tokens: torch.Tensor) ->
     pipe.zero_grad()
     pipe.step(tokens[:, :-1], target=tokens[:, 1:])
     opt.step()
-
-
-def timed(fn, repeats: int) -> float:  # noqa: ANN001
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def timed_cpu(fn) -> tuple[float, float]:  # noqa: ANN001
@@ -205,7 +197,7 @@ def main() -> None:
                                                              "v_load"))
 
         steps = 3 if args.small else 5
-        base = timed(lambda: step(pipe, opt, tokens), steps)
+        base = median_seconds(lambda: step(pipe, opt, tokens), steps)
         block, during = [], []
         for i in range(args.repeats):
             start = time.perf_counter()

@@ -59,11 +59,10 @@ from bench_network import (  # noqa: E402
     summary,
 )
 from bench_step_breakdown import action_times, replay  # noqa: E402
+from common import join_as_rank, write_block  # noqa: E402
 
 COMMAND = "python bench/bench_defaults.py --write"
 EXPLICIT = "varuna,1f1b,gpipe,varuna-zb,1f1b-zb"
-BEGIN = "<!-- bench_defaults.py: begin (replaced by --write) -->"
-END = "<!-- bench_defaults.py: end -->"
 
 
 def eager(case: dict, cpu: list[float]) -> Variant:
@@ -135,17 +134,9 @@ def replayed_cpu(schedule: Any, per_rank: list[list[tuple[list, float]]]
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    from varuna_fx.world.where import init_process_group
-
-    init_process_group(timeout=300.0)
-    rank = dist.get_rank()
-    if args.pin:
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    rank = join_as_rank(args.pin)
     schedules = known_schedules(args.schedules.split(","))
     rows = []
     for case in make_cases(args.models.split(",")):
@@ -274,16 +265,10 @@ def report(rows: list[dict]) -> str:
 def write(text: str) -> None:
     import torch
 
-    block = (f"{BEGIN}\n\nCommand: `{COMMAND}` (torch {torch.__version__}, {os.cpu_count()} CPU "
-             f"cores, shared by several engineers' jobs while it ran). Step: median of every "
-             f"timed step; spread: range of the per-round medians / median.\n{text}\n\n{END}")
-    path = HERE / "RESULTS.md"
-    old = path.read_text()
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        path.write_text(head + block + rest.split(END, 1)[1])
-    else:
-        path.write_text(old.rstrip("\n") + "\n\n" + block + "\n")
+    write_block("bench_defaults.py",
+                f"Command: `{COMMAND}` (torch {torch.__version__}, {os.cpu_count()} CPU cores, "
+                f"shared by several engineers' jobs while it ran). Step: median of every timed "
+                f"step; spread: range of the per-round medians / median.\n{text}")
 
 
 def main() -> None:

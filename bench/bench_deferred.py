@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -110,15 +109,13 @@ def rank(args: argparse.Namespace) -> None:
 
 
 def ranks(args: argparse.Namespace) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from common import free_port, rank_env
+
+    port = free_port()
     cmd = [sys.executable, __file__, "rank", *sys.argv[2:]]
     procs = []
     for r in range(args.nproc):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env = rank_env(r, args.nproc, port)
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     for r, p in enumerate(procs):

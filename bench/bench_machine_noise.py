@@ -22,18 +22,14 @@ import time
 from collections.abc import Callable
 
 import torch
+from common import median_seconds
 from rich.console import Console
 from rich.table import Table
 
 
 def cpu_ms(fn: Callable[[], object], repeat: int) -> float:
     """Median CPU milliseconds of ``repeat`` calls."""
-    times = []
-    for _ in range(repeat):
-        start = time.process_time()
-        fn()
-        times.append(time.process_time() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(fn, repeat, clock=time.process_time)
 
 
 def kernels() -> dict[str, tuple[Callable[[], object], int]]:

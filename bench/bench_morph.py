@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,12 +42,6 @@ import time
 from pathlib import Path
 
 T0 = time.time()  # as early as possible: "restart" starts at process spawn (driver's clock)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(small: bool):  # noqa: ANN201 - imported lazily so worker start-up is timed
@@ -155,18 +148,19 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(phase: str, ranks: int, args: argparse.Namespace) -> list[subprocess.Popen]:
-    port = _free_port()
+    from common import free_port, rank_env  # the driver's only: workers start as timed
+
+    port = free_port()
     procs = []
     for r in range(ranks):
         # the run's own graph cache (not ~/.cache), warmed by the old phase's compile as the
         # job's previous incarnation would have
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        own = dict(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    CUDA_VISIBLE_DEVICES="", VARUNA_FX_CACHE_DIR=str(Path(args.dir) / "cache"))
         if ranks > 1:
-            env.update(RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
-                       LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port))
+            env = rank_env(r, ranks, port, **own)
         else:
+            env = dict(os.environ, **own)
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
                 env.pop(k, None)
         argv = [sys.executable, __file__, "--worker", "--phase", phase, "--dir", args.dir,

@@ -40,7 +40,6 @@ import copy
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +52,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
+from common import join_as_rank, mlp_stack, mse, run_pair_in_namespaces, write_block  # noqa: E402
+
 COMMAND = "python bench/bench_network.py --write"
 M = 4  # micro-batches per step
 PORT = 29611
@@ -63,23 +64,9 @@ PORT = 29611
 def make_cases(names: list[str]) -> list[dict]:
     """(name, model, input, target, loss, pipelining split) with the same seed on every rank."""
     import torch
-    import torch.nn.functional as F
     from torch import nn
 
     from varuna_fx.examples import GPT, GPTConfig, lm_loss
-
-    class MLPStack(nn.Module):
-        def __init__(self, width: int = 1024, depth: int = 8) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for layer in self.layers:
-                x = torch.relu(layer(x))
-            return x
-
-    def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(out, target)
 
     cases = []
     torch.manual_seed(0)
@@ -92,7 +79,7 @@ def make_cases(names: list[str]) -> list[dict]:
                           y=tokens[:, 1:], loss=lm_loss, split="h.4",
                           zb_splits=["h.2", "h.4", "h.6"]))
     if "mlp" in names:
-        mlp = MLPStack()
+        mlp = mlp_stack()
         x = torch.randn(128, 1024)
         cases.append(dict(name="mlp", title="uniform MLP 8x1024", model=mlp, x=x,
                           y=torch.randn_like(x), loss=mse, split="layers.4",
@@ -273,17 +260,9 @@ def summary(rounds: list[list[float]]) -> tuple[float, float]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    from varuna_fx.world.where import init_process_group
-
-    init_process_group(timeout=300.0)
-    rank = dist.get_rank()
-    if args.pin:  # each rank on a core of its own, as on two machines; every variant alike
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    rank = join_as_rank(args.pin)  # pinned: each rank on a core of its own, as on two machines
     schedules = known_schedules(args.schedules.split(","))
     rows = []
     for case in make_cases(args.models.split(",")):
@@ -337,39 +316,14 @@ def worker(args: argparse.Namespace) -> None:
 def launch(args: argparse.Namespace, link: str | None, cache: str, out: Path | None,
            profile_only: bool = False, script: str = __file__) -> None:
     """Both ranks of ``script``'s worker (default: this file's) in their namespaces."""
-    from netns_links import veth_pair
-
     extra = ["--worker", "--link", link or "unshaped", "--models", args.models,
              "--schedules", args.schedules, "--steps", str(args.steps), "--warmup",
              str(args.warmup), "--rounds", str(args.rounds), *(["--zb"] if args.zb else []),
              *(["--profile-only"] if profile_only else []), *(["--out", str(out)] if out else []),
              *(["--pin"] if args.pin else []),
              *(["--estimates"] if getattr(args, "estimates", False) else [])]
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE_DIR": cache,
-            "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "MASTER_PORT": str(PORT), "PYTHONPATH": str(HERE.parent / "src")}
-    with veth_pair(link, prefix=args.prefix) as pair:
-        procs = []
-        try:
-            for rank in (0, 1):
-                env = {**base, "RANK": str(rank), "MASTER_ADDR": pair.addresses[0],
-                       "GLOO_SOCKET_IFNAME": pair.interfaces[rank]}
-                argv = pair.command(rank, [sys.executable, script, *extra])
-                procs.append(subprocess.Popen(argv, env=env))
-            deadline = time.time() + args.timeout
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.time()))
-        finally:
-            for p in procs:  # only the processes started here
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(p.returncode for p in procs):
-            raise SystemExit(f"a rank failed on link {link or 'unshaped'}")
-
-
-BEGIN = "<!-- bench_network.py: begin (replaced by --write) -->"
-END = "<!-- bench_network.py: end -->"
+    run_pair_in_namespaces(script, extra, link=link, prefix=args.prefix, port=PORT, cache=cache,
+                           timeout=args.timeout)
 
 
 def report(rows: list[dict], write: bool, settings: str = "") -> str:
@@ -404,23 +358,11 @@ def report(rows: list[dict], write: bool, settings: str = "") -> str:
     if write:
         import torch
 
-        block = (f"{BEGIN}\n\nCommand: `{COMMAND}`{settings} (torch {torch.__version__}, "
-                 f"{os.cpu_count()} CPU cores). Step: median of every timed step; spread: range "
-                 f"of the per-round medians / median.\n{text}\n\n{END}")
-        replace_block(HERE / "RESULTS.md", block)
+        write_block("bench_network.py",
+                    f"Command: `{COMMAND}`{settings} (torch {torch.__version__}, "
+                    f"{os.cpu_count()} CPU cores). Step: median of every timed step; spread: "
+                    f"range of the per-round medians / median.\n{text}")
     return text
-
-
-def replace_block(path: Path, block: str) -> None:
-    """Put ``block`` between the BEGIN/END markers of ``path`` (the last run replaces the
-    previous one), or at the end of the commodity-links section if there are none yet."""
-    text = path.read_text()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 def noise(rows: list[dict], link: str, model: str, *variants: str) -> float:

@@ -1,7 +1,7 @@
 """Schedules side by side: simulated vs measured one-process step times, per schedule.
 
 Run: ``OMP_NUM_THREADS=1 python bench/bench_schedule_step.py`` (``--quick`` for a smoke run,
-``--append`` to append the tables to ``bench/RESULTS.md``).
+``--write`` to put the tables into their block of ``bench/RESULTS.md``).
 
 For each model (a GPT with a heavy LM head, a uniform MLP stack), P stages in one process and
 each schedule (varuna, 1f1b, gpipe and the split-backward variants) with recompute off, on
@@ -35,6 +35,8 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
+
+from common import write_block  # noqa: E402
 
 import varuna_fx as vf  # noqa: E402
 from varuna_fx.examples import GPT, GPTConfig, lm_loss  # noqa: E402
@@ -150,17 +152,17 @@ def bench(quick: bool) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models, 2 steps (smoke)")
-    parser.add_argument("--append", action="store_true", help="append to bench/RESULTS.md")
+    parser.add_argument("--write", action="store_true",
+                        help="put the tables into bench/RESULTS.md (replacing the last run's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     table = bench(args.quick)
     print(table)
-    if args.append:
-        with open(HERE / "RESULTS.md", "a") as f:
-            f.write("\n## Schedules: simulated vs measured one-process step "
-                    f"({'quick' if args.quick else 'full'} run)\n\n"
-                    "Command: `OMP_NUM_THREADS=1 python bench/bench_schedule_step.py`\n\n"
-                    f"{table}\n")
+    if args.write:
+        quick = " --quick" if args.quick else ""
+        write_block("bench_schedule_step.py",
+                    f"Command: `OMP_NUM_THREADS=1 python bench/bench_schedule_step.py{quick} "
+                    f"--write` ({'a smoke run' if args.quick else 'the full run'})\n\n{table}")
 
 
 if __name__ == "__main__":

@@ -43,23 +43,20 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
+from common import SRC, join_as_rank, rank_env, wait_or_kill  # noqa: E402
+
 PORT = 29623
 
 
 def worker(args: argparse.Namespace) -> None:
     import copy
 
-    import torch
     import torch.distributed as dist
-
-    torch.set_num_threads(1)
     from bench_network import M, known_schedules, make_cases
 
     import varuna_fx as vf
-    from varuna_fx.world.where import init_process_group
 
-    init_process_group(timeout=300.0)
-    rank = dist.get_rank()
+    rank = join_as_rank(pin=False)
     out = []
     for case in make_cases(args.models.split(",")):
         x, y = case["x"], case["y"]
@@ -272,21 +269,11 @@ def launch(args: argparse.Namespace, cache: str, out: str, profile_only: bool) -
     extra = ["--worker", "--models", args.models, "--schedules", args.schedules, "--rounds",
              str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
              "--out", out, *(["--profile-only"] if profile_only else [])]
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE_DIR": cache, "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(args.port), "LOCAL_WORLD_SIZE": "1",
-            "LOCAL_RANK": "0", "PYTHONPATH": str(HERE.parent / "src")}
-    procs = [subprocess.Popen([sys.executable, __file__, *extra], env={**base, "RANK": str(r)})
+    procs = [subprocess.Popen([sys.executable, __file__, *extra],
+                              env=rank_env(r, 2, args.port, local=False, VARUNA_FX_CACHE_DIR=cache,
+                                           PYTHONPATH=str(SRC)))
              for r in (0, 1)]
-    try:
-        for p in procs:
-            p.wait(timeout=args.timeout)
-    finally:
-        for p in procs:  # only the processes started here
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode for p in procs):
-        raise SystemExit("a rank failed")
+    wait_or_kill(procs, args.timeout, "on loopback")
 
 
 def run_local(args: argparse.Namespace, cache: str, out: str) -> None:

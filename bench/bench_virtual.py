@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +33,10 @@ sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
 from bench_network import M, make_cases, measure, ours, summary  # noqa: E402
+from common import join_as_rank, run_pair_in_namespaces, write_block  # noqa: E402
 
 COMMAND = "python bench/bench_virtual.py --write"
 PORT = 29631
-BEGIN = "<!-- bench_virtual.py: begin (replaced by --write) -->"
-END = "<!-- bench_virtual.py: end -->"
 
 
 def variants(case: dict, planner: bool) -> dict[str, Any]:
@@ -59,16 +56,9 @@ def variants(case: dict, planner: bool) -> dict[str, Any]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
     import torch.distributed as dist
 
-    from varuna_fx.world.where import init_process_group
-
-    torch.set_num_threads(1)
-    init_process_group(timeout=300.0)
-    rank = dist.get_rank()
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    rank = join_as_rank(pin=True)
     rows = []
     for case in make_cases(args.models.split(",")):
         made = variants(case, args.planner)
@@ -91,33 +81,12 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace, link: str, cache: str, out: Path | None,
            profile_only: bool = False) -> None:
-    from netns_links import veth_pair
-
     extra = ["--worker", "--link", link, "--models", args.models, "--steps", str(args.steps),
              "--warmup", str(args.warmup), "--rounds", str(args.rounds),
              *(["--planner"] if args.planner else []),
              *(["--profile-only"] if profile_only else []), *(["--out", str(out)] if out else [])]
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "VARUNA_FX_CACHE_DIR": cache,
-            "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "MASTER_PORT": str(PORT), "PYTHONPATH": str(HERE.parent / "src")}
-    with veth_pair(None if link == "unshaped" else link, prefix="netv") as pair:
-        procs = []
-        try:
-            for rank in (0, 1):
-                env = {**base, "RANK": str(rank), "MASTER_ADDR": pair.addresses[0],
-                       "GLOO_SOCKET_IFNAME": pair.interfaces[rank]}
-                procs.append(subprocess.Popen(pair.command(rank, [sys.executable, __file__,
-                                                                  *extra]), env=env))
-            deadline = time.time() + args.timeout
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.time()))
-        finally:
-            for p in procs:  # only the processes started here
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(p.returncode for p in procs):
-            raise SystemExit(f"a rank failed on link {link}")
+    run_pair_in_namespaces(__file__, extra, link=None if link == "unshaped" else link,
+                           prefix="netv", port=PORT, cache=cache, timeout=args.timeout)
 
 
 def simulated() -> list[str]:
@@ -142,8 +111,7 @@ def simulated() -> list[str]:
 
 
 def report(rows: list[dict], settings: str) -> str:
-    lines = [BEGIN, "", "## Virtual stages: 2 ranks x 2 stages vs 1F1B at P=2", "",
-             f"Command: `{COMMAND}` ({settings}). The machine was shared with other engineers' "
+    lines = [f"Command: `{COMMAND}` ({settings}). The machine was shared with other engineers' "
              "jobs (2 cores, load average in the last column): compare ratios within one "
              "link's launch, and read them against the spread.", "", *simulated()]
     for link in dict.fromkeys(r["link"] for r in rows):
@@ -159,18 +127,7 @@ def report(rows: list[dict], settings: str) -> str:
                              f"{r['ms'] / base:.3f} | {pred} | {r['note']} | "
                              f"{r['load'][0]:.1f}-{r['load'][1]:.1f} |")
             lines.append("")
-    return "\n".join(lines + [END, ""])
-
-
-def write(block: str) -> None:
-    path = HERE / "RESULTS.md"
-    text = path.read_text()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -204,7 +161,7 @@ def main() -> None:
     block = report(rows, settings)
     print(block)
     if args.write:
-        write(block)
+        write_block("bench_virtual.py", block)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """varuna_fx's distributed runtime against torch.distributed.pipelining, side by side.
 
 Run: ``python bench/bench_vs_pipelining.py`` (it relaunches itself on 2 local ranks with
-torchrun: gloo on CPU, one thread per rank). Add ``--append`` to append the table to
-``bench/RESULTS.md``.
+torchrun: gloo on CPU, one thread per rank). Add ``--write`` to put the table into its block of
+``bench/RESULTS.md`` (replacing the previous run's).
 
 Both systems get the same model (same initial weights), P = 2, the same batch and number of
 micro-batches, no activation recomputation (pipelining has none) and no optimizer (a step is
@@ -29,17 +29,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from common import mlp_stack, mse, write_block  # noqa: E402
+
 import varuna_fx as vf  # noqa: E402
 from varuna_fx.examples import GPT, GPTConfig, lm_loss  # noqa: E402
 
 WARMUP, TIMED = 3, 10
-COMMAND = "python bench/bench_vs_pipelining.py --append"
+COMMAND = "python bench/bench_vs_pipelining.py --write"
 NOTES = (
     "Same model and initial weights, P=2, m=8, no recomputation on either side, a step is "
     "forward + backward of the whole batch. varuna_fx partitions from a measured profile "
@@ -50,25 +51,10 @@ NOTES = (
 )
 
 
-class MLPStack(nn.Module):
-    def __init__(self, width: int = 1024, depth: int = 8) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
-
-
-def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(out, target)
-
-
 def make_models() -> list[dict]:
     """(name, model, input, target, loss, pipelining split point); same seed on every rank."""
     torch.manual_seed(0)
-    mlp = MLPStack()
+    mlp = mlp_stack()
     x = torch.randn(128, 1024)
     cfg = GPTConfig(vocab_size=32000, block_size=32, n_layer=8, n_head=8, n_embd=512)
     gpt = GPT(cfg)
@@ -142,7 +128,7 @@ def measure(variants: list[tuple[str, Callable[[], float]]]) -> dict[str, list[f
     return times
 
 
-def worker(append: bool) -> None:
+def worker(write: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     m = 8
@@ -161,12 +147,12 @@ def worker(append: bool) -> None:
                       else "pipelining ScheduleGPipe"]
             rows.append((case["name"], label, note, med[label], med[label] / ref))
     if dist.get_rank() == 0:
-        report(rows, m, append)
+        report(rows, m, write)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def report(rows: list[tuple], m: int, append: bool) -> None:
+def report(rows: list[tuple], m: int, write: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -180,19 +166,18 @@ def report(rows: list[tuple], m: int, append: bool) -> None:
         table.add_row(name, label, note, f"{t * 1e3:.1f}", mark)
     console = Console(width=140)
     console.print(table)
-    if append:
+    if write:
         text = Console(width=140, record=True, file=open(os.devnull, "w"))
         text.print(table)
-        with open(HERE / "RESULTS.md", "a") as f:
-            f.write("\n## Distributed runtime vs torch.distributed.pipelining\n\n")
-            f.write(f"Command: `{COMMAND}` (torch {torch.__version__}, "
-                    f"{os.cpu_count()} CPU cores)\n\n```\n{text.export_text()}```\n\n{NOTES}\n")
+        write_block("bench_vs_pipelining.py",
+                    f"Command: `{COMMAND}` (torch {torch.__version__}, {os.cpu_count()} CPU "
+                    f"cores)\n\n```\n{text.export_text()}```\n\n{NOTES}")
 
 
 def main() -> None:
-    append = "--append" in sys.argv
+    write = "--write" in sys.argv
     if "RANK" in os.environ:
-        worker(append)
+        worker(write)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",

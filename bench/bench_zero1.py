@@ -102,16 +102,13 @@ def rank_main(out: Path, mode: str, steps: int, layers: int, width: int) -> None
 
 
 def launch(out: Path, mode: str, args: argparse.Namespace) -> list[dict]:
-    import socket
+    from common import free_port, rank_env
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for r in range(WORLD):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}")
+        env = rank_env(r, WORLD, port,
+                       PYTHONPATH=f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}")
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--rank-of", str(out), mode, "--steps", str(args.steps),
              "--layers", str(args.layers), "--width", str(args.width)], env=env))

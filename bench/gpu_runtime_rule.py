@@ -42,6 +42,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from common import free_port, rank_env  # noqa: E402
+
 ENV = "VARUNA_FX_OPPORTUNISTIC_FORWARD"
 
 
@@ -148,14 +150,6 @@ def probe_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: argparse.Namespace, setting: str, out: Path,
            ranks: int | None = None, mode: str = "--rank",
            deadline: float | None = None, extra: list[str] | None = None
@@ -164,9 +158,7 @@ def launch(args: argparse.Namespace, setting: str, out: Path,
     procs = []
     ranks = ranks or args.stages
     for r in range(ranks):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", **{ENV: setting})
+        env = rank_env(r, ranks, port, **{ENV: setting})
         if args.cpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
         cmd = [sys.executable, __file__, mode, "--out", str(out), *sys.argv[1:], *(extra or [])]
