@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import varuna_fx as vf
-from support.dist import SCRIPTS, launch
+from support.dist import SCRIPTS, run_jobs
 from support.payloads import Stealthy
 from support.training import (
     CKPT_SPLIT,
@@ -38,16 +38,7 @@ SCRIPT = "checkpoint_jobs.py"
 
 
 def run(out: Path, nproc: int, jobs: list[dict[str, Any]]) -> dict[str, list[dict]]:
-    results = launch(SCRIPT, nproc, [str(out), json.dumps(jobs)], timeout=240)
-    collected = {}
-    for job in jobs:
-        paths = [out / f"{job['name']}_rank{r}.pt" for r in range(nproc)]
-        if not all(p.exists() for p in paths):
-            logs = "\n".join(f"--- rank {x.rank} (exit {x.returncode}) ---\n{x.output[-3000:]}"
-                             for x in results)
-            raise AssertionError(f"job {job['name']} wrote no result on some rank\n{logs}")
-        collected[job["name"]] = [torch.load(p, weights_only=False) for p in paths]
-    return collected
+    return run_jobs(out, nproc, jobs, script=SCRIPT, timeout=240)
 
 
 def one_process(stages: int, path: Path | None, steps: range,

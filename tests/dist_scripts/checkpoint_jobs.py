@@ -16,7 +16,6 @@ Each job writes ``OUT_DIR/<name>_rank<r>.pt``. Kinds:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import varuna_fx as vf  # noqa: E402
+from support.dist import serve_jobs  # noqa: E402
 from support.training import (  # noqa: E402
     CKPT_BATCH,
     CKPT_SPLIT,
@@ -151,17 +151,6 @@ def preempt(job: dict[str, Any]) -> dict[str, Any]:
     return {"stopped_at": step, "preempted": pipe.preempted, "time": time.time()}
 
 
-def main() -> None:
-    for job in json.loads(sys.argv[2]):
-        try:
-            result = {"save": save, "resume": resume, "preempt": preempt,
-                      "forgot": forgot, "paths": paths}[job["kind"]](job)
-        except vf.VarunaFxError as exc:
-            result = {"error": type(exc).__name__, "message": str(exc)}
-        torch.save(result, OUT / f"{job['name']}_rank{RANK}.pt")
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown: results are saved
-
-
 if __name__ == "__main__":
-    main()
+    serve_jobs({"save": save, "resume": resume, "preempt": preempt, "forgot": forgot,
+                "paths": paths})

@@ -13,7 +13,6 @@ that stops the process must be the last one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -24,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import varuna_fx as vf  # noqa: E402
+from support.dist import Job, serve_jobs  # noqa: E402
 from support.training import ADAM_EPS, CONFIG, GLOBAL_BATCH, make_model_and_data  # noqa: E402
 from varuna_fx.examples import (
     GPT,  # noqa: E402
@@ -191,10 +191,6 @@ def peer_loss(job: dict[str, Any]) -> dict[str, Any]:
     return outcome
 
 
-def save(job: dict[str, Any], result: dict[str, Any]) -> None:
-    torch.save(result, Path(sys.argv[1]) / f"{job['name']}_rank{RANK}.pt")
-
-
 def eval_modes(job: dict[str, Any]) -> dict[str, Any]:
     """torch.export bakes dropout into the graph: eval, then train again, on every rank."""
     torch.manual_seed(0)
@@ -211,25 +207,26 @@ def eval_modes(job: dict[str, Any]) -> dict[str, Any]:
     return {"eval": evaluated, "train": trained}
 
 
-def main() -> None:
-    for job in json.loads(sys.argv[2]):
-        rule = job.get("rule_env", {}).get(str(RANK))  # this rank's run-time rule setting
+def with_rule(kind: Job) -> Job:
+    """``kind`` under this rank's run-time rule setting (``rule_env``), without the pipeline a
+    job may return."""
+    def run(job: dict[str, Any]) -> dict[str, Any]:
+        rule = job.get("rule_env", {}).get(str(RANK))
         if rule is not None:
             os.environ["VARUNA_FX_OPPORTUNISTIC_FORWARD"] = rule
         try:
-            result = {"train": train, "bad_batch": bad_batch, "peer_loss": peer_loss, "fp16": fp16,
-                      "accumulate": accumulate, "eval_modes": eval_modes,
-                      "bad_world": lambda j: {"pipe": compile_job(j, GLOBAL_BATCH)},
-                      "mismatch": lambda j: {"pipe": compile_job(j, GLOBAL_BATCH)},
-                      }[job["kind"]](job)
-            result.pop("pipe", None)
-        except vf.VarunaFxError as exc:
-            result = {"error": type(exc).__name__, "message": str(exc)}
-        os.environ.pop("VARUNA_FX_OPPORTUNISTIC_FORWARD", None)
-        save(job, result)
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown (about a second per rank): results are saved
+            result = kind(job)
+        finally:
+            os.environ.pop("VARUNA_FX_OPPORTUNISTIC_FORWARD", None)
+        result.pop("pipe", None)
+        return result
+    return run
 
 
 if __name__ == "__main__":
-    main()
+    serve_jobs({name: with_rule(kind) for name, kind in {
+        "train": train, "bad_batch": bad_batch, "peer_loss": peer_loss, "fp16": fp16,
+        "accumulate": accumulate, "eval_modes": eval_modes,
+        "bad_world": lambda j: {"pipe": compile_job(j, GLOBAL_BATCH)},
+        "mismatch": lambda j: {"pipe": compile_job(j, GLOBAL_BATCH)},
+    }.items()})

@@ -15,7 +15,6 @@ Usage: ``zero_jobs.py OUT_DIR JOBS_JSON``. Each job writes ``OUT_DIR/<name>_rank
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import varuna_fx as vf  # noqa: E402
+from support.dist import serve_jobs  # noqa: E402
 from support.training import ckpt_model  # noqa: E402
 from support.zero import BATCH, MAX_NORM, SPLIT, STEPS, make_optimizer, schedule, tokens  # noqa: E402
 from varuna_fx.examples import lm_loss  # noqa: E402
@@ -149,17 +149,6 @@ def accumulate(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    for job in json.loads(sys.argv[2]):
-        try:
-            result = {"train": train, "resume": resume, "refusals": refusals,
-                      "precision": precision, "accumulate": accumulate}[job["kind"]](job)
-        except vf.VarunaFxError as exc:
-            result = {"error": type(exc).__name__, "message": str(exc)}
-        torch.save(result, OUT / f"{job['name']}_rank{RANK}.pt")
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown: results are saved
-
-
 if __name__ == "__main__":
-    main()
+    serve_jobs({"train": train, "resume": resume, "refusals": refusals, "precision": precision,
+                "accumulate": accumulate})

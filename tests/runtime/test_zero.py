@@ -7,7 +7,6 @@ equal unsharded, and so do gradients accumulated over two steps. One launch per 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 import varuna_fx as vf
-from support.dist import launch
+from support.dist import run_jobs
 from support.training import ckpt_model
 from support.zero import (
     MAX_NORM,
@@ -34,17 +33,10 @@ from varuna_fx.examples import lm_loss
 
 def run(out: Path, nproc: int, jobs: list[dict[str, Any]]) -> dict[str, list[dict]]:
     out.mkdir(parents=True, exist_ok=True)
-    results = launch("zero_jobs.py", nproc, [str(out), json.dumps(jobs)], timeout=400)
-    collected = {}
-    for job in jobs:
-        paths = [out / f"{job['name']}_rank{r}.pt" for r in range(nproc)]
-        if not all(p.exists() for p in paths):
-            logs = "\n".join(f"--- rank {x.rank} (exit {x.returncode}) ---\n{x.output[-3000:]}"
-                             for x in results)
-            raise AssertionError(f"job {job['name']} wrote no result on some rank\n{logs}")
-        collected[job["name"]] = [torch.load(p, weights_only=False) for p in paths]
-        for r, result in enumerate(collected[job["name"]]):
-            assert "error" not in result, f"{job['name']} rank {r}: {result}"
+    collected = run_jobs(out, nproc, jobs, script="zero_jobs.py", timeout=400)
+    for name, per_rank in collected.items():
+        for r, result in enumerate(per_rank):
+            assert "error" not in result, f"{name} rank {r}: {result}"
     return collected
 
 

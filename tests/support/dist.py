@@ -1,5 +1,9 @@
 """Launch a script on N local ranks (gloo on CPU) and collect what each rank saved.
 
+The jobs protocol, both halves here: :func:`run_jobs` (the test) starts a ``dist_scripts/``
+script with ``OUT_DIR JOBS_JSON`` and loads ``OUT_DIR/<name>_rank<r>.pt`` per job and rank;
+:func:`serve_jobs` (the script's main, on every rank) runs each job and saves that file.
+
 Each rank is a plain subprocess given the environment torchrun would set (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Unlike torchrun this lets one rank die
 without the launcher killing the others, which the peer-failure tests need, and it starts
@@ -14,11 +18,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+
+from varuna_fx.errors import VarunaFxError
 
 SCRIPTS = Path(__file__).parents[1] / "dist_scripts"
 
@@ -75,9 +82,10 @@ def launch_ok(script: str, nproc: int, args: list[str], *,
 
 
 def run_jobs(tmp_path: Path, nproc: int, jobs: list[dict[str, Any]], *,
-             timeout: float = 120.0) -> dict[str, list[dict[str, Any]]]:
-    """Run ``train_gpt.py`` jobs on ``nproc`` ranks: {job name: [rank 0's result, ...]}."""
-    results = launch("train_gpt.py", nproc, [str(tmp_path), json.dumps(jobs)], timeout=timeout)
+             script: str = "train_gpt.py", timeout: float = 120.0
+             ) -> dict[str, list[dict[str, Any]]]:
+    """Run ``script``'s jobs on ``nproc`` ranks: {job name: [rank 0's result, ...]}."""
+    results = launch(script, nproc, [str(tmp_path), json.dumps(jobs)], timeout=timeout)
     collected: dict[str, list[dict[str, Any]]] = {}
     for job in jobs:
         per_rank = []
@@ -90,3 +98,23 @@ def run_jobs(tmp_path: Path, nproc: int, jobs: list[dict[str, Any]], *,
             per_rank.append(torch.load(path, weights_only=False))
         collected[job["name"]] = per_rank
     return collected
+
+
+Job = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def serve_jobs(kinds: dict[str, Job]) -> NoReturn:
+    """The rank side of :func:`run_jobs`, a ``dist_scripts/*`` script's main: ``argv`` is
+    ``OUT_DIR JOBS_JSON``; each job's result, ``kinds[job["kind"]](job)`` -- or the
+    ``VarunaFxError`` it raised, as ``{"error": class name, "message": ...}`` -- is saved to
+    ``OUT_DIR/<name>_rank<r>.pt``. Then the process exits without interpreter teardown (about a
+    second per rank with torch loaded; the results are saved)."""
+    out, rank = Path(sys.argv[1]), int(os.environ["RANK"])
+    for job in json.loads(sys.argv[2]):
+        try:
+            result = kinds[job["kind"]](job)
+        except VarunaFxError as exc:
+            result = {"error": type(exc).__name__, "message": str(exc)}
+        torch.save(result, out / f"{job['name']}_rank{rank}.pt")
+    sys.stdout.flush()
+    os._exit(0)
