@@ -210,9 +210,9 @@ class ZeroSync:
     NCCL runs ``reduce_scatter_single`` and ``all_gather_single`` (its ring: (D-1)/D of the
     buffer each, as the two halves of its all-reduce). gloo has both, but sends the whole
     buffer for a reduce-scatter and runs both several times slower than its ring all-reduce
-    (bench/RESULTS.md, "Sharded optimizer state (ZeRO-1)"), so on gloo the reduce-scatter is
-    its all-reduce (of a copy; this replica keeps its slice) and the all-gather one broadcast
-    per replica from its shard, (D-1) shards per rank."""
+    (bench/RESULTS.md, "Sharded optimizer state (ZeRO-1)" and "Figures the code cites"), so on
+    gloo the reduce-scatter is its all-reduce (of a copy; this replica keeps its slice) and the
+    all-gather one broadcast per replica from its shard, (D-1) shards per rank."""
 
     def __init__(self, layout: ZeroLayout, group: Any, timeout: float, who: str) -> None:
         self.layout, self.group, self.timeout, self.who = layout, group, timeout, who
