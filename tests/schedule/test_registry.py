@@ -1,10 +1,11 @@
 """One typed entry per schedule (issue 27): the registry is the one place a schedule's name is
 decoded, what ``schedule=`` accepts is resolved once into its entry, a schedule built from an
-entry carries it and a new schedule is one entry."""
+entry carries it, a new schedule is one entry, and one default serves every entry point."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,9 +14,12 @@ import pytest
 
 import varuna_fx as vf
 from varuna_fx.errors import ScheduleError
+from varuna_fx.launch.cli import build_parser
 from varuna_fx.options import CompileOptions
+from varuna_fx.planner import plan_for
 from varuna_fx.schedule import (
     AUTO,
+    DEFAULT_SCHEDULE,
     SCHEDULES,
     Action,
     Kind,
@@ -114,6 +118,20 @@ def test_a_new_schedule_is_one_entry() -> None:
     assert [a.mb for a in build_schedule(lifo, 2, 3, False).per_stage[0]] == [0, 1, 2, 2, 1, 0]
     with pytest.raises(ScheduleError, match="exactly one generator"):
         ScheduleSpec("none")
+
+
+def test_one_default_schedule_for_compile_plan_for_and_every_command() -> None:
+    assert DEFAULT_SCHEDULE == AUTO == "auto"
+    assert inspect.signature(vf.compile).parameters["schedule"].default == DEFAULT_SCHEDULE
+    assert inspect.signature(plan_for).parameters["schedule"].default == DEFAULT_SCHEDULE
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    commands = [c for c in sub.choices.values()
+                if any(a.dest == "schedule" for a in c._actions)]
+    assert len(commands) == 2  # demo and plan (inspect compiles with compile's default)
+    for command in commands:
+        option = next(a for a in command._actions if a.dest == "schedule")
+        assert option.default == DEFAULT_SCHEDULE and list(option.choices) == schedule_choices()
 
 
 # what decoded a schedule's name outside schedule/ before the registry

@@ -56,6 +56,7 @@ class SearchResult:
     simulated: int = 0
     seconds: float = 0.0
     alternatives: list[Alternative] = field(default_factory=list)
+    stages_per_rank: int = 1  # v of the schedule searched (several stages per rank: virtual)
 
     @property
     def best(self) -> Candidate:
