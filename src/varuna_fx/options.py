@@ -82,8 +82,8 @@ class CompileOptions:
 
     @cached_property
     def schedule_choice(self) -> ScheduleChoice:
-        """``schedule`` resolved into its registry entry (or "auto"): what the planner and the
-        runtimes read, so that nothing after this decodes the name."""
+        """``schedule`` resolved into its registry entry (or "auto"): what compile hands the
+        planner, so that nothing after the options decodes the name."""
         return resolve_schedule(self.schedule)
 
 
