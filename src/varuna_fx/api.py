@@ -24,14 +24,13 @@ from .passes.manager import CompileState, Pass, dump_dir, run_passes
 from .passes.sample_mixing import graph_findings, warn_sample_mixing
 from .passes.split_stages import split_stages
 from .pipeline import Pipeline, make_pipeline
-from .planner.candidates import AUTO
 from .planner.cluster import Cluster
 from .planner.configure import Configuration, assign_and_price, choose_configuration
 from .planner.measure import ProfileSettings
 from .planner.plan import Plan
 from .planner.resolve import resolve_profile
 from .runtime.split_backward import input_grads
-from .schedule import is_split, placement_style
+from .schedule import AUTO, DEFAULT_SCHEDULE
 from .schedule.placement import Placement
 from .world.where import resolve_timeout
 
@@ -47,7 +46,7 @@ def compile(  # noqa: A001 - the public name in API.md
     stages_per_rank: int | None = 1,
     data_parallel: int | None = None,
     micro_batch_size: int | None = None,
-    schedule: str = "auto",
+    schedule: str = DEFAULT_SCHEDULE,
     shard_optimizer: bool | str = "auto",
     recompute: bool | str = "auto",
     tracer: str = "auto",
@@ -91,7 +90,7 @@ def compile(  # noqa: A001 - the public name in API.md
             captured.gm, cluster, example_batch=bound.batch_size,
             global_batch_size=o.global_batch_size, stages=o.stages,
             data_parallel=o.data_parallel, micro_batch_size=o.micro_batch_size,
-            schedule=o.schedule, recompute=rc,
+            schedule=o.schedule_choice, recompute=rc,
             profile=resolve_profile(captured.gm, bound, o.profile, settings, timeout=o.timeout),
             shard_optimizer=o.shard_optimizer,
             stages_per_rank=o.stages_per_rank,
@@ -99,8 +98,9 @@ def compile(  # noqa: A001 - the public name in API.md
 
     # a split-backward schedule is planned with its input-gradient and weight passes timed
     # by the runtime's own split (they cost more than the fused backward)
+    choice = o.schedule_choice
     settings = ProfileSettings(split=input_grads) \
-        if is_split(o.schedule) or o.schedule == AUTO else None
+        if choice == AUTO or choice.split_backward else None
 
     if o.recompute == "auto":
         # plan as if nothing recomputed (the fastest when memory allows); only if no
@@ -146,7 +146,7 @@ def compile(  # noqa: A001 - the public name in API.md
                                       priced.stage_memory)),
         bounds=bounds, placement=Placement(config.stages, config.data_parallel,
                                            priced.schedule.stages_per_rank,
-                                           placement_style(priced.schedule.name)),
+                                           priced.schedule.spec.placement),
         tied_parameters={k: v for k, v in holders.items() if len(v) > 1},
         predicted_step_time=priced.step_time, tracer=captured.tracer,
         model_name=type(model).__name__, alternatives=priced.alternatives,

@@ -17,15 +17,16 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from torch import nn
 
 from .capture.trace import TRACERS
 from .errors import InputError, VarunaFxError
-from .planner.candidates import schedule_choices
 from .planner.cluster import Cluster
 from .runtime.precision import check_precision
+from .schedule import DEFAULT_SCHEDULE, ScheduleChoice, resolve_schedule
 from .world.where import resolve_timeout
 
 
@@ -41,7 +42,7 @@ class CompileOptions:
     stages_per_rank: int | None = 1  # None: the schedule's default (the planner checks it)
     data_parallel: int | None = None
     micro_batch_size: int | None = None
-    schedule: str = "auto"
+    schedule: str = DEFAULT_SCHEDULE
     recompute: bool | str = "auto"
     tracer: str = "auto"
     offload_stash: bool = False
@@ -75,13 +76,15 @@ class CompileOptions:
         check_flag("shard_optimizer", self.shard_optimizer, (True, False, "auto"))
         resolve_timeout(self.timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
         check_precision(self.precision)  # before capture and planning, not after
-        if self.schedule not in schedule_choices():
-            raise VarunaFxError(
-                f"schedule={self.schedule!r} is unknown; choose one of {schedule_choices()} "
-                "(\"auto\": the planner picks the fastest that fits)"
-            )
+        _ = self.schedule_choice  # the name resolved once, now: an unknown one is refused
         if self.tracer not in TRACERS:
             raise VarunaFxError(f"tracer={self.tracer!r} is unknown; choose one of {TRACERS}")
+
+    @cached_property
+    def schedule_choice(self) -> ScheduleChoice:
+        """``schedule`` resolved into its registry entry (or "auto"): what compile hands the
+        planner, so that nothing after the options decodes the name."""
+        return resolve_schedule(self.schedule)
 
 
 def check_count(name: str, value: Any, what: str) -> None:

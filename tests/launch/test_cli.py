@@ -99,6 +99,23 @@ def test_plan_with_schedule_auto_names_the_chosen_schedule(
     assert "auto" in _SCHEDULE_HELP
 
 
+def test_plan_takes_a_schedule_of_several_stages_per_rank(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Its help listed zbv, and until issue 27 the command refused it: planned as compile
+    plans it, two stages on each of the 4 devices of one replica."""
+    args = ["plan", "--model", "test_cli:tiny", "--gpus", "4", "--gpus-per-node", "2",
+            "--global-batch-size", "8", "--schedule", "zbv", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    choice = result["choice"]
+    assert (choice["schedule"], choice["stages"], choice["data_parallel"]) == ("zbv", 8, 1)
+    assert choice["devices_used"] == 4 and result["note"] is None
+    assert [a["schedule"] for a in result["alternatives"]] == ["zbv"]
+    assert len(result["stages"]) == 8 and choice["predicted_step_time"] > 0
+    assert main([*args[:-1], "--stages", "3"]) == 1
+    assert "a multiple of 2" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # plans a model afresh
 def test_plan_says_when_more_replicas_are_predicted_slower(
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,8 +27,7 @@ from varuna_fx.launch.elastic import elastic_launch
 from varuna_fx.launch.factory import load_factory
 from varuna_fx.launch.plan_command import plan_as_dict, plan_command
 from varuna_fx.launch.standalone import loopback_interfaces, loopback_stores, standalone_args
-from varuna_fx.planner.candidates import schedule_choices
-from varuna_fx.schedule import is_virtual
+from varuna_fx.schedule import DEFAULT_SCHEDULE, schedule_choices
 
 _load_factory = load_factory  # its home is launch/factory.py (launch/plan_command.py uses it too)
 
@@ -57,7 +56,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     model, tokens, targets = demo_gpt(n_layer=args.layers)
     pipe = vf.compile(model, example_inputs=(tokens,), loss_fn=lm_loss, stages=args.stages,
                       schedule=args.schedule, tracer=args.tracer,
-                      stages_per_rank=None if is_virtual(args.schedule) else 1)
+                      stages_per_rank=None)  # the schedule's default
     console.print(pipe.plan)
     stage = pipe.stages[min(args.show_stage, len(pipe.stages) - 1)]
     console.print(f"\n[bold]Generated code of stage {stage.index}[/bold]")
@@ -219,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="transformer blocks in the demo GPT (default: %(default)s)")
     demo.add_argument("--stages", type=int, default=4,
                       help="pipeline stages P to cut it into (default: %(default)s)")
-    demo.add_argument("--schedule", default="varuna", choices=schedule_choices(),
+    demo.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=schedule_choices(),
                       help=_SCHEDULE_HELP)
     demo.add_argument("--tracer", default="auto", choices=["auto", "fx", "export"],
                       help=_TRACER_HELP)
@@ -266,10 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--global-batch-size", type=int, default=None,
                       help="samples per optimizer step over all replicas (default: each replica "
                            "takes the factory's example batch, so the global batch grows with D)")
-    # (the search's P is ranks: schedules of several stages per rank are weighed by compile)
-    plan.add_argument("--schedule", default="auto",
-                      choices=[c for c in schedule_choices() if not is_virtual(c)],
-                      help=_SCHEDULE_HELP)
+    plan.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=schedule_choices(),
+                      help=_SCHEDULE_HELP + "; one of several stages per rank is planned as "
+                      "compile plans it: v stages on each device of one replica")
     plan.add_argument("--device-type", default=None,
                       help="a100 | v100 | h100 | h200 | cpu: the device to time with FLOPs")
     plan.add_argument("--flops", default=None, help="sustained throughput, e.g. 150TFLOP/s")

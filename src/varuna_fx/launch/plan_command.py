@@ -92,11 +92,12 @@ def devices_note(args: argparse.Namespace, graph: Analyzed, cluster: Cluster,
                  profile: Profile | None, result: SearchResult) -> str | None:
     """Why the choice leaves devices idle, when it does: the batch, or the prediction."""
     best = result.best
-    used = best.stages * best.data_parallel
+    ranks = best.stages // result.stages_per_rank  # of one replica
+    used = ranks * best.data_parallel
     if used >= cluster.gpus or getattr(args, "data_parallel", None) is not None:
         return None
     head = f"the choice uses {used} of {cluster.gpus} devices"
-    widest = cluster.gpus // best.stages  # replicas of this pipeline the devices could hold
+    widest = cluster.gpus // ranks  # replicas of this pipeline the devices could hold
     batch = args.global_batch_size
     wider = [d for d in range(best.data_parallel + 1, widest + 1)
              if batch is None or batch % d == 0]
@@ -125,7 +126,9 @@ def describe(cluster: Cluster, name: str, result: SearchResult, measured: bool,
     costs = "measured profile" if measured else f"FLOP estimates for {cluster.spec.name} " \
         f"({_count(cluster.spec.flops)}FLOP/s sustained)"
     return (
-        f"[bold]{name}[/bold]: P={best.stages} x D={best.data_parallel}, micro-batch "
+        f"[bold]{name}[/bold]: P={best.stages} x D={best.data_parallel}"
+        + (f" ({result.stages_per_rank} stages per device)" if result.stages_per_rank > 1
+           else "") + ", micro-batch "
         f"{best.micro_batch_size} x {best.num_micro_batches}, schedule {best.schedule}, "
         "predicted step "
         f"{_seconds(best.step_time)}\n"
@@ -195,8 +198,9 @@ def search_as_dict(cluster: Cluster, name: str, result: SearchResult, measured: 
         "choice": {"stages": best.stages, "data_parallel": best.data_parallel,
                    "micro_batch_size": best.micro_batch_size,
                    "num_micro_batches": best.num_micro_batches, "schedule": best.schedule,
-                   "global_batch_size": best.samples, "devices_used": best.stages *
-                   best.data_parallel, "predicted_step_time": best.step_time,
+                   "global_batch_size": best.samples,
+                   "devices_used": best.stages // result.stages_per_rank * best.data_parallel,
+                   "predicted_step_time": best.step_time,
                    "samples_per_second": best.samples / best.step_time},
         "note": note,
         "alternatives": [alternative_as_dict(a) for a in result.alternatives],

@@ -14,16 +14,21 @@ import torch.fx as fx
 from torch import nn
 
 from ..capture.inputs import BoundInputs, bind_inputs
+from ..costs.memory import format_bytes
+from ..errors import PartitionError, PlanError
 from ..passes.annotate_backward import canonical_names
 from ..passes.frontend import captured_and_annotated
-from .candidates import SearchResult, Space
+from ..schedule import DEFAULT_SCHEDULE, ScheduleSpec
+from .candidates import Candidate, SearchResult, Space
 from .cluster import Cluster
+from .configure import check_micro_batch, default_micro_batch_size, replica_batch
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .measure import ProfileSettings
 from .profile import Profile
 from .resolve import resolve_profile
 from .search import Planner
+from .virtual import on_ranks
 
 
 @dataclass
@@ -61,18 +66,60 @@ def analyze(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Anal
 
 def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None = None,
              stages: int | None = None, data_parallel: int | None = None,
-             micro_batch_size: int | None = None, schedule: str = "varuna",
-             recompute: bool = True, profile: Profile | None = None,
-             top: int = 5) -> SearchResult:
+             micro_batch_size: int | None = None,
+             schedule: str | ScheduleSpec = DEFAULT_SCHEDULE, recompute: bool = True,
+             profile: Profile | None = None, top: int = 5) -> SearchResult:
     """The best configurations for ``cluster``; raises PlanError when none fits.
-    ``schedule``: a name, or "auto" (each candidate with the fastest schedule that fits:
-    ``result.best.schedule``)."""
+    ``schedule``: a name, or "auto" (the default: each candidate with the fastest schedule
+    that fits, ``result.best.schedule``). A schedule of several stages per rank is planned
+    as ``vf.compile`` plans it (:func:`_plan_virtual`)."""
     use = profile if profile is not None and profile.applies_to(cluster) else None
     planner = Planner(graph.table(use), cluster, schedule=schedule, recompute=recompute,
                       network=use.network if use else None)
     space = Space(cluster.gpus, graph.bound.batch_size, global_batch_size, stages,
                   data_parallel, micro_batch_size)
+    if planner.schedules[0].virtual:
+        return _plan_virtual(planner, space, planner.schedules[0])
     result = planner.search(space, top=top)
     if not result.top:
         raise explain_nothing_fits(planner, space)
     return result
+
+
+def _plan_virtual(planner: Planner, space: Space, kind: ScheduleSpec) -> SearchResult:
+    """What ``vf.compile`` plans for a schedule of several stages per rank (v, its entry's):
+    P = v x R stages on R ranks per replica (P given, or every device in one replica), D given
+    or the replicas the devices hold, the micro-batch size given or about 4 micro-batches per
+    stage; nothing is searched but its partition, each stage at 1/v of a device's memory
+    (``virtual.on_ranks``). One row."""
+    start = time.perf_counter()
+    v = kind.stages_per_rank
+    stages = space.stages or v * max(1, space.gpus // (space.data_parallel or 1))
+    if stages % v:
+        raise PlanError(f"stages={stages} is not a multiple of stages_per_rank={v}: each rank "
+                        f"of {kind.name} runs {v} stages; choose stages= a multiple of {v}")
+    ranks = stages // v
+    d = space.data_parallel or max(1, space.gpus // ranks)
+    if space.gpus > 1 and ranks * d > space.gpus:
+        raise PlanError(f"stages={stages} at {v} per rank x data_parallel={d} needs {ranks * d} "
+                        f"devices, more than the {space.gpus} there are: choose at most "
+                        f"{v * (space.gpus // d)} stages or fewer replicas")
+    batch = replica_batch(space.example_batch, space.global_batch_size, d)
+    b = space.micro_batch_size or default_micro_batch_size(batch, stages)
+    check_micro_batch(batch, b)
+    most = planner.balancer(b).count
+    if stages > most:
+        raise PartitionError(f"stages={stages} is more than the {most} places the model can "
+                             f"be cut: use at most {most - most % v} stages ({v} per rank)")
+    priced = on_ranks(planner, Candidate(ranks, d, b, batch // b), kind)
+    if priced is None:
+        raise PlanError(
+            f"{kind.name} with P={stages} ({v} stages per rank), D={d} and micro-batch size "
+            f"{b}: no partition fits {format_bytes(planner.memory_cap / v)} per stage (1/{v} "
+            "of a device's memory); use more devices or more stages, a smaller micro-batch "
+            "size, devices with more memory, or a schedule of one stage per rank"
+        )
+    c = priced[0]
+    return SearchResult(top=[c], considered=1, partitioned=1, simulated=1,
+                        seconds=time.perf_counter() - start,
+                        alternatives=[c.alternative(chosen=True)], stages_per_rank=v)

@@ -9,9 +9,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..schedule import (
-    depends_on_costs,
-)
 from .candidates import Candidate
 from .pricing import Pricing
 
@@ -178,12 +175,12 @@ class Bounds(Pricing):
         already (not made for this: most candidates never need it). Before a
         schedule="auto" search branches ``c``: the most of any."""
         p, m = c.stages, c.num_micro_batches
-        names = [c.schedule] if c.schedule else self.schedules
+        kinds = [self.kind(c.schedule)] if c.schedule else self.schedules
         most = [1] * p
-        for name in names:
-            if p > 1 and not depends_on_costs(name) and (name, p, m) in self._schedules:
-                counts = self._schedules[name, p, m][1]
-            elif p > 1 and name == "varuna":
+        for kind in kinds:
+            if p > 1 and not kind.cost_aware and (kind.name, p, m) in self._schedules:
+                counts = self._schedules[kind.name, p, m][1]
+            elif p > 1 and kind.varuna_stash:
                 counts = [m] * (p - 1) + [1]
             else:
                 counts = [m] * p

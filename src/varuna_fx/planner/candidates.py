@@ -1,5 +1,5 @@
 """What the planner searches over: a candidate configuration (P, D, micro-batch size), the space
-of them, and the search's result; which schedules a search weighs."""
+of them, and the search's result (the schedules a search weighs: ``schedule/registry.py``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..schedule import (
-    check_schedule_name,
-    schedule_names,
-    virtual_names,
-)
 from .balance import PartitionCosts
 from .plan import Alternative
 
@@ -34,8 +29,9 @@ class Candidate:
     allreduce_time: float = 0.0
     bubble: float = 0.0
     memory: tuple[float, ...] = ()
-    # the schedule it is priced with; "" until a schedule="auto" search branches it (after
-    # partitioning: the bounds before that hold for every schedule)
+    # the name of the schedule it is priced with (its registry entry: ``Pricing.kind``); ""
+    # until a schedule="auto" search branches it (after partitioning: the bounds before that
+    # hold for every schedule)
     schedule: str = ""
     bound: float = 0.0  # seconds: the lower bound it was last pushed with
     estimated: bool = False  # step_time is a cheaper order's (see Planner.search)
@@ -60,6 +56,7 @@ class SearchResult:
     simulated: int = 0
     seconds: float = 0.0
     alternatives: list[Alternative] = field(default_factory=list)
+    stages_per_rank: int = 1  # v of the schedule searched (several stages per rank: virtual)
 
     @property
     def best(self) -> Candidate:
@@ -107,27 +104,7 @@ def _divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-AUTO = "auto"  # schedule=: let the planner choose among schedule_names()
-# How much faster the full order generator may be than the quick one (above the most found;
-# see schedule/varuna.py QUICK_VARIANTS): a quick estimate e bounds the full step
+# How much faster the full order generator may be than the quick one (the most measured:
+# 2.1%; see schedule/varuna.py QUICK_VARIANTS): a quick estimate e bounds the full step
 # below by e / (1 + QUICK_SLACK), which is what the search orders estimated candidates by.
 QUICK_SLACK = 0.05
-# ties (equal simulated steps, e.g. one stage) go to the first here: plain before split backward
-_PREFERENCE = ("varuna", "1f1b", "gpipe", "varuna-zb", "1f1b-zb", "gpipe-zb")
-
-
-def schedule_choices() -> list[str]:
-    """What ``schedule=`` accepts: every schedule name (those running several stages per rank
-    included), and "auto"."""
-    return [*schedule_names(), *virtual_names(), AUTO]
-
-
-def considered_schedules(schedule: str) -> list[str]:
-    """The schedules a planner for ``schedule`` weighs: all of them for "auto"."""
-    if schedule != AUTO:
-        check_schedule_name(schedule)
-        return [schedule]
-    names = schedule_names()
-    return sorted(names, key=lambda n: _PREFERENCE.index(n) if n in _PREFERENCE else len(names))
-
-

@@ -31,14 +31,16 @@ from ..errors import PartitionError, PlanError
 from ..passes.assign_stages import CostSetting, compute_nodes, partition_problem, record_stages
 from ..passes.partition import Partition, PartitionProblem, evaluate, partition
 from ..schedule import (
+    AUTO,
     Schedule,
+    ScheduleChoice,
+    ScheduleSpec,
     build_schedule,
-    default_stages_per_rank,
-    is_virtual,
     peak_stash_counts,
+    resolve_schedule,
 )
 from ..world.where import running_world
-from .candidates import AUTO, Candidate, Space
+from .candidates import Candidate, Space
 from .cluster import Cluster
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
@@ -103,15 +105,18 @@ def default_micro_batch_size(batch: int, stages: int) -> int:
 def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch: int,
                          global_batch_size: int | None, stages: int | None,
                          data_parallel: int | None, micro_batch_size: int | None,
-                         schedule: str, recompute: bool, profile: Profile | None = None,
+                         schedule: ScheduleChoice | str, recompute: bool,
+                         profile: Profile | None = None,
                          stages_per_rank: int | None = 1,
                          shard_optimizer: bool | str = False) -> Configuration:
     """``profile``: measured costs (``varuna_fx.planner.Profile``), or None for estimates.
-    ``schedule``: a name, or "auto" (the planner picks the fastest that fits, per candidate).
+    ``schedule``: an entry (or its name), or "auto" (the planner picks the fastest that fits,
+    per candidate).
     ``stages_per_rank``: v, stages each rank runs (a virtual schedule: ``interleaved-1f1b``,
     ``zbv``); None: that schedule's default.
     ``shard_optimizer``: True counts the optimizer state split over D wherever D > 1; "auto"
     only where a candidate does not fit otherwise; False never."""
+    schedule = resolve_schedule(schedule)  # (resolved already when compile passes it)
     v = check_stages_per_rank(schedule, stages_per_rank)
     if stages is not None:  # before any schedule is built: 10**6 stages would take minutes
         operations = len(compute_nodes(gm))
@@ -191,25 +196,28 @@ def _weigh_virtual(planner: Planner, best: Candidate, rows: list[Alternative]
     return stages, name, v, sorted(rows, key=lambda a: a.step_time)
 
 
-def check_stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
-    """v for ``schedule``: a virtual schedule runs at least 2 stages per rank, the others one."""
+def check_stages_per_rank(schedule: ScheduleChoice, stages_per_rank: int | None) -> int:
+    """v for ``schedule``: a virtual schedule runs at least 2 stages per rank, the others (and
+    "auto", unless ``stages_per_rank`` is None: see ``_weigh_virtual``) one."""
+    virtual = isinstance(schedule, ScheduleSpec) and schedule.virtual
     if stages_per_rank is None:
-        return default_stages_per_rank(schedule)
+        return schedule.stages_per_rank if isinstance(schedule, ScheduleSpec) else 1
     if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) \
             or stages_per_rank < 1:
         raise PlanError(f"stages_per_rank={stages_per_rank!r}: give a positive number of "
                         "stages per rank (1: one stage per rank)")
-    if is_virtual(schedule) and stages_per_rank < 2:
-        raise PlanError(f"schedule={schedule!r} runs several stages per rank: pass "
-                        f"stages_per_rank={default_stages_per_rank(schedule)} (or more for "
+    if virtual and stages_per_rank < 2:
+        assert isinstance(schedule, ScheduleSpec)
+        raise PlanError(f"schedule={schedule.name!r} runs several stages per rank: pass "
+                        f"stages_per_rank={schedule.stages_per_rank} (or more for "
                         "interleaved-1f1b), or choose a schedule for one stage per rank")
-    if not is_virtual(schedule) and stages_per_rank > 1:
+    if not virtual and stages_per_rank > 1:
         raise PlanError(f"stages_per_rank={stages_per_rank} needs a schedule that runs several "
                         "stages per rank: schedule='interleaved-1f1b' or 'zbv'")
     return stages_per_rank
 
 
-def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: str, recompute: bool,
+def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, recompute: bool,
              profile: Profile | None) -> Planner:
     """Costs measured by ``profile`` when it was made on this kind of device, else estimated
     from FLOPs for the cluster's devices."""
@@ -243,7 +251,7 @@ def price(config: Configuration, bounds: tuple[int, ...],
     # generated from this partition's own times (Varuna's order, split backward's W placement)
     # ``recompute``: the partition's per-stage choice (default: the planner's one setting)
     rc = base.recompute if recompute is None else recompute
-    sched = build_schedule(base.name, p, m, rc, planner.schedule_costs(c, rc),
+    sched = build_schedule(base.spec or base.name, p, m, rc, planner.schedule_costs(c, rc),
                            stages_per_rank=base.stages_per_rank if base.is_virtual else None)
     counts = peak_stash_counts(sched)
     step = planner.simulated(c, sched, rc)

@@ -15,8 +15,8 @@ def smallest_memory(planner: Planner, c: Candidate) -> float:
     stage of the partition whose largest stage is smallest (the greedy's and the memory
     model's, so ``planner.fit`` succeeds with it)."""
     least = math.inf
-    for name in planner.schedules:  # schedule="auto": the least over all it weighs
-        _, counts = planner.built(c.stages, c.num_micro_batches, name)
+    for kind in planner.schedules:  # schedule="auto": the least over all it weighs
+        _, counts = planner.built(c.stages, c.num_micro_batches, kind)
         plan = planner.balancer(c.micro_batch_size).min_memory_partition(c.stages, counts)
         if plan is None:
             continue

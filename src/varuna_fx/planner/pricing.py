@@ -15,20 +15,18 @@ from ..costs.roofline import DeviceSpec
 from ..schedule import (
     Schedule,
     ScheduleCosts,
+    ScheduleSpec,
     build_schedule,
-    cheaper,
-    depends_on_costs,
-    has_quick,
-    is_split,
-    is_virtual,
     peak_stash_counts,
+    schedule_spec,
     simulate,
     simulate_step,
+    weighed_schedules,
 )
 from ..schedule.varuna import QUICK_VARIANTS, ROUGH_VARIANTS, overflows, stash_floor
 from ..world.network import NetworkProfile
 from .balance import Balancer, PartitionCosts
-from .candidates import Candidate, considered_schedules, weight_grads
+from .candidates import Candidate, weight_grads
 from .cluster import Cluster
 from .cost_table import CostTable, UnitArrays
 from .network import Links, links
@@ -39,15 +37,17 @@ class Pricing:
     """One model on one cluster: partitions, orders and simulated steps of candidates, each
     cached (the search in ``search.py`` and the bounds in ``bounds.py`` build on it)."""
 
-    def __init__(self, table: CostTable, cluster: Cluster, *, schedule: str, recompute: bool,
+    def __init__(self, table: CostTable, cluster: Cluster, *, schedule: str | ScheduleSpec,
+                 recompute: bool,
                  spec: DeviceSpec | None = None, network: NetworkProfile | None = None,
                  shard_optimizer: bool | str = False) -> None:
         self.table = table
         self.cluster = cluster
         self.spec = spec or cluster.spec
-        self.schedule = schedule  # a schedule name, or "auto": each candidate weighs them all
-        self.schedules = considered_schedules(schedule)
-        self._rank = {name: k for k, name in enumerate(self.schedules)}  # (ties: see _key)
+        self.schedule = schedule  # a schedule (entry or name), or "auto": each candidate
+        # weighs them all
+        self.schedules = weighed_schedules(schedule)
+        self._rank = {s.name: k for k, s in enumerate(self.schedules)}  # (ties: see _key)
         self.recompute = recompute
         self.network = network
         self.memory_cap = float(cluster.gpu_memory)
@@ -113,15 +113,20 @@ class Pricing:
         c.shard = plan is not None and shards > 1
         return plan
 
+    def kind(self, schedule: str | ScheduleSpec = "") -> ScheduleSpec:
+        """The registry entry of ``schedule`` (a candidate's schedule name; default: the
+        first the planner weighs)."""
+        return schedule_spec(schedule) if schedule else self.schedules[0]
+
     def built(self, stages: int, micro_batches: int,
-              schedule: str = "") -> tuple[Schedule, list[int]]:
+              schedule: str | ScheduleSpec = "") -> tuple[Schedule, list[int]]:
         """The schedule (its compiled form is cached on it) and its per-stage stash counts,
-        from unit costs. ``schedule``: a name (default: the planner's one schedule)."""
-        name = schedule or self.schedules[0]
-        key = (name, stages, micro_batches)
+        from unit costs. ``schedule``: an entry or its name (default: the planner's first)."""
+        kind = self.kind(schedule)
+        key = (kind.name, stages, micro_batches)
         if key not in self._schedules:
-            sched = build_schedule(name, stages, micro_batches, self.recompute,
-                                   stages_per_rank=self.stages_per_rank if is_virtual(name)
+            sched = build_schedule(kind, stages, micro_batches, self.recompute,
+                                   stages_per_rank=self.stages_per_rank if kind.virtual
                                    else None)
             self._schedules[key] = (sched, peak_stash_counts(sched))
         return self._schedules[key]
@@ -132,11 +137,11 @@ class Pricing:
             self._links[key] = links(self.cluster, stages, replicas, self.network)
         return self._links[key]
 
-    def _split_bound(self, c: Candidate) -> str | None:
+    def _split_bound(self, c: Candidate) -> ScheduleSpec | None:
         """The split-backward schedule ``c``'s bounds must hold for, if any: its own, or
         before a schedule="auto" search branches it, any it weighs."""
-        names = [c.schedule] if c.schedule else self.schedules
-        return next((n for n in names if is_split(n)), None)
+        kinds = [self.kind(c.schedule)] if c.schedule else self.schedules
+        return next((k for k in kinds if k.split_backward), None)
 
     def _chain_backward(self, c: Candidate) -> np.ndarray:
         """Each stage's backward as far as the stage upstream waits for it: all of it, or in
@@ -159,7 +164,7 @@ class Pricing:
         return replicas + tied
 
     def schedule_costs(self, c: Candidate, recompute: bool | Sequence[bool] | None = None,
-                       schedule: str = "") -> ScheduleCosts:
+                       schedule: ScheduleSpec | None = None) -> ScheduleCosts:
         """The candidate's per-stage F, R, B and link times, which cost-aware schedules (Varuna's
         order, split backward's W placement) are generated from. ``recompute``: per-stage flags
         (default: the planner's one setting)."""
@@ -169,18 +174,18 @@ class Pricing:
         net = self.links(c.stages, c.data_parallel)
         links = [net.latency + nb / bw for nb, bw in zip(plan.send_bytes, net.bandwidths)] \
             if c.stages > 1 else []
-        backward, weight = self.backward_costs(plan, schedule or c.schedule)
+        backward, weight = self.backward_costs(plan, schedule or self.kind(c.schedule))
         return ScheduleCosts.of(plan.sim_forward(rc), backward,
                                 recompute=plan.recompute, links=links, weight_grad=weight)
 
     def backward_costs(self, plan: PartitionCosts,
-                       schedule: str = "") -> tuple[list[float], list[float]]:
+                       schedule: ScheduleSpec | None = None) -> tuple[list[float], list[float]]:
         """(backward, its weight-gradient part W) per stage, as the schedule runs them: for a
         split-backward schedule with a profile that timed the split, the input-gradient pass
         plus the weight pass (more than the fused backward), except on the first stage,
         which needs no input gradients and runs its fused backward as W."""
         fused = [float(b) for b in plan.backward]
-        if not is_split(schedule or self.schedules[0]) or plan.input_grad is None or plan.weight_grad is None:
+        if not (schedule or self.schedules[0]).split_backward or plan.input_grad is None or plan.weight_grad is None:
             return fused, weight_grads(fused)
         backward = [float(i + w) for i, w in zip(plan.input_grad, plan.weight_grad)]
         weight = [float(w) for w in plan.weight_grad]
@@ -197,15 +202,15 @@ class Pricing:
         than the one the chosen partition gets). Orders that do not depend on costs (and any
         order of one stage) come from the cache. ``effort``: "quick" or "rough", a cheaper
         generator's order (its step is an upper bound of the full order's)."""
-        name = c.schedule or self.schedules[0]
-        if c.stages == 1 or not depends_on_costs(name):
-            return self.built(c.stages, c.num_micro_batches, name)[0]  # compiled once
-        return build_schedule(name, c.stages, c.num_micro_batches, self.recompute,
+        kind = self.kind(c.schedule)
+        if c.stages == 1 or not kind.cost_aware:
+            return self.built(c.stages, c.num_micro_batches, kind)[0]  # compiled once
+        return build_schedule(kind, c.stages, c.num_micro_batches, self.recompute,
                               self.schedule_costs(c), effort=effort)
 
     def has_quick(self, c: Candidate) -> bool:
         """Whether ``c``'s order has cheaper estimates (``ordered(effort=...)``)."""
-        return c.stages > 1 and has_quick(c.schedule or self.schedules[0])
+        return c.stages > 1 and self.kind(c.schedule).has_quick
 
     def finish(self, c: Candidate, effort: str = "full") -> float | None:
         """``c``'s step with the order generated from its own costs, or None when that order
@@ -215,7 +220,7 @@ class Pricing:
         are checked again with the order's own counts and, where they grew, partitioned once
         more for them, as ``configure.assign_and_price`` would. ``effort``: with a cheaper
         generator's order (see ``ordered``)."""
-        c.estimated = c.stages > 1 and cheaper(c.schedule or self.schedules[0], effort)
+        c.estimated = c.stages > 1 and self.kind(c.schedule).cheaper(effort)
         if self._cannot_fit(c):
             return None  # what the order's own counts would find, without making the order
         sched = self.ordered(c, effort)
@@ -239,8 +244,7 @@ class Pricing:
         Varuna order's (``stash_floor``), neither the candidate's partition nor any other fits
         (memory grows with the counts). Most deep candidates of a big model end so: at 24
         Llama-70B layers on 64 devices, 123 of 132 (the orders were 90% of planning)."""
-        name = c.schedule or self.schedules[0]
-        if c.stages < 2 or name != "varuna" or c.plan is None:
+        if c.stages < 2 or not self.kind(c.schedule).varuna_stash or c.plan is None:
             return False
         rc = [bool(self.recompute) and s < c.stages - 1 for s in range(c.stages)]
         floor = stash_floor(c.stages, c.num_micro_batches, rc, self.schedule_costs(c))
@@ -257,8 +261,7 @@ class Pricing:
         """Whether the order ``ordered(c, effort)`` would make holds more micro-batches on some
         stage than fit there (so ``finish`` returns None), found without making it in full:
         a Varuna order is given up at the first forward a stage cannot hold."""
-        name = c.schedule or self.schedules[0]
-        if c.stages < 2 or name != "varuna" or c.plan is None:
+        if c.stages < 2 or not self.kind(c.schedule).varuna_stash or c.plan is None:
             return False
         plan, m = c.plan, c.num_micro_batches
         lo, hi = np.zeros(c.stages), np.full(c.stages, float(m + 1))  # fits / does not
@@ -279,10 +282,10 @@ class Pricing:
         net = self.links(c.stages, c.data_parallel)
         if sched.is_virtual:  # stages on fewer ranks: links and reductions per rank
             net = rank_links(self.links(sched.num_ranks, c.data_parallel), sched)
-        backward, weight = self.backward_costs(plan, sched.name)
+        backward, weight = self.backward_costs(plan, sched.spec)
         # an order made for this candidate is timed once: no compiled simulation (the cached
         # cost-free ones, timed for many candidates, keep theirs); the same floats either way
-        made = c.stages > 1 and depends_on_costs(sched.name)
+        made = c.stages > 1 and sched.spec.cost_aware
         sim = (simulate_step if made else simulate)(
             sched, forward=plan.sim_forward(rc), backward=backward,
             recompute=plan.recompute, send_bytes=plan.send_bytes, latency=net.latency,

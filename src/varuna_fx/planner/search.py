@@ -27,12 +27,13 @@ popped are the top of the whole space, exactly as evaluating everything would ra
 
 ``schedule="auto"`` adds the schedule to the search: after a candidate is partitioned (its
 bounds so far hold for every schedule, the split backward's with only the input-gradient part
-on the chain back) it branches into one candidate per schedule of ``schedule_names()``, each
-checked against memory with its own order's stash counts and simulated with its own order;
-ties go to plain before split backward. With P given on one device (nothing to search)
-``Planner.best_schedule`` simulates each schedule for that configuration. The exact partition
-(``passes/partition.py``) is then made for the chosen configuration and simulated once more by
-``configure.price`` for ``Plan.predicted_step_time``.
+on the chain back) it branches into one candidate per schedule it weighs
+(``schedule.weighed_schedules``), each checked against memory with its own order's stash counts
+and simulated with its own order; ties go to the schedule registered first (plain before split
+backward). With P given on one device (nothing to search) ``Planner.best_schedule`` simulates
+each schedule for that configuration. The exact partition (``passes/partition.py``) is then
+made for the chosen configuration and simulated once more by ``configure.price`` for
+``Plan.predicted_step_time``.
 
 Speed (bench/RESULTS.md, "Planner speed"): making orders was most of the search until the
 generators timed each order as they made it, a finalist was first simulated with the "quick"
@@ -50,9 +51,6 @@ import time
 
 from ..errors import PartitionError
 from ..passes.partition import held_together
-from ..schedule import (
-    depends_on_costs,
-)
 from .bounds import Bounds
 from .candidates import QUICK_SLACK, Candidate, SearchResult, Space, divisors
 
@@ -136,7 +134,7 @@ class Planner(Bounds):
                 # "auto": one candidate per schedule from here (memory and the stash bound
                 # depend on the schedule); a candidate re-partitioned for one keeps it
                 for one in self._branches(c):
-                    if one.stages > 1 and depends_on_costs(one.schedule):
+                    if one.stages > 1 and self.kind(one.schedule).cost_aware:
                         # its order (and the micro-batches it holds) comes from its own costs:
                         # memory is checked with those counts when it is generated (finish);
                         # a unit-cost order made here just for its counts cost as much
@@ -183,17 +181,17 @@ class Planner(Bounds):
         """The schedule ``c`` (P, D, b, m; given, not searched) runs fastest with, among those
         that fit (partitioned as the search would); the first weighed when none does."""
         if len(self.schedules) == 1:
-            return self.schedules[0]
+            return self.schedules[0].name
         c.plan = self.plan_candidate(c)
         if c.plan is None:
-            return self.schedules[0]
+            return self.schedules[0].name
         timed = []
         for one in self._branches(c):
             _, counts = self.built(one.stages, one.num_micro_batches, one.schedule)
             if self._fits(one, counts) or self.fit(one, counts):
                 timed.append((self._key(self.simulated(one, self.ordered(one)), one),
                               one.schedule))
-        return min(timed)[1] if timed else self.schedules[0]
+        return min(timed)[1] if timed else self.schedules[0].name
 
     def _branches(self, c: Candidate) -> list[Candidate]:
         """``c`` for each schedule the planner weighs (``c`` itself once it has one)."""
@@ -202,9 +200,9 @@ class Planner(Bounds):
         # one stage runs its micro-batches in order under any schedule: weighing them all
         # only listed the same configuration once per name
         if len(self.schedules) == 1 or c.stages == 1:
-            c.schedule = self.schedules[0]
+            c.schedule = self.schedules[0].name
             return [c]
-        return [dataclasses.replace(c, schedule=name) for name in self.schedules]
+        return [dataclasses.replace(c, schedule=kind.name) for kind in self.schedules]
 
     def _key(self, seconds: float, c: Candidate) -> tuple[float, int, int, int, int]:
         """Time per sample; ties go to fewer devices, fewer stages, bigger micro-batches,

@@ -22,13 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from ..schedule import Schedule, peak_stash_counts
+from ..schedule import Schedule, ScheduleSpec, peak_stash_counts, virtual_choices
 from .balance import PartitionCosts
 from .candidates import Candidate
 from .network import Links
-
-# the virtual schedules (and v) a free choice weighs, for a layout of R ranks
-CHOICES: tuple[tuple[str, int], ...] = (("interleaved-1f1b", 2), ("zbv", 2))
 
 
 def rank_links(net: Links, schedule: Schedule) -> Links:
@@ -61,28 +58,40 @@ def rank_allreduce(net: Links, plan: PartitionCosts, schedule: Schedule, replica
 
 
 def weigh(planner: Any, best: Candidate) -> list[tuple[Candidate, Schedule]]:
-    """Each virtual choice for ``best``'s ranks, D and micro-batch size that fits: the
-    candidate (``v R`` stages, partitioned for the schedule's stash counts with each stage at
-    1/v of the memory) priced with its schedule. ``planner``: the search's ``Planner``."""
+    """Each virtual schedule (``virtual_choices``, at its default v) on ``best``'s ranks, D and
+    micro-batch size, priced as :func:`on_ranks` prices it, where it fits. ``planner``: the
+    search's ``Planner``."""
     found = []
-    ranks, b, m = best.stages, best.micro_batch_size, best.num_micro_batches
-    for name, v in CHOICES:
-        stages = v * ranks
-        if ranks < 2 or stages > planner.balancer(b).count:
+    for kind in virtual_choices():
+        stages = kind.stages_per_rank * best.stages
+        if best.stages < 2 or stages > planner.balancer(best.micro_batch_size).count:
             continue
-        c = Candidate(stages, best.data_parallel, b, m, schedule=name)
-        before = planner.stages_per_rank
-        planner.stages_per_rank = v
-        try:
-            sched, counts = planner.built(stages, m, name)
-        finally:
-            planner.stages_per_rank = before
-        c.stash_counts, c.exact = tuple(counts), True
-        c.plan = planner.partition(b, stages, c.stash_counts, planner.memory_cap / v)
-        if c.plan is None:
-            continue
-        c.memory = tuple(float(x) for x in c.plan.memory(peak_stash_counts(sched),
-                                                        planner.recompute))
-        planner.simulated(c, sched)
-        found.append((c, sched))
+        priced = on_ranks(planner, best, kind)
+        if priced is not None:
+            found.append(priced)
     return found
+
+
+def on_ranks(planner: Any, ranks: Candidate, kind: ScheduleSpec
+             ) -> tuple[Candidate, Schedule] | None:
+    """The schedule ``kind`` on the R ranks (``ranks.stages``), D and micro-batch size of
+    ``ranks``, with its v stages per rank: the candidate of ``v R`` stages, partitioned for the
+    schedule's stash counts with each stage at 1/v of the memory, priced with its schedule;
+    None when no partition fits. ``planner``: the search's ``Planner``."""
+    v, b, m = kind.stages_per_rank, ranks.micro_batch_size, ranks.num_micro_batches
+    stages = v * ranks.stages
+    c = Candidate(stages, ranks.data_parallel, b, m, schedule=kind.name)
+    before = planner.stages_per_rank
+    planner.stages_per_rank = v
+    try:
+        sched, counts = planner.built(stages, m, kind)
+    finally:
+        planner.stages_per_rank = before
+    c.stash_counts, c.exact = tuple(counts), True
+    c.plan = planner.partition(b, stages, c.stash_counts, planner.memory_cap / v)
+    if c.plan is None:
+        return None
+    c.memory = tuple(float(x) for x in c.plan.memory(peak_stash_counts(sched),
+                                                    planner.recompute))
+    planner.simulated(c, sched)
+    return c, sched

@@ -94,6 +94,9 @@ class Schedule:
     _compiled: Any = field(default=None, init=False, repr=False, compare=False)
     # The ScheduleCosts a cost-aware order was generated from (None: parsed or unit costs).
     costs: Any = field(default=None, init=False, repr=False, compare=False)
+    # The registry entry it was built from (a ``registry.ScheduleSpec``; None: parsed or made
+    # by hand): what its holders ask about its kind, instead of decoding ``name``.
+    spec: Any = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def virtual(cls, name: str, num_stages: int, num_micro_batches: int,

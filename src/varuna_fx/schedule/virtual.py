@@ -23,7 +23,8 @@ point-to-point bytes grow with the number of boundaries between ranks.
   F, B, W on the second) until every forward ran; then ``r`` pairs of backwards (first,
   second), ``R-r`` pairs (B, W) on the first, and the weight gradients still pending.
 
-Both orders depend on no costs (like 1F1B). Recompute: a stage that recomputes runs each
+Both orders depend on no costs (like 1F1B). Their entries (placement, default stages per rank,
+split backward) are in the registry (``registry.py``). Recompute: a stage that recomputes runs each
 micro-batch's ``R`` right before its ``B``. Dropping whole micro-batches from a deadlock-free
 order leaves it deadlock-free (dependencies stay within a micro-batch), which is how m below
 the pipeline's depth is handled.
@@ -120,25 +121,3 @@ def _zbv_rank(ranks: int, r: int, n: int) -> list[Action]:
     if any(count != n for count in done.values()):
         raise ScheduleError(f"internal error: zbv left work undone on rank {r}: {done}")
     return acts
-
-
-# name -> (placement style, generator, whether the backward is split into B and W)
-VIRTUAL_SCHEDULES: dict[str, tuple[str, VirtualFn, bool]] = {
-    "interleaved-1f1b": ("looped", interleaved_1f1b, False),
-    "zbv": ("v", zbv, True),
-}
-DEFAULT_STAGES_PER_RANK = {"interleaved-1f1b": 2, "zbv": 2}
-
-
-def is_virtual(name: str) -> bool:
-    """Whether ``name`` is a schedule whose ranks run several stages each."""
-    return name in VIRTUAL_SCHEDULES
-
-
-def placement_style(name: str) -> str:
-    """How ``name`` places stages on ranks ("looped" for schedules of one stage per rank)."""
-    return VIRTUAL_SCHEDULES[name][0] if is_virtual(name) else "looped"
-
-
-def virtual_names() -> list[str]:
-    return sorted(VIRTUAL_SCHEDULES)
