@@ -5,7 +5,8 @@ Each configuration is a launch of its own: ``--nodes`` network-namespace "machin
 (``netns_links.nodes``), every node's egress and ingress limited by ``tc tbf`` to the ``--links``
 rate (``unshaped``: no limit), rank i inside node i, gloo bound to its interface. Every system
 trains the same model (``slow_links_systems``: the benchmarks' GPT with an untied 16k head, as
-a flat layer list; the same initial weights) with AdamW on the same global batches: windows of
+a flat layer list; the same initial weights; bytes use 256 of the head's 16k outputs, the
+head stays as heavy as in bench_network.py) with AdamW on the same global batches: windows of
 ``--seq-len`` bytes of the Python standard library's sources (``slow_links_parts``), a seeded
 order; for ``--steps`` steps. Systems (``--systems``):
 
@@ -23,23 +24,44 @@ order; for ``--steps`` steps. Systems (``--systems``):
 Per run, a JSONL (``--out``/<group>/<label>.jsonl; a header line, then step, loss, wall time
 since the common start) and, per group (nodes, P x D, link), a table: step time (median of the
 steps after ``--warmup``, spread (p90 - p10) / median), final loss (mean of the last tenth of the
-steps), wall time to reach the reference run's final loss (the reference: ``varuna_fx``
-defaults, the exact run), bytes on the wire per step (counted: the nodes' interface counters
+steps), wall time to reach the exact run's final loss (``--reference``: varuna_fx's defaults
+unless told), bytes on the wire per step (counted: the nodes' interface counters
 from /proc/net/dev, every frame's headers included; and from the formula in
 ``slow_links_parts``: 2 x m x D x cut bytes for the pipeline plus the replicas' all-reduce),
 peak RSS per rank; a chart of loss against wall time (``bench/figures/slow_links*.png``).
 ``--write`` puts the tables into bench/RESULTS.md.
 
-Commands (root, iproute2; one run's minutes are roughly steps x step time + ~1 min per launch):
+Issue 31's figures, one command each (root, iproute2; run alone on a quiet machine; each
+``--write`` rewrites the RESULTS.md block from every run in ``--out``, so they add up). Minutes
+are estimates for the 2-core machine from the smoke run's bytes and CPU seconds: a launch costs
+~30 s to start; the 4-node exact run is bound by its bytes (ZeRO-1 on gloo: ~125 MB per node per
+step, >= 10.5 s at 100 Mbit/s), and 4 ranks share the 2 cores (>= 3 s a step unshaped).
 
-    # P=2 on 2 nodes at 100 Mbit/s and 1 Gbit/s, all systems, varuna_fx defaults and settings
-    python bench/bench_slow_links.py --nodes 2 --stages 2 --links 100mbit,1gbit \\
-        --systems varuna_fx,pipelining-1f1b,pipelining-gpipe,deepspeed \\
-        --setting compression=int8 --setting compression=auto --write
-    # P=2 x D=2 on 4 nodes at 100 Mbit/s and unshaped (the 1.2x target)
-    python bench/bench_slow_links.py --nodes 4 --stages 2 --links 100mbit,unshaped \\
-        --systems varuna_fx --setting replica_sync=powersgd:4 --write
-    python bench/bench_slow_links.py --smoke ...   # a few steps, results kept apart
+    # (1) P=2 on 2 nodes at 100 Mbit/s and 1 Gbit/s, against pipelining and DeepSpeed, defaults
+    #     and settings (~1 s a step: 14 launches x 200 steps, ~60 min)
+    python bench/bench_slow_links.py --nodes 2 --stages 2 --links 100mbit,1gbit --steps 200 \
+        --systems varuna_fx,pipelining-1f1b,pipelining-gpipe,deepspeed \
+        --setting compression=bf16 --setting compression=int8 --setting compression=auto --write
+    # (2) P=2 x D=2 on 4 nodes at 100 Mbit/s: time to the exact run's final loss (exact ~12 s
+    #     a step; peers and shard_optimizer=false ~8 s; compressed settings ~1-3 s: ~90 min)
+    python bench/bench_slow_links.py --nodes 4 --stages 2 --links 100mbit --steps 100 \
+        --systems varuna_fx,pipelining-1f1b,deepspeed --setting shard_optimizer=false \
+        --setting replica_sync=bf16 --setting replica_sync=powersgd:4 \
+        --setting replica_sync=diloco:every=25 --setting compression=int8,replica_sync=powersgd:4 \
+        --setting compression=auto,replica_sync=auto --write
+    # (3) the same jobs unshaped, for "within 1.2x of unshaped" (~3-4 s a step, ~45 min)
+    python bench/bench_slow_links.py --nodes 4 --stages 2 --links unshaped --steps 100 \
+        --systems varuna_fx --setting shard_optimizer=false --setting replica_sync=bf16 \
+        --setting replica_sync=powersgd:4 --setting replica_sync=diloco:every=25 \
+        --setting compression=int8,replica_sync=powersgd:4 \
+        --setting compression=auto,replica_sync=auto --write
+    # (4) unshaped 2 nodes: compression="auto" against "off" (~0.7 s a step, ~6 min)
+    python bench/bench_slow_links.py --nodes 2 --stages 2 --links unshaped --steps 150 \
+        --systems varuna_fx --setting compression=auto --write
+    # a smoke run: --smoke (6 steps unless --steps; runs and RESULTS block kept apart)
+
+Only the settings this version of vf.compile accepts run (an unknown keyword fails that launch
+with compile's TypeError; ``--keep-going`` carries on with the next).
 
 DeepSpeed's first start JIT-builds a C++ op (deepspeed_shm_comm, ~3 min, cached in
 ~/.cache/torch_extensions/py311_cpu/deepspeed_shm_comm/). The driver builds it once before
@@ -216,10 +238,13 @@ def launch(args: argparse.Namespace, job: dict, link: str, port: int) -> None:
                                               json.dumps(job)])
                 procs.append(subprocess.Popen(argv, env=env))
             deadline = time.time() + args.timeout
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            print(f"{job['path']}: timed out after {args.timeout:.0f} s", flush=True)
+            # a rank that fails leaves its peers waiting in a collective until gloo's timeout:
+            # stop them all as soon as one fails
+            while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
+                if time.time() > deadline:
+                    print(f"{job['path']}: timed out after {args.timeout:.0f} s", flush=True)
+                    break
+                time.sleep(0.5)
         finally:
             for p in procs:  # only the processes started here
                 if p.poll() is None:
@@ -227,6 +252,12 @@ def launch(args: argparse.Namespace, job: dict, link: str, port: int) -> None:
                     p.wait()
     if any(p.returncode for p in procs):
         raise RuntimeError(f"a rank failed: {job['system']} {job['setting']!r} on {link}")
+
+
+def command_line() -> str:
+    """This driver's command, as the report shows it (without --write/--report)."""
+    return "python bench/bench_slow_links.py " + " ".join(
+        a for a in sys.argv[1:] if a not in ("--write", "--report", "--keep-going"))
 
 
 def group_name(nodes: int, stages: int, replicas: int, link: str) -> str:
@@ -241,12 +272,13 @@ def jobs_for(args: argparse.Namespace, link: str) -> list[dict]:
                   vocab=args.vocab, layers=args.layers, heads=args.heads, width=args.width,
                   steps=args.steps, warmup=args.warmup, lr=args.lr, seed=args.seed,
                   corpus_bytes=args.corpus_bytes, timeout=args.timeout, pin=args.pin,
-                  smoke=args.smoke)
+                  smoke=args.smoke, command=command_line(), reference=args.reference)
     out = []
     for system in args.systems.split(","):
         if system not in SYSTEMS:
             raise SystemExit(f"--systems: unknown {system!r}; known: {', '.join(SYSTEMS)}")
-        settings = ["defaults", *args.setting] if system == "varuna_fx" else ["defaults"]
+        settings = list(dict.fromkeys(["defaults", args.reference, *args.setting])) \
+            if system == "varuna_fx" else ["defaults"]
         for setting in settings:
             stem = f"varuna_fx.{label(setting)}" if system == "varuna_fx" else system
             out.append(dict(common, system=system, setting=setting,
@@ -263,6 +295,9 @@ def main() -> None:
     parser.add_argument("--setting", action="append", default=[],
                         help="varuna_fx keyword arguments, e.g. compression=int8,"
                              "replica_sync=powersgd:4 (repeatable: one run each)")
+    parser.add_argument("--reference", default="defaults",
+                        help="the varuna_fx setting whose run is 'exact' in time-to-loss "
+                             "(e.g. shard_optimizer=false: ZeRO-1 on gloo sends 1.5x)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of step time")
     parser.add_argument("--batch", type=int, default=16, help="global batch (samples)")
@@ -322,9 +357,7 @@ def main() -> None:
                     raise SystemExit(str(exc)) from None
                 print(exc, flush=True)
     runs = [read_run(p) for p in sorted(Path(args.out).glob("*/*.jsonl"))]
-    command = "python bench/bench_slow_links.py " + " ".join(
-        a for a in sys.argv[1:] if a not in ("--write", "--report"))
-    print(report(runs, Path(args.out), command, args.write, args.smoke))
+    print(report(runs, Path(args.out), args.write, args.smoke))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,6 @@ from pathlib import Path
 
 from slow_links_parts import final_loss, time_to_loss
 
-REFERENCE = ("varuna_fx", "defaults")  # the exact run: compile's defaults, compression off
-
 
 def window(run: dict) -> int:
     """Steps in the final-loss mean: the last tenth of the run (at least one)."""
@@ -25,11 +23,15 @@ def groups(runs: list[dict]) -> dict[tuple, list[dict]]:
 def name(run: dict) -> str:
     if run["system"] != "varuna_fx":
         return run["system"]
-    return "varuna_fx" + ("" if run["setting"] == "defaults" else f" [{run['setting']}]")
+    mark = " (exact)" if run["setting"] == run.get("reference", "defaults") else ""
+    return "varuna_fx" + ("" if run["setting"] == "defaults" else f" [{run['setting']}]") + mark
 
 
 def reference(runs: list[dict]) -> dict | None:
-    return next((r for r in runs if (r["system"], r["setting"]) == REFERENCE), None)
+    """The exact run: varuna_fx with the run's ``--reference`` setting (default: compile's
+    defaults, compression off, exact replica sync)."""
+    return next((r for r in runs if r["system"] == "varuna_fx"
+                 and r["setting"] == r.get("reference", "defaults")), None)
 
 
 def mib(value: float | None) -> str:
@@ -137,7 +139,7 @@ def chart(by_group: dict[tuple, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def report(runs: list[dict], out: Path, command: str, write: bool, smoke: bool) -> str:
+def report(runs: list[dict], out: Path, write: bool, smoke: bool) -> str:
     by_group = groups(runs)
     figure = out.parent / f"{out.name}.png"
     if runs:
@@ -158,7 +160,8 @@ def report(runs: list[dict], out: Path, command: str, write: bool, smoke: bool) 
         lines += ["", "Targets (issue 31), this run:", "", *found]
     text = "\n".join(lines)
     if write:
-        write_block(Path(__file__).resolve().parent / "RESULTS.md", text, command, figure,
+        commands = list(dict.fromkeys(r.get("command", "?") for r in runs))
+        write_block(Path(__file__).resolve().parent / "RESULTS.md", text, commands, figure,
                     smoke)
     return text
 
@@ -166,14 +169,16 @@ def report(runs: list[dict], out: Path, command: str, write: bool, smoke: bool) 
 SECTION = "## Slow links: varuna_fx against pipelining and DeepSpeed (issue 31)"
 
 
-def write_block(path: Path, text: str, command: str, figure: Path, smoke: bool) -> None:
+def write_block(path: Path, text: str, commands: list[str], figure: Path, smoke: bool) -> None:
     kind = "smoke" if smoke else "result"
     begin = f"<!-- bench_slow_links.py {kind}: begin (replaced by --write) -->"
     end = f"<!-- bench_slow_links.py {kind}: end -->"
     caveat = ("**A smoke run on a loaded shared machine: it shows the harness works, the "
               "figures are not the result.** " if smoke else "")
-    block = (f"{begin}\n\n### {'Smoke run' if smoke else 'Measured'}\n\n{caveat}Command: "
-             f"`{command}`. Chart: `bench/figures/{figure.name}`. Step: median of the steps "
+    block = (f"{begin}\n\n### {'Smoke run' if smoke else 'Measured'}\n\n{caveat}"
+             f"Command{'s' if len(commands) > 1 else ''}: "
+             f"{', '.join(f'`{c}`' for c in commands)}. "
+             f"Chart: `bench/figures/{figure.name}`. Step: median of the steps "
              f"after the warm-up, spread (p90 - p10) / median; final loss: mean of the last "
              f"tenth of the steps; wire: all nodes' sent bytes per step (frames, headers "
              f"included) against the payload formula.\n{text}\n\n{end}")

@@ -260,7 +260,7 @@ def deepspeed_pipe(job: dict, cfg: GPTConfig) -> Trainer:
         chunks = iter(list(zip(xs.split(mb), ys.split(mb))))
         return float(engine.train_batch(data_iter=chunks))
 
-    parts = net.parts  # stage s holds layers parts[s]..parts[s+1]-1
+    parts = [int(p) for p in net.parts]  # stage s holds layers parts[s]..parts[s+1]-1
     full = gpt_layers(cfg, job["seed"])
     modules = [full[a:b] for a, b in zip(parts, parts[1:])]
     formula, note = formula_for(cfg, job, "off", "exact", False, modules)

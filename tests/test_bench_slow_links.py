@@ -137,7 +137,7 @@ def test_runs_round_trip_and_report(tmp_path: Path) -> None:
     runs = [run("varuna_fx", "defaults", 1.0),
             run("varuna_fx", "compression=int8,replica_sync=powersgd:4", 0.4)]
     assert runs[1]["steps"][3]["loss"] == pytest.approx(4.7)
-    text = report(runs, tmp_path, "python bench/bench_slow_links.py", write=False, smoke=True)
+    text = report(runs, tmp_path, write=False, smoke=True)
     assert "| varuna_fx [compression=int8,replica_sync=powersgd:4] | 400 |" in text
     assert "time to exact's final loss 0.40x" in text
     assert (tmp_path.parent / f"{tmp_path.name}.png").exists()
