@@ -186,8 +186,11 @@ def write_block(path: Path, text: str, commands: list[str], figure: Path, smoke:
     if begin in body and end in body:
         head, rest = body.split(begin, 1)
         body = head + block + rest.split(end, 1)[1]
+    elif SECTION in body:  # at the end of the section, before the next "## "
+        head, rest = body.split(SECTION, 1)
+        at = rest.find("\n## ")
+        at = len(rest) if at < 0 else at
+        body = head + SECTION + rest[:at].rstrip("\n") + "\n\n" + block + "\n" + rest[at:]
     else:
-        if SECTION not in body:
-            body = body.rstrip("\n") + f"\n\n{SECTION}\n"
-        body = body.rstrip("\n") + "\n\n" + block + "\n"
+        body = body.rstrip("\n") + f"\n\n{SECTION}\n\n{block}\n"
     path.write_text(body)
