@@ -1,0 +1,6 @@
+"""Watching a run: ``vf.Monitor`` (``monitor.py``) with its sinks, live line, MFU and
+charts."""
+
+from .monitor import Monitor
+
+__all__ = ["Monitor"]
