@@ -27,6 +27,7 @@ from varuna_fx.launch.elastic import elastic_launch
 from varuna_fx.launch.factory import load_factory
 from varuna_fx.launch.plan_command import plan_as_dict, plan_command
 from varuna_fx.launch.standalone import loopback_interfaces, loopback_stores, standalone_args
+from varuna_fx.launch.train import train_command
 from varuna_fx.schedule import DEFAULT_SCHEDULE, schedule_choices
 
 _load_factory = load_factory  # its home is launch/factory.py (launch/plan_command.py uses it too)
@@ -209,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    # listed here for --help; main() hands its arguments to launch/train.py unparsed
+    sub.add_parser("train", add_help=False,
+                   help="train a model from a TOML config and --key value flags (no arguments: "
+                        "the built-in GPT on the standard library's sources, 2 processes, "
+                        "about a minute); varuna-fx train --help lists every key")
+
     demo = sub.add_parser(
         "demo", help="compile the built-in GPT, print its plan and a stage, run one step",
         description="Compile the built-in GPT (1000-token vocabulary, 64-dim embeddings) on "
@@ -329,9 +336,11 @@ def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.Argument
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # every key of its config is a flag: launch/train.py parses them
+        return train_command(argv[1:])
     parser = build_parser()
-    argv = _glue_torchrun_args(sys.argv[1:] if argv is None else list(argv),
-                               _subcommand(parser, "run"))
+    argv = _glue_torchrun_args(argv, _subcommand(parser, "run"))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         hint = ""
