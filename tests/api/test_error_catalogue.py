@@ -353,7 +353,18 @@ CATALOGUE = [
     row("Monitor.log before any step", step_after(
         lambda p: vf.Monitor(p, tempfile.mkdtemp(), live=False).log(1.0)), Inp,
         "no pipe.step since the last log"),
+    # -- varuna-fx train (tests/launch/test_train_config.py has every refusal) -----------------
+    row("train: an unknown key", lambda _: _train_config(["--learning-rate", "1e-3"]), Inp,
+        "unknown key 'learning_rate'", "did you mean", "lr"),
+    row("train: a value of the wrong type", lambda _: _train_config(["--steps", "1e3"]), Inp,
+        "steps takes an integer", "'1e3'"),
 ]
+
+
+def _train_config(argv: list[str]) -> Any:
+    from varuna_fx.launch.train_config import resolve
+
+    return resolve(argv)
 
 
 def _deferred_empty() -> torch.nn.Module:

@@ -17,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..capture.trace import TRACERS
 from ..errors import InputError
+from ..pipeline import Pipeline
 from ..runtime.precision import PRECISIONS
 from ..schedule import DEFAULT_SCHEDULE, schedule_choices
 
@@ -37,6 +39,7 @@ GROUPS = ("model", "data", "training", "optimizer", "compile", "checkpoint", "mo
 BUILTIN_GPT = "gpt"
 STDLIB_CORPUS = "stdlib"
 # keys that size the built-in GPT: refused with another model, which brings its own sizes
+_HELP_WIDTH = 100
 GPT_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "dropout")
 
 
@@ -74,7 +77,7 @@ class TrainConfig:
                     "other file read as bytes")
     corpus_bytes: int = key(4_000_000, "data", "stdlib: bytes of the corpus (the first files "
                             "in sorted order, cut at this size)", low=1024)
-    data_dtype: str = key(AUTO, "data", ".bin token files: uint16 | uint32 | auto (inferred)",
+    data_dtype: str = key(AUTO, "data", ".bin token files: uint16 / uint32 / auto (inferred)",
                           choices=(AUTO, "uint16", "uint32"))
     seq_len: int = key(64, "data", "tokens per sample (the built-in GPT's context)", low=1)
     shuffle: bool = key(True, "data", "shuffle the samples each epoch (order of seed, epoch)")
@@ -97,8 +100,8 @@ class TrainConfig:
                               "dimensions (not biases or norms)", low=0.0)
     grad_clip: float = key(1.0, "optimizer", "clip the gradients' global norm to this (0: off)",
                            low=0.0)
-    lr_schedule: str = key("cosine", "optimizer", "after the warmup: cosine | linear (down to "
-                           "min_lr_ratio x lr) | constant", choices=("cosine", "linear",
+    lr_schedule: str = key("cosine", "optimizer", "after the warmup: cosine / linear (down to "
+                           "min_lr_ratio x lr) / constant", choices=("cosine", "linear",
                                                                      "constant"))
     warmup_steps: Any = key(AUTO, "optimizer", "linear warmup steps; auto: 5% of steps",
                             "int|auto", low=0)
@@ -114,13 +117,13 @@ class TrainConfig:
     stages_per_rank: Any = key(1, "compile", "virtual stages per rank (auto: the schedule's)",
                                "int|auto", low=1)
     schedule: str = key(DEFAULT_SCHEDULE, "compile", "micro-batch schedule: "
-                        + " | ".join(schedule_choices()), choices=tuple(schedule_choices()))
-    recompute: Any = key(AUTO, "compile", "recompute activations: true | false | auto",
+                        + ", ".join(schedule_choices()), choices=tuple(schedule_choices()))
+    recompute: Any = key(AUTO, "compile", "recompute activations: true / false / auto",
                          "bool|auto")
-    shard_optimizer: Any = key(AUTO, "compile", "ZeRO-1 over the replicas: true | false | auto "
+    shard_optimizer: Any = key(AUTO, "compile", "ZeRO-1 over the replicas: true / false / auto "
                                "(auto: when D > 1)", "bool|auto")
-    precision: str = key("fp32", "compile", "fp32 | bf16 | fp16", choices=tuple(PRECISIONS))
-    tracer: str = key(AUTO, "compile", "fx | export | auto", choices=TRACERS)
+    precision: str = key("fp32", "compile", "fp32 / bf16 / fp16", choices=tuple(PRECISIONS))
+    tracer: str = key(AUTO, "compile", "fx / export / auto", choices=TRACERS)
     offload_stash: bool = key(False, "compile", "keep stashed activations in host memory")
     timeout: Any = key(AUTO, "compile", "seconds a rank waits for a peer (auto: "
                        "$VARUNA_FX_TIMEOUT or the default)", "float|auto", low=0.0)
@@ -137,9 +140,9 @@ class TrainConfig:
     # -- watching
     print_every: int = key(10, "monitor", "plain progress lines every this many steps (when "
                            "not on a terminal)", low=1)
-    live: Any = key(AUTO, "monitor", "the live progress line: true | false | auto (on a "
+    live: Any = key(AUTO, "monitor", "the live progress line: true / false / auto (on a "
                     "terminal)", "bool|auto")
-    tensorboard: Any = key(AUTO, "monitor", "TensorBoard under --out: true | false | auto "
+    tensorboard: Any = key(AUTO, "monitor", "TensorBoard under --out: true / false / auto "
                            "(when installed)", "bool|auto")
     charts: bool = key(True, "monitor", "draw charts/training.png and charts/timeline.png at "
                        "the end")
@@ -185,8 +188,19 @@ def defaults() -> TrainConfig:
 # -- values ----------------------------------------------------------------------------------
 
 
+# what torchtitan, HF Trainer and nanoGPT call some keys: suggested, never accepted silently
+_OTHER_NAMES = {"learning_rate": "lr", "max_steps": "steps", "training_steps": "steps",
+                "batch_size": "global_batch_size", "output_dir": "out", "dump_folder": "out",
+                "num_layers": "n_layer", "warmup": "warmup_steps", "max_norm": "grad_clip",
+                "max_grad_norm": "grad_clip", "seq_length": "seq_len", "block_size": "seq_len",
+                "interval": "checkpoint_every", "save_steps": "checkpoint_every",
+                "dataset": "data", "pipeline_parallel_degree": "stages",
+                "data_parallel_degree": "data_parallel", "microbatch_size": "micro_batch_size"}
+
+
 def _close(name: str, among: Any) -> str:
-    near = difflib.get_close_matches(name, list(among), n=3, cutoff=0.6)
+    near = [_OTHER_NAMES[name]] if name in _OTHER_NAMES and among is FIELDS else []
+    near += difflib.get_close_matches(name, list(among), n=3 - len(near), cutoff=0.6)
     near += [k for k in among if name and name in k and k not in near][:3 - len(near)]
     return f" (did you mean {', '.join(near)}?)" if near else ""
 
@@ -359,8 +373,9 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
     if elastic_only and not cfg.elastic:
         raise InputError(f"{', '.join(elastic_only)} belong to elastic = true; for a fixed "
                          "multi-machine job pass torchrun's flags in torchrun_args")
-    if cfg.elastic and cfg.nproc and not cfg.nnodes and cfg.rdzv_endpoint:
-        raise InputError("elastic with rdzv_endpoint needs nnodes = \"MIN:MAX\"")
+    if (cfg.init_from or cfg.export) and not hasattr(Pipeline, "load_pretrained"):
+        raise InputError("init_from and export need pipe.load_pretrained and "
+                         "pipe.save_pretrained, which this varuna_fx does not have yet")
 
 
 def _hf_config(model: str) -> Path:
@@ -389,7 +404,7 @@ def to_toml(cfg: TrainConfig, source: dict[str, str] | None = None) -> str:
     tables, each key with its meaning (and where it was set, when ``source`` says)."""
     lines: list[str] = []
     for group in GROUPS:
-        lines += ["" if lines else "", f"[{group}]"] if lines else [f"[{group}]"]
+        lines += [""] * bool(lines) + [f"[{group}]"]
         for f in FIELDS.values():
             if f.metadata["group"] != group:
                 continue
@@ -414,6 +429,8 @@ def help_text() -> str:
         out += ["", f"[{group}]"]
         for f in FIELDS.values():
             if f.metadata["group"] == group:
-                flag = f"--{f.name.replace('_', '-')} ({_toml_value(f.default)})"
-                out.append(f"  {flag:<34} {f.metadata['help']}")
+                flag = f"--{f.name.replace('_', '-')} {_toml_value(f.default)}"
+                out += textwrap.wrap(f.metadata["help"], width=_HELP_WIDTH,
+                                     initial_indent=f"  {flag:<30}  ",
+                                     subsequent_indent=" " * 34)
     return "\n".join(out)

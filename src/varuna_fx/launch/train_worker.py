@@ -36,7 +36,7 @@ import torch
 
 from ..api import compile as vf_compile
 from ..checkpoint.directory import MARKER, latest_checkpoint
-from ..errors import InputError, VarunaFxError
+from ..errors import VarunaFxError
 from ..monitor.monitor import Monitor
 from ..pipeline import Pipeline
 from ..world.where import launched_distributed, rank
@@ -117,12 +117,13 @@ class Run:
         loader = pipe.data_loader(data.dataset, shuffle=cfg.shuffle, seed=cfg.seed,
                                   num_workers=cfg.num_workers)
         plan = pipe.plan
+        sharded = pipe.replicas > 1 and cfg.shard_optimizer is not False
         self.say(f"model: {made.description}")
         self.say(f"data: {data.description}")
         self.say(f"plan: P={plan.stages} x D={plan.data_parallel}, {plan.num_micro_batches} "
-                 f"micro-batches of {plan.micro_batch_size}, schedule {plan.schedule.name}, "
-                 f"ZeRO-1 {'on' if plan.shard_optimizer else 'off'}, global batch "
-                 f"{loader.global_batch_size}")
+                 f"micro-batch(es) of {plan.micro_batch_size}, schedule {plan.schedule.name}, "
+                 f"optimizer state {'sharded (ZeRO-1)' if sharded else 'not sharded'}, global "
+                 f"batch {loader.global_batch_size}")
         step = 0
         if start is not None:
             step = int(pipe.load_checkpoint(start, opt, data=loader, scheduler=sched)["step"])
@@ -222,9 +223,6 @@ def _auto(value: Any) -> bool | None:
 def run_training(cfg: TrainConfig, launched_at: float | None = None,
                  source: dict[str, str] | None = None) -> int:
     """Train as configured on this process (every rank calls it); the exit status."""
-    if (cfg.init_from or cfg.export) and not hasattr(Pipeline, "load_pretrained"):
-        raise InputError("init_from and export need pipe.load_pretrained / save_pretrained, "
-                         "which this varuna_fx does not have yet")
     return Run(cfg, launched_at, source).train()
 
 
