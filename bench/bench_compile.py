@@ -26,6 +26,7 @@ from rich.table import Table
 
 import varuna_fx as vf
 import varuna_fx.api as api
+import varuna_fx.codegen.pass_list as pass_list
 import varuna_fx.passes.frontend as frontend
 import varuna_fx.pipeline as pipeline
 import varuna_fx.planner.configure as configure
@@ -69,7 +70,7 @@ def instrument() -> None:
 
     for names in PHASES.values():
         for name in names:  # patch the module whose pass list calls it
-            for module in (api, frontend, configure, pipeline):
+            for module in (api, pass_list, frontend, configure, pipeline):
                 if hasattr(module, name):
                     _timed(module, name)
                     break

@@ -42,6 +42,7 @@ from .candidates import AUTO, Candidate, Space
 from .cluster import Cluster
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
+from .options import PlanOptions
 from .plan import Alternative
 from .profile import Profile
 from .search import Planner
@@ -100,18 +101,20 @@ def default_micro_batch_size(batch: int, stages: int) -> int:
     return 1
 
 
-def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch: int,
-                         global_batch_size: int | None, stages: int | None,
-                         data_parallel: int | None, micro_batch_size: int | None,
-                         schedule: str, recompute: bool, profile: Profile | None = None,
-                         stages_per_rank: int | None = 1,
-                         shard_optimizer: bool | str = False) -> Configuration:
-    """``profile``: measured costs (``varuna_fx.planner.Profile``), or None for estimates.
-    ``schedule``: a name, or "auto" (the planner picks the fastest that fits, per candidate).
-    ``stages_per_rank``: v, stages each rank runs (a virtual schedule: ``interleaved-1f1b``,
-    ``zbv``); None: that schedule's default.
-    ``shard_optimizer``: True counts the optimizer state split over D wherever D > 1; "auto"
-    only where a candidate does not fit otherwise; False never."""
+def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_batch: int,
+                         recompute: bool, profile: Profile | None = None) -> Configuration:
+    """The configuration for ``options`` (its ``cluster`` given): what it fixes is kept, the
+    rest chosen. ``options.schedule``: a name, or "auto" (the planner picks the fastest that
+    fits, per candidate). ``options.stages_per_rank``: v, stages each rank runs (a virtual
+    schedule: ``interleaved-1f1b``, ``zbv``); None: that schedule's default.
+    ``options.shard_optimizer``: True counts the optimizer state split over D wherever D > 1;
+    "auto" only where a candidate does not fit otherwise; False never. ``recompute``: the
+    setting planned for (compile decides it for ``options.recompute="auto"``). ``profile``:
+    measured costs (``varuna_fx.planner.Profile``), or None for estimates."""
+    assert options.cluster is not None, "the caller resolves Cluster.local()"
+    cluster, schedule, stages_per_rank = options.cluster, options.schedule, options.stages_per_rank
+    global_batch_size, micro_batch_size = options.global_batch_size, options.micro_batch_size
+    stages, data_parallel = options.stages, options.data_parallel
     v = check_stages_per_rank(schedule, stages_per_rank)
     if stages is not None:  # before any schedule is built: 10**6 stages would take minutes
         operations = len(compute_nodes(gm))
@@ -119,7 +122,7 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
             raise PartitionError(f"stages={stages} is more than the {operations} operations of "
                                  f"the model: use at most {operations} stages")
     planner = _planner(gm, cluster, schedule, recompute, profile)
-    planner.shard_optimizer = shard_optimizer
+    planner.shard_optimizer = options.shard_optimizer
     planner.stages_per_rank = v
     planner.memory_cap /= v  # a rank holds v stages (each checked at its share)
     alternatives: list[Alternative] = []
