@@ -62,12 +62,10 @@ def compile(  # noqa: A001 - the public name in API.md
     ``stages_per_rank``: v stages on each rank (virtual stages: ``schedule="interleaved-1f1b"``
     or ``"zbv"``); the world is then (stages / v) x D ranks. None: the schedule's default.
     """
-    o = CompileOptions(
-        cluster=cluster, loss_fn=loss_fn, global_batch_size=global_batch_size, stages=stages,
-        stages_per_rank=stages_per_rank, data_parallel=data_parallel,
-        micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute, tracer=tracer,
-        offload_stash=offload_stash, precision=precision, timeout=timeout, profile=profile,
-        shard_optimizer=shard_optimizer, dump=dump)
+    # every keyword but the model and its inputs (CompileOptions' fields are exactly these:
+    # tests/api/test_options.py), so a new option is a field of its part and a keyword here
+    o = CompileOptions(**{k: v for k, v in locals().items()
+                          if k not in ("model", "example_inputs")})
     check_model(model, example_inputs, o.loss_fn)
     planning = dataclasses.replace(
         o.planning, cluster=o.cluster or Cluster.local(timeout=resolve_timeout(o.timeout)))
