@@ -3,7 +3,8 @@
 Run: ``python bench/bench_compile.py`` (``--profile fx`` adds a cProfile of one cold compile).
 Each configuration runs in a fresh interpreter, so "cold" is the first compile of a process (what
 a user pays) and "warm" the median of 3 more compiles of new models in the same process. Phases
-are timed by wrapping the pass functions that ``varuna_fx.api`` calls (no change to the package).
+are timed by wrapping the functions that ``varuna_fx.api`` and its pass list
+(``codegen/pass_list.py``) call (no change to the package).
 """
 
 from __future__ import annotations
