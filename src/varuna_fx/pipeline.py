@@ -16,6 +16,7 @@ from torch import nn
 from .capture.captured import Captured
 from .capture.inputs import BoundInputs, bind_inputs
 from .capture.model_edits import ModelEdits, traced_modules
+from .checkpoint.pretrained import PretrainedLoad, load_pretrained, save_pretrained
 from .checkpoint.save_load import checkpointer, wait_for_saves
 from .codegen import Stage
 from .codegen.modes import Modes, capture_if_changed, evaluation_stages, module_modes
@@ -360,6 +361,16 @@ class Pipeline:
         """Load a checkpoint saved under any layout; returns the ``extra`` dict it was saved
         with."""
         return checkpointer(self).load(str(path), optimizer)
+
+    def load_pretrained(self, path: str, *, strict: bool = True) -> PretrainedLoad:
+        """Load a Hugging Face safetensors checkpoint (a directory, or one file) into the
+        tensors held here, reading only those; see checkpoint/pretrained.py."""
+        return load_pretrained(self, path, strict=strict)
+
+    def save_pretrained(self, directory: str) -> None:
+        """Write the weights in Hugging Face's layout (sharded safetensors, index, config),
+        every rank its own stages'; ``from_pretrained(directory)`` opens it."""
+        save_pretrained(self, directory)
 
     @property
     def preempted(self) -> bool:

@@ -72,9 +72,9 @@ def load_error(exc: BaseException, path: str) -> CheckpointError:
 class FailedLoad:
     """The refusal a pipeline raises while a failed load's partial overwrite stands."""
 
-    def __init__(self, path: str, error: BaseException) -> None:
+    def __init__(self, path: str, error: BaseException, call: str = "load_checkpoint") -> None:
         said = str(error).splitlines()[0] if str(error) else type(error).__name__
-        self.message = f"the last pipe.load_checkpoint({path!r}) failed partway ({said})"
+        self.message = f"the last pipe.{call}({path!r}) failed partway ({said})"
 
     def refuse(self, names: list[str], where: str) -> None:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -85,8 +85,8 @@ class FailedLoad:
 
 
 def mark_failed(pipe: Any, tensors: Iterable[torch.Tensor], path: str,
-                error: BaseException) -> None:
+                error: BaseException, call: str = "load_checkpoint") -> None:
     """Refuse to step until a load succeeds (``Pipeline._check_loaded`` asks)."""
     for t in tensors:
         mark(t)
-    pipe._failed_load = FailedLoad(path, error)
+    pipe._failed_load = FailedLoad(path, error, call)
