@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -216,6 +217,20 @@ def test_load_pretrained_fills_what_skip_init_left_and_a_failed_read_refuses_ste
     monkeypatch.undo()
     fresh.load_pretrained(tmp_path)
     torch.testing.assert_close(fresh.step(x, target=y), mlps[2].step(x, target=y))
+
+
+def test_views_of_one_buffer_are_written_as_separate_tensors_on_any_safetensors(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flat = torch.arange(12.0)  # as ZeRO-1's flat buckets: parameters are views of one buffer
+    tensors = {"a": flat[:4].view(2, 2), "b": flat[4:], "c": torch.ones(2, dtype=torch.bfloat16)}
+    files.write_file(str(tmp_path / "pointers.safetensors"), tensors)
+    monkeypatch.delattr(safetensors, "TensorSpec")  # safetensors < 0.8: save_file
+    files.write_file(str(tmp_path / "copies.safetensors"), tensors)
+    for name in ["pointers", "copies"]:
+        with safe_open(tmp_path / f"{name}.safetensors", "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for key, want in tensors.items():
+                assert f.get_tensor(key).equal(want), (name, key)
 
 
 # -- refusals --------------------------------------------------------------------------------

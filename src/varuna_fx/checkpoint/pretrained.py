@@ -69,7 +69,7 @@ class PretrainedLoad:
 
 def load_pretrained(pipe: Any, path: str, *, strict: bool = True) -> PretrainedLoad:
     """Load the Hugging Face checkpoint at ``path`` into the tensors ``pipe`` holds here."""
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))
     ckpt = _checkpointer(pipe)
     ckpt.agreement.same_call("load_pretrained", path, None, True)
     held = pipe.state_dict()
@@ -167,7 +167,7 @@ def _mismatch(model: Any, path: str, found: Any, kind: str | None, settings: lis
 def save_pretrained(pipe: Any, directory: str) -> None:
     """Write the pipeline's weights to ``directory`` in transformers' layout, every rank of
     replica 0 its stages' shards."""
-    directory = os.fspath(directory)
+    directory = os.path.normpath(os.fspath(directory))  # the lock goes beside it, not inside
     ckpt = _checkpointer(pipe)
     ckpt.agreement.same_call("save_pretrained", directory, None, True)
     layout, names = pipe.state_layout, saved_names(pipe.model, pipe.state_layout)

@@ -38,7 +38,7 @@ from ..errors import PretrainedError
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
-READ_WINDOW = 64 << 20  # bytes read from one mapping before it is closed (and unmapped)
+READ_WINDOW = 16 << 20  # bytes read from one mapping before it is closed (and unmapped)
 JSON_LIMIT = 64 << 20  # an index or config.json larger than this is not a checkpoint's
 _ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
                "BF16": 2, "I16": 2, "U16": 2}  # the rest: one byte (BOOL, U8, I8, F8_*)
