@@ -219,6 +219,23 @@ def test_load_pretrained_fills_what_skip_init_left_and_a_failed_read_refuses_ste
     torch.testing.assert_close(fresh.step(x, target=y), mlps[2].step(x, target=y))
 
 
+def test_reads_go_in_row_slices_through_a_map_reopened_after_every_window(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tensors = {"big": torch.randn(100, 64), "flat": torch.randn(1000).bfloat16(),
+               "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4)}
+    save_file(tensors, tmp_path / files.SINGLE, metadata={"format": "pt"})
+    entries = files.open_checkpoint(str(tmp_path)).entries
+    opens, real = [], files.safe_open
+    monkeypatch.setattr(files, "safe_open", lambda *a, **k: opens.append(a) or real(*a, **k))
+    dests = {k: torch.full(v.shape, -1.0) for k, v in tensors.items()}  # fp32 destinations
+    done = list(files.read_into([(k, entries[k], dests[k]) for k in tensors], window=4096))
+    assert [id(t) for t in done] == [id(dests[k]) for k in tensors]
+    for key, t in tensors.items():
+        assert dests[key].equal(t.float()), key
+    # 25.6 KB + 2 KB + 4 B in windows of 4 KB: one open per window, never the whole file
+    assert 7 <= len(opens) <= 10
+
+
 def test_views_of_one_buffer_are_written_as_separate_tensors_on_any_safetensors(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     flat = torch.arange(12.0)  # as ZeRO-1's flat buckets: parameters are views of one buffer

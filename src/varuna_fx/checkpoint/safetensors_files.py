@@ -182,6 +182,8 @@ class _WindowedReader:
 
     def copy(self, key: str, dest: torch.Tensor) -> None:
         with torch.no_grad():
+            if dest.numel() == 0:
+                return
             if dest.dim() == 0:
                 dest.copy_(self._open().get_tensor(key))
                 self.used += dest.element_size()
