@@ -24,7 +24,6 @@ from typing import Any
 
 from ..capture.trace import TRACERS
 from ..errors import InputError
-from ..pipeline import Pipeline
 from ..runtime.precision import PRECISIONS
 from ..schedule import DEFAULT_SCHEDULE, schedule_choices
 
@@ -373,9 +372,6 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
     if elastic_only and not cfg.elastic:
         raise InputError(f"{', '.join(elastic_only)} belong to elastic = true; for a fixed "
                          "multi-machine job pass torchrun's flags in torchrun_args")
-    if (cfg.init_from or cfg.export) and not hasattr(Pipeline, "load_pretrained"):
-        raise InputError("init_from and export need pipe.load_pretrained and "
-                         "pipe.save_pretrained, which this varuna_fx does not have yet")
 
 
 def _hf_config(model: str) -> Path:
