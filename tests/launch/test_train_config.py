@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from varuna_fx.errors import InputError
+from varuna_fx.errors import CheckpointError, InputError
 from varuna_fx.launch.train import train_command
 from varuna_fx.launch.train_config import (
     FIELDS,
@@ -24,7 +24,7 @@ from varuna_fx.launch.train_config import (
 )
 from varuna_fx.launch.train_data import BYTE_VOCAB, open_data, stdlib_corpus, stdlib_files
 from varuna_fx.launch.train_model import build_model
-from varuna_fx.launch.train_worker import lr_factor
+from varuna_fx.launch.train_worker import Run, lr_factor
 
 DOCS = Path(__file__).parents[2] / "docs" / "API.md"
 
@@ -183,3 +183,14 @@ def test_the_models_vocabulary_must_cover_the_data(tmp_path: Path) -> None:
         build_model(binary, data.vocab_size, data.largest_token, initialise=True)
     with pytest.raises(InputError, match="cannot import the factory"):
         build_model(TrainConfig(model="no_such_module_x:make"), None, 0, initialise=True)
+
+
+def test_a_folder_holding_another_models_run_is_refused_saying_what_to_do(
+        tmp_path: Path) -> None:
+    tiny = dict(n_embd=16, n_head=2, seq_len=8, corpus_bytes=4096, out=str(tmp_path / "run"))
+    run = Run(TrainConfig(n_layer=1, **tiny), None)
+    pipe, opt, sched, loader, step = run.build()
+    assert step == 0
+    run.save(pipe, opt, sched, loader, 3)
+    with pytest.raises(CheckpointError, match="cannot resume .* give another --out"):
+        Run(TrainConfig(n_layer=2, **tiny), None).build()

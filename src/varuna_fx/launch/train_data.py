@@ -10,6 +10,7 @@ Its digest is printed at the start, so two runs can tell they read the same byte
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from ..errors import InputError
 from .train_config import AUTO, STDLIB_CORPUS, TrainConfig
 
 BYTE_VOCAB = 256
-_PACKAGE_DIRS = {"site-packages", "dist-packages"}
+_SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}  # installed packages; bytecode
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,14 @@ class TrainData:
 def stdlib_files(root: Path | None = None) -> list[Path]:
     """The standard library's sources in the corpus's order."""
     root = Path(sysconfig.get_paths()["stdlib"]) if root is None else root
-    files = [p for p in root.rglob("*.py")
-             if not _PACKAGE_DIRS & set(p.relative_to(root).parts) and p.is_file()]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    found: list[tuple[str, Path]] = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIPPED_DIRS]  # not walked at all
+        here = Path(folder)
+        relative = here.relative_to(root).as_posix()
+        found += [(name if relative == "." else f"{relative}/{name}", here / name)
+                  for name in names if name.endswith(".py")]
+    return [path for _, path in sorted(found)]
 
 
 def stdlib_corpus(size: int, root: Path | None = None) -> np.ndarray:

@@ -36,7 +36,7 @@ import torch
 
 from ..api import compile as vf_compile
 from ..checkpoint.directory import MARKER, latest_checkpoint
-from ..errors import VarunaFxError
+from ..errors import CheckpointError, VarunaFxError
 from ..monitor.monitor import Monitor
 from ..pipeline import Pipeline
 from ..world.where import launched_distributed, rank
@@ -111,7 +111,6 @@ class Run:
                               dtype=torch.long)
         pipe = vf_compile(made.model, example_inputs=(example,), loss_fn=next_token_loss,
                           **cfg.compile_options())
-        pipe.install_preemption_handlers()  # (torchrun's ranks have them already)
         opt = adamw(pipe, cfg)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
         loader = pipe.data_loader(data.dataset, shuffle=cfg.shuffle, seed=cfg.seed,
@@ -126,7 +125,12 @@ class Run:
                  f"batch {loader.global_batch_size}")
         step = 0
         if start is not None:
-            step = int(pipe.load_checkpoint(start, opt, data=loader, scheduler=sched)["step"])
+            try:
+                step = int(pipe.load_checkpoint(start, opt, data=loader, scheduler=sched)["step"])
+            except CheckpointError as exc:
+                raise CheckpointError(f"{self.out} holds {start}, which this configuration "
+                                      f"cannot resume ({exc}); give another --out, or the "
+                                      "configuration the run was saved with") from None
             self.say(f"resumed from {start} (step {step})")
         elif cfg.init_from:
             pipe.load_pretrained(cfg.init_from)
@@ -149,6 +153,7 @@ class Run:
         """Train to ``stop_at`` or the end; returns 143 when preempted, else 0."""
         cfg = self.cfg
         pipe, opt, sched, loader, step = self.build()
+        pipe.install_preemption_handlers()  # (torchrun's ranks have them already)
         stop = cfg.stop_at or cfg.steps
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -213,7 +218,7 @@ class Run:
                      "--nproc)")
         elif step < self.cfg.steps:
             self.say(f"stopped at step {step} (stop_at): saved {saved}; the same command "
-                     "without --stop-at resumes")
+                     "without stop_at resumes")
 
 
 def _auto(value: Any) -> bool | None:
