@@ -6,9 +6,10 @@ The command checks the configuration (``train_config.py``), then trains: in this
 (standalone on 127.0.0.1, or torchrun's elastic agent with ``elastic = true``), so the user
 writes no script. The ranks get the checked configuration as JSON.
 
-Exit status: 0 when the run reached ``steps`` (or ``stop_at``); 143 (128 + SIGTERM) when a
-signal stopped it -- the ranks saved a checkpoint first and the same command resumes; 1 when
-a rank failed; 2 for a configuration refused before anything ran.
+Exit status: 0 when the run reached ``steps`` (or ``stop_at``); 128 + the signal's number when
+a signal stopped it (143 for SIGTERM, 130 for Ctrl-C) -- the ranks saved a checkpoint first and
+the same command resumes; 1 when a rank failed; 2 for a configuration refused before anything
+ran.
 """
 
 from __future__ import annotations

@@ -418,9 +418,9 @@ def help_text() -> str:
            "Train a model from one command: every key below is a TOML key of CONFIG.toml (at",
            "the top level or under its [group]) and a flag (--global-batch-size 64); flags",
            "win. With no arguments: the built-in GPT on the Python standard library's sources,",
-           "2 processes, about a minute. SIGTERM saves and exits 143; the same command",
-           "resumes from the newest checkpoint in --out, on any --nproc. --print-config shows",
-           "the resolved configuration as TOML and exits."]
+           "2 processes, about a minute. SIGTERM (or Ctrl-C) saves and exits 143 (130); the",
+           "same command resumes from the newest checkpoint in --out, on any --nproc.",
+           "--print-config shows the resolved configuration as TOML and exits."]
     for group in GROUPS:
         out += ["", f"[{group}]"]
         for f in FIELDS.values():

@@ -27,7 +27,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -154,6 +156,7 @@ class Run:
         cfg = self.cfg
         pipe, opt, sched, loader, step = self.build()
         pipe.install_preemption_handlers()  # (torchrun's ranks have them already)
+        save_on_ctrl_c()
         stop = cfg.stop_at or cfg.steps
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -219,6 +222,18 @@ class Run:
         elif step < self.cfg.steps:
             self.say(f"stopped at step {step} (stop_at): saved {saved}; the same command "
                      "without stop_at resumes")
+
+
+def save_on_ctrl_c() -> None:
+    """Ctrl-C (SIGINT: the terminal sends it to the command and every rank) stops as SIGTERM
+    does -- every rank saves after the step -- instead of a KeyboardInterrupt that loses the
+    steps since the last checkpoint; a second Ctrl-C interrupts at once."""
+    def first(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.kill(os.getpid(), signal.SIGTERM)  # the preemption handler takes it from here
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, first)
 
 
 def _auto(value: Any) -> bool | None:
