@@ -152,7 +152,8 @@ class Run:
                 f.write(text)
 
     def train(self) -> int:
-        """Train to ``stop_at`` or the end; returns 143 when preempted, else 0."""
+        """Train to ``stop_at`` or the end; returns 128 + the signal when one stopped it
+        (143, or 130 for Ctrl-C), else 0."""
         cfg = self.cfg
         pipe, opt, sched, loader, step = self.build()
         pipe.install_preemption_handlers()  # (torchrun's ranks have them already)
@@ -200,7 +201,9 @@ class Run:
             self.say(f"exported the model to {cfg.export} (Hugging Face safetensors)")
         pipe.close()
         self.finish(first, step, loss, saved, preempted, last_step_at)
-        return 143 if preempted else 0
+        if not preempted:
+            return 0
+        return 128 + (signal.SIGINT if _INTERRUPTED else signal.SIGTERM)
 
     def finish(self, first: int, step: int, loss: Any, saved: str | None, preempted: bool,
                last_step_at: float) -> None:
@@ -224,12 +227,16 @@ class Run:
                      "without stop_at resumes")
 
 
+_INTERRUPTED: list[int] = []  # Ctrl-C seen (the exit status says so: 130, not 143)
+
+
 def save_on_ctrl_c() -> None:
     """Ctrl-C (SIGINT: the terminal sends it to the command and every rank) stops as SIGTERM
     does -- every rank saves after the step -- instead of a KeyboardInterrupt that loses the
     steps since the last checkpoint; a second Ctrl-C interrupts at once."""
     def first(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        _INTERRUPTED.append(signum)
         os.kill(os.getpid(), signal.SIGTERM)  # the preemption handler takes it from here
 
     if threading.current_thread() is threading.main_thread():
