@@ -5,13 +5,16 @@ launch (the LR schedule, the built-in corpus, the model's vocabulary checks)."""
 from __future__ import annotations
 
 import math
+import os
 import re
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from varuna_fx.errors import CheckpointError, InputError
+from varuna_fx.launch import train_worker
 from varuna_fx.launch.train import train_command
 from varuna_fx.launch.train_config import (
     FIELDS,
@@ -24,7 +27,8 @@ from varuna_fx.launch.train_config import (
 )
 from varuna_fx.launch.train_data import BYTE_VOCAB, open_data, stdlib_corpus, stdlib_files
 from varuna_fx.launch.train_model import build_model
-from varuna_fx.launch.train_worker import Run, lr_factor
+from varuna_fx.launch.train_worker import Run, lr_factor, save_on_ctrl_c
+from varuna_fx.runtime import preemption
 
 DOCS = Path(__file__).parents[2] / "docs" / "API.md"
 
@@ -194,3 +198,21 @@ def test_a_folder_holding_another_models_run_is_refused_saying_what_to_do(
     run.save(pipe, opt, sched, loader, 3)
     with pytest.raises(CheckpointError, match="cannot resume .* give another --out"):
         Run(TrainConfig(n_layer=2, **tiny), None).build()
+
+
+def test_ctrl_c_stops_as_sigterm_does_and_a_second_one_interrupts() -> None:
+    """(The handlers of this test process are put back afterwards.)"""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        preemption.clear()
+        preemption.install_handlers()
+        save_on_ctrl_c()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert preemption.requested()  # every rank saves after this step
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        preemption.clear()
+        train_worker._INTERRUPTED.clear()
