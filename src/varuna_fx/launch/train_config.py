@@ -84,7 +84,7 @@ class TrainConfig:
     log_samples: bool = key(False, "data", "write each step's global batch (dataset indices) "
                             "to samples.jsonl in --out")
     # -- training
-    steps: int = key(300, "training", "optimizer steps of the whole run (the LR schedule's "
+    steps: int = key(600, "training", "optimizer steps of the whole run (the LR schedule's "
                      "length)", low=1)
     global_batch_size: int = key(16, "training", "samples per step over all replicas", low=1)
     seed: int = key(0, "training", "initial weights and the data order", low=0)
@@ -111,8 +111,11 @@ class TrainConfig:
                       low=1)
     data_parallel: Any = key(AUTO, "compile", "data-parallel replicas D (auto: the planner's)",
                              "int|auto", low=1)
-    micro_batch_size: Any = key(AUTO, "compile", "samples per micro-batch (auto: the "
-                                "planner's)", "int|auto", low=1)
+    # 4, not auto, by default: on the 2-core CPU the no-argument run is sized for, the planner
+    # picks micro-batches of 1 on two stages, 2-3x slower than it predicts there
+    # (bench/RESULTS.md, "The train command"); 4 keeps that run near a minute on any layout
+    micro_batch_size: Any = key(4, "compile", "samples per micro-batch (auto: the planner's); "
+                                "divides the global batch", "int|auto", low=1)
     stages_per_rank: Any = key(1, "compile", "virtual stages per rank (auto: the schedule's)",
                                "int|auto", low=1)
     schedule: str = key(DEFAULT_SCHEDULE, "compile", "micro-batch schedule: "
@@ -366,6 +369,10 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
     if cfg.stop_at and cfg.stop_at >= cfg.steps:
         raise InputError(f"stop_at = {cfg.stop_at} is not before the last step (steps = "
                          f"{cfg.steps}): leave it out to run to the end")
+    if cfg.micro_batch_size != AUTO and cfg.global_batch_size % cfg.micro_batch_size:
+        raise InputError(f"micro_batch_size = {cfg.micro_batch_size} does not divide "
+                         f"global_batch_size = {cfg.global_batch_size}: change one, or let "
+                         "the planner choose (micro_batch_size = \"auto\")")
     if cfg.global_batch_size == 1:
         raise InputError("global_batch_size = 1: a pipeline needs at least 2 samples per step")
     elastic_only = [k for k in ("nnodes", "rdzv_endpoint", "local_addr") if getattr(cfg, k)]
