@@ -111,15 +111,18 @@ def torchrun_flags(values: Sequence[str]) -> list[str]:
     return [flag for value in values for flag in shlex.split(value)]
 
 
-def _glue_torchrun_args(argv: list[str], run: argparse.ArgumentParser) -> list[str]:
-    """``run --torchrun-args --nnodes=2`` as ``run --torchrun-args=--nnodes=2``.
+def split_at_script(argv: list[str], run: argparse.ArgumentParser
+                    ) -> tuple[list[str], list[str]]:
+    """``run``'s own words (up to and including the script) and the script's arguments.
 
-    argparse reads a value that starts with '-' as an option, here even inside a quoted
-    "--nnodes=2 --node-rank=0" (``run`` has a ``--nnodes`` of its own), so the value that
-    follows --torchrun-args is glued to it. Only up to the script: what follows it is the
-    script's."""
+    Everything after the script is the script's, untouched: neither argparse (which would read
+    ``--log`` as an abbreviation of an option, or say it is ambiguous) nor torchrun (whose parser
+    raises "ambiguous option: --log could match --log-dir, ..." even after the script) sees
+    it. ``--`` before the script is accepted and dropped. The value that follows
+    ``--torchrun-args`` is glued to it (``--torchrun-args=--nnodes=2``): argparse reads a value
+    that starts with '-' as an option, here even inside a quoted "--nnodes=2 --node-rank=0"."""
     if not argv or argv[0] != "run":
-        return argv
+        return argv, []
     takes_value = {o for a in run._actions if a.nargs != 0 for o in a.option_strings}
     out, i = argv[:1], 1
     while i < len(argv):
@@ -130,19 +133,33 @@ def _glue_torchrun_args(argv: list[str], run: argparse.ArgumentParser) -> list[s
         elif token in takes_value:
             out += argv[i:i + 2]
             i += 2
-        elif token.startswith("-") and token != "--":
+        elif token == "--":  # the script follows
+            return out + argv[i + 1:i + 2], argv[i + 2:]
+        elif token.startswith("-"):
             out.append(token)
             i += 1
-        else:  # the script (or "--"): the rest is not ours to read
-            return out + argv[i:]
-    return out
+        else:  # the script: the rest is not ours to read
+            return out + [token], argv[i + 1:]
+    return out, []
+
+
+def torchrun(flags: list[str], script: str, script_args: list[str]) -> None:
+    """torch.distributed.run with ``flags``, running ``script`` with ``script_args`` exactly as
+    given: torchrun's parser reads the flags and the script only (see :func:`split_at_script`),
+    the arguments are set on what it parsed. ``record`` as torchrun's own ``main``: a worker's
+    failure is summarised with its traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.run import parse_args, run
+
+    parsed = parse_args([*flags, script])
+    parsed.training_script_args = list(script_args)
+    record(run)(parsed)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Wrap torch.distributed.run: standalone on one machine, multi-node flags pass through;
     ``--elastic``: torchrun's elastic agent set up for morphing (varuna_fx.launch.elastic)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import main as torchrun
 
     argv = torchrun_flags(args.torchrun_args)
     try:
@@ -154,7 +171,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 rdzv_conf=args.rdzv_conf)
             # read by torchrun's rendezvous, inherited by workers
             with _environment(launch.env):
-                torchrun([*launch.argv, *argv, args.script, *args.script_args])
+                torchrun([*launch.argv, *argv], args.script, args.script_args)
             return 0
         if args.nnodes or args.rdzv_endpoint or args.local_addr:
             raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for "
@@ -165,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             argv = [*standalone_args(), *argv]
             env = loopback_interfaces()  # the workers' gloo/NCCL sockets too
         with loopback_stores() if one_machine else nullcontext(), _environment(env):
-            torchrun([f"--nproc-per-node={args.nproc}", *argv, args.script, *args.script_args])
+            torchrun([f"--nproc-per-node={args.nproc}", *argv], args.script, args.script_args)
         return 0
     except SignalException as stop:
         # what a spot supervisor sends: torchrun passed it on to the workers (which save and
@@ -292,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser(
         "run", help="launch a training script on local processes (torchrun)",
+        allow_abbrev=False,  # an abbreviation would be read up to the script: spell options out
         description="Run SCRIPT under torchrun: --standalone on this machine unless "
                     "--torchrun-args names --nnodes or --rdzv flags. A multi-machine job: "
                     "varuna-fx run --nproc 4 --torchrun-args=\"--nnodes=2 --node-rank=0 "
@@ -318,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --elastic: extra rendezvous settings key=value[,key=value]")
     run.add_argument("script", help="the training script every process runs")
     run.add_argument("script_args", nargs=argparse.REMAINDER,
-                     help="arguments passed on to the script")
+                     help="arguments passed on to the script untouched (main() splits them "
+                          "off before parsing: --log, --node, ... are the script's)")
     run.set_defaults(func=cmd_run)
     return parser
 
@@ -330,9 +349,11 @@ def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.Argument
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    argv = _glue_torchrun_args(sys.argv[1:] if argv is None else list(argv),
-                               _subcommand(parser, "run"))
+    argv, script_args = split_at_script(sys.argv[1:] if argv is None else list(argv),
+                                        _subcommand(parser, "run"))
     args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "func", None) is cmd_run:
+        args.script_args = script_args  # (argparse never saw them)
     if unknown:
         hint = ""
         if getattr(args, "func", None) is cmd_run:
