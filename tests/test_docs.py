@@ -79,10 +79,11 @@ def test_architecture_is_a_map_of_every_module_in_one_line_rows() -> None:
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # a fence's info string: the language, then tags. Python blocks run unless tagged "no-run"
-# (signatures, excerpts, jobs that need several processes); other languages never run, but
-# every `varuna-fx ...` command in them must parse.
+# (signatures, files or jobs of several processes the page does not have); "slow" ones (a real
+# training run) only in the slow tier. Other languages never run, but every `varuna-fx ...`
+# command in them must parse.
 LANGUAGES = {"python", "bash", "", "text", "toml", "json"}
-TAGS = {"no-run"}
+TAGS = {"no-run", "slow"}
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 
 
@@ -121,7 +122,7 @@ def test_every_code_block_is_of_a_known_kind() -> None:
 def scripts_own_parts(tmp: Path) -> dict[str, Any]:
     """What the docs leave to the reader's script (docs/API.md lists them), small: a 2-block
     GPT with the demo's vocabulary and sequence length, dropout on (so the per-sample masks'
-    claims are not trivially true), batches of 8 and global batches of 64."""
+    claims are not trivially true), batches of 8, global batches of 64 and a dataset of two."""
     torch.manual_seed(0)
     config = GPTConfig(n_layer=2, dropout=0.1)
 
@@ -134,26 +135,26 @@ def scripts_own_parts(tmp: Path) -> dict[str, Any]:
         return tokens[:, :-1], tokens[:, 1:]
 
     tokens, targets = (t[:8] for t in global_batch(-1))
+    stream = torch.randint(0, config.vocab_size, (2 * 64 * config.block_size + 1,),
+                           generator=torch.Generator().manual_seed(1))
     return {
+        "dataset": vf.TokenDataset(stream, seq_len=config.block_size), "epochs": 1,
         "build_model": build_model, "model": build_model(), "tokens": tokens,
         "targets": targets, "example_inputs": (tokens,), "loss_fn": lm_loss,
         "global_batch": global_batch, "global_batches": [global_batch(s) for s in range(2)],
-        "batch_for": lambda step, pipe: pipe.shard(global_batch(step)),
         "ckpt_dir": str(tmp / "checkpoints"), "total_steps": 2, "steps": 2, "every": 1,
     }
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_the_python_blocks_of_a_page_run_in_order(page: Path, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each page's Python blocks run in order in one namespace (as a reader pasting them into
-    one session would), given the script's own parts. Until issue 28 the docs' preemption loop
-    called ``pipe.step(*batch_for(step, pipe))``, which passes the target positionally."""
-    monkeypatch.chdir(tmp_path)  # what the blocks write (charts, checkpoints) lands here
-    namespace = scripts_own_parts(tmp_path)
+def run_page(page: Path, tmp: Path, slow: bool) -> int:
+    """Run the page's Python blocks in order in one namespace (as a reader pasting them into
+    one session would), given the script's own parts; the "slow" ones only if ``slow``.
+    Returns how many ran."""
+    namespace = scripts_own_parts(tmp)
     ran = 0
     for block in code_blocks(page):
-        if block.language != "python" or "no-run" in block.tags:
+        if block.language != "python" or "no-run" in block.tags or \
+                ("slow" in block.tags and not slow):
             continue
         try:
             exec(compile(block.code, block.where, "exec"), namespace)  # noqa: S102
@@ -162,7 +163,29 @@ def test_the_python_blocks_of_a_page_run_in_order(page: Path, tmp_path: Path,
                         f"{block.code}\n(a block that is not meant to run is fenced "
                         "```python no-run)", pytrace=False)
         ran += 1
+    return ran
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_the_python_blocks_of_a_page_run_in_order(page: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until issue 28 the docs' preemption loop called ``pipe.step(*batch_for(step, pipe))``,
+    which passes the target positionally."""
+    monkeypatch.chdir(tmp_path)  # what the blocks write (charts, checkpoints) lands here
+    ran = run_page(page, tmp_path, slow=False)
     assert ran or not any(b.language == "python" for b in code_blocks(page))
+
+
+SLOW_PAGES = [p for p in PAGES if any("slow" in b.tags for b in code_blocks(p))]
+
+
+@pytest.mark.slow  # a training run of a few hundred steps
+@pytest.mark.parametrize("page", SLOW_PAGES, ids=lambda p: p.name)
+def test_a_page_with_slow_blocks_runs_whole(page: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    runnable = [b for b in code_blocks(page) if b.language == "python" and "no-run" not in b.tags]
+    assert run_page(page, tmp_path, slow=True) == len(runnable)
 
 
 def cli_commands(text: str) -> list[str]:

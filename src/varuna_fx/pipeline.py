@@ -21,6 +21,7 @@ from .checkpoint.failures import FailedLoad
 from .checkpoint.save_load import Checkpointer
 from .codegen.modes import Modes, capture_if_changed, evaluation_stages, module_modes
 from .codegen.stage_module import Stage
+from .data.loader import GlobalBatchLoader, loader_for
 from .errors import InputError, VarunaFxError
 from .init.materialize import is_deferred, materialize_tensors
 from .init.skip import any_marked, loaded, raise_unloaded, unloaded
@@ -37,6 +38,7 @@ from .runtime.precision import check_precision, optimizer_step
 from .runtime.setup import held_tensors
 from .runtime.shard import shard_batch
 from .runtime.step import Runtime
+from .runtime.step_stats import StepMeter, StepStats
 from .runtime.zero import build_optimizer, guard_direct_optimizers
 from .world.where import launched_distributed
 
@@ -86,6 +88,9 @@ class Pipeline:
     _checkpointer: Checkpointer | None = None
     _failed_load: FailedLoad | None = None
     _closed = False  # pipe.close() released the process groups
+    # what the last step measured (runtime/step_stats.py); None before the first step
+    last_step: StepStats | None = None
+    _meter: StepMeter | None = None
 
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                  canonical: dict[str, str], runtime: Runtime,
@@ -170,9 +175,13 @@ class Pipeline:
                 f"{self.plan.data_parallel} replica(s): pass {self._replica_batch} samples per "
                 "replica, or compile again with the global batch you train with"
             )
+        meter = self._meter = self._meter or StepMeter(self.runtime, self.replicas)
+        meter.start()
         # this process's preemption signal rides on the step's world all-reduce, read when the
         # step's work is done (a signal during this step stops after this step, not the next)
-        return self.runtime.step(tensors, target, flags=(preemption.requested,))
+        loss = self.runtime.step(tensors, target, flags=(preemption.requested,))
+        self.last_step = meter.finish(tensors)
+        return loss
 
     @property
     def replicas(self) -> int:
@@ -191,6 +200,16 @@ class Pipeline:
         """
         return shard_batch(batch, self.replica_index if replica is None else replica,
                            self.replicas if replicas is None else replicas)
+
+    def data_loader(self, dataset: Any, *, shuffle: bool = True, seed: int = 0,
+                    num_workers: int = 0, collate_fn: Any = None,
+                    **dataloader_kwargs: Any) -> GlobalBatchLoader:
+        """This replica's share of one global batch per step, over a map-style ``dataset``,
+        in an order that depends on (seed, epoch) only; its position is saved with
+        ``save_checkpoint(..., data=loader)`` and restored on any layout (data/loader.py).
+        Other keyword arguments go to ``torch.utils.data.DataLoader`` (pin_memory, ...)."""
+        return loader_for(self, dataset, shuffle=shuffle, seed=seed, num_workers=num_workers,
+                          collate_fn=collate_fn, **dataloader_kwargs)
 
     def __call__(self, *inputs: Any, **kw_inputs: Any) -> Any:
         self._check_runnable()
@@ -375,18 +394,27 @@ class Pipeline:
 
     def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None,
                         extra: dict[str, Any] | None = None, *,
-                        async_save: bool = False) -> Any:
+                        async_save: bool = False, data: Any = None, scheduler: Any = None,
+                        stateful: dict[str, Any] | None = None) -> Any:
         """Write a checkpoint directory (torch.distributed.checkpoint; every rank its shard).
         ``async_save=True`` returns once the state is copied to host memory and writes in the
         background: the returned handle's ``.result()`` waits until the checkpoint is
-        complete. See docs/checkpoints.md."""
-        return self._checkpoints().save(str(path), optimizer, extra, async_save=async_save)
+        complete. ``data`` (a ``data_loader``), ``scheduler`` and ``stateful`` (names ->
+        objects with state_dict/load_state_dict) are saved too (checkpoint/stateful.py).
+        See docs/checkpoints.md."""
+        return self._checkpoints().save(
+            str(path), optimizer, extra, async_save=async_save,
+            states={"data": data, "scheduler": scheduler, "stateful": stateful})
 
-    def load_checkpoint(self, path: str,
-                        optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """Load a checkpoint saved under any layout; returns the ``extra`` dict it was saved
+    def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, *,
+                        data: Any = None, scheduler: Any = None,
+                        stateful: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Load a checkpoint saved under any layout (and the states of ``data``,
+        ``scheduler`` and ``stateful``, as saved); returns the ``extra`` dict it was saved
         with."""
-        outcome = self._checkpoints().load(str(path), optimizer)
+        outcome = self._checkpoints().load(
+            str(path), optimizer, states={"data": data, "scheduler": scheduler,
+                                          "stateful": stateful})
         if isinstance(outcome, FailedLoad):  # partly overwritten: refuse to run until a load
             self._failed_load = outcome      # succeeds
             raise outcome.error

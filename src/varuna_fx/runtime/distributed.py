@@ -161,6 +161,7 @@ class DistributedRuntime(StepLoop):
             else:  # ALLREDUCE(world) and its wait: finish() makes them, after the step's work
                 closed = True
 
+        self.executor.timeline = self.timeline
         self.executor.run(self.per_stage, micro, loss_of if self.is_last else None, tail,
                           self.rank_lists)
         assert next(tied, None) is None and closed, "the tail covers every reduction"

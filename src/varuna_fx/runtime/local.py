@@ -9,6 +9,7 @@ runtime for notebooks, exploration and tests.
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -65,8 +66,10 @@ class LocalRuntime(StepLoop):
         inbox: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
         grad_box: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
         last = len(self.stages) - 1
+        timeline, clock = self.timeline, time.perf_counter
         for action in self.order(len(micro)):
             s, i = action.stage, action.mb
+            began = clock()
             worker = self.workers[s]
             if action.kind is Kind.F:
                 outputs = worker.forward(i, micro[i], inbox.pop((s, i), {}))
@@ -85,6 +88,8 @@ class LocalRuntime(StepLoop):
                         box = grad_box[(t.src, i)]
                         box[t.name] = box[t.name] + grads[t.name] if t.name in box \
                             else grads[t.name]
+            if timeline is not None:
+                timeline.append((s, action.kind.value, i, began, clock()))
 
     def finish(self, losses: list[torch.Tensor], flags: Sequence[bool]
                ) -> tuple[torch.Tensor, tuple[bool, ...]]:
