@@ -150,7 +150,7 @@ def compile(  # noqa: A001 - the public name in API.md
         tied_parameters={k: v for k, v in holders.items() if len(v) > 1},
         predicted_step_time=priced.step_time, tracer=captured.tracer,
         model_name=type(model).__name__, alternatives=priced.alternatives,
-        shard_optimizer=config.shard_optimizer,
+        shard_optimizer=config.shard_optimizer, shard_optimizer_setting=o.shard_optimizer,
     )
     warn_micro_batch_state(model, captured.gm, plan.num_micro_batches)
     warn_sample_mixing(f"{type(model).__name__}.forward", graph_findings(captured.gm),

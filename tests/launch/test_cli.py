@@ -146,7 +146,9 @@ def test_planner_messages_name_the_command_line_options() -> None:
     from varuna_fx.launch.plan_command import as_options
 
     assert as_options("fixed stages=3, micro_batch_size=2; try recompute=True") == (
-        "fixed --stages=3, --micro-batch-size=2; try recompute (without --no-recompute)")
+        "fixed --stages=3, --micro-batch-size=2; try --recompute true")
+    assert as_options("stages_per_rank=2 with shard_optimizer=False") == (
+        "--stages-per-rank=2 with --shard-optimizer false")
     assert as_options("num_stages=3 stays") == "num_stages=3 stays"
 
 

@@ -211,6 +211,22 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def _setting(text: str) -> bool | str:
+    """auto | true | false (as compile's recompute= and shard_optimizer= take them)."""
+    value = {"auto": "auto", "true": True, "false": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose auto, true or false")
+    return value
+
+
+def _stages_per_rank(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive number of stages, or auto")
+    return int(text)
+
+
 _TRACER_HELP = ("how to capture the model: fx (torch.fx symbolic tracing), export "
                 "(torch.export), auto (fx, then export if fx fails; default)")
 _SCHEDULE_HELP = (f"micro-batch schedule: {' | '.join(schedule_choices())} (auto: the planner "
@@ -295,8 +311,25 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fix D (default: searched)")
     plan.add_argument("--micro-batch-size", type=int, default=None,
                       help="fix the micro-batch size (default: searched)")
-    plan.add_argument("--no-recompute", action="store_true",
-                      help="stash all activations instead of recomputing the forward")
+    plan.add_argument("--stages-per-rank", default=None, type=_stages_per_rank,
+                      metavar="V|auto",
+                      help="model stages on each device, as compile's stages_per_rank (several: "
+                           "--schedule interleaved-1f1b or zbv); auto: the schedule's own, and "
+                           "with --schedule auto the planner weighs virtual stages too (default: "
+                           "1, or 2 for interleaved-1f1b and zbv)")
+    plan.add_argument("--recompute", default="auto", type=_setting, metavar="auto|true|false",
+                      help="recompute activations in the backward, as compile's recompute: "
+                           "auto plans without it unless nothing fits (default: %(default)s)")
+    plan.add_argument("--no-recompute", action="store_true", help="the same as --recompute false")
+    plan.add_argument("--shard-optimizer", default="auto", type=_setting,
+                      metavar="auto|true|false",
+                      help="ZeRO-1 over each stage's replicas, as compile's shard_optimizer: "
+                           "auto shards an optimizer built with pipe.optimizer when D > 1 and "
+                           "counts it sharded only where a configuration needs it to fit "
+                           "(default: %(default)s)")
+    plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                      help="as compile's precision; the plan is the same for each (the planner "
+                           "prices the model's own dtypes) (default: %(default)s)")
     plan.add_argument("--profile", action="store_true",
                       help="measure this device (cached) instead of FLOP estimates")
     plan.add_argument("--top", type=int, default=5,

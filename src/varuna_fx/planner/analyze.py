@@ -6,6 +6,7 @@ the benchmarks and anyone asking "what would the planner do on a cluster I do no
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,10 +19,15 @@ from ..costs.memory import format_bytes
 from ..errors import PartitionError, PlanError
 from ..passes.annotate_backward import canonical_names
 from ..passes.frontend import captured_and_annotated
-from ..schedule import DEFAULT_SCHEDULE, ScheduleSpec
+from ..schedule import AUTO, DEFAULT_SCHEDULE, ScheduleSpec, resolve_schedule
 from .candidates import Candidate, SearchResult, Space
 from .cluster import Cluster
-from .configure import check_micro_batch, default_micro_batch_size, replica_batch
+from .configure import (
+    check_micro_batch,
+    check_stages_per_rank,
+    default_micro_batch_size,
+    replica_batch,
+)
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .measure import ProfileSettings
@@ -29,6 +35,7 @@ from .profile import Profile
 from .resolve import resolve_profile
 from .search import Planner
 from .virtual import on_ranks
+from .virtual import weigh as weigh_virtual
 
 
 @dataclass
@@ -67,27 +74,69 @@ def analyze(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Anal
 def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None = None,
              stages: int | None = None, data_parallel: int | None = None,
              micro_batch_size: int | None = None,
-             schedule: str | ScheduleSpec = DEFAULT_SCHEDULE, recompute: bool = True,
-             profile: Profile | None = None, top: int = 5) -> SearchResult:
-    """The best configurations for ``cluster``; raises PlanError when none fits.
+             schedule: str | ScheduleSpec = DEFAULT_SCHEDULE, recompute: bool | str = True,
+             profile: Profile | None = None, top: int = 5, stages_per_rank: int | None = 1,
+             shard_optimizer: bool | str = False) -> SearchResult:
+    """The best configurations for ``cluster``; raises PlanError when none fits. The options
+    mean what ``vf.compile``'s do, and the choice is the one compile makes with them:
     ``schedule``: a name, or "auto" (the default: each candidate with the fastest schedule
     that fits, ``result.best.schedule``). A schedule of several stages per rank is planned
-    as ``vf.compile`` plans it (:func:`_plan_virtual`)."""
+    as ``vf.compile`` plans it (:func:`_plan_virtual`), with ``stages_per_rank`` stages per
+    rank (None: the schedule's own; with ``schedule="auto"`` the planner also weighs virtual
+    stages on the chosen ranks). ``recompute="auto"``: as if no stage recomputed, and as if
+    every stage did when nothing fits that way. ``shard_optimizer``: True counts the optimizer
+    state split over D wherever D > 1, "auto" only where a candidate does not fit otherwise."""
+    if recompute == "auto":
+        def attempt(rc: bool) -> SearchResult:
+            return plan_for(graph, cluster, global_batch_size=global_batch_size, stages=stages,
+                            data_parallel=data_parallel, micro_batch_size=micro_batch_size,
+                            schedule=schedule, recompute=rc, profile=profile, top=top,
+                            stages_per_rank=stages_per_rank, shard_optimizer=shard_optimizer)
+        try:
+            return attempt(False)
+        except PlanError:
+            return attempt(True)
+    choice = resolve_schedule(schedule)
+    v = check_stages_per_rank(choice, stages_per_rank)
     use = profile if profile is not None and profile.applies_to(cluster) else None
-    planner = Planner(graph.table(use), cluster, schedule=schedule, recompute=recompute,
-                      network=use.network if use else None)
+    planner = Planner(graph.table(use), cluster, schedule=choice, recompute=bool(recompute),
+                      network=use.network if use else None, shard_optimizer=shard_optimizer)
     space = Space(cluster.gpus, graph.bound.batch_size, global_batch_size, stages,
                   data_parallel, micro_batch_size)
     if planner.schedules[0].virtual:
-        return _plan_virtual(planner, space, planner.schedules[0])
-    result = planner.search(space, top=top)
-    if not result.top:
-        raise explain_nothing_fits(planner, space)
+        result = _plan_virtual(planner, space, dataclasses.replace(planner.schedules[0],
+                                                                   stages_per_rank=v))
+    else:
+        result = planner.search(space, top=top)
+        if not result.top:
+            raise explain_nothing_fits(planner, space)
+        if stages_per_rank is None and choice == AUTO:  # the planner chooses v too, as compile
+            result = _with_virtual(planner, result)
+    result.recompute = bool(recompute)
     return result
 
 
+def _with_virtual(planner: Planner, result: SearchResult) -> SearchResult:
+    """``result`` after weighing virtual stages on its best candidate's ranks, as
+    ``vf.compile`` does for ``stages_per_rank=None, schedule="auto"``
+    (``configure._weigh_virtual``): one that simulates faster becomes the best; each is a
+    row."""
+    best = result.best
+    found = weigh_virtual(planner, best)
+    pick = min(found, key=lambda f: f[0].step_time, default=None)
+    rows = list(result.alternatives)
+    if pick is None or pick[0].step_time >= best.step_time:
+        rows += [c.alternative() for c, _ in found]
+        return dataclasses.replace(result, alternatives=sorted(rows, key=lambda a: a.step_time))
+    rows = [dataclasses.replace(a, chosen=False) for a in rows]
+    rows += [c.alternative(c is pick[0]) for c, _ in found]
+    return dataclasses.replace(result, top=[pick[0], *result.top],
+                               alternatives=sorted(rows, key=lambda a: a.step_time),
+                               stages_per_rank=pick[1].stages_per_rank)
+
+
 def _plan_virtual(planner: Planner, space: Space, kind: ScheduleSpec) -> SearchResult:
-    """What ``vf.compile`` plans for a schedule of several stages per rank (v, its entry's):
+    """What ``vf.compile`` plans for a schedule of several stages per rank (v: ``kind``'s):
     P = v x R stages on R ranks per replica (P given, or every device in one replica), D given
     or the replicas the devices hold, the micro-batch size given or about 4 micro-batches per
     stage; nothing is searched but its partition, each stage at 1/v of a device's memory
