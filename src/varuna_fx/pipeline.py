@@ -1,7 +1,9 @@
 """Pipeline: what ``vf.compile`` returns -- the stages, the plan and a runtime to drive them.
 
 Layer: above the runtimes. :func:`make_pipeline` picks the runtime for where this process runs
-(``world/where.py``): all stages here, or this rank's stage of a distributed job.
+(``world/where.py``): all stages here, or this rank's stage of a distributed job. The pipeline,
+like the runtime, takes compile's running options whole (``runtime/options.RunOptions``) in
+its constructor.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from .capture.inputs import BoundInputs, bind_inputs
 from .capture.model_edits import ModelEdits, traced_modules
 from .checkpoint.failures import FailedLoad
 from .checkpoint.save_load import Checkpointer
-from .codegen.modes import Modes, capture_if_changed, evaluation_stages, module_modes
+from .codegen.modes import Modes, evaluation_stages, module_modes
 from .codegen.stage_module import Stage
 from .data.loader import GlobalBatchLoader, loader_for
 from .errors import InputError, VarunaFxError
 from .init.materialize import is_deferred, materialize_tensors
 from .init.skip import any_marked, loaded, raise_unloaded, unloaded
 from .ir.nodes import info
+from .passes.manager import dump_dir
 from .planner.plan import Plan
 from .runtime import preemption
 from .runtime.batching import check_sample_shapes
@@ -33,8 +36,9 @@ from .runtime.distributed import make_distributed_runtime
 from .runtime.local import LocalRuntime
 from .runtime.loss_weights import find_mean_loss
 from .runtime.model_state import StateLayout, check_state_dict
+from .runtime.options import RunOptions
 from .runtime.outputs import OutputAssembler
-from .runtime.precision import check_precision, optimizer_step
+from .runtime.precision import optimizer_step
 from .runtime.setup import held_tensors
 from .runtime.shard import shard_batch
 from .runtime.step import Runtime
@@ -44,45 +48,36 @@ from .world.where import launched_distributed
 
 
 def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
-                  canonical: dict[str, str], *, loss_fn: Any, offload_stash: bool,
-                  precision: str = "fp32", timeout: float | None = None,
-                  device: torch.device | None = None,
-                  shard_optimizer: bool | str = "auto") -> Pipeline:
-    """The distributed runtime under torchrun (world size > 1), else the one-process one.
-    A model built under ``vf.deferred_init`` is materialised here: in one process all of it
-    on ``device`` (the example inputs'), on a rank only its stage (``distributed.py``)."""
-    check_precision(precision)
+                  canonical: dict[str, str], options: RunOptions, *,
+                  device: torch.device | None = None) -> Pipeline:
+    """The distributed runtime under torchrun (world size > 1), else the one-process one, run
+    as ``options`` say. A model built under ``vf.deferred_init`` is materialised here: in one
+    process all of it on ``device`` (the example inputs'), on a rank only its stage
+    (``distributed.py``)."""
     assemble = OutputAssembler(captured)
     # the model's whole state, before a distributed rank empties what it does not hold
     layout = StateLayout.of(model, canonical, stages)
     runtime: Runtime
     if launched_distributed():
-        runtime = make_distributed_runtime(
-            model, captured, stages, plan, canonical, assemble=assemble, loss_fn=loss_fn,
-            offload_stash=offload_stash, precision=precision, timeout=timeout, layout=layout)
+        runtime = make_distributed_runtime(model, captured, stages, plan, canonical, options,
+                                           assemble=assemble, layout=layout)
     else:
         if is_deferred(model):
             materialize_tensors(model, None, device or torch.device("cpu"),
                                 roots=[captured.gm, *(s.module for s in stages)])
-        runtime = LocalRuntime(stages, plan, assemble=assemble, loss_fn=loss_fn,
-                               offload_stash=offload_stash, precision=precision)
+        runtime = LocalRuntime(stages, plan, options, assemble=assemble)
     runtime.mean_loss = find_mean_loss(captured.gm, captured.out_spec, captured.input_names,
-                                       loss_fn)
-    pipe = Pipeline(model, captured, stages, plan, canonical, runtime, assemble, layout)
-    pipe._shard_optimizer = shard_optimizer
-    if pipe.replicas > 1 and (shard_optimizer is True or
-                              (shard_optimizer == "auto" and plan.shard_optimizer)):
-        why = "shard_optimizer=True" if shard_optimizer is True else \
+                                       options.loss_fn)
+    pipe = Pipeline(model, captured, stages, plan, canonical, runtime, options, assemble, layout)
+    shard = options.shard_optimizer
+    if pipe.replicas > 1 and (shard is True or (shard == "auto" and plan.shard_optimizer)):
+        why = "shard_optimizer=True" if shard is True else \
             "the plan shards optimizer state to fit in memory"
         guard_direct_optimizers(pipe.parameters(), f"{why} (ZeRO-1)")
     return pipe
 
 
 class Pipeline:
-    # the samples each replica must pass to step when compile was given global_batch_size
-    # (global / D); None: any batch the micro-batch size divides
-    _replica_batch: int | None = None
-    _shard_optimizer: bool | str = "auto"  # compile's shard_optimizer
     # checkpoints (checkpoint/): the checkpointer, made at the first save or load (its process
     # group, the save in flight); while set, the refusal a load that failed partway left
     _checkpointer: Checkpointer | None = None
@@ -93,7 +88,7 @@ class Pipeline:
     _meter: StepMeter | None = None
 
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
-                 canonical: dict[str, str], runtime: Runtime,
+                 canonical: dict[str, str], runtime: Runtime, options: RunOptions,
                  assemble: OutputAssembler | None = None,
                  state_layout: StateLayout | None = None) -> None:
         self.model = model
@@ -102,6 +97,10 @@ class Pipeline:
         self.plan = plan
         self.canonical = canonical
         self.runtime = runtime
+        self._options = options  # how it runs: compile's running options
+        # the samples each replica must pass to step when compile was given global_batch_size
+        # (global / D); None: any batch the micro-batch size divides
+        self._replica_batch = options.replica_batch(plan.data_parallel)
         self.stage_index = runtime.stage_index
         self.replica_index = runtime.replica_index
         # stages whose parameters live in this process (all of them in one process)
@@ -233,18 +232,14 @@ class Pipeline:
             )
         if modes not in self.other_modes:  # every parameter is here
             bound = BoundInputs(dict(tensors), dict(self.captured.constants))
-            fresh = capture_if_changed(self.model, self.captured, bound)
-            if fresh is None:
-                self.other_modes[modes] = None
-            else:
-                try:
-                    self.other_modes[modes] = evaluation_stages(
-                        self.model, fresh, bound, self.stages, self.canonical, len(self.stages))
-                except VarunaFxError:  # no cut fits the compiled stages: one stage will do
-                    fresh = capture_if_changed(self.model, self.captured, bound)
-                    assert fresh is not None
-                    self.other_modes[modes] = evaluation_stages(
-                        self.model, fresh, bound, [], self.canonical, 1)
+            dump = dump_dir(self._options.dump)
+            try:
+                self.other_modes[modes] = evaluation_stages(
+                    self.model, bound, self.captured, self.stages, self.canonical,
+                    len(self.stages), dump)
+            except VarunaFxError:  # no cut fits the compiled stages: one stage will do
+                self.other_modes[modes] = evaluation_stages(
+                    self.model, bound, self.captured, [], self.canonical, 1, dump)
         return self.other_modes[modes]
 
     def _check_runnable(self) -> None:
@@ -344,7 +339,7 @@ class Pipeline:
         shard of them: an instance of ``cls`` whose state_dict holds this rank's shard only,
         and whose step also gathers the updated parameters."""
         return build_optimizer(self.runtime, dict(self.named_parameters()), cls, params,
-                               defaults, self._shard_optimizer)
+                               defaults, self._options.shard_optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """``optimizer.step()`` unless the last step overflowed (fp16), then update the loss

@@ -1,8 +1,9 @@
 """``varuna-fx plan``: the planner's choice for a model factory and a described cluster.
 
 It takes what ``vf.compile`` takes (schedule, stages per rank, recompute, optimizer sharding,
-precision) and makes the choice compile makes with them (``planner.analyze.plan_for``), so a
-plan printed here is the one a launched run on that cluster gets.
+precision) and makes the choice compile makes with them: the command line's options become the
+planner's options object (``plan_options``: ``planner/options.PlanOptions``), taken whole by
+``Analyzed.plan``, so a plan printed here is the one a launched run on that cluster gets.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from rich.table import Table
 
 from ..costs.memory import format_bytes
 from ..errors import VarunaFxError
-from ..planner.analyze import Analyzed, analyze, plan_for
+from ..planner.analyze import Analyzed, analyze
 from ..planner.candidates import Candidate, SearchResult
 from ..planner.cluster import Cluster
+from ..planner.options import PlanOptions
 from ..planner.plan import (
     Alternative,
     Plan,
@@ -91,19 +93,23 @@ def as_options(message: str) -> str:
     return message
 
 
-def search(args: argparse.Namespace, graph: Analyzed, cluster: Cluster,
-           profile: Profile | None, **fixed: int) -> SearchResult:
-    """The planner's search with the command line's constraints (``fixed`` overrides them)."""
+def plan_options(args: argparse.Namespace, cluster: Cluster, profile: Profile | None,
+                 **fixed: int) -> PlanOptions:
+    """The command line's constraints as the planner's options (``fixed`` overrides them)."""
     chosen = {"stages": getattr(args, "stages", None),
               "data_parallel": getattr(args, "data_parallel", None),
               "micro_batch_size": getattr(args, "micro_batch_size", None), **fixed}
-    return plan_for(
-        graph, cluster, global_batch_size=args.global_batch_size, schedule=args.schedule,
-        recompute=recompute_setting(args), profile=profile,
-        top=1 if fixed else getattr(args, "top", 5),
-        stages_per_rank=stages_per_rank_setting(args),
-        shard_optimizer=getattr(args, "shard_optimizer", "auto"), **chosen,
-    )
+    return PlanOptions(cluster=cluster, global_batch_size=args.global_batch_size,
+                       schedule=args.schedule, recompute=recompute_setting(args),
+                       profile=profile, stages_per_rank=stages_per_rank_setting(args),
+                       shard_optimizer=getattr(args, "shard_optimizer", "auto"), **chosen)
+
+
+def search(args: argparse.Namespace, graph: Analyzed, cluster: Cluster,
+           profile: Profile | None, **fixed: int) -> SearchResult:
+    """The planner's search with the command line's constraints (``fixed`` overrides them)."""
+    return graph.plan(plan_options(args, cluster, profile, **fixed),
+                      top=1 if fixed else getattr(args, "top", 5))
 
 
 def recompute_setting(args: argparse.Namespace) -> bool | str:

@@ -2,6 +2,8 @@
 
 ``vf.compile`` does the same inside its pass list; these entry points serve the command line,
 the benchmarks and anyone asking "what would the planner do on a cluster I do not have?".
+``Analyzed.plan`` takes the planning options whole (``options.PlanOptions``, as ``varuna-fx
+plan`` makes them); ``plan_for`` is the same with keywords.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from ..costs.memory import format_bytes
 from ..errors import PartitionError, PlanError
 from ..passes.annotate_backward import canonical_names
 from ..passes.frontend import captured_and_annotated
-from ..schedule import AUTO, DEFAULT_SCHEDULE, ScheduleSpec, resolve_schedule
+from ..schedule import AUTO, DEFAULT_SCHEDULE, ScheduleSpec
+from ..world.where import resolve_timeout
 from .candidates import Candidate, SearchResult, Space
 from .cluster import Cluster
 from .configure import (
@@ -31,6 +34,7 @@ from .configure import (
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .measure import ProfileSettings
+from .options import PlanOptions
 from .profile import Profile
 from .resolve import resolve_profile
 from .search import Planner
@@ -60,6 +64,51 @@ class Analyzed:
         assert found is not None
         return found
 
+    def plan(self, options: PlanOptions, top: int = 5) -> SearchResult:
+        """The ``top`` configurations for ``options.cluster`` (None: this machine's,
+        ``Cluster.local()``), best first: the best is the choice ``vf.compile`` makes with the
+        same options; raises PlanError when none fits. ``options.schedule``: a name, or "auto"
+        (each candidate with the fastest schedule that fits: ``result.best.schedule``). A
+        schedule of several stages per rank is planned as compile plans it
+        (:func:`_plan_virtual`), with ``options.stages_per_rank`` stages per rank (None: the
+        schedule's own); ``stages_per_rank=None`` with ``schedule="auto"`` also weighs virtual
+        stages on the chosen ranks, as compile does (:func:`_with_virtual`).
+        ``options.recompute``: True, False, or "auto" (as if no stage recomputed; when nothing
+        fits, as if every stage did; ``result.recompute`` says which). ``options.profile``: a
+        Profile (used where it was measured on the cluster's kind of device), True (this
+        device's: ``self.profile()``) or False (FLOP estimates)."""
+        choice = options.schedule_choice
+        virtual = choice != AUTO and choice.virtual
+        v = check_stages_per_rank(choice, options.stages_per_rank)
+        cluster = options.cluster or Cluster.local(timeout=resolve_timeout(options.timeout))
+        profile = self.profile() if options.profile is True else options.profile or None
+        use = profile if profile is not None and profile.applies_to(cluster) else None
+        space = Space(cluster.gpus, self.bound.batch_size, options.global_batch_size,
+                      options.stages, options.data_parallel, options.micro_batch_size)
+
+        def search(recompute: bool) -> SearchResult:
+            planner = Planner(self.table(use), cluster, schedule=choice,
+                              recompute=recompute, network=use.network if use else None,
+                              shard_optimizer=options.shard_optimizer)
+            if virtual:  # v stages per rank, as compile plans them
+                result = _plan_virtual(planner, space, dataclasses.replace(
+                    planner.schedules[0], stages_per_rank=v))
+            else:
+                result = planner.search(space, top=top)
+                if not result.top:
+                    raise explain_nothing_fits(planner, space)
+                if options.stages_per_rank is None and choice == AUTO:  # v chosen too
+                    result = _with_virtual(planner, result)
+            result.recompute = recompute
+            return result
+
+        if options.recompute == "auto":
+            try:
+                return search(False)
+            except PlanError:
+                return search(True)
+        return search(bool(options.recompute))
+
 
 def analyze(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Analyzed:
     """Capture and annotate ``model`` exactly as ``vf.compile`` does (the same passes, and the
@@ -77,43 +126,16 @@ def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None
              schedule: str | ScheduleSpec = DEFAULT_SCHEDULE, recompute: bool | str = True,
              profile: Profile | None = None, top: int = 5, stages_per_rank: int | None = 1,
              shard_optimizer: bool | str = False) -> SearchResult:
-    """The best configurations for ``cluster``; raises PlanError when none fits. The options
-    mean what ``vf.compile``'s do, and the choice is the one compile makes with them:
-    ``schedule``: a name, or "auto" (the default: each candidate with the fastest schedule
-    that fits, ``result.best.schedule``). A schedule of several stages per rank is planned
-    as ``vf.compile`` plans it (:func:`_plan_virtual`), with ``stages_per_rank`` stages per
-    rank (None: the schedule's own; with ``schedule="auto"`` the planner also weighs virtual
-    stages on the chosen ranks). ``recompute="auto"``: as if no stage recomputed, and as if
-    every stage did when nothing fits that way. ``shard_optimizer``: True counts the optimizer
-    state split over D wherever D > 1, "auto" only where a candidate does not fit otherwise."""
-    if recompute == "auto":
-        def attempt(rc: bool) -> SearchResult:
-            return plan_for(graph, cluster, global_batch_size=global_batch_size, stages=stages,
-                            data_parallel=data_parallel, micro_batch_size=micro_batch_size,
-                            schedule=schedule, recompute=rc, profile=profile, top=top,
-                            stages_per_rank=stages_per_rank, shard_optimizer=shard_optimizer)
-        try:
-            return attempt(False)
-        except PlanError:
-            return attempt(True)
-    choice = resolve_schedule(schedule)
-    v = check_stages_per_rank(choice, stages_per_rank)
-    use = profile if profile is not None and profile.applies_to(cluster) else None
-    planner = Planner(graph.table(use), cluster, schedule=choice, recompute=bool(recompute),
-                      network=use.network if use else None, shard_optimizer=shard_optimizer)
-    space = Space(cluster.gpus, graph.bound.batch_size, global_batch_size, stages,
-                  data_parallel, micro_batch_size)
-    if planner.schedules[0].virtual:
-        result = _plan_virtual(planner, space, dataclasses.replace(planner.schedules[0],
-                                                                   stages_per_rank=v))
-    else:
-        result = planner.search(space, top=top)
-        if not result.top:
-            raise explain_nothing_fits(planner, space)
-        if stages_per_rank is None and choice == AUTO:  # the planner chooses v too, as compile
-            result = _with_virtual(planner, result)
-    result.recompute = bool(recompute)
-    return result
+    """The best configurations for ``cluster``; raises PlanError when none fits.
+    ``schedule``: a name, or "auto" (each candidate with the fastest schedule that fits:
+    ``result.best.schedule``). The keywords of :meth:`Analyzed.plan`'s options, meaning what
+    ``vf.compile``'s do (by default recompute on and the optimizer state unsharded)."""
+    return graph.plan(PlanOptions(
+        cluster=cluster, global_batch_size=global_batch_size, stages=stages,
+        data_parallel=data_parallel, micro_batch_size=micro_batch_size,
+        schedule=schedule if isinstance(schedule, str) else schedule.name, recompute=recompute,
+        profile=profile, stages_per_rank=stages_per_rank, shard_optimizer=shard_optimizer),
+        top=top)
 
 
 def _with_virtual(planner: Planner, result: SearchResult) -> SearchResult:
