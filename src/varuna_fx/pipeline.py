@@ -20,6 +20,7 @@ from .capture.captured import Captured
 from .capture.inputs import BoundInputs, bind_inputs
 from .capture.model_edits import ModelEdits, traced_modules
 from .checkpoint.failures import FailedLoad
+from .checkpoint.pretrained import PretrainedLoad, load_pretrained, save_pretrained
 from .checkpoint.save_load import Checkpointer
 from .codegen.modes import Modes, evaluation_stages, module_modes
 from .codegen.stage_module import Stage
@@ -420,6 +421,21 @@ class Pipeline:
         if self._checkpointer is None:
             self._checkpointer = Checkpointer(self)
         return self._checkpointer
+
+    def load_pretrained(self, path: str, *, strict: bool = True) -> PretrainedLoad:
+        """Load a Hugging Face safetensors checkpoint (a directory, or one file) into the
+        tensors held here, reading only those; see checkpoint/pretrained.py."""
+        outcome = load_pretrained(self, self._checkpoints(), path, strict=strict)
+        if isinstance(outcome, FailedLoad):  # partly overwritten: refuse to run until a load
+            self._failed_load = outcome      # succeeds
+            raise outcome.error
+        self._failed_load = None
+        return outcome
+
+    def save_pretrained(self, directory: str) -> None:
+        """Write the weights in Hugging Face's layout (sharded safetensors, index, config),
+        every rank its own stages'; ``from_pretrained(directory)`` opens it."""
+        save_pretrained(self, self._checkpoints(), directory)
 
     @property
     def preempted(self) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 import varuna_fx as vf
@@ -355,7 +356,38 @@ CATALOGUE = [
     row("Monitor.log before any step", step_after(
         lambda p: vf.Monitor(p, tempfile.mkdtemp(), live=False).log(1.0)), Inp,
         "no pipe.step since the last log"),
+    # -- pretrained weights (tests/checkpoint/test_pretrained.py has the rest) -----------------
+    row("load_pretrained of pickled weights", lambda _: compile_mlp(stages=1).load_pretrained(
+        _weights_dir({"pytorch_model.bin": b"x"})), vf.PretrainedError,
+        "neither model.safetensors nor", "pickled weights can run code"),
+    row("load_pretrained of a damaged file", lambda _: compile_mlp(stages=1).load_pretrained(
+        _weights_dir({"model.safetensors": b"\x10" * 64})), vf.PretrainedError,
+        "not a readable safetensors file"),
+    row("load_pretrained of another model", lambda _: compile_mlp(stages=1).load_pretrained(
+        _weights_dir({"model.safetensors": {"layers.0.weight": torch.zeros(3, 3)}})),
+        vf.PretrainedError, "layers.0.weight: [3, 3] F32 in the checkpoint, [32, 32]",
+        "missing: layers.0.bias"),
+    row("load_pretrained into a meta pipeline", lambda _: compile_module(
+        MLP.model.__class__().to("meta"), MLP.inputs, loss_fn=MLP.loss_fn,
+        stages=1).load_pretrained(_weights_dir({})), vf.PretrainedError, "meta device",
+        "vf.deferred_init"),
+    row("save_pretrained onto a file", lambda _: compile_mlp(stages=1).save_pretrained(
+        os.path.join(_weights_dir({"weights": b""}), "weights")), vf.PretrainedError,
+        "is a file", "pass a directory"),
 ]
+
+
+def _weights_dir(contents: dict[str, Any]) -> str:
+    """A fresh directory holding ``contents``: bytes as they are, dicts of tensors as
+    safetensors files."""
+    directory = tempfile.mkdtemp()
+    for name, value in contents.items():
+        if isinstance(value, dict):
+            save_file(value, os.path.join(directory, name), metadata={"format": "pt"})
+        else:
+            with open(os.path.join(directory, name), "wb") as f:
+                f.write(value)
+    return directory
 
 
 def _deferred_empty() -> torch.nn.Module:
