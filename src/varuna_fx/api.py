@@ -115,4 +115,5 @@ def plan_of(state: CompileState) -> Plan:
         predicted_step_time=priced.step_time, tracer=state.captured.tracer,
         model_name=type(state.model).__name__, alternatives=priced.alternatives,
         shard_optimizer=config.shard_optimizer,
+        shard_optimizer_setting=state.planning.shard_optimizer,
     )

@@ -8,6 +8,7 @@ its constructor.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,6 +158,7 @@ class Pipeline:
         if target is not None and "target" in self.captured.signature.parameters:
             # forward's own `target` (compile refused it alongside a loss_fn): feed the model
             kw_inputs, target = {**kw_inputs, "target": target}, None
+        self._check_target_by_keyword(inputs, target)
         tensors = self._bind(inputs, kw_inputs)
         if self._mode_graph(tensors) is not None:
             raise InputError(
@@ -301,6 +303,24 @@ class Pipeline:
         return self.runtime.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     # -- mixed precision (see runtime/precision.py) ---------------------------------------------
+
+    def _check_target_by_keyword(self, inputs: tuple, target: Any) -> None:
+        """``pipe.step(x, y)`` with a loss_fn: ``y`` is surely the target, which step takes by
+        keyword only (a positional one could not be told from an input the model forgot); say
+        so instead of only that forward takes fewer arguments."""
+        if target is not None or getattr(self.runtime, "loss_fn", None) is None:
+            return
+        params = self.captured.signature.parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+            return
+        room = sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                              inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params)
+        if len(inputs) == room + 1:
+            raise InputError(
+                f"pipe.step got {len(inputs)} positional arguments, but "
+                f"{type(self.model).__name__}.forward takes {room}: the last one looks like "
+                "the loss_fn's target, which step takes by keyword: x, y = batch; "
+                "pipe.step(x, target=y)")
 
     @property
     def found_inf(self) -> bool:

@@ -320,6 +320,8 @@ CATALOGUE = [
         "torch.float64", "torch.float32"),
     row("other inputs than compiled", step_after(lambda p: p.step(x=X, target=Y, extra=1)),
         Inp, "do not match"),
+    row("target passed positionally", step_after(lambda p: p.step(X, Y)), Inp,
+        "2 positional arguments", "takes 1", "target=y"),
     row("step after close", step_after(closed), E, "closed", "compile again"),
     row("batch other than global_batch_size", step_after(
         lambda p: p.step(X[:4], target=Y[:4]), global_batch_size=8), Inp,

@@ -2,9 +2,9 @@
 
 The command checks the configuration (``train_config.py``), then trains: in this process when
 ``nproc = 1`` (and not elastic), else under torchrun with ``nproc`` ranks running the module
-``varuna_fx.launch.train_worker`` -- launched the way ``varuna-fx run`` launches a script
-(standalone on 127.0.0.1, or torchrun's elastic agent with ``elastic = true``), so the user
-writes no script. The ranks get the checked configuration as JSON.
+``varuna_fx.launch.train_worker`` -- started as ``varuna-fx run`` starts a script
+(launch/torchrun.py: standalone on 127.0.0.1, or torchrun's elastic agent with ``elastic =
+true``), so the user writes no script. The ranks get the checked configuration as JSON.
 
 Exit status: 0 when the run reached ``steps`` (or ``stop_at``); 128 + the signal's number when
 a signal stopped it (143 for SIGTERM, 130 for Ctrl-C) -- the ranks saved a checkpoint first and
@@ -15,18 +15,14 @@ ran.
 from __future__ import annotations
 
 import json
-import os
-import shlex
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import VarunaFxError
-from .elastic import elastic_launch
-from .standalone import loopback_interfaces, loopback_stores, standalone_args
+from .torchrun import Ranks, split_flags, start_ranks
 from .train_config import TrainConfig, help_text, resolve, to_toml
 from .train_worker import SUMMARY, encode, run_training
 
@@ -60,33 +56,20 @@ def train_command(argv: Sequence[str]) -> int:
     return launch_ranks(cfg, encode(cfg, launched_at, source), launched_at)
 
 
-def torchrun_argv(cfg: TrainConfig) -> tuple[list[str], dict[str, str], bool]:
-    """torchrun's flags (before the module), the workers' environment additions, and whether
-    the run is on this machine only (then every store listens on 127.0.0.1)."""
-    extra = shlex.split(cfg.torchrun_args)
-    if cfg.elastic:
-        launch = elastic_launch(nproc=cfg.nproc, nnodes=cfg.nnodes or "1:1",
-                                rdzv_endpoint=cfg.rdzv_endpoint or None, rdzv_id=cfg.rdzv_id,
-                                local_addr=cfg.local_addr or None,
-                                max_restarts=cfg.max_restarts)
-        return [*launch.argv, *extra], launch.env, False
-    one_machine = not any(a.startswith(("--nnodes", "--rdzv", "--standalone")) for a in extra)
-    flags = [f"--nproc-per-node={cfg.nproc}", *(standalone_args() if one_machine else []),
-             *extra]
-    return flags, loopback_interfaces() if one_machine else {}, one_machine
+def ranks_of(cfg: TrainConfig) -> Ranks:
+    return Ranks(nproc=cfg.nproc, flags=tuple(split_flags([cfg.torchrun_args])),
+                 elastic=cfg.elastic, nnodes=cfg.nnodes or None,
+                 rdzv_endpoint=cfg.rdzv_endpoint or None, rdzv_id=cfg.rdzv_id,
+                 local_addr=cfg.local_addr or None, max_restarts=cfg.max_restarts)
 
 
 def launch_ranks(cfg: TrainConfig, payload: str, launched_at: float) -> int:
+    """The ranks under torchrun, as ``varuna-fx run`` starts a script (launch/torchrun.py)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
 
-    flags, env, one_machine = torchrun_argv(cfg)
-    parsed = parse_args([*flags, "--module", WORKER])
-    parsed.training_script_args = [payload]  # set after parsing: torchrun never reads it
     try:
-        with loopback_stores() if one_machine else nullcontext(), _environment(env):
-            run(parsed)
+        start_ranks(ranks_of(cfg), WORKER, [payload], module=True)
     except SignalException as stop:
         # torchrun passed the signal on to the ranks, which saved a checkpoint and exited
         name = signal.Signals(stop.sigval).name
@@ -110,19 +93,3 @@ def _ranks_were_preempted(cfg: TrainConfig, launched_at: float) -> bool:
         return bool(json.loads(path.read_text()).get("preempted"))
     except (OSError, ValueError):
         return False
-
-
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in the environment while torchrun runs (its workers inherit them), then the
-    environment as it was (the command may run inside a longer-lived process: a test)."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -99,12 +99,7 @@ def _hugging_face(cfg: TrainConfig) -> TrainModel:
 
 
 def _factory(spec: str) -> TrainModel:
-    try:
-        factory = load_factory(spec)
-    except (ImportError, AttributeError) as exc:
-        raise InputError(f"--model {spec}: cannot import the factory ({exc}); write "
-                         "module:function, the module importable from here") from None
-    made = factory()
+    made = load_factory(spec)()  # a missing module or function: InputError, saying which
     model = made[0] if isinstance(made, tuple | list) and made else made
     if not isinstance(model, nn.Module):
         raise InputError(f"--model {spec}: the factory returned {type(made).__name__}; return "

@@ -57,6 +57,7 @@ class SearchResult:
     seconds: float = 0.0
     alternatives: list[Alternative] = field(default_factory=list)
     stages_per_rank: int = 1  # v of the schedule searched (several stages per rank: virtual)
+    recompute: bool = True  # whether it was planned with recomputation (plan_for sets it)
 
     @property
     def best(self) -> Candidate:

@@ -83,6 +83,9 @@ class Plan:
     alternatives: tuple[Alternative, ...] = ()  # best first
     # whether optimizer state is sharded over the D replicas (ZeRO-1) in the memory priced
     shard_optimizer: bool = False
+    # compile's shard_optimizer (True | False | "auto"): what a launched run does with the
+    # optimizer (``optimizer_note``)
+    shard_optimizer_setting: bool | str = "auto"
 
     @property
     def global_batch_size(self) -> int:
@@ -120,7 +123,10 @@ class Plan:
                           f"{s.time * 1e3:.3f} ms", format_bytes(s.optimizer_bytes),
                           "yes" if rc else "no", format_bytes(s.memory))
         tied = ", ".join(f"{k} (stages {v})" for k, v in self.tied_parameters.items())
-        table.caption = f"balance max/mean {self.balance:.3f}" + (f"; tied: {tied}" if tied else "")
+        note = optimizer_note(self.shard_optimizer_setting, self.data_parallel,
+                              self.shard_optimizer)
+        table.caption = f"balance max/mean {self.balance:.3f}" + (f"; tied: {tied}" if tied else "") \
+            + (f"\n{note}" if note else "")
         return table
 
     def alternatives_table(self) -> Table | None:
@@ -142,6 +148,28 @@ class Plan:
         Console(file=buffer, width=120, force_terminal=False, force_jupyter=False,
                 color_system=None).print(self)
         return buffer.getvalue().rstrip() + "\n"
+
+
+def optimizer_note(setting: bool | str, data_parallel: int, priced_sharded: bool) -> str | None:
+    """What a launched run with D = ``data_parallel`` replicas does with the optimizer state
+    under compile's ``shard_optimizer=setting`` (``runtime/zero.py``, ``pipeline.py``), and how
+    the memory column counted it (``priced_sharded``); None for one replica (nothing to shard)."""
+    if data_parallel <= 1:
+        return None
+    d = f"D={data_parallel}"
+    refused = "build it with pipe.optimizer(cls, ...) (a torch optimizer over " \
+        "pipe.parameters() is refused)"
+    if setting is True or (setting == "auto" and priced_sharded):
+        why = "shard_optimizer=True" if setting is True else \
+            "shard_optimizer='auto', and the plan needs it to fit"
+        return (f"optimizer state: sharded over the {d} replicas (ZeRO-1; {why}): {refused}; "
+                "memory counts 1/D of it per rank")
+    if setting == "auto":
+        return (f"optimizer state: shard_optimizer='auto' shards an optimizer built with "
+                f"pipe.optimizer over the {d} replicas (ZeRO-1, 1/D of its state per rank); "
+                "one built over pipe.parameters() runs unsharded, as memory counts it")
+    return (f"optimizer state: not sharded (shard_optimizer=False): each of the {d} replicas "
+            "holds all of it")
 
 
 def _recompute_note(flags: tuple[bool, ...]) -> str:
