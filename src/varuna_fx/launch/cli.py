@@ -144,10 +144,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.elastic and (args.nnodes or args.rdzv_endpoint or args.local_addr):
         raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for "
                          "a fixed multi-machine job pass torchrun's flags in --torchrun-args")
+    elastic = dict(nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                   local_addr=args.local_addr, max_restarts=args.max_restarts,
+                   rdzv_conf=args.rdzv_conf) if args.elastic else {}
     ranks = Ranks(nproc=args.nproc, flags=tuple(split_flags(args.torchrun_args)),
-                  elastic=args.elastic, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
-                  rdzv_id=args.rdzv_id, local_addr=args.local_addr,
-                  max_restarts=args.max_restarts, rdzv_conf=args.rdzv_conf)
+                  elastic=args.elastic, **elastic)
     try:
         start_ranks(ranks, args.script, args.script_args)
         return 0
