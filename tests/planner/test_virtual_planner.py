@@ -12,8 +12,8 @@ import varuna_fx as vf
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.planner import Analyzed, Planner, Space, analyze
 from varuna_fx.planner.balance import StagePlan
-from varuna_fx.planner.network import Links
-from varuna_fx.planner.virtual import rank_allreduce, rank_links, weigh
+from varuna_fx.planner.network import Links, rank_allreduce, rank_links
+from varuna_fx.planner.virtual import weigh
 from varuna_fx.schedule import build_schedule
 
 

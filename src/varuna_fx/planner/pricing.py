@@ -31,8 +31,7 @@ from .balance import Balancer, StagePlan
 from .candidates import Candidate, considered_schedules, weight_grads
 from .cluster import Cluster
 from .cost_table import CostTable, UnitArrays
-from .network import Links, links
-from .virtual import rank_allreduce, rank_links
+from .network import Links, links, rank_allreduce, rank_links
 
 
 class Pricing:

@@ -1,63 +1,21 @@
-"""The planner's view of virtual stages (several stages per rank): what their links and
-all-reduces cost, and whether one beats the chosen one-stage-per-rank layout.
+"""Whether virtual stages (several stages per rank) beat the chosen one-stage-per-rank layout.
 
-The simulator times a virtual schedule on its ranks (``schedule/simulate.py``): a boundary
-between two stages of one rank costs nothing, boundaries between the same two ranks queue on
-that pair's wire. So the traffic a placement adds is priced where it lands: the looped
-placement (interleaved 1F1B) sends across every one of its ``v P - 1`` boundaries, about v
-times 1F1B's bytes; the V shape (ZB-V) keeps the turn at the last rank local, about twice. On a
-slow link that traffic outweighs the smaller bubble, and the planner keeps v = 1.
-
-The all-reduce after the step is per rank: a rank all-reduces the gradients of all its stages
-(the largest rank sets the time), and a tied weight whose copies all sit on one rank (GPT's
-embedding and head under the V shape) needs no cross-rank sum.
+After the search picks (P, D, b) with one stage per rank, each virtual choice is priced on the
+same ranks (``weigh``): ``v R`` stages, partitioned for the schedule's stash counts with each
+stage at 1/v of the memory, simulated with the links and reductions of the ranks they run on
+(``network.rank_links``, ``network.rank_allreduce``). On a slow link the traffic a placement adds
+outweighs the smaller bubble, and the planner keeps v = 1.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections import Counter
 from typing import Any
 
-import numpy as np
-
 from ..schedule import Schedule, peak_stash_counts
-from .balance import StagePlan
 from .candidates import Candidate
-from .network import Links
 
 # the virtual schedules (and v) a free choice weighs, for a layout of R ranks
 CHOICES: tuple[tuple[str, int], ...] = (("interleaved-1f1b", 2), ("zbv", 2))
-
-
-def rank_links(net: Links, schedule: Schedule) -> Links:
-    """``net`` (the links of the schedule's R ranks) per stage boundary: the slowest link
-    between the two ranks it joins (a boundary inside one rank is never sent)."""
-    ranks = [schedule.rank_of(s) for s in range(schedule.num_stages)]
-    bandwidths = []
-    for a, b in zip(ranks, ranks[1:]):
-        lo, hi = sorted((a, b))
-        bandwidths.append(min(net.bandwidths[lo:hi]) if lo != hi else math.inf)
-    return dataclasses.replace(net, bandwidths=bandwidths)
-
-
-def rank_allreduce(net: Links, plan: StagePlan, schedule: Schedule, replicas: int) -> float:
-    """Seconds of the step's gradient reductions with the stages on ``schedule``'s ranks: each
-    rank's gradients over the replicas (the largest rank's), plus the tied weights whose copies
-    are on several ranks."""
-    per_rank = np.zeros(schedule.num_ranks)
-    for s, grads in enumerate(plan.grads):
-        per_rank[schedule.rank_of(s)] += float(grads)
-    tied = 0.0
-    for grad, stages in plan.shared_holders:
-        # plan.grads counts a copy per holder stage; the copies on one rank are one tensor
-        on = Counter(schedule.rank_of(s) for s in stages)
-        for r, copies in on.items():
-            per_rank[r] -= (copies - 1) * grad
-        if len(on) > 1:
-            tied += grad
-    return net.allreduce(float(per_rank.max()), replicas) + net.allreduce(tied, 2)
 
 
 def weigh(planner: Any, best: Candidate) -> list[tuple[Candidate, Schedule]]:
