@@ -61,7 +61,7 @@ def _weighed(gpt: Analyzed, gbits: float) -> tuple[float, dict[str, float]]:
                          flops="10TFLOP/s", gpu_memory=2**34)
     planner = Planner(gpt.table(), cluster, schedule="1f1b", recompute=False)
     best = planner.search(Space(2, 16, 16, stages=2, data_parallel=1, micro_batch_size=4)).best
-    return best.step_time, {c.schedule: c.step_time for c, _ in weigh(planner, best)}
+    return best.step_time, {c.schedule: c.step_time for c, _ in weigh(planner.pricer, best)}
 
 
 def test_the_link_decides_whether_virtual_stages_pay(gpt: Analyzed) -> None:

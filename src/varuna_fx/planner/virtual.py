@@ -9,38 +9,32 @@ outweighs the smaller bubble, and the planner keeps v = 1.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..schedule import Schedule, peak_stash_counts
 from .candidates import Candidate
+from .pricing import Pricer
 
 # the virtual schedules (and v) a free choice weighs, for a layout of R ranks
 CHOICES: tuple[tuple[str, int], ...] = (("interleaved-1f1b", 2), ("zbv", 2))
 
 
-def weigh(planner: Any, best: Candidate) -> list[tuple[Candidate, Schedule]]:
+def weigh(pricer: Pricer, best: Candidate) -> list[tuple[Candidate, Schedule]]:
     """Each virtual choice for ``best``'s ranks, D and micro-batch size that fits: the
     candidate (``v R`` stages, partitioned for the schedule's stash counts with each stage at
-    1/v of the memory) priced with its schedule. ``planner``: the search's ``Planner``."""
+    1/v of the memory) priced with its schedule. ``pricer``: the search's, one stage per rank."""
     found = []
     ranks, b, m = best.stages, best.micro_batch_size, best.num_micro_batches
     for name, v in CHOICES:
         stages = v * ranks
-        if ranks < 2 or stages > planner.balancer(b).count:
+        if ranks < 2 or stages > pricer.balancer(b).count:
             continue
         c = Candidate(stages, best.data_parallel, b, m, schedule=name)
-        before = planner.stages_per_rank
-        planner.stages_per_rank = v
-        try:
-            sched, counts = planner.built(stages, m, name)
-        finally:
-            planner.stages_per_rank = before
+        sched, counts = pricer.per_rank(v).built(stages, m, name)
         c.stash_counts, c.exact = tuple(counts), True
-        c.plan = planner.partition(b, stages, c.stash_counts, planner.memory_cap / v)
+        c.plan = pricer.partition(b, stages, c.stash_counts, pricer.memory_cap / v)
         if c.plan is None:
             continue
         c.memory = tuple(float(x) for x in c.plan.memory(peak_stash_counts(sched),
-                                                        planner.recompute))
-        planner.simulated(c, sched)
+                                                        pricer.recompute))
+        pricer.simulated(c, sched)
         found.append((c, sched))
     return found
