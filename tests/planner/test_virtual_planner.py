@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -54,6 +55,23 @@ def test_rank_allreduce_sums_a_ranks_stages_and_skips_tied_copies_on_one_rank() 
     assert rank_allreduce(net, plan, looped, 2) == pytest.approx(60 + 10)
     assert rank_allreduce(net, plan, zbv, 1) == 0.0  # one replica, tied sum local
     assert rank_allreduce(net, plan, looped, 1) == pytest.approx(10)
+
+
+def test_a_pricer_is_fixed_when_made_and_v_stages_per_rank_is_another_pricer(
+        gpt: Analyzed) -> None:
+    """Nothing writes a pricer's setting (configure once set v and the memory cap on the
+    planner from outside): v stages per rank is a pricer of its own, with its own memo."""
+    pricer = Planner(gpt.table(), vf.Cluster(gpus=4, gpu_memory="1GiB"),
+                     schedule="interleaved-1f1b",
+                     recompute=False).pricer
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pricer.memory_cap = 1.0  # type: ignore[misc]
+    three = pricer.per_rank(3)
+    assert (three.memory_cap, three.stages_per_rank) == (2**30 / 3, 3)
+    assert (pricer.memory_cap, pricer.stages_per_rank) == (2**30, None)
+    assert three.per_rank(3) is three and three.memo is not pricer.memo
+    assert three.built(6, 6)[0].stages_per_rank == 3
+    assert pricer.built(6, 6)[0].stages_per_rank == 2  # the schedule's default
 
 
 def _weighed(gpt: Analyzed, gbits: float) -> tuple[float, dict[str, float]]:
