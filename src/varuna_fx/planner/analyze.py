@@ -29,6 +29,7 @@ from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .measure import ProfileSettings
 from .options import PlanOptions
+from .pricing import Pricer
 from .profile import Profile
 from .resolve import resolve_profile
 from .search import Planner
@@ -83,7 +84,7 @@ class Analyzed:
                               recompute=recompute, network=use.network if use else None,
                               shard_optimizer=options.shard_optimizer)
             if virtual:  # v stages per rank, as compile plans them
-                return _plan_virtual(planner, space, planner.schedules[0])
+                return _plan_virtual(planner.pricer, space, planner.pricer.schedules[0])
             result = planner.search(space, top=top)
             if not result.top:
                 raise explain_nothing_fits(planner, space)
@@ -122,12 +123,13 @@ def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None
         schedule=schedule if isinstance(schedule, str) else schedule.name, recompute=recompute, profile=profile, shard_optimizer=False), top=top)
 
 
-def _plan_virtual(planner: Planner, space: Space, kind: ScheduleSpec) -> SearchResult:
+def _plan_virtual(pricer: Pricer, space: Space, kind: ScheduleSpec) -> SearchResult:
     """What ``vf.compile`` plans for a schedule of several stages per rank (v, its entry's):
     P = v x R stages on R ranks per replica (P given, or every device in one replica), D given
     or the replicas the devices hold, the micro-batch size given or about 4 micro-batches per
     stage; nothing is searched but its partition, each stage at 1/v of a device's memory
-    (``virtual.on_ranks``). One row."""
+    (``virtual.on_ranks``). One row. ``pricer``: the setting's, one stage per rank (its
+    ``per_rank(v)`` builds the schedule)."""
     start = time.perf_counter()
     v = kind.stages_per_rank
     stages = space.stages or v * max(1, space.gpus // (space.data_parallel or 1))
@@ -143,15 +145,15 @@ def _plan_virtual(planner: Planner, space: Space, kind: ScheduleSpec) -> SearchR
     batch = replica_batch(space.example_batch, space.global_batch_size, d)
     b = space.micro_batch_size or default_micro_batch_size(batch, stages)
     check_micro_batch(batch, b)
-    most = planner.balancer(b).count
+    most = pricer.balancer(b).count
     if stages > most:
         raise PartitionError(f"stages={stages} is more than the {most} places the model can "
                              f"be cut: use at most {most - most % v} stages ({v} per rank)")
-    priced = on_ranks(planner, Candidate(ranks, d, b, batch // b), kind)
+    priced = on_ranks(pricer, Candidate(ranks, d, b, batch // b), kind)
     if priced is None:
         raise PlanError(
             f"{kind.name} with P={stages} ({v} stages per rank), D={d} and micro-batch size "
-            f"{b}: no partition fits {format_bytes(planner.memory_cap / v)} per stage (1/{v} "
+            f"{b}: no partition fits {format_bytes(pricer.memory_cap / v)} per stage (1/{v} "
             "of a device's memory); use more devices or more stages, a smaller micro-batch "
             "size, devices with more memory, or a schedule of one stage per rank"
         )
