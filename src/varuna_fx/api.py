@@ -21,7 +21,11 @@ from .passes.assign_stages import CostSetting
 from .passes.check import check_assignment, check_parameters, check_split
 from .passes.frontend import FRONT_PASSES, captured_and_annotated
 from .passes.manager import CompileState, Pass, dump_dir, run_passes
-from .passes.sample_mixing import graph_findings, warn_sample_mixing
+from .passes.sample_mixing import (
+    graph_findings,
+    refuse_layout_dependent_draws,
+    warn_sample_mixing,
+)
 from .passes.split_stages import split_stages
 from .pipeline import Pipeline, make_pipeline
 from .planner.candidates import AUTO
@@ -155,6 +159,8 @@ def compile(  # noqa: A001 - the public name in API.md
     warn_micro_batch_state(model, captured.gm, plan.num_micro_batches)
     warn_sample_mixing(f"{type(model).__name__}.forward", graph_findings(captured.gm),
                        plan.num_micro_batches)
+    refuse_layout_dependent_draws(captured.gm, f"{type(model).__name__}.forward",
+                                  plan.num_micro_batches, plan.data_parallel)
     pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=o.loss_fn,
                          offload_stash=o.offload_stash, precision=o.precision,
                          timeout=o.timeout,

@@ -66,13 +66,30 @@ def is_random_op(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
 
 
-def leading_dim(args: tuple, kwargs: dict) -> int | None:
+@functools.lru_cache(maxsize=256)
+def _size_position(func: Any) -> int | None:
+    """Where a factory's ``size`` argument is (``randint(low, high, size)``: 2), if it has one."""
+    for k, arg in enumerate(func._schema.arguments):
+        if arg.name == "size" and not arg.kwarg_only:
+            return k
+    return None
+
+
+def _size(func: Any, args: tuple, kwargs: dict) -> Any:
+    at = _size_position(func)
+    if at is not None and at < len(args):
+        return args[at]
+    return kwargs.get("size")
+
+
+def leading_dim(func: Any, args: tuple, kwargs: dict) -> int | None:
     """Dimension 0 of what a random op draws for: its first tensor argument's, else a
-    factory's ``size[0]``; None for a 0-d tensor or no size."""
+    factory's ``size[0]`` (wherever its schema puts ``size``); None for a 0-d tensor or no
+    size (``randperm(n)``)."""
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
             return int(a.shape[0]) if a.dim() else None
-    size = args[0] if args else kwargs.get("size")
+    size = _size(func, args, kwargs)
     if isinstance(size, (list, tuple)) and size and isinstance(size[0], int):
         return int(size[0])
     return None
@@ -118,7 +135,7 @@ class _KeyedDraws(TorchDispatchMode):
             return func(*args, **kwargs)
         k = key.next_op
         key.next_op += 1
-        lead = leading_dim(args, kwargs)
+        lead = leading_dim(func, args, kwargs)
         if key.per_sample is None:  # eager: by shape
             per_sample = lead == key.batch
         else:
@@ -161,22 +178,26 @@ def _row(value: Any, batch: int, j: int) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _writes(func: Any) -> bool:
-    """Whether the op writes into an argument (``bernoulli_``): its rows are written in place."""
-    return any(a.alias_info is not None and a.alias_info.is_write
-               for a in func._schema.arguments)
+def _returns_written(func: Any) -> bool:
+    """Whether the op returns the argument it writes (``bernoulli_``: its rows are written in
+    place); ``rrelu_with_noise`` writes its noise argument but returns a new tensor."""
+    return any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns)
 
 
 def _per_row(func: Any, args: tuple, kwargs: dict, batch: int, seeds: list[int]) -> Any:
     """``func`` once per row ``j`` (tensor arguments cut to that row, a factory's size to 1
     row), each from the generator seeded ``seeds[j]``; results joined along dimension 0."""
-    mutable = _writes(func)
+    mutable = _returns_written(func)
     factory = not any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
+    at = _size_position(func)
     rows = []
     for j, value in enumerate(seeds):
-        if factory:
-            row_args = (([1, *args[0][1:]], *args[1:]) if args else args)
-            row_kwargs = kwargs if args else {**kwargs, "size": [1, *kwargs["size"][1:]]}
+        if factory:  # one row of the size (a per-sample factory has the batch as size[0])
+            row_args, row_kwargs = args, kwargs
+            if at is not None and at < len(args):
+                row_args = (*args[:at], [1, *args[at][1:]], *args[at + 1:])
+            else:
+                row_kwargs = {**kwargs, "size": [1, *kwargs["size"][1:]]}
         else:
             row_args = tuple(_row(a, batch, j) for a in args)
             row_kwargs = {n: _row(a, batch, j) for n, a in kwargs.items()}
@@ -235,6 +256,23 @@ def per_sample_rng(batch_size: int, *, seed: int | None = None,
     key = _Key(seed, int(first_sample), batch_size, active=True)
     with _forked(), _KeyedDraws(key):
         yield seed
+
+
+def forked_rng() -> Any:
+    """The global generators' state, restored on exit (as a step's random ops leave it)."""
+    return _forked()
+
+
+@contextmanager
+def node_draws(seed: int, first_sample: int, batch: int, first_op: int,
+               per_sample: tuple[bool, ...]) -> Iterator[None]:
+    """One random node's ops drawn as a stage draws them for a micro-batch of ``batch`` rows
+    starting at global sample ``first_sample`` (what ``random_begin``/``random_end`` do inside
+    a worker; compile's sample-mixing probe runs nodes one by one with it)."""
+    key = _Key(seed, first_sample, batch, next_op=first_op, per_sample=per_sample,
+               node_end=first_op + len(per_sample), active=True)
+    with _KeyedDraws(key):
+        yield
 
 
 @torch.fx.wrap
