@@ -15,8 +15,12 @@ node). Each draw is then keyed, not taken from a running generator:
   ``mix(seed, k)``, so every micro-batch and replica of the step sees the same values, as the
   one eager forward on the whole batch does.
 
-An op's ``generator=`` argument is replaced by the keyed default generator. Stage code marks
-its random nodes with ``random_begin(k, per_sample)`` / ``random_end()`` (``split_stages``);
+An op's ``generator=`` argument is replaced by the keyed default generator. Stage code calls a
+plain dropout (``nn.Dropout``, ``F.dropout``, ``aten.dropout``) through :func:`keyed_dropout`,
+which draws the very numbers the dispatch mode would (the same kernels on the same rows, from
+the same seeds) without entering it: a Python dispatch mode costs ~100 us per node call and
+microseconds on every op it sees, most of keyed dropout's former cost. Stage code marks its
+other random nodes with ``random_begin(k, per_sample)`` / ``random_end()`` (``split_stages``);
 ``per_sample`` says, per random op of the node, whether compile saw its leading dimension scale
 with the batch. They do something only inside ``rng_context`` (a worker's forward or
 recompute); a stage module called by hand draws from the global generators like any module.
@@ -273,6 +277,78 @@ def node_draws(seed: int, first_sample: int, batch: int, first_op: int,
                node_end=first_op + len(per_sample), active=True)
     with _KeyedDraws(key):
         yield
+
+
+# -- dropout without the dispatch mode ---------------------------------------------------------
+
+# where eager's dropout runs one fused kernel (aten's is_fused_kernel_acceptable)
+_FUSED_DEVICES = ("cuda", "xpu", "lazy", "privateuseone")
+
+
+def plain_dropout(root: torch.nn.Module, node: torch.fx.Node) -> bool:
+    """Whether ``node`` is one dropout call :func:`keyed_dropout` can run directly."""
+    if node.op == "call_module":
+        return type(root.get_submodule(str(node.target))) is torch.nn.Dropout
+    return node.op == "call_function" and direct_dropout(node.target) is not None
+
+
+def direct_dropout(target: Any) -> Any:
+    """The keyed function to call instead of the dropout function ``target`` (or None)."""
+    if target is torch.nn.functional.dropout:
+        return keyed_functional_dropout
+    if target is torch.dropout or target is torch.ops.aten.dropout.default:
+        return keyed_aten_dropout
+    return None
+
+
+@torch.fx.wrap
+def keyed_module_dropout(first_op: int, per_sample: tuple[bool, ...], module: torch.nn.Module,
+                         x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for an ``nn.Dropout``, keyed: its settings as they are now."""
+    return keyed_dropout(first_op, per_sample, x, module.p, module.training, module.inplace)
+
+
+@torch.fx.wrap
+def keyed_functional_dropout(first_op: int, per_sample: tuple[bool, ...], input: torch.Tensor,
+                             p: float = 0.5, training: bool = True,
+                             inplace: bool = False) -> torch.Tensor:
+    """``F.dropout(input, p, training, inplace)``, keyed."""
+    return keyed_dropout(first_op, per_sample, input, p, training, inplace)
+
+
+@torch.fx.wrap
+def keyed_aten_dropout(first_op: int, per_sample: tuple[bool, ...], input: torch.Tensor,
+                       p: float, train: bool) -> torch.Tensor:
+    """``torch.dropout(input, p, train)`` (``aten.dropout``, what torch.export records), keyed."""
+    return keyed_dropout(first_op, per_sample, input, p, train)
+
+
+def keyed_dropout(first_op: int, per_sample: tuple[bool, ...], x: torch.Tensor, p: float,
+                  training: bool, inplace: bool = False) -> torch.Tensor:
+    """Eager's dropout (aten's ``_dropout_impl``, or its fused kernel where eager uses it),
+    each row's mask drawn as the dispatch mode draws it: op ``first_op``, per sample when
+    compile said so and ``x``'s dim 0 is the micro-batch. Outside a worker (no key), or where
+    eager draws nothing (p of 0 or 1, eval, an empty tensor): plain ``F.dropout``."""
+    key = getattr(_context, "key", None)
+    if key is None or not training or p == 0 or p == 1 or x.numel() == 0:
+        return torch.nn.functional.dropout(x, p, training, inplace)
+    rows = key.batch if per_sample and per_sample[0] and x.dim() and x.shape[0] == key.batch \
+        else 0
+    seeds = [mix(key.seed, first_op, key.first_sample + j) for j in range(rows)] or \
+        [mix(key.seed, first_op, _SHARED)]
+    if not inplace and x.device.type in _FUSED_DEVICES:  # one fused kernel per row
+        parts = []
+        for j, value in enumerate(seeds):
+            row = x[j:j + 1] if rows else x
+            _seed_device((row,), {}, value)
+            parts.append(torch.ops.aten.native_dropout.default(row, p, True)[0])
+        return torch.cat(parts) if rows else parts[0]
+    noise = torch.empty_like(x)
+    for j, value in enumerate(seeds):
+        _seed_device((x,), {}, value)
+        (noise[j:j + 1] if rows else noise).bernoulli_(1 - p)
+    noise.div_(1 - p)
+    return x.mul_(noise) if inplace else x * noise
 
 
 @torch.fx.wrap
