@@ -60,10 +60,20 @@ def mix(*words: int) -> int:
     """A 63-bit seed from integers (splitmix64 rounds): stable across processes and runs."""
     h = 0x9E3779B97F4A7C15
     for w in words:
-        h = (h ^ (w & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
-        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK
-        h ^= h >> 29
+        h = _round(h, w)
     return h & (2**63 - 1)
+
+
+def _round(h: int, w: int) -> int:
+    h = (h ^ (w & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
+    h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK
+    return h ^ (h >> 29)
+
+
+def row_seeds(seed: int, op: int, first_sample: int, rows: int) -> list[int]:
+    """``[mix(seed, op, first_sample + j) for j < rows]``, the shared prefix mixed once."""
+    h = _round(_round(0x9E3779B97F4A7C15, seed), op)
+    return [_round(h, first_sample + j) & (2**63 - 1) for j in range(rows)]
 
 
 def is_random_op(func: Any) -> bool:
@@ -156,7 +166,7 @@ class _KeyedDraws(TorchDispatchMode):
             _seed_device(args, kwargs, mix(key.seed, k, _SHARED))
             return func(*args, **kwargs)
         return _per_row(func, args, kwargs, key.batch,
-                        [mix(key.seed, k, key.first_sample + j) for j in range(key.batch)])
+                        row_seeds(key.seed, k, key.first_sample, key.batch))
 
 
 def _device(args: tuple, kwargs: dict) -> torch.device:
@@ -332,23 +342,29 @@ def keyed_dropout(first_op: int, per_sample: tuple[bool, ...], x: torch.Tensor, 
     key = getattr(_context, "key", None)
     if key is None or not training or p == 0 or p == 1 or x.numel() == 0:
         return torch.nn.functional.dropout(x, p, training, inplace)
-    rows = key.batch if per_sample and per_sample[0] and x.dim() and x.shape[0] == key.batch \
-        else 0
-    seeds = [mix(key.seed, first_op, key.first_sample + j) for j in range(rows)] or \
+    per_row = bool(per_sample and per_sample[0] and x.dim() and x.shape[0] == key.batch)
+    seeds = row_seeds(key.seed, first_op, key.first_sample, key.batch) if per_row else \
         [mix(key.seed, first_op, _SHARED)]
+    generator = _generator(x.device)
     if not inplace and x.device.type in _FUSED_DEVICES:  # one fused kernel per row
         parts = []
-        for j, value in enumerate(seeds):
-            row = x[j:j + 1] if rows else x
-            _seed_device((row,), {}, value)
+        for value, row in zip(seeds, x.split(1) if per_row else (x,)):
+            generator.manual_seed(value)
             parts.append(torch.ops.aten.native_dropout.default(row, p, True)[0])
-        return torch.cat(parts) if rows else parts[0]
+        return torch.cat(parts) if per_row else parts[0]
     noise = torch.empty_like(x)
-    for j, value in enumerate(seeds):
-        _seed_device((x,), {}, value)
-        (noise[j:j + 1] if rows else noise).bernoulli_(1 - p)
+    for value, row in zip(seeds, noise.split(1) if per_row else (noise,)):
+        generator.manual_seed(value)
+        row.bernoulli_(1 - p)
     noise.div_(1 - p)
     return x.mul_(noise) if inplace else x * noise
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """The default generator of ``device`` (what ``_seed_device`` seeds)."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index or 0]
+    return torch.default_generator
 
 
 @torch.fx.wrap
