@@ -1,6 +1,7 @@
 """What keying dropout per sample costs per step (issue 24 item 4; issue 30).
 
-Run: ``OMP_NUM_THREADS=1 python bench/bench_dropout_keyed.py [--micro 1 2 4 8 16] [--repeats 15]``.
+Run: ``OMP_NUM_THREADS=1 python bench/bench_dropout_keyed.py [--micro 1 2 4 8 16] [--repeats 15]``
+(``--ops``: one dropout call keyed and not, per shape, instead of whole steps).
 A small GPT (dropout 0.1 on embeddings, attention output and MLP output: 3 x layers + 1 random
 ops), one process, P=2, global batch 16, for each micro-batch size: the median step time with
 
@@ -43,11 +44,42 @@ def unkeyed(key: Any, mb: int) -> Iterator[None]:
     yield
 
 
+def op_costs(repeats: int) -> None:
+    """One dropout call keyed (what the stage code calls) against ``F.dropout``, on the bench
+    GPT's two dropout shapes (attention probabilities, activations), interleaved: the step's
+    extra is the sum over its calls, with less noise than whole steps."""
+    from varuna_fx.ir.rng import RandomKey, keyed_dropout, rng_context
+
+    def once(f: Callable[[], Any], n: int = 20) -> float:
+        t = time.process_time()
+        for _ in range(n):
+            f()
+        return (time.process_time() - t) / n * 1e6
+
+    print("| rows x shape | keyed us | F.dropout us | extra us |")
+    print("| --- | --- | --- | --- |")
+    heads, t, d = CONFIG["n_head"], CONFIG["block_size"], CONFIG["n_embd"]
+    for b in (1, 4, 16):
+        for shape in ((b, heads, t, t), (b, t, d)):
+            x = torch.randn(shape)
+            keyed, plain = [], []
+            with rng_context(RandomKey(1, 0, b), 0):
+                for _ in range(repeats):
+                    keyed.append(once(lambda x=x: keyed_dropout(0, (True,), x, 0.1, True)))
+                    plain.append(once(lambda x=x: torch.nn.functional.dropout(x, 0.1, True)))
+            k, p = statistics.median(keyed), statistics.median(plain)
+            print(f"| {shape} | {k:.0f} | {p:.0f} | {k - p:+.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--ops", action="store_true", help="one dropout call, keyed and not")
     args = parser.parse_args()
+    if args.ops:
+        op_costs(2 * args.repeats)
+        return
     torch.manual_seed(0)
     tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["block_size"] + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
