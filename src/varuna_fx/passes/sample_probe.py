@@ -17,8 +17,9 @@ dtype (kernels may sum in another order at another batch size); shapes that depe
 
 Statistics over the batch that end in a reduction (no batch dimension left) stay the rules':
 whether a mean reaches the loss linearly is not a question of values. The probe runs only on a
-model with real weights (not meta: ``vf.deferred_init``, planning only) whose probe costs at
-most ``BUDGET_SECONDS`` by a rough rate, and restores every buffer and the global RNG state.
+model with real, initialised weights (not meta: ``vf.deferred_init``, planning only; not left
+unset by ``vf.skip_init``) whose probe costs at most ``BUDGET_SECONDS`` by a rough rate, and
+restores every buffer and the global RNG state.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.utils._pytree as pytree
 
 from ..capture.buffers import buffers_kept
 from ..capture.inputs import BoundInputs
+from ..init.skip import any_marked, unloaded
 from ..ir.nodes import b, info
 from ..ir.rng import forked_rng, node_draws
 
@@ -60,6 +62,9 @@ def probe_sample_mixing(gm: fx.GraphModule, bound: BoundInputs,
     samples = min(bound.batch_size, PROBE_SAMPLES)
     state = [*gm.parameters(), *gm.buffers()]
     if samples < 2 or any(t.is_meta or _is_fake(t) for t in [*state, *bound.tensors.values()]):
+        return []
+    named = [*gm.named_parameters(), *gm.named_buffers()]
+    if any_marked() and unloaded(named):  # vf.skip_init: no values yet, only garbage
         return []
     device = next((t.device.type for t in state), "cpu")
     flops = sum(float(info(n).matmul_flops(1) + info(n).elementwise_flops(1))
@@ -227,7 +232,7 @@ def _same_rows(w: torch.Tensor, s: torch.Tensor, d: int) -> bool:
                            device=w.device) + 0.5
     pw, ps = (rows_w @ direction).sort().values, (rows_s @ direction).sort().values
     rtol = 2e-2 if w.element_size() <= 2 else 1e-3
-    scale = float((rows_s.abs() @ direction).max())
+    scale = float((rows_s.abs().nan_to_num(0.0, 0.0, 0.0) @ direction).max())
     return bool(torch.allclose(pw, ps, rtol=0.0, atol=rtol * max(scale, 1e-6),
                                equal_nan=True))
 
@@ -240,5 +245,6 @@ def _close(a: torch.Tensor, b_: torch.Tensor) -> bool:
     if not (a.dtype.is_floating_point or a.dtype.is_complex):
         return bool(torch.equal(a, b_))
     rtol = 2e-2 if a.element_size() <= 2 else 1e-3
-    scale = float(b_.abs().max()) if b_.numel() else 0.0
+    finite = b_.abs().nan_to_num(0.0, 0.0, 0.0)
+    scale = float(finite.max()) if b_.numel() else 0.0
     return bool(torch.allclose(a, b_, rtol=rtol, atol=rtol * max(scale, 1e-6), equal_nan=True))
