@@ -329,6 +329,14 @@ def ops_of_graph(gm: fx.GraphModule, model: nn.Module | None = None,
     return ops, outputs
 
 
+def _batch_norm(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A batch norm in training mode, as a module call or an aten/functional call."""
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(str(node.target)), nn.modules.batchnorm._BatchNorm)
+    return node.op == "call_function" and \
+        kind_of_call(node.target, node.args, node.kwargs) == BATCH_STATS
+
+
 def _is_batch_norm_module(root: nn.Module, path: str) -> bool:
     try:
         return bool(path) and isinstance(root.get_submodule(path),
@@ -349,9 +357,10 @@ def mark_sample_mixing(gm: fx.GraphModule, model: nn.Module | None = None,
     for finding in find_sample_mixing(ops, outputs):
         info(nodes[finding.op]).mixes_samples = finding.reason
     if bound is not None:
-        # (a draw whose layout is refused when the batch is split is not warned about too)
+        # (a draw whose layout is refused when the batch is split is not warned about too,
+        # nor BatchNorm, which capture/buffers.py warns about by its module's name)
         found = {n.name for n in gm.graph.nodes if info(n).mixes_samples or
-                 info(n).random_layout}
+                 info(n).random_layout or _batch_norm(gm, n)}
         for node in probe_sample_mixing(gm, bound, found):
             info(node).mixes_samples = PROBE_REASON
 
