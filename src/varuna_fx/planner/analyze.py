@@ -35,6 +35,7 @@ from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .measure import ProfileSettings
 from .options import PlanOptions
+from .pricing import Pricer
 from .profile import Profile
 from .resolve import resolve_profile
 from .search import Planner
@@ -91,14 +92,14 @@ class Analyzed:
                               recompute=recompute, network=use.network if use else None,
                               shard_optimizer=options.shard_optimizer)
             if virtual:  # v stages per rank, as compile plans them
-                result = _plan_virtual(planner, space, dataclasses.replace(
-                    planner.schedules[0], stages_per_rank=v))
+                result = _plan_virtual(planner.pricer, space, dataclasses.replace(
+                    planner.pricer.schedules[0], stages_per_rank=v))
             else:
                 result = planner.search(space, top=top)
                 if not result.top:
                     raise explain_nothing_fits(planner, space)
                 if options.stages_per_rank is None and choice == AUTO:  # v chosen too
-                    result = _with_virtual(planner, result)
+                    result = _with_virtual(planner.pricer, result)
             result.recompute = recompute
             return result
 
@@ -138,13 +139,13 @@ def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None
         top=top)
 
 
-def _with_virtual(planner: Planner, result: SearchResult) -> SearchResult:
+def _with_virtual(pricer: Pricer, result: SearchResult) -> SearchResult:
     """``result`` after weighing virtual stages on its best candidate's ranks, as
     ``vf.compile`` does for ``stages_per_rank=None, schedule="auto"``
     (``configure._weigh_virtual``): one that simulates faster becomes the best; each is a
     row."""
     best = result.best
-    found = weigh_virtual(planner, best)
+    found = weigh_virtual(pricer, best)
     pick = min(found, key=lambda f: f[0].step_time, default=None)
     rows = list(result.alternatives)
     if pick is None or pick[0].step_time >= best.step_time:
@@ -157,12 +158,13 @@ def _with_virtual(planner: Planner, result: SearchResult) -> SearchResult:
                                stages_per_rank=pick[1].stages_per_rank)
 
 
-def _plan_virtual(planner: Planner, space: Space, kind: ScheduleSpec) -> SearchResult:
-    """What ``vf.compile`` plans for a schedule of several stages per rank (v: ``kind``'s):
+def _plan_virtual(pricer: Pricer, space: Space, kind: ScheduleSpec) -> SearchResult:
+    """What ``vf.compile`` plans for a schedule of several stages per rank (v, its entry's):
     P = v x R stages on R ranks per replica (P given, or every device in one replica), D given
     or the replicas the devices hold, the micro-batch size given or about 4 micro-batches per
     stage; nothing is searched but its partition, each stage at 1/v of a device's memory
-    (``virtual.on_ranks``). One row."""
+    (``virtual.on_ranks``). One row. ``pricer``: the setting's, one stage per rank (its
+    ``per_rank(v)`` builds the schedule)."""
     start = time.perf_counter()
     v = kind.stages_per_rank
     stages = space.stages or v * max(1, space.gpus // (space.data_parallel or 1))
@@ -178,15 +180,15 @@ def _plan_virtual(planner: Planner, space: Space, kind: ScheduleSpec) -> SearchR
     batch = replica_batch(space.example_batch, space.global_batch_size, d)
     b = space.micro_batch_size or default_micro_batch_size(batch, stages)
     check_micro_batch(batch, b)
-    most = planner.balancer(b).count
+    most = pricer.balancer(b).count
     if stages > most:
         raise PartitionError(f"stages={stages} is more than the {most} places the model can "
                              f"be cut: use at most {most - most % v} stages ({v} per rank)")
-    priced = on_ranks(planner, Candidate(ranks, d, b, batch // b), kind)
+    priced = on_ranks(pricer, Candidate(ranks, d, b, batch // b), kind)
     if priced is None:
         raise PlanError(
             f"{kind.name} with P={stages} ({v} stages per rank), D={d} and micro-batch size "
-            f"{b}: no partition fits {format_bytes(planner.memory_cap / v)} per stage (1/{v} "
+            f"{b}: no partition fits {format_bytes(pricer.memory_cap / v)} per stage (1/{v} "
             "of a device's memory); use more devices or more stages, a smaller micro-batch "
             "size, devices with more memory, or a schedule of one stage per rank"
         )

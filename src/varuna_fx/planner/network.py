@@ -5,14 +5,31 @@ nodes in order. A pipeline link is intra-node when, for every replica, both of i
 one node; the replicas of a stage are P ranks apart, so their all-reduce stays on one node only
 when the whole job does. In a launched job the measured links (``world/network.py``:
 ``measure_network``) replace the stated numbers.
+
+Virtual stages (several stages per rank) are priced where their traffic lands
+(``rank_links``, ``rank_allreduce``): the simulator times a virtual schedule on its ranks
+(``schedule/simulate.py``), a boundary between two stages of one rank costs nothing, boundaries
+between the same two ranks queue on that pair's wire. So the looped placement (interleaved 1F1B)
+sends across every one of its ``v P - 1`` boundaries, about v times 1F1B's bytes; the V shape
+(ZB-V) keeps the turn at the last rank local, about twice. The all-reduce after the step is per
+rank: a rank all-reduces the gradients of all its stages (the largest rank sets the time), and a
+tied weight whose copies all sit on one rank (GPT's embedding and head under the V shape) needs
+no cross-rank sum.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+
+from ..schedule import Schedule
 from ..world.network import NetworkProfile
+from .balance import PartitionCosts
 from .cluster import Cluster
 
 
@@ -70,3 +87,31 @@ def links(cluster: Cluster, stages: int, replicas: int,
         allreduce_latency=float(cluster.latency),
     )
 
+
+def rank_links(net: Links, schedule: Schedule) -> Links:
+    """``net`` (the links of the schedule's R ranks) per stage boundary: the slowest link
+    between the two ranks it joins (a boundary inside one rank is never sent)."""
+    ranks = [schedule.rank_of(s) for s in range(schedule.num_stages)]
+    bandwidths = []
+    for a, b in zip(ranks, ranks[1:]):
+        lo, hi = sorted((a, b))
+        bandwidths.append(min(net.bandwidths[lo:hi]) if lo != hi else math.inf)
+    return dataclasses.replace(net, bandwidths=bandwidths)
+
+
+def rank_allreduce(net: Links, plan: PartitionCosts, schedule: Schedule, replicas: int) -> float:
+    """Seconds of the step's gradient reductions with the stages on ``schedule``'s ranks: each
+    rank's gradients over the replicas (the largest rank's), plus the tied weights whose copies
+    are on several ranks."""
+    per_rank = np.zeros(schedule.num_ranks)
+    for s, grads in enumerate(plan.grads):
+        per_rank[schedule.rank_of(s)] += float(grads)
+    tied = 0.0
+    for grad, stages in plan.shared_holders:
+        # plan.grads counts a copy per holder stage; the copies on one rank are one tensor
+        on = Counter(schedule.rank_of(s) for s in stages)
+        for r, copies in on.items():
+            per_rank[r] -= (copies - 1) * grad
+        if len(on) > 1:
+            tied += grad
+    return net.allreduce(float(per_rank.max()), replicas) + net.allreduce(tied, 2)

@@ -1,12 +1,22 @@
-"""Pricing a candidate: its partition (cached per (b, P, stash counts, budget)), the order its
+"""Pricing a candidate: its partition (memoized per (b, P, stash counts, budget)), the order its
 schedule runs in, the memory check with that order's stash counts, and the simulated step plus
-the data-parallel and tied all-reduces."""
+the data-parallel and tied all-reduces.
+
+A ``Pricer`` is one model on one cluster under one setting (cost table, cluster, network,
+memory cap, the schedules weighed, recompute, optimizer sharding, stages per rank), fixed when
+it is made: nothing outside writes it, and a different setting is a different pricer
+(``Pricer.per_rank``). What it works out is kept in its ``Memo``, each entry a pure function of
+the pricer and the entry's key, so a memo never needs to be invalidated. The search
+(``search.py``) holds a pricer; the lower bounds of a step (``floors.py``) are functions of a
+pricer and a candidate.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,50 +39,81 @@ from .balance import Balancer, PartitionCosts
 from .candidates import Candidate, weight_grads
 from .cluster import Cluster
 from .cost_table import CostTable, UnitArrays
-from .network import Links, links
-from .virtual import rank_allreduce, rank_links
+from .network import Links, links, rank_allreduce, rank_links
 
 
-class Pricing:
+@dataclass
+class Memo:
+    """What one ``Pricer`` has worked out, by key. Every value depends only on the pricer's
+    fields and its key (a budget or a shard count that varies is part of the key)."""
+
+    # (b, shards) -> the partitioner at micro-batch size b
+    balancers: dict[tuple[int, int], Balancer] = field(default_factory=dict)
+    # (b, P, stash counts, budget, shards) -> the fastest fitting partition, or None
+    plans: dict[tuple[int, int, tuple[int, ...], float, int], PartitionCosts | None] = \
+        field(default_factory=dict)
+    # (schedule, P, m) -> the unit-cost schedule and its per-stage stash counts
+    schedules: dict[tuple[str, int, int], tuple[Schedule, list[int]]] = \
+        field(default_factory=dict)
+    # (P, D) -> the links of that placement
+    links: dict[tuple[int, int], Links] = field(default_factory=dict)
+    # for ``floors.py``: (b, split) -> the model's totals at b; (b, P, D) -> one round trip's hops
+    totals: dict[tuple[int, bool], tuple[float, ...]] = field(default_factory=dict)
+    hops: dict[tuple[int, int, int], float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class Pricer:
     """One model on one cluster: partitions, orders and simulated steps of candidates, each
-    cached (the search in ``search.py`` and the bounds in ``bounds.py`` build on it)."""
+    memoized (the search in ``search.py`` and the floors in ``floors.py`` build on it). Make
+    one with ``Pricer.build``."""
 
-    def __init__(self, table: CostTable, cluster: Cluster, *, schedule: str | ScheduleSpec,
-                 recompute: bool,
-                 spec: DeviceSpec | None = None, network: NetworkProfile | None = None,
-                 shard_optimizer: bool | str = False) -> None:
-        self.table = table
-        self.cluster = cluster
-        self.spec = spec or cluster.spec
-        self.schedule = schedule  # a schedule (entry or name), or "auto": each candidate
-        # weighs them all
-        self.schedules = weighed_schedules(schedule)
-        self._rank = {s.name: k for k, s in enumerate(self.schedules)}  # (ties: see _key)
-        self.recompute = recompute
-        self.network = network
-        self.memory_cap = float(cluster.gpu_memory)
-        # v of a virtual schedule (several stages per rank; None: its default), set by
-        # ``configure`` before anything is built
-        self.stages_per_rank: int | None = None
-        # optimizer state over the D replicas (ZeRO-1): True counts it sharded wherever D > 1,
-        # "auto" only for a candidate that does not fit otherwise, False never
-        self.shard_optimizer = shard_optimizer
-        self._balancers: dict[tuple[int, int], Balancer] = {}
-        self._plans: dict[tuple[int, int, tuple[int, ...], float, int], PartitionCosts | None] = {}
-        self._schedules: dict[tuple[str, int, int], tuple[Schedule, list[int]]] = {}
-        self._links: dict[tuple[int, int], Links] = {}
-        self._totals: dict[int, tuple[float, ...]] = {}
-        self._hop_sums: dict[tuple[int, int, int], float] = {}
+    table: CostTable
+    cluster: Cluster
+    spec: DeviceSpec  # what time estimates are made for
+    network: NetworkProfile | None  # measured links (None: the cluster's stated ones)
+    # the schedules weighed (their registry entries; several for schedule="auto")
+    schedules: tuple[ScheduleSpec, ...]
+    recompute: bool
+    memory_cap: float  # bytes one stage may hold (a rank's memory over its v stages)
+    # v of a virtual schedule (several stages per rank; None: its default)
+    stages_per_rank: int | None = None
+    # optimizer state over the D replicas (ZeRO-1): True counts it sharded wherever D > 1,
+    # "auto" only for a candidate that does not fit otherwise, False never
+    shard_optimizer: bool | str = False
+    memo: Memo = field(default_factory=Memo, init=False, repr=False)
 
-    # -- caches --------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, table: CostTable, cluster: Cluster, *, schedule: str | ScheduleSpec,
+              recompute: bool,
+              spec: DeviceSpec | None = None, network: NetworkProfile | None = None,
+              shard_optimizer: bool | str = False,
+              stages_per_rank: int | None = None) -> Pricer:
+        """``schedule``: an entry or its name, or "auto" (each candidate weighs them all:
+        ``schedule.weighed_schedules``). A rank running ``stages_per_rank`` stages checks
+        each against that share of its memory."""
+        return cls(table, cluster, spec or cluster.spec, network,
+                   weighed_schedules(schedule), recompute,
+                   float(cluster.gpu_memory) / (stages_per_rank or 1), stages_per_rank,
+                   shard_optimizer)
+
+    def per_rank(self, v: int) -> Pricer:
+        """This setting with ``v`` stages per rank (each stage checked at 1/v of the device
+        memory), with a memo of its own; itself where that is its setting already."""
+        cap = float(self.cluster.gpu_memory) / v
+        if v == self.stages_per_rank and cap == self.memory_cap:
+            return self
+        return dataclasses.replace(self, stages_per_rank=v, memory_cap=cap)
+
+    # -- memoized --------------------------------------------------------------------------------
 
     def balancer(self, b: int, shards: int = 1) -> Balancer:
         """Partitions at micro-batch size ``b``, the optimizer state split over ``shards``."""
-        if (b, shards) not in self._balancers:
+        if (b, shards) not in self.memo.balancers:
             bw = links(self.cluster, 2, 1, self.network).partition_bandwidth
             units = self.table.unit_arrays(b, self.spec)
-            self._balancers[b, shards] = self._make_balancer(units, bw, shards)
-        return self._balancers[b, shards]
+            self.memo.balancers[b, shards] = self._make_balancer(units, bw, shards)
+        return self.memo.balancers[b, shards]
 
     def balancer_for(self, units: UnitArrays, stages: int, shards: int = 1) -> Balancer:
         """A balancer over given unit arrays (one unit per stage of a made partition)."""
@@ -95,9 +136,9 @@ class Pricing:
         counts = (stash_counts or 1,) * stages if not isinstance(stash_counts, tuple) \
             else stash_counts
         key = (b, stages, counts, budget, shards)
-        if key not in self._plans:
-            self._plans[key] = self.balancer(b, shards).partition(stages, budget, counts)
-        return self._plans[key]
+        if key not in self.memo.plans:
+            self.memo.plans[key] = self.balancer(b, shards).partition(stages, budget, counts)
+        return self.memo.plans[key]
 
     def plan_candidate(self, c: Candidate, stash_counts: int | tuple[int, ...] | None = None,
                        budget: float | None = None) -> PartitionCosts | None:
@@ -115,44 +156,27 @@ class Pricing:
 
     def kind(self, schedule: str | ScheduleSpec = "") -> ScheduleSpec:
         """The registry entry of ``schedule`` (a candidate's schedule name; default: the
-        first the planner weighs)."""
+        first the pricer weighs)."""
         return schedule_spec(schedule) if schedule else self.schedules[0]
 
     def built(self, stages: int, micro_batches: int,
               schedule: str | ScheduleSpec = "") -> tuple[Schedule, list[int]]:
         """The schedule (its compiled form is cached on it) and its per-stage stash counts,
-        from unit costs. ``schedule``: an entry or its name (default: the planner's first)."""
+        from unit costs. ``schedule``: an entry or its name (default: the first weighed)."""
         kind = self.kind(schedule)
         key = (kind.name, stages, micro_batches)
-        if key not in self._schedules:
+        if key not in self.memo.schedules:
             sched = build_schedule(kind, stages, micro_batches, self.recompute,
                                    stages_per_rank=self.stages_per_rank if kind.virtual
                                    else None)
-            self._schedules[key] = (sched, peak_stash_counts(sched))
-        return self._schedules[key]
+            self.memo.schedules[key] = (sched, peak_stash_counts(sched))
+        return self.memo.schedules[key]
 
     def links(self, stages: int, replicas: int) -> Links:
         key = (stages, replicas)
-        if key not in self._links:
-            self._links[key] = links(self.cluster, stages, replicas, self.network)
-        return self._links[key]
-
-    def _split_bound(self, c: Candidate) -> ScheduleSpec | None:
-        """The split-backward schedule ``c``'s bounds must hold for, if any: its own, or
-        before a schedule="auto" search branches it, any it weighs."""
-        kinds = [self.kind(c.schedule)] if c.schedule else self.schedules
-        return next((k for k in kinds if k.split_backward), None)
-
-    def _chain_backward(self, c: Candidate) -> np.ndarray:
-        """Each stage's backward as far as the stage upstream waits for it: all of it, or in
-        a split-backward schedule only the input-gradient part (``W`` can run later)."""
-        plan = c.plan
-        assert plan is not None
-        split = self._split_bound(c)
-        if split is None:
-            return np.asarray(plan.backward, dtype=float)
-        backward, weight = self.backward_costs(plan, split)
-        return np.asarray(backward, dtype=float) - np.asarray(weight, dtype=float)
+        if key not in self.memo.links:
+            self.memo.links[key] = links(self.cluster, stages, replicas, self.network)
+        return self.memo.links[key]
 
     def allreduce(self, c: Candidate) -> float:
         """Gradient all-reduce of the largest stage across replicas, plus summing the
@@ -167,7 +191,7 @@ class Pricing:
                        schedule: ScheduleSpec | None = None) -> ScheduleCosts:
         """The candidate's per-stage F, R, B and link times, which cost-aware schedules (Varuna's
         order, split backward's W placement) are generated from. ``recompute``: per-stage flags
-        (default: the planner's one setting)."""
+        (default: the pricer's one setting)."""
         rc = self.recompute if recompute is None else recompute
         plan = c.plan
         assert plan is not None
@@ -200,7 +224,7 @@ class Pricing:
         will give the plan and the runtime will run -- so candidates are compared by the
         step they would really take (Varuna's order from unit costs can be slower or faster
         than the one the chosen partition gets). Orders that do not depend on costs (and any
-        order of one stage) come from the cache. ``effort``: "quick" or "rough", a cheaper
+        order of one stage) come from the memo. ``effort``: "quick" or "rough", a cheaper
         generator's order (its step is an upper bound of the full order's)."""
         kind = self.kind(c.schedule)
         if c.stages == 1 or not kind.cost_aware:
@@ -225,7 +249,7 @@ class Pricing:
             return None  # what the order's own counts would find, without making the order
         sched = self.ordered(c, effort)
         counts = peak_stash_counts(sched)
-        if not self._fits(c, counts):
+        if not self.fits(c, counts):
             checked = c.stash_counts or (1,) * c.stages
             grown = [max(a, b) for a, b in zip(counts, checked)]
             if not self.fit(c, grown):
@@ -234,7 +258,7 @@ class Pricing:
                 return None  # as below, from orders given up as soon as a stage overflows
             sched = self.ordered(c, effort)  # the new partition's own order
             counts = peak_stash_counts(sched)
-            if not self._fits(c, counts):
+            if not self.fits(c, counts):
                 return None
         c.run_counts = tuple(counts)  # what its memory was checked with: compile starts there
         return self.simulated(c, sched)
@@ -276,6 +300,9 @@ class Pricing:
 
     def simulated(self, c: Candidate, sched: Schedule,
                   recompute: bool | Sequence[bool] | None = None) -> float:
+        """``c``'s step with ``sched`` plus its all-reduces (noted on ``c``: ``step_time``,
+        ``allreduce_time``, ``bubble``). ``recompute``: per-stage flags (default: the
+        pricer's one setting)."""
         rc = self.recompute if recompute is None else recompute
         plan = c.plan
         assert plan is not None
@@ -297,7 +324,9 @@ class Pricing:
         c.step_time = sim.step_time + c.allreduce_time
         return c.step_time
 
-    def _fits(self, c: Candidate, counts: Sequence[int], cap: float | None = None) -> bool:
+    def fits(self, c: Candidate, counts: Sequence[int], cap: float | None = None) -> bool:
+        """Whether ``c``'s partition fits ``cap`` (default: the memory cap) holding ``counts``
+        micro-batches per stage; its memory at those counts is noted on ``c``."""
         assert c.plan is not None
         memory = c.plan.memory(counts, self.recompute)
         c.memory = tuple(float(m) for m in memory)
@@ -309,10 +338,10 @@ class Pricing:
         cap = self.memory_cap if cap is None else cap
         c.exact, c.stash_counts = True, tuple(counts)
         c.plan = self.plan_candidate(c, c.stash_counts, cap)
-        if c.plan is not None and not self._fits(c, counts, cap) and not c.shard and \
+        if c.plan is not None and not self.fits(c, counts, cap) and not c.shard and \
                 self.shard_optimizer == "auto" and c.data_parallel > 1:
             # fits at these counts only with the optimizer state sharded
             c.plan = self.partition(c.micro_batch_size, c.stages, c.stash_counts, cap,
                                     c.data_parallel)
             c.shard = c.plan is not None
-        return c.plan is not None and self._fits(c, counts, cap)
+        return c.plan is not None and self.fits(c, counts, cap)

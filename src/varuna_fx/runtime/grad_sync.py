@@ -10,9 +10,9 @@
 * **Gradient clipping** needs the norm of the whole model: each stage adds its squares (a tied
   parameter only on its lowest holder), one all-reduce over the replica's P stages sums them
   (the replicas already agree), and every stage scales by the same factor.
-* **Sharded optimizer state** (``zero.py``, set by ``pipe.optimizer``): the parameters it
-  shards are reduce-scattered instead (tied ones still all-reduced first); the norm is then the
-  shards' squares summed over every rank, and the fp16 unscale acts on the shards' gradients.
+* **Sharded optimizer state** (``zero.py``, set by ``pipe.optimizer``) changes none of this:
+  every ``.grad`` is averaged as without it (what the user's loop reads and edits), and the
+  optimizer's step copies its shards' slices of them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 from .comm import AllReduce, wait
 from .setup import Groups
-from .zero import ZeroReduce, ZeroSync
+from .zero import ZeroSync
 
 
 class GradSync:
@@ -47,21 +47,12 @@ class GradSync:
         # what this stage contributes to the global norm: tied parameters once, at the lowest
         self.norm_params = [p for n, p in self.held.items()
                             if n not in tied_holders or min(tied_holders[n]) in local]
-        self.zero: ZeroSync | None = None  # set by pipe.optimizer when it shards
-        self.replica = 0
-
-    def shard(self, zero: ZeroSync, replica: int) -> None:
-        """Reduce the parameters ``zero`` holds by reduce-scatter from now on."""
-        self.zero, self.replica = zero, replica
-        sharded = {id(pc.param) for b in zero.layout.buckets for pc in b.pieces}
-        self.plain = [p for p in self.plain if id(p) not in sharded]
+        # the newest pipe.optimizer's sharding (an older sharded optimizer refuses to step)
+        self.zero: ZeroSync | None = None
 
     def reduced(self) -> list[nn.Parameter]:
         """Whose ``.grad`` holds the averaged gradient after a step (what fp16 unscales)."""
-        if self.zero is None:
-            return list(self.held.values())
-        sharded = {id(pc.param) for b in self.zero.layout.buckets for pc in b.pieces}
-        return [*self.zero.shards(), *(p for p in self.held.values() if id(p) not in sharded)]
+        return list(self.held.values())
 
     def before_step(self) -> None:
         for p in self.not_lowest:
@@ -80,18 +71,14 @@ class GradSync:
         return AllReduce(_grads(params), group, divide=self.replicas, timeout=self.timeout,
                          who=self.who, what=f"the tied-parameter gradient sum {_ranks(group)}")
 
-    def start_data_parallel(self) -> list[AllReduce | ZeroReduce]:
-        """Launch the data-parallel average (``ALLREDUCE(dp:<stage>)``), if there is one: the
-        all-reduce of what is not sharded, and the sharded reduce-scatters. The lowered tail
-        starts (and its wait finishes) the tied sums first, which sharded tied buckets read."""
-        pending: list[AllReduce | ZeroReduce] = []
+    def start_data_parallel(self) -> list[AllReduce]:
+        """Launch the data-parallel average (``ALLREDUCE(dp:<stage>)``), if there is one."""
+        pending: list[AllReduce] = []
         if self.groups.data_parallel is not None and self.plain:
             pending.append(AllReduce(_grads(self.plain), self.groups.data_parallel,
                                      divide=self.replicas, timeout=self.timeout, who=self.who,
                                      what="the data-parallel gradient all-reduce "
                                      f"{_ranks(self.groups.data_parallel)}"))
-        if self.zero is not None:
-            pending.append(self.zero.start())
         return pending
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -99,13 +86,6 @@ class GradSync:
         norm_type = float(norm_type)
         grads = [p.grad for p in self.norm_params if p.grad is not None]
         group = self.groups.pipeline
-        if self.zero is not None:  # shards differ per replica: sum over every rank
-            sharded = {id(pc.param) for b in self.zero.layout.buckets for pc in b.pieces}
-            # an unsharded parameter is the same on every replica: counted on replica 0
-            grads = [p.grad for p in self.norm_params
-                     if id(p) not in sharded and p.grad is not None and self.replica == 0]
-            grads += [s.grad for s in self.zero.norm_shards() if s.grad is not None]
-            group = dist.group.WORLD
         device = grads[0].device if grads else torch.device("cpu")
         if dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
