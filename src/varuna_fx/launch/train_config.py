@@ -353,7 +353,7 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
             raise InputError(f"{', '.join(stray)} size the built-in GPT, but model = "
                              f"{cfg.model!r} brings its own sizes: remove them")
         is_factory = ":" in cfg.model and not Path(cfg.model).exists()
-        if not is_factory and not _hf_config(cfg.model).is_file():
+        if not is_factory and not hf_config_path(cfg.model).is_file():
             raise InputError(f"model = {cfg.model!r}: neither gpt, a Hugging Face config.json "
                              "(or a directory holding one), nor module:factory")
     elif cfg.n_embd % cfg.n_head:
@@ -381,13 +381,10 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
                          "multi-machine job pass torchrun's flags in torchrun_args")
 
 
-def _hf_config(model: str) -> Path:
+def hf_config_path(model: str) -> Path:
+    """A Hugging Face model's config.json: the path given, or the file in the folder given."""
     path = Path(model)
     return path / "config.json" if path.is_dir() else path
-
-
-def hf_config_path(model: str) -> Path:
-    return _hf_config(model)
 
 
 # -- writing it back ---------------------------------------------------------------------------
