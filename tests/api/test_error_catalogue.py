@@ -384,6 +384,11 @@ CATALOGUE = [
     row("tensor default of the batch's rows", lambda _: compile_module(
         BatchDefault(), (torch.randn(16, 4),), stages=1), Cap, "parameter 'y'",
         "dim 0 is the batch size (16)", "register_buffer"),
+    # -- varuna-fx train (tests/launch/test_train_config.py has every refusal) -----------------
+    row("train: an unknown key", lambda _: _train_config(["--learning-rate", "1e-3"]), Inp,
+        "unknown key 'learning_rate'", "did you mean", "lr"),
+    row("train: a value of the wrong type", lambda _: _train_config(["--steps", "1e3"]), Inp,
+        "steps takes an integer", "'1e3'"),
 ]
 
 
@@ -424,6 +429,12 @@ def _deferred_reads_values() -> None:
         lin = nn.Linear(4, 4)
         if lin.weight.abs().max() > 0.1:
             pass
+
+
+def _train_config(argv: list[str]) -> Any:
+    from varuna_fx.launch.train_config import resolve
+
+    return resolve(argv)
 
 
 def _deferred_empty() -> torch.nn.Module:
