@@ -90,7 +90,9 @@ class Analyzed:
         def search(recompute: bool) -> SearchResult:
             planner = Planner(self.table(use), cluster, schedule=choice,
                               recompute=recompute, network=use.network if use else None,
-                              shard_optimizer=options.shard_optimizer)
+                              shard_optimizer=options.shard_optimizer,
+                              compression=options.compression,
+                              replica_sync=options.replica_sync)
             if virtual:  # v stages per rank, as compile plans them
                 result = _plan_virtual(planner.pricer, space, dataclasses.replace(
                     planner.pricer.schedules[0], stages_per_rank=v))

@@ -13,17 +13,24 @@
 * **Sharded optimizer state** (``zero.py``, set by ``pipe.optimizer``): the parameters it
   shards are reduce-scattered instead (tied ones still all-reduced first); the norm is then the
   shards' squares summed over every rank, and the fp16 unscale acts on the shards' gradients.
+* **Replica sync** (``plan.replica_sync``, docs/API.md "Slow links"): ``bf16`` and PowerSGD
+  reduce the same buckets through torch's hooks (``replica_sync.py``; under ZeRO-1 its
+  sharded buckets), DiLoCo reduces nothing per step (``diloco.py``: each replica's optimizer
+  steps on its own gradients). Tied parameters keep their exact all-reduce.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .comm import AllReduce, wait
+from .diloco import DiLoCoSync
+from .replica_sync import HookedReduction, Piece, SyncHook, hook_layout
 from .setup import Groups
 from .zero import ZeroReduce, ZeroSync
 
@@ -31,7 +38,7 @@ from .zero import ZeroReduce, ZeroSync
 class GradSync:
     def __init__(self, held: dict[str, nn.Parameter], groups: Groups,
                  tied_holders: dict[str, list[int]], stage: int | list[int], replicas: int,
-                 timeout: float, who: str) -> None:
+                 timeout: float, who: str, model_tied: set[str] | None = None) -> None:
         # ``stage``: this rank's stage, or all it runs (virtual stages: copies of a tied
         # parameter on two of them are one tensor here, summed by autograd)
         local = {stage} if isinstance(stage, int) else set(stage)
@@ -39,6 +46,7 @@ class GradSync:
         self.held = {n: p for n, p in held.items() if p.requires_grad}
         tied_here = {n for names, _ in groups.tied for n in names}
         self.plain = [p for n, p in self.held.items() if n not in tied_here]
+        self.plain_named = [(n, p) for n, p in self.held.items() if n not in tied_here]
         self.tied = [([self.held[n] for n in names if n in self.held], g)
                      for names, g in groups.tied]
         # tied copies whose accumulated gradient another (lower) holder stage keeps
@@ -49,12 +57,20 @@ class GradSync:
                             if n not in tied_holders or min(tied_holders[n]) in local]
         self.zero: ZeroSync | None = None  # set by pipe.optimizer when it shards
         self.replica = 0
+        # the plan's replica sync for this rank's stage(s), where not exact: a hook of torch's
+        # (bf16, PowerSGD) or DiLoCo's outer loop (the runtime sets them: distributed.py)
+        self.hook: SyncHook | None = None
+        self.diloco: DiLoCoSync | None = None
+        # weights the model ties (several names, one tensor): reduced exactly every step
+        # under every replica sync, so every layout computes the same (replica_sync.py)
+        self.model_tied = set(model_tied or ())
 
     def shard(self, zero: ZeroSync, replica: int) -> None:
         """Reduce the parameters ``zero`` holds by reduce-scatter from now on."""
         self.zero, self.replica = zero, replica
         sharded = {id(pc.param) for b in zero.layout.buckets for pc in b.pieces}
         self.plain = [p for p in self.plain if id(p) not in sharded]
+        self.plain_named = [(n, p) for n, p in self.plain_named if id(p) not in sharded]
 
     def reduced(self) -> list[nn.Parameter]:
         """Whose ``.grad`` holds the averaged gradient after a step (what fp16 unscales)."""
@@ -84,21 +100,51 @@ class GradSync:
         """Launch the data-parallel average (``ALLREDUCE(dp:<stage>)``), if there is one: the
         all-reduce of what is not sharded, and the sharded reduce-scatters. The lowered tail
         starts (and its wait finishes) the tied sums first, which sharded tied buckets read."""
-        pending: list[AllReduce | ZeroReduce] = []
-        if self.groups.data_parallel is not None and self.plain:
-            pending.append(AllReduce(_grads(self.plain), self.groups.data_parallel,
+        pending: list[AllReduce | ZeroReduce | HookedReduction] = []
+        group = self.groups.data_parallel
+        if self.diloco is not None:  # local steps: each replica keeps its own gradients,
+            tied = [p for n, p in self.plain_named if n in self.model_tied]  # but tied weights
+            if group is not None and tied:
+                pending.append(AllReduce(_grads(tied), group, divide=self.replicas,
+                                         timeout=self.timeout, who=self.who,
+                                         what="the tied weights' all-reduce "
+                                         f"{_ranks(group)}"))
+            return pending
+        hooked = self.hook is not None and group is not None
+        if hooked:
+            pending.append(self._start_hook())
+        elif group is not None and self.plain:
+            pending.append(AllReduce(_grads(self.plain), group,
                                      divide=self.replicas, timeout=self.timeout, who=self.who,
                                      what="the data-parallel gradient all-reduce "
-                                     f"{_ranks(self.groups.data_parallel)}"))
-        if self.zero is not None:
-            pending.append(self.zero.start())
+                                     f"{_ranks(group)}"))
+        if self.zero is not None:  # (hooked: only the tied buckets' slices are left to it)
+            pending.append(self.zero.start(reduce_plain=not hooked))
         return pending
+
+    def hook_buckets(self) -> list[tuple[list[Piece], int]]:
+        """The buckets the hook reduces (``replica_sync.hook_layout``): what checkpoints
+        reshard its state over."""
+        return hook_layout(self.plain_named, self._zero_plain(), self.model_tied)
+
+    def _zero_plain(self) -> list[Any]:
+        return [] if self.zero is None else [b for b in self.zero.layout.buckets if not b.tied]
+
+    def _start_hook(self) -> HookedReduction:
+        """The reduction by the plan's hook (bf16, PowerSGD) of the unsharded gradients and
+        ZeRO-1's plain buckets; the model's tied weights exactly (``replica_sync.py``)."""
+        assert self.hook is not None and self.groups.data_parallel is not None
+        return HookedReduction(self.hook, self.plain_named, self._zero_plain(),
+                               self.model_tied, self.timeout, self.who,
+                               f"the data-parallel {self.hook.name} reduction "
+                               f"{_ranks(self.groups.data_parallel)}")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model, on every rank."""
         norm_type = float(norm_type)
         grads = [p.grad for p in self.norm_params if p.grad is not None]
         group = self.groups.pipeline
+        # (DiLoCo: each replica clips its own gradients, over its own pipeline)
         if self.zero is not None:  # shards differ per replica: sum over every rank
             sharded = {id(pc.param) for b in self.zero.layout.buckets for pc in b.pieces}
             # an unsharded parameter is the same on every replica: counted on replica 0

@@ -223,8 +223,10 @@ class ZeroSync:
         # buffer and (D-1) shards per all-gather (gloo's all-reduce sends twice the first)
         self.ring_bytes = 0
 
-    def start(self) -> ZeroReduce:
-        return ZeroReduce(self)
+    def start(self, reduce_plain: bool = True) -> ZeroReduce:
+        """This step's reductions. ``reduce_plain`` False: another replica sync reduces the
+        plain buckets (``grad_sync.py``: torch's hooks), only the tied slices are left here."""
+        return ZeroReduce(self, reduce_plain)
 
     def gather(self) -> None:
         """After the shards were updated: every replica's parameters whole again."""
@@ -261,14 +263,14 @@ class ZeroReduce:
     Launched after the tied all-reduces and finished after them (grad_sync's order), so a
     tied bucket reads averaged gradients."""
 
-    def __init__(self, sync: ZeroSync) -> None:
+    def __init__(self, sync: ZeroSync, reduce_plain: bool = True) -> None:
         self.sync = sync
         self.pending: list[tuple[Bucket, Any, torch.Tensor]] = []
         d = sync.layout.replicas
         for b in sync.layout.buckets:
-            if b.tied:
+            if b.tied or not reduce_plain:
                 continue
-            flat = _flat_grads(b)
+            flat = flat_grads(b)
             if sync.gloo:  # (see ZeroSync) the whole buffer, in place
                 out = flat
                 work = launch(lambda f=flat: dist.all_reduce(f, group=sync.group,
@@ -298,10 +300,11 @@ class ZeroReduce:
         for b in sync.layout.buckets:
             if b.tied:  # averaged in place already: this replica's slice
                 lo = b.lo
-                b.shard.grad = _flat_grads(b)[lo:lo + b.shard_size].clone()
+                b.shard.grad = flat_grads(b)[lo:lo + b.shard_size].clone()
 
 
-def _flat_grads(b: Bucket) -> torch.Tensor:
+def flat_grads(b: Bucket) -> torch.Tensor:
+    """A bucket's gradients, in its flat (padded) layout: what its reduction sends."""
     flat = torch.zeros_like(b.flat)
     for pc in b.pieces:
         if pc.param.grad is not None:
@@ -329,8 +332,17 @@ def build_optimizer(runtime: Any, named: dict[str, nn.Parameter], cls: type, par
                              f"torch.optim.AdamW), not {cls!r}")
     groups = user_groups(params, named)
     sync = getattr(runtime, "grad_sync", None)
-    if sync is None or runtime.plan.data_parallel == 1 or setting is False:
-        return cls(groups, **defaults)
+    plan = runtime.plan
+    # "auto" shards unless the plan says not to (a slow replica link on gloo, DiLoCo) and
+    # memory does not need it (Plan.shards_by_default)
+    unsharded = setting is False or (setting == "auto" and not plan.shards_by_default
+                                      and not plan.shard_optimizer)
+    if sync is None or plan.data_parallel == 1 or unsharded:
+        optimizer = cls(groups, **defaults)
+        _MADE.add(optimizer)
+        if sync is not None and sync.diloco is not None:  # its steps are DiLoCo's inner ones
+            sync.diloco.attach(optimizer)
+        return optimizer
     check_elementwise(cls)
     if sync.groups.data_parallel is None:  # pragma: no cover - D > 1 always has the group
         return cls(groups, **defaults)
@@ -358,21 +370,28 @@ def build_optimizer(runtime: Any, named: dict[str, nn.Parameter], cls: type, par
 
 # -- refusing optimizers that bypass the shards ---------------------------------------------------
 
-_GUARDED: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (its ref, the reason)
+# id(parameter) -> (its ref, the reason, what a direct optimizer would get wrong, the other way)
+_GUARDED: dict[int, tuple[weakref.ref, str, str, str]] = {}
+_SHARDED = "its step would apply gradients that are not averaged over the data-parallel replicas"
 _HOOK: Any = None
+_MADE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # by pipe.optimizer, unsharded
 
 
-def guard_direct_optimizers(params: Iterable[nn.Parameter], reason: str) -> None:
-    """Refuse, at their first step, optimizers over ``params`` not made by pipe.optimizer."""
+def guard_direct_optimizers(params: Iterable[nn.Parameter], reason: str,
+                            consequence: str = _SHARDED,
+                            fix: str = ", or compile with shard_optimizer=False") -> None:
+    """Refuse, at their first step, optimizers over ``params`` not made by pipe.optimizer
+    (``reason``: why they must be; ``consequence``: what a direct one would get wrong;
+    ``fix``: the other way out)."""
     global _HOOK
     for p in params:
-        _GUARDED[id(p)] = (weakref.ref(p), reason)
+        _GUARDED[id(p)] = (weakref.ref(p), reason, consequence, fix)
     if _HOOK is None:
         _HOOK = register_optimizer_step_pre_hook(_refuse_direct)
 
 
 def _refuse_direct(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _GUARDED or layout_of(optimizer) is not None:
+    if not _GUARDED or layout_of(optimizer) is not None or optimizer in _MADE:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -380,8 +399,7 @@ def _refuse_direct(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
             if found is not None and found[0]() is p:
                 raise OptimizerError(
                     f"this {type(optimizer).__name__} was built over the pipeline's parameters "
-                    f"directly, but {found[1]}: its step would apply gradients that are not "
-                    "averaged over the data-parallel replicas. Build it with "
+                    f"directly, but {found[1]}: {found[2]}. Build it with "
                     f"pipe.optimizer(torch.optim.{type(optimizer).__name__}, ...) (same "
-                    "arguments), or compile with shard_optimizer=False"
+                    f"arguments){found[3]}"
                 )
