@@ -22,7 +22,11 @@ from .costs.wire import ReplicaSync
 from .options import CompileOptions, check_compile_arguments, check_devices, check_global_batch
 from .passes.annotate_backward import canonical_names
 from .passes.manager import dump_dir
-from .passes.sample_mixing import graph_findings, warn_sample_mixing
+from .passes.sample_mixing import (
+    graph_findings,
+    refuse_layout_dependent_draws,
+    warn_sample_mixing,
+)
 from .pipeline import Pipeline, make_pipeline
 from .planner.cluster import Cluster
 from .planner.network import rank_links
@@ -93,6 +97,8 @@ def compile(  # noqa: A001 - the public name in API.md
     warn_micro_batch_state(model, state.captured.gm, plan.num_micro_batches)
     warn_sample_mixing(f"{type(model).__name__}.forward", graph_findings(state.captured.gm),
                        plan.num_micro_batches)
+    refuse_layout_dependent_draws(state.captured.gm, f"{type(model).__name__}.forward",
+                                  plan.num_micro_batches, plan.data_parallel)
     return make_pipeline(model, state.captured, state.built, plan, state.canonical, o.running,
                          device=next((t.device for t in bound.tensors.values()), None))
 

@@ -374,6 +374,16 @@ CATALOGUE = [
     row("save_pretrained onto a file", lambda _: compile_mlp(stages=1).save_pretrained(
         os.path.join(_weights_dir({"weights": b""}), "weights")), vf.PretrainedError,
         "is a file", "pass a directory"),
+    row("deferred_init reading values", lambda _: _deferred_reads_values(), Inp,
+        "test_error_catalogue.py", "reads the values of a tensor", "vf.deferred_init"),
+    # -- issue 30 -------------------------------------------------------------------------
+    row("random draw with the batch last", lambda _: compile_module(
+        DrawsTransposed(), (torch.randn(8, 4),), loss_fn=lambda o, _: o.sum(),
+        micro_batch_size=2), Inp, "shape (4, b)", "test_error_catalogue.py",
+        "Draw with the batch first"),
+    row("tensor default of the batch's rows", lambda _: compile_module(
+        BatchDefault(), (torch.randn(16, 4),), stages=1), Cap, "parameter 'y'",
+        "dim 0 is the batch size (16)", "register_buffer"),
 ]
 
 
@@ -388,6 +398,32 @@ def _weights_dir(contents: dict[str, Any]) -> str:
             with open(os.path.join(directory, name), "wb") as f:
                 f.write(value)
     return directory
+
+
+
+class DrawsTransposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.randn(4, x.shape[0]).T
+
+
+class BatchDefault(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor = torch.zeros(16, 4)) -> torch.Tensor:  # noqa: B008
+        return (self.lin(x) + y).sum()
+
+
+def _deferred_reads_values() -> None:
+    with vf.deferred_init(seed=0):
+        lin = nn.Linear(4, 4)
+        if lin.weight.abs().max() > 0.1:
+            pass
 
 
 def _deferred_empty() -> torch.nn.Module:

@@ -11,10 +11,11 @@ model's FQNs, never by stage or rank, so it loads under any (P, D, micro-batch s
   ``extra`` dict (``contents.py``).
 
 Storage: DCP plans, deduplicates and records metadata; the bytes are written raw, one file per
-writer thread and rank, with a CRC-32 per entry, and read straight into the destination tensors,
-verified (``raw_storage.py``, format 3; formats 2 and 1 still load). The metadata is read
-without running code and pickled entries are refused (``safe_metadata.py``). In one process
-DCP's steps run without ``torch.distributed`` (``dcp_local.py``).
+writer thread and rank, with a CRC-32 per entry bound to its name, and read straight into the
+destination tensors, verified (``raw_storage.py``, format 4; formats 3, 2 and 1 still load).
+The metadata is read without running code and pickled entries are refused
+(``safe_metadata.py``). In one process DCP's steps run without ``torch.distributed``
+(``dcp_local.py``).
 
 Before anything is written or read the ranks agree (``agreement.py``): the same path and
 optimizer class on every rank, then every rank's checks passed -- else every rank raises. A
@@ -308,6 +309,7 @@ class Checkpointer:
         if marker["format"] >= 2:
             reader = RawReader(path)
             reader.verify = marker["format"] >= 3
+            reader.bound = marker["format"] >= 4
         else:
             reader = LegacyReader(path)
         full = reader.read_metadata()  # no code runs (safe_metadata.py)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..costs.memory import MemoryModel, SharedWeight, format_bytes
+from ..costs.memory import MemoryModel, SharedWeight, format_bytes_apart
 from ..errors import PartitionError
 from .bottleneck import fewest_bytes, smallest_bottleneck
 from .weigh_allreduce import allreduce_matrix, weigh_allreduce
@@ -417,9 +417,10 @@ def _explain_infeasible(costs: PartitionProblem, num_stages: int) -> None:
     unconstrained = dataclasses.replace(costs, memory_cap=float("inf"))
     loose = partition(unconstrained, num_stages)
     worst = int(np.argmax(loose.stage_memory))
+    have, need = format_bytes_apart(costs.memory_cap, float(loose.stage_memory[worst]))
     raise PartitionError(
-        f"no partition into {num_stages} stages fits in {format_bytes(costs.memory_cap)} per device: "
-        f"the best balanced one needs {format_bytes(loose.stage_memory[worst])} on stage {worst}. "
+        f"no partition into {num_stages} stages fits in {have} per device: "
+        f"the best balanced one needs {need} on stage {worst}. "
         "Use more stages, a smaller micro-batch, "
         + ("" if costs.recompute else "recomputation, ")  # only what is not on already
         + "or devices with more memory"

@@ -185,16 +185,19 @@ class DistributedRuntime(StepLoop):
         loss = torch.stack(losses).mean() / self.plan.data_parallel if losses else \
             torch.zeros(())
         # Every rank must all-reduce the same dtype (gloo aborts on a mix): float64 on all,
-        # whatever the model's dtype (ranks without a loss would pack float32 otherwise).
-        packed = torch.tensor([float(loss), float(local_inf), *(float(f) for f in flags)],
+        # whatever the model's dtype; the ranks holding a last stage also say whether the loss
+        # is float64, so that ranks without one return it in its own dtype, not rounded.
+        wide = bool(losses) and torch.promote_types(loss.dtype, torch.float32) == torch.float64
+        packed = torch.tensor([float(loss), float(local_inf), float(wide),
+                               *(float(f) for f in flags)],
                               dtype=torch.float64, device=comm_device())
         work = launch(lambda: dist.all_reduce(packed, async_op=True), self.who, "the loss")
         wait(work, self.timeout, self.who, "the loss all-reduce over all "
              f"{dist.get_world_size()} ranks")
         total = packed.cpu()
         self.scaler.found_inf = bool(total[1] > 0)
-        loss_dtype = torch.promote_types(loss.dtype, torch.float32)
-        return total[0].to(loss_dtype), tuple(bool(x > 0) for x in total[2:])
+        loss_dtype = torch.float64 if total[2] > 0 else torch.float32
+        return total[0].to(loss_dtype), tuple(bool(x > 0) for x in total[3:])
 
     def clip_grad_norm_(self, params: Iterable[nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:

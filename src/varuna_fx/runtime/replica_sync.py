@@ -11,9 +11,10 @@ on the buckets the exact all-reduce uses (``comm._buckets``). A hook returns a f
 step's tail waits on it (:class:`HookReduce`), the process group's timeout bounding every
 collective inside it, and copies the averaged buffer back into the gradients.
 
-Under ZeRO-1 (``zero.py``) the same hooks reduce each sharded bucket's gradients (an
-all-reduce, not a reduce-scatter: the hooks all-reduce) and each replica keeps its slice.
-DiLoCo needs no per-step reduction (``diloco.py``).
+ZeRO-1 (``zero.py``) reduces the gradients as without it, so under it the hooks reduce them
+alike and its step takes its shards' slices; the parameters' all-gather after the step stays
+exact (half an all-reduce's bytes: ``costs/wire.py`` prices it). DiLoCo needs no per-step
+reduction (``diloco.py``).
 
 Weights the model ties (one tensor under several names: GPT's embedding and head) are reduced
 exactly under every setting (:class:`HookedReduction`): at P > 1 their copies on several stages
@@ -261,12 +262,11 @@ def _plain_buckets(plain: Sequence[tuple[str, torch.Tensor]], exact: set[str]
     return named_buckets([(n, p) for n, p in plain if n not in exact])
 
 
-def hook_layout(plain: Sequence[tuple[str, torch.Tensor]], zero_buckets: Sequence[Any],
+def hook_layout(plain: Sequence[tuple[str, torch.Tensor]],
                 exact: set[str]) -> list[tuple[list[Piece], int]]:
     """The buckets the hook reduces, as (pieces by FQN at their offsets, flat length): the
-    unsharded parameters in the all-reduce's buckets, then each ZeRO-1 bucket's (compacted:
-    without padding and without the exactly reduced tied weights). Checkpoints reshard the
-    hook's state over this."""
+    parameters it reduces in the exact all-reduce's buckets (the model's tied weights left
+    out). Checkpoints reshard the hook's state over this."""
     out = []
     for bucket in _plain_buckets(plain, exact):
         pieces, at = [], 0
@@ -274,43 +274,23 @@ def hook_layout(plain: Sequence[tuple[str, torch.Tensor]], zero_buckets: Sequenc
             pieces.append(Piece(name, at, tuple(p.shape)))
             at += p.numel()
         out.append((pieces, at))
-    for b in zero_buckets:
-        pieces, at = [], 0
-        for pc in b.pieces:
-            if pc.name not in exact:
-                pieces.append(Piece(pc.name, at, tuple(pc.param.shape)))
-                at += pc.numel
-        out.append((pieces, at))
     return out
 
 
 class HookedReduction:
-    """One step's reduction of a stage's gradients under a hook (bf16, PowerSGD): the
-    unsharded ones in place, ZeRO-1's plain buckets into their shards' ``.grad``; the model's
-    tied weights by the exact all-reduce."""
+    """One step's reduction of a stage's gradients (``.grad``, in place) under a hook (bf16,
+    PowerSGD); the model's tied weights by the exact all-reduce."""
 
     def __init__(self, hook: SyncHook, plain: Sequence[tuple[str, torch.Tensor]],
-                 zero_buckets: Sequence[Any], exact: set[str], timeout: float, who: str,
-                 what: str) -> None:
+                 exact: set[str], timeout: float, who: str, what: str) -> None:
         from .comm import AllReduce  # (the exact all-reduce, as grad_sync's)
 
         self.reduce = HookReduce(who, what, timeout)
-        self.after: list[Callable[[], None]] = []
         exact_grads = [_grad(p) for n, p in plain if n in exact]
-        averaged = [torch.zeros_like(b.flat) for b in zero_buckets]
-        for b, avg in zip(zero_buckets, averaged):
-            for pc in b.pieces:
-                if pc.name in exact:  # an exact all-reduce of a copy, written in after
-                    grad = _grad(pc.param).reshape(-1).clone()
-                    exact_grads.append(grad)
-                    self.after.append(lambda avg=avg, pc=pc, grad=grad: avg[
-                        pc.offset:pc.offset + pc.numel].copy_(grad))
         self.exact = AllReduce(exact_grads, hook.group, divide=hook.replicas, timeout=timeout,
                                who=who, what=what) if exact_grads else None
         buckets = []
-        layout = hook_layout(plain, zero_buckets, exact)
-        plain_buckets = _plain_buckets(plain, exact)
-        for (pieces, _), bucket in zip(layout, plain_buckets):
+        for (pieces, _), bucket in zip(hook_layout(plain, exact), _plain_buckets(plain, exact)):
             grads = [_grad(p) for _, p in bucket]
 
             def done(result: torch.Tensor, grads: list[torch.Tensor] = grads) -> None:
@@ -320,30 +300,12 @@ class HookedReduction:
                     at += g.numel()
 
             buckets.append((torch.cat([g.reshape(-1) for g in grads]), pieces, done))
-        for (pieces, _), b, avg in zip(layout[len(plain_buckets):], zero_buckets, averaged):
-            hooked = [pc for pc in b.pieces if pc.name not in exact]
-
-            def keep(result: torch.Tensor, hooked: list[Any] = hooked,
-                     avg: torch.Tensor = avg) -> None:
-                at = 0
-                for pc in hooked:
-                    avg[pc.offset:pc.offset + pc.numel].copy_(result[at:at + pc.numel])
-                    at += pc.numel
-
-            flat = torch.cat([_grad(pc.param).reshape(-1) for pc in hooked]) if hooked \
-                else torch.zeros(0, dtype=b.flat.dtype, device=b.flat.device)
-            buckets.append((flat, pieces, keep))
-        for b, avg in zip(zero_buckets, averaged):
-            self.after.append(lambda b=b, avg=avg: setattr(
-                b.shard, "grad", avg[b.lo:b.lo + b.shard_size].clone()))
         hook.start(buckets, self.reduce)
 
     def finish(self) -> None:
         self.reduce.finish()
         if self.exact is not None:
             self.exact.finish()
-        for step in self.after:
-            step()
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
