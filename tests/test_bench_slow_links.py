@@ -80,7 +80,7 @@ def test_wire_formula() -> None:
     assert parts.sync_bytes(stages, 1) == 0
     assert parts.sync_bytes(stages, 2) == 2 * full            # each of 2 ranks sends it all
     assert parts.sync_bytes(stages, 4) == 2 * 3 * full
-    assert parts.sync_bytes(stages, 2, sharded_on_gloo=True) == 3 * full
+    assert parts.sync_bytes(stages, 2, sharded=True) == 3 * full  # + the all-gather
     assert parts.sync_bytes(stages, 2, "bf16") == full
     assert parts.sync_bytes(stages, 2, "diloco:10") == 2 * full / 10
     # rank 2: P 10x2 + Q 20x2 for the first matrix, 30x2 + 40x2 for the second; the vector whole

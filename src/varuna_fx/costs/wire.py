@@ -220,21 +220,24 @@ class SyncPrice:
 
 
 def sync_price(setting: ReplicaSync, powersgd_shapes: Sequence[Sequence[int]] = (),
-               sharded_on_gloo: bool = False) -> SyncPrice:
+               sharded: bool = False) -> SyncPrice:
     """The price of ``setting`` (resolved: not "auto"). ``powersgd_shapes``: the trainable
-    weights' shapes (PowerSGD's ratio). ``sharded_on_gloo``: ZeRO-1's exact reduction on gloo,
-    whose reduce-scatter is a whole all-reduce plus the shards' broadcasts (1.5x the bytes of
-    the plain all-reduce: bench/RESULTS.md, "Slow links")."""
+    weights' shapes (PowerSGD's ratio). ``sharded``: ZeRO-1, whose step all-gathers the
+    parameters after the gradients' reduction, exact whatever the sync: (D-1)/D of them, half
+    an all-reduce's bytes (on gloo the exact run then sends 1.5x the plain all-reduce's:
+    bench/RESULTS.md, "Slow links")."""
+    gather = 0.5 if sharded else 0.0
     if isinstance(setting, PowerSGD):
         ratio = powersgd_ratio(powersgd_shapes, setting)
         # P = M Q, Q = M^T P, M = P Q^T: three (n x m x r) matmuls, 2 FLOPs each, per fp32 byte
         # of M; the compression error copy and the factors' orthogonalisation are memory work
-        return SyncPrice(ratio, flops_per_byte=6.0 * setting.rank / 4.0, traffic=3.0, rounds=3.0)
+        return SyncPrice(ratio + gather, flops_per_byte=6.0 * setting.rank / 4.0, traffic=3.0,
+                         rounds=3.0)
     if isinstance(setting, DiLoCo):
         # one fp32 all-reduce of the parameter change every `every` steps; the outer step
-        # reads and writes the anchor, momentum and parameters then
+        # reads and writes the anchor, momentum and parameters then (never sharded)
         return SyncPrice(1.0 / setting.every, traffic=8.0 / setting.every,
                          rounds=1.0 / setting.every)
     if setting == "bf16":
-        return SyncPrice(0.5, traffic=1.5)
-    return SyncPrice(1.5 if sharded_on_gloo else 1.0)
+        return SyncPrice(0.5 + gather, traffic=1.5)
+    return SyncPrice(1.0 + gather)

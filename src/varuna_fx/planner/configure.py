@@ -195,7 +195,7 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
         sync_ratio=byte_ratio(best.sync if best is not None and best.sync else
                               [options.replica_sync if options.replica_sync != "auto"
                                else "exact"], pricer.table.parameter_shapes),
-        shards_by_default=shards_by_default(options, net, cluster, shard),
+        shards_by_default=shards_by_default(options, net, shard),
     )
 
 

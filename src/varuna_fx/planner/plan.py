@@ -107,8 +107,8 @@ class Plan:
     replica_sync: tuple[ReplicaSync, ...] = ()
     boundaries: tuple[Boundary, ...] = ()  # the table's rows per boundary
     # whether shard_optimizer="auto" shards an optimizer made by pipe.optimizer over D > 1
-    # replicas: not where it would send 1.5x the bytes over a slow link (gloo) and memory does
-    # not need it, nor under DiLoCo (each replica keeps its own optimizer state)
+    # replicas: not where its all-gather would add half an all-reduce over a slow link and
+    # memory does not need it, nor under DiLoCo (each replica keeps its own optimizer state)
     shards_by_default: bool = True
 
     def sync_of(self, stage: int) -> ReplicaSync:
@@ -147,9 +147,10 @@ class Plan:
             f"{_recompute_note(self.recompute)}{step}"
             f"{', optimizer state sharded over D (ZeRO-1)' if self.shard_optimizer else ''}"
         ))
+        replicas = self.data_parallel > 1  # then each stage's replica sync has a column
         for name in ("stage", "nodes", "parameters", "FLOPs/mb", "activations/mb",
                      "boundary/mb", "time/mb", "optimizer", "recompute", "memory",
-                     "replica sync"):
+                     *(("sync",) if replicas else ())):
             table.add_column(name, justify="right")
         for s in self.stage_costs:
             rc = self.recompute[s.index] if s.index < len(self.recompute) else False
@@ -157,12 +158,13 @@ class Plan:
                           format_bytes(s.activation_bytes), format_bytes(s.boundary_bytes),
                           f"{s.time * 1e3:.3f} ms", format_bytes(s.optimizer_bytes),
                           "yes" if rc else "no", format_bytes(s.memory),
-                          sync_name(self.sync_of(s.index)) if self.data_parallel > 1 else "-")
+                          *((sync_name(self.sync_of(s.index)),) if replicas else ()))
         tied = ", ".join(f"{k} (stages {v})" for k, v in self.tied_parameters.items())
         note = optimizer_note(self.shard_optimizer_setting, self.data_parallel,
                               self.shard_optimizer, self.shards_by_default)
         table.caption = f"balance max/mean {self.balance:.3f}" + (f"; tied: {tied}" if tied else "") \
-            + (f"\n{note}" if note else "") + (f"\n{DEPARTS}" if self.departs_from_eager else "")
+            + (f"\n{note}" if note else "") + (f"\n{DEPARTS}" if self.departs_from_eager else "") \
+            + ("\nsync: how the stage's replicas agree (replica_sync)" if replicas else "")
         return table
 
     def boundaries_table(self) -> Table | None:

@@ -213,10 +213,9 @@ class Pricer:
         net = self.links(c.stages, c.data_parallel)
         grads = [float(g) for g in c.plan.grads]
         c.sync = self.syncs(c, grads, net)
-        sharded = self.sharded_on_gloo(c)
+        sharded = self.sharded(c)
         shapes = self.table.parameter_shapes
-        replicas = max(sync_seconds(s, g, net, c.data_parallel, self.spec, shapes,
-                                    sharded and s == "exact")
+        replicas = max(sync_seconds(s, g, net, c.data_parallel, self.spec, shapes, sharded)
                        for s, g in zip(c.sync, grads))
         tied = net.allreduce(c.plan.shared_grads, 2) if c.stages > 1 else 0.0
         return replicas + tied
@@ -224,13 +223,14 @@ class Pricer:
     def syncs(self, c: Candidate, grads: Sequence[float], net: Links) -> tuple:
         """Per stage, its replica sync (``slow_links.stage_syncs``)."""
         return stage_syncs(self.replica_sync, grads, net, c.data_parallel, self.spec,
-                           self.table.parameter_shapes, self.sharded_on_gloo(c))
+                           self.table.parameter_shapes, self.sharded(c))
 
-    def sharded_on_gloo(self, c: Candidate) -> bool:
-        """Whether ``c``'s exact reduction is ZeRO-1's on gloo (CPU), which sends 1.5x a plain
-        all-reduce's bytes: with ``shard_optimizer=True``, or where memory needs it."""
-        return self.cluster.device == "cpu" and c.data_parallel > 1 and \
-            (self.shard_optimizer is True or c.shard)
+    def sharded(self, c: Candidate) -> bool:
+        """Whether ``c``'s optimizer state is sharded (ZeRO-1: its step all-gathers the
+        parameters, half an all-reduce's bytes more): with ``shard_optimizer=True``, or where
+        memory needs it. (Where "auto" shards only because ``pipe.optimizer`` does by
+        default, on a fast link, the price leaves the all-gather out.)"""
+        return c.data_parallel > 1 and (self.shard_optimizer is True or c.shard)
 
     def modes(self, c: Candidate, net: Links | None = None) -> tuple[str, ...]:
         """Per boundary of ``c``, how it travels (``slow_links.boundary_modes``)."""

@@ -15,7 +15,7 @@ boundary between two ranks, an explicit sync to every stage. ``"auto"`` chooses:
   node stays exact, and DiLoCo is never chosen for the user.
 
 Seconds of a stage's sync (:func:`sync_seconds`): the ring all-reduce of what the setting sends
-(``SyncPrice.ratio`` of the gradient bytes; ZeRO-1 on gloo 1.5x), the extra all-reduce rounds'
+(``SyncPrice.ratio`` of the gradient bytes; ZeRO-1's all-gather adds half), the extra all-reduce rounds'
 latency, and the compute it adds.
 """
 
@@ -39,7 +39,6 @@ from ..costs.wire import (
 )
 from ..errors import PlanError
 from .candidates import Candidate
-from .cluster import Cluster
 from .network import Links
 from .options import PlanOptions
 
@@ -96,11 +95,11 @@ def codec_per_stage(send_bytes: Sequence[float], modes: Sequence[str],
 
 def sync_seconds(setting: ReplicaSync, grad_bytes: float, net: Links, replicas: int,
                  spec: DeviceSpec, shapes: Sequence[Sequence[int]] = (),
-                 sharded_on_gloo: bool = False) -> float:
+                 sharded: bool = False) -> float:
     """One stage's replica sync per step (averaged over steps: DiLoCo's every ``every``)."""
     if replicas <= 1 or grad_bytes <= 0:
         return 0.0
-    price = sync_price(setting, shapes, sharded_on_gloo)
+    price = sync_price(setting, shapes, sharded)
     ring_latency = 2 * (replicas - 1) * net.allreduce_latency
     return net.allreduce(grad_bytes * price.ratio, replicas) \
         + max(0.0, price.rounds - 1.0) * ring_latency + price.seconds(grad_bytes, spec)
@@ -108,7 +107,7 @@ def sync_seconds(setting: ReplicaSync, grad_bytes: float, net: Links, replicas: 
 
 def stage_syncs(setting: ReplicaSync, grads: Sequence[float], net: Links, replicas: int,
                 spec: DeviceSpec, shapes: Sequence[Sequence[int]] = (),
-                sharded_on_gloo: bool = False) -> tuple[ReplicaSync, ...]:
+                sharded: bool = False) -> tuple[ReplicaSync, ...]:
     """Per stage, its replica sync: ``setting``, or for ``"auto"`` the cheapest of exact,
     bf16 and PowerSGD on a stage whose replicas span nodes (exact where they share one)."""
     if setting != "auto":
@@ -119,17 +118,17 @@ def stage_syncs(setting: ReplicaSync, grads: Sequence[float], net: Links, replic
     for g in grads:
         options: list[tuple[ReplicaSync | str, float]] = [
             (s, sync_seconds(s, float(g), net, replicas, spec, shapes,
-                             sharded_on_gloo and s == "exact"))
+                             sharded))
             for s in ("exact", "bf16", AUTO_POWERSGD)]
         out.append(_least(options))  # type: ignore[arg-type]
     return tuple(out)
 
 
 def byte_ratio(syncs: Sequence[ReplicaSync], shapes: Sequence[Sequence[int]] = (),
-               sharded_on_gloo: bool = False) -> float:
+               sharded: bool = False) -> float:
     """The largest share of gradient bytes any stage's sync sends (what the partition weighs
     each stage's all-reduce by)."""
-    return max((sync_price(s, shapes, sharded_on_gloo and s == "exact").ratio for s in syncs),
+    return max((sync_price(s, shapes, sharded).ratio for s in syncs),
                default=1.0)
 
 
@@ -179,14 +178,14 @@ def check_settings(options: PlanOptions, chosen: Candidate,
                 f"min_compression_rate), so every gradient would go whole: {fix}")
 
 
-def shards_by_default(options: PlanOptions, net: Links, cluster: Cluster,
-                      needed: bool) -> bool:
+def shards_by_default(options: PlanOptions, net: Links, needed: bool) -> bool:
     """Whether ``shard_optimizer="auto"`` shards an optimizer made by ``pipe.optimizer``
     (``Plan.shards_by_default``): yes, unless memory does not need it and either the
-    replicas talk over a slow link on gloo (CPU), whose reduce-scatter sends 1.5x the bytes
-    of a plain all-reduce, or DiLoCo keeps each replica's own optimizer state."""
+    replicas talk over a slow link (between nodes), where ZeRO-1's all-gather of the
+    parameters adds half an all-reduce's bytes to every step (1.5x in all), or DiLoCo keeps
+    each replica's own optimizer state."""
     if needed:
         return True
     if isinstance(options.replica_sync, DiLoCo):
         return False
-    return not (cluster.device == "cpu" and net.allreduce_slow)
+    return not net.allreduce_slow
