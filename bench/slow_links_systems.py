@@ -184,7 +184,7 @@ def varuna(job: dict, cfg: GPTConfig, example: torch.Tensor) -> Trainer:
                     f"+ sync {sync_b / 2**20:.2f} MiB ({sync_name}"
                     f"{', ZeRO-1 all-gather' if sharded else ''})")
     settings_note = f" compression={compression} sync={sync_name}" \
-        if compression.strip("off,") or sync_name != "exact" else ""
+        if any(c != "off" for c in compression.split(",")) or sync_name != "exact" else ""
     return Trainer(step, f"P={plan.stages} D={plan.data_parallel} b={plan.micro_batch_size} "
                          f"m={plan.num_micro_batches} {schedule} recompute={recompute}"
                          f"{' ZeRO-1' if sharded else ''}{settings_note}",
