@@ -186,6 +186,25 @@ CATALOGUE = [
         "precision=['fp32']", "string"),
     row("unknown precision", lambda _: compile_mlp(stages=1, precision="fp8"), E,
         "precision='fp8'", "bf16"),
+    # -- what slow links carry (issue 31) -------------------------------------------------
+    row("unknown compression", lambda _: compile_mlp(stages=2, compression="int4"), E,
+        "compression='int4'", "'bf16'", "'int8'"),
+    row("replica_sync by a class's name", lambda _: compile_mlp(
+        stages=2, replica_sync="powersgd"), E, "replica_sync='powersgd'", "vf.PowerSGD(rank=4)"),
+    row("PowerSGD(rank=0)", lambda _: vf.PowerSGD(rank=0), E, "rank=0", "positive integer"),
+    row("PowerSGD(start_iter=1)", lambda _: vf.PowerSGD(start_iter=1), E, "at least 2"),
+    row("DiLoCo(every=0)", lambda _: vf.DiLoCo(every=0), E, "every=0", "local"),
+    row("DiLoCo(outer_momentum=1)", lambda _: vf.DiLoCo(outer_momentum=1.0), E, "[0, 1)"),
+    row("compression with one stage", lambda _: compile_mlp(stages=1, compression="int8"), Plan,
+        "one stage (P=1)", "stages=2"),
+    row("DiLoCo with one replica", lambda _: compile_mlp(stages=2, replica_sync=vf.DiLoCo()),
+        Plan, "one replica (D=1)", "data_parallel=2"),
+    row("DiLoCo with ZeRO-1", lambda _: compile_mlp(
+        vf.Cluster(gpus=2, device="cpu"), stages=1, data_parallel=2, shard_optimizer=True,
+        replica_sync=vf.DiLoCo()), Plan, "cannot be sharded", "shard_optimizer='auto'"),
+    row("PowerSGD rank too large", lambda _: compile_mlp(
+        vf.Cluster(gpus=2, device="cpu"), stages=1, data_parallel=2,
+        replica_sync=vf.PowerSGD(rank=9)), Plan, "compress none", "choose rank <= 8"),
     row("stages=0", lambda _: compile_mlp(stages=0), E, "stages=0", "positive number"),
     row("stages=-2", lambda _: compile_mlp(stages=-2), E, "stages=-2", "positive number"),
     row("stages=True", lambda _: compile_mlp(stages=True), E, "stages=True", "positive number"),

@@ -13,6 +13,10 @@
 * **Sharded optimizer state** (``zero.py``, set by ``pipe.optimizer``) changes none of this:
   every ``.grad`` is averaged as without it (what the user's loop reads and edits), and the
   optimizer's step copies its shards' slices of them.
+* **Replica sync** (``plan.replica_sync``, docs/API.md "Slow links"): ``bf16`` and PowerSGD
+  average the same buckets through torch's hooks instead (``replica_sync.py``); DiLoCo
+  averages nothing per step (``diloco.py``: each replica's optimizer steps on its own
+  gradients). Weights the model ties keep the exact all-reduce under every setting.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import AllReduce, wait
+from .diloco import DiLoCoSync
+from .replica_sync import HookedReduction, Piece, SyncHook, hook_layout
 from .setup import Groups
 from .zero import ZeroSync
 
@@ -31,7 +37,7 @@ from .zero import ZeroSync
 class GradSync:
     def __init__(self, held: dict[str, nn.Parameter], groups: Groups,
                  tied_holders: dict[str, list[int]], stage: int | list[int], replicas: int,
-                 timeout: float, who: str) -> None:
+                 timeout: float, who: str, model_tied: set[str] | None = None) -> None:
         # ``stage``: this rank's stage, or all it runs (virtual stages: copies of a tied
         # parameter on two of them are one tensor here, summed by autograd)
         local = {stage} if isinstance(stage, int) else set(stage)
@@ -39,6 +45,7 @@ class GradSync:
         self.held = {n: p for n, p in held.items() if p.requires_grad}
         tied_here = {n for names, _ in groups.tied for n in names}
         self.plain = [p for n, p in self.held.items() if n not in tied_here]
+        self.plain_named = [(n, p) for n, p in self.held.items() if n not in tied_here]
         self.tied = [([self.held[n] for n in names if n in self.held], g)
                      for names, g in groups.tied]
         # tied copies whose accumulated gradient another (lower) holder stage keeps
@@ -49,6 +56,13 @@ class GradSync:
                             if n not in tied_holders or min(tied_holders[n]) in local]
         # the newest pipe.optimizer's sharding (an older sharded optimizer refuses to step)
         self.zero: ZeroSync | None = None
+        # the plan's replica sync for this rank's stage(s), where not exact: a hook of torch's
+        # (bf16, PowerSGD) or DiLoCo's outer loop (the runtime sets them: distributed.py)
+        self.hook: SyncHook | None = None
+        self.diloco: DiLoCoSync | None = None
+        # weights the model ties (several names, one tensor): reduced exactly every step
+        # under every replica sync, so every layout computes the same (replica_sync.py)
+        self.model_tied = set(model_tied or ())
 
     def reduced(self) -> list[nn.Parameter]:
         """Whose ``.grad`` holds the averaged gradient after a step (what fp16 unscales)."""
@@ -71,15 +85,32 @@ class GradSync:
         return AllReduce(_grads(params), group, divide=self.replicas, timeout=self.timeout,
                          who=self.who, what=f"the tied-parameter gradient sum {_ranks(group)}")
 
-    def start_data_parallel(self) -> list[AllReduce]:
-        """Launch the data-parallel average (``ALLREDUCE(dp:<stage>)``), if there is one."""
-        pending: list[AllReduce] = []
-        if self.groups.data_parallel is not None and self.plain:
-            pending.append(AllReduce(_grads(self.plain), self.groups.data_parallel,
+    def start_data_parallel(self) -> list[AllReduce | HookedReduction]:
+        """Launch the data-parallel average (``ALLREDUCE(dp:<stage>)``), if there is one: the
+        exact all-reduce, the plan's hook (bf16, PowerSGD), or under DiLoCo only the model's
+        tied weights' (each replica keeps its own gradients of the rest)."""
+        pending: list[AllReduce | HookedReduction] = []
+        group = self.groups.data_parallel
+        if group is None:
+            return pending
+        if self.hook is not None:
+            pending.append(HookedReduction(
+                self.hook, self.plain_named, self.model_tied, self.timeout, self.who,
+                f"the data-parallel {self.hook.name} reduction {_ranks(group)}"))
+            return pending
+        exact = self.plain if self.diloco is None else \
+            [p for n, p in self.plain_named if n in self.model_tied]
+        if exact:
+            pending.append(AllReduce(_grads(exact), group,
                                      divide=self.replicas, timeout=self.timeout, who=self.who,
                                      what="the data-parallel gradient all-reduce "
-                                     f"{_ranks(self.groups.data_parallel)}"))
+                                     f"{_ranks(group)}"))
         return pending
+
+    def hook_buckets(self) -> list[tuple[list[Piece], int]]:
+        """The buckets the hook reduces (``replica_sync.hook_layout``): what checkpoints
+        reshard its state over."""
+        return hook_layout(self.plain_named, self.model_tied)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model, on every rank."""

@@ -320,8 +320,17 @@ def build_optimizer(runtime: Any, named: dict[str, nn.Parameter], cls: type, par
                              f"torch.optim.AdamW), not {cls!r}")
     groups = user_groups(params, named)
     sync = getattr(runtime, "grad_sync", None)
-    if sync is None or runtime.plan.data_parallel == 1 or setting is False:
-        return cls(groups, **defaults)
+    plan = runtime.plan
+    # "auto" shards unless the plan says not to (the replicas' link is slow, DiLoCo) and
+    # memory does not need it (Plan.shards_by_default)
+    unsharded = setting is False or (setting == "auto" and not plan.shards_by_default
+                                      and not plan.shard_optimizer)
+    if sync is None or plan.data_parallel == 1 or unsharded:
+        optimizer = cls(groups, **defaults)
+        _MADE.add(optimizer)
+        if sync is not None and sync.diloco is not None:  # its steps are DiLoCo's inner ones
+            sync.diloco.attach(optimizer)
+        return optimizer
     check_elementwise(cls)
     if sync.groups.data_parallel is None:  # pragma: no cover - D > 1 always has the group
         return cls(groups, **defaults)
@@ -345,21 +354,28 @@ def build_optimizer(runtime: Any, named: dict[str, nn.Parameter], cls: type, par
 
 # -- refusing optimizers that bypass the shards ---------------------------------------------------
 
-_GUARDED: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (its ref, the reason)
+# id(parameter) -> (its ref, the reason, what a direct optimizer would get wrong, the other way)
+_GUARDED: dict[int, tuple[weakref.ref, str, str, str]] = {}
 _HOOK: Any = None
+_MADE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # by pipe.optimizer, unsharded
+_SHARDED = "it would hold the whole optimizer state on every replica instead of 1/D of it"
 
 
-def guard_direct_optimizers(params: Iterable[nn.Parameter], reason: str) -> None:
-    """Refuse, at their first step, optimizers over ``params`` not made by pipe.optimizer."""
+def guard_direct_optimizers(params: Iterable[nn.Parameter], reason: str,
+                            consequence: str = _SHARDED,
+                            fix: str = ", or compile with shard_optimizer=False") -> None:
+    """Refuse, at their first step, optimizers over ``params`` not made by pipe.optimizer
+    (``reason``: why they must be; ``consequence``: what a direct one would get wrong;
+    ``fix``: the other way out)."""
     global _HOOK
     for p in params:
-        _GUARDED[id(p)] = (weakref.ref(p), reason)
+        _GUARDED[id(p)] = (weakref.ref(p), reason, consequence, fix)
     if _HOOK is None:
         _HOOK = register_optimizer_step_pre_hook(_refuse_direct)
 
 
 def _refuse_direct(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _GUARDED or layout_of(optimizer) is not None:
+    if not _GUARDED or layout_of(optimizer) is not None or optimizer in _MADE:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -367,8 +383,7 @@ def _refuse_direct(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
             if found is not None and found[0]() is p:
                 raise OptimizerError(
                     f"this {type(optimizer).__name__} was built over the pipeline's parameters "
-                    f"directly, but {found[1]}: it would hold the whole optimizer state on every "
-                    "replica instead of 1/D of it. Build it with "
+                    f"directly, but {found[1]}: {found[2]}. Build it with "
                     f"pipe.optimizer(torch.optim.{type(optimizer).__name__}, ...) (same "
-                    "arguments), or compile with shard_optimizer=False"
+                    f"arguments){found[3]}"
                 )
