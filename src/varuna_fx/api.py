@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from .capture.buffers import warn_micro_batch_state
-from .capture.inputs import bind_inputs
-from .codegen.stage_module import build_stage
+from .capture.captured import Captured
+from .capture.inputs import BoundInputs, bind_inputs
+from .codegen.stage_module import Stage, build_stage
 from .codegen.stage_totals import stage_totals
 from .costs.roofline import device_spec
 from .errors import PlanError
 from .ir.nodes import copy_graph_module
-from .options import CompileOptions, check_compile_arguments, check_devices, check_global_batch
+from .options import (
+    CompileOptions,
+    check_compile_arguments,
+    check_devices,
+    check_global_batch,
+    fit_to_world,
+)
 from .passes.annotate_backward import canonical_names
 from .passes.assign_stages import CostSetting
 from .passes.check import check_assignment, check_parameters, check_split
@@ -32,7 +41,8 @@ from .planner.resolve import resolve_profile
 from .runtime.split_backward import input_grads
 from .schedule import AUTO, DEFAULT_SCHEDULE
 from .schedule.placement import Placement
-from .world.where import resolve_timeout
+from .world.membership import in_place, joined_settings
+from .world.where import resolve_timeout, world_size
 
 
 def compile(  # noqa: A001 - the public name in API.md
@@ -82,6 +92,33 @@ def compile(  # noqa: A001 - the public name in API.md
     check_global_batch(o.global_batch_size, bound.batch_size)
     canonical = canonical_names(model)
     captured = captured_and_annotated(model, bound, o.tracer, canonical, where_to)
+    if in_place():  # a morph keeps the global batch; a joiner plans as the survivors do
+        o = fit_to_world(o, world_size(), bound.batch_size, joined_settings())
+
+    # configure, then partition, split, codegen (BACK_PASSES) on this compile's own graph copy
+    built, plan = plan_and_build(model, captured, bound, canonical, o, cluster, where_to)
+    warn_micro_batch_state(model, captured.gm, plan.num_micro_batches)
+    warn_sample_mixing(f"{type(model).__name__}.forward", graph_findings(captured.gm),
+                       plan.num_micro_batches)
+    replan = Replan(model, captured, bound, canonical, o, cluster) if in_place() else None
+    pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=o.loss_fn,
+                         offload_stash=o.offload_stash, precision=o.precision,
+                         timeout=o.timeout,
+                         shard_optimizer=o.shard_optimizer,
+                         device=next((t.device for t in bound.tensors.values()), None),
+                         replan=replan)
+    if o.global_batch_size is not None:
+        pipe._replica_batch = o.global_batch_size // plan.data_parallel
+    return pipe
+
+
+def plan_and_build(model: nn.Module, captured: Captured, bound: BoundInputs,
+                   canonical: dict[str, str], o: CompileOptions, cluster: Cluster,
+                   where_to: Path | None = None) -> tuple[list[Stage], Plan]:
+    """configure (P, D, the micro-batch size and the schedule, given or chosen), then the back
+    passes on a copy of the captured graph: the stages and the frozen plan. ``vf.compile`` runs
+    it once; an in-place morph runs it again for the new world (``Replan``) on the same
+    captured, annotated graph, so a re-plan costs no capture and no annotation."""
 
     # configure: P, D and the micro-batch size (given, or chosen from measured or estimated
     # costs); the planner also builds the schedule object the plan will carry
@@ -152,17 +189,27 @@ def compile(  # noqa: A001 - the public name in API.md
         model_name=type(model).__name__, alternatives=priced.alternatives,
         shard_optimizer=config.shard_optimizer,
     )
-    warn_micro_batch_state(model, captured.gm, plan.num_micro_batches)
-    warn_sample_mixing(f"{type(model).__name__}.forward", graph_findings(captured.gm),
-                       plan.num_micro_batches)
-    pipe = make_pipeline(model, captured, built, plan, canonical, loss_fn=o.loss_fn,
-                         offload_stash=o.offload_stash, precision=o.precision,
-                         timeout=o.timeout,
-                         shard_optimizer=o.shard_optimizer,
-                         device=next((t.device for t in bound.tensors.values()), None))
-    if o.global_batch_size is not None:
-        pipe._replica_batch = o.global_batch_size // config.data_parallel
-    return pipe
+    return built, plan
+
+
+@dataclass(frozen=True)
+class Replan:
+    """What an in-place morph calls to plan for a new world in this process: compile's options
+    and the captured, annotated graph it already made (``passes/frontend.py``)."""
+
+    model: nn.Module
+    captured: Captured
+    bound: BoundInputs
+    canonical: dict[str, str]
+    options: CompileOptions
+    cluster: Cluster
+
+    def __call__(self, cluster: Cluster, global_batch_size: int) -> tuple[list[Stage], Plan]:
+        """The stages and plan for ``cluster.gpus`` ranks, with the same global batch (the
+        process group of the new world is formed: the planner matches its size)."""
+        o = fit_to_world(self.options, cluster.gpus, self.bound.batch_size,
+                         {"global_batch_size": global_batch_size})
+        return plan_and_build(self.model, self.captured, self.bound, self.canonical, o, cluster)
 
 
 # -- the back passes, as data ------------------------------------------------------------------

@@ -14,6 +14,7 @@ them.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +86,25 @@ class CompileOptions:
         """``schedule`` resolved into its registry entry (or "auto"): what compile hands the
         planner, so that nothing after the options decodes the name."""
         return resolve_schedule(self.schedule)
+
+
+def fit_to_world(o: CompileOptions, world: int, example_batch: int,
+                 settings: dict[str, Any]) -> CompileOptions:
+    """The options a plan for ``world`` ranks of an in-place job uses (a morph re-plans, a
+    joining process compiles, both through here, so they plan alike): the global batch of the
+    running job (``settings["global_batch_size"]``, else compile's, else ``example_batch`` x D
+    as planned), and ``stages`` / ``data_parallel`` only where they still fit the world (given
+    for the machines a job started on, they would refuse every other count)."""
+    gbs = settings.get("global_batch_size") or o.global_batch_size
+    stages, dp = o.stages, o.data_parallel
+    per_replica = None if stages is None else stages // (o.stages_per_rank or 1)
+    if per_replica is not None and world % per_replica:
+        stages = per_replica = None
+    if dp is not None and (world % dp or (per_replica is not None and per_replica * dp != world)):
+        dp = None
+    if gbs is not None and gbs < example_batch:
+        gbs = example_batch
+    return dataclasses.replace(o, global_batch_size=gbs, stages=stages, data_parallel=dp)
 
 
 def check_count(name: str, value: Any, what: str) -> None:

@@ -20,10 +20,12 @@ from .checkpoint.failures import FailedLoad
 from .checkpoint.save_load import Checkpointer
 from .codegen.modes import Modes, capture_if_changed, evaluation_stages, module_modes
 from .codegen.stage_module import Stage
-from .errors import InputError, VarunaFxError
+from .errors import InputError, PeerTimeoutError, VarunaFxError
 from .init.materialize import is_deferred, materialize_tensors
 from .init.skip import any_marked, loaded, raise_unloaded, unloaded
 from .ir.nodes import info
+from .morph.controller import InPlace
+from .morph.records import MorphRecord
 from .planner.plan import Plan
 from .runtime import preemption
 from .runtime.batching import check_sample_shapes
@@ -37,26 +39,32 @@ from .runtime.setup import held_tensors
 from .runtime.shard import shard_batch
 from .runtime.step import Runtime
 from .runtime.zero import build_optimizer, guard_direct_optimizers
-from .world.where import launched_distributed
+from .world.membership import joining_running_job, membership
+from .world.where import launched_distributed, resolve_timeout
 
 
 def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                   canonical: dict[str, str], *, loss_fn: Any, offload_stash: bool,
                   precision: str = "fp32", timeout: float | None = None,
                   device: torch.device | None = None,
-                  shard_optimizer: bool | str = "auto") -> Pipeline:
+                  shard_optimizer: bool | str = "auto", replan: Any = None) -> Pipeline:
     """The distributed runtime under torchrun (world size > 1), else the one-process one.
     A model built under ``vf.deferred_init`` is materialised here: in one process all of it
-    on ``device`` (the example inputs'), on a rank only its stage (``distributed.py``)."""
+    on ``device`` (the example inputs'), on a rank only its stage (``distributed.py``).
+    ``replan``: in an in-place job (``world/membership.py``), how a morph plans for another
+    world in this process (``api.Replan``); a process joining a running job takes its state
+    from the members here (``morph/controller.py``)."""
     check_precision(precision)
     assemble = OutputAssembler(captured)
     # the model's whole state, before a distributed rank empties what it does not hold
     layout = StateLayout.of(model, canonical, stages)
     runtime: Runtime
+    joining = joining_running_job()
     if launched_distributed():
         runtime = make_distributed_runtime(
             model, captured, stages, plan, canonical, assemble=assemble, loss_fn=loss_fn,
-            offload_stash=offload_stash, precision=precision, timeout=timeout, layout=layout)
+            offload_stash=offload_stash, precision=precision, timeout=timeout, layout=layout,
+            joining=joining)
     else:
         if is_deferred(model):
             materialize_tensors(model, None, device or torch.device("cpu"),
@@ -67,6 +75,13 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
                                        loss_fn)
     pipe = Pipeline(model, captured, stages, plan, canonical, runtime, assemble, layout)
     pipe._shard_optimizer = shard_optimizer
+    pipe.loss_fn, pipe.offload_stash, pipe.precision = loss_fn, offload_stash, precision
+    pipe.timeout = resolve_timeout(timeout)
+    if replan is not None:
+        pipe._in_place = InPlace(membership(), replan, replan.cluster,
+                                 replan.options.global_batch_size)
+        if joining:
+            pipe._in_place.join(pipe)
     if pipe.replicas > 1 and (shard_optimizer is True or
                               (shard_optimizer == "auto" and plan.shard_optimizer)):
         why = "shard_optimizer=True" if shard_optimizer is True else \
@@ -85,6 +100,12 @@ class Pipeline:
     _checkpointer: Checkpointer | None = None
     _failed_load: FailedLoad | None = None
     _closed = False  # pipe.close() released the process groups
+    _in_place: InPlace | None = None  # an in-place job's morphing (morph/controller.py)
+    # what a runtime is made with (an in-place morph makes another): set by make_pipeline
+    loss_fn: Any = None
+    offload_stash = False
+    precision = "fp32"
+    timeout = 300.0
 
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                  canonical: dict[str, str], runtime: Runtime,
@@ -149,6 +170,12 @@ class Pipeline:
                 f"pipe.step was called under {block}: a step runs forward and backward, which "
                 "needs gradients. Call pipe.step outside that block, or pipe(...) for a "
                 "forward-only evaluation")
+        if self._in_place is not None:  # a morph may run first, or instead re-run this step
+            return self._in_place_step((inputs, kw_inputs, target))
+        return self._step(inputs, kw_inputs, target, (preemption.requested,))
+
+    def _step(self, inputs: tuple, kw_inputs: dict[str, Any], target: Any,
+              flags: tuple) -> torch.Tensor:
         if target is not None and "target" in self.captured.signature.parameters:
             # forward's own `target` (compile refused it alongside a loss_fn): feed the model
             kw_inputs, target = {**kw_inputs, "target": target}, None
@@ -170,7 +197,58 @@ class Pipeline:
             )
         # this process's preemption signal rides on the step's world all-reduce, read when the
         # step's work is done (a signal during this step stops after this step, not the next)
-        return self.runtime.step(tensors, target, flags=(preemption.requested,))
+        return self.runtime.step(tensors, target, flags=flags)
+
+    def _in_place_step(self, args: tuple) -> torch.Tensor:
+        morphing = self._in_place
+        assert morphing is not None
+        args = morphing.begin_step(self, args)
+        while True:
+            failure: PeerTimeoutError | None = None
+            try:
+                loss = self._step(*args, morphing.flags())
+                break
+            except PeerTimeoutError as exc:  # a peer vanished mid-step: survive it, run again
+                failure = exc
+            args = morphing.recover(self, failure, args)
+            del failure
+        morphing.end_step(self)
+        return loss
+
+    # -- in-place morphing (morph/) ------------------------------------------------------------
+
+    @property
+    def morphs(self) -> list[MorphRecord]:
+        """Every in-place morph this process took part in (``varuna_fx.morph.records``):
+        when, the old and new layout, seconds per phase, bytes moved. [] outside an in-place
+        job."""
+        return list(self._in_place.records) if self._in_place is not None else []
+
+    @property
+    def joined(self) -> bool:
+        """This process joined an in-place job that was running: its state came from the
+        other processes (so its script must not load a checkpoint into it)."""
+        return self._in_place is not None and self._in_place.carried is not None
+
+    def track(self, obj: Any) -> Any:
+        """Register an object with ``state_dict``/``load_state_dict`` (an LR scheduler, a data
+        loader, any state every process keeps alike) for in-place morphing: a process joining
+        the job gets rank 0's state of it, and a data loader (``MorphableData``) continues
+        with the new replica's share. Returns ``obj``. Outside an in-place job, does nothing."""
+        if self._in_place is not None:
+            self._in_place.track(obj)
+        return obj
+
+    def adopt(self, stages: list[Stage], plan: Plan, runtime: Runtime) -> None:
+        """Run ``plan`` from now on (an in-place morph re-planned for another world)."""
+        self.stages, self.plan, self.runtime = stages, plan, runtime
+        self.stage_index, self.replica_index = runtime.stage_index, runtime.replica_index
+        self.local_stages = runtime.local_stages
+        self._edits = ModelEdits(self.model, [stages[s].module for s in self.local_stages],
+                                 traced_modules(self.captured.gm))
+        # eval mode's stages were cut for the old stages; "the compiled graph serves" holds
+        self.other_modes = {k: v for k, v in self.other_modes.items() if v is None}
+        self._checkpointer = None
 
     @property
     def replicas(self) -> int:
@@ -304,8 +382,11 @@ class Pipeline:
         sharded over the D replicas (``shard_optimizer``; runtime/zero.py), over this rank's
         shard of them: an instance of ``cls`` whose state_dict holds this rank's shard only,
         and whose step also gathers the updated parameters."""
-        return build_optimizer(self.runtime, dict(self.named_parameters()), cls, params,
-                               defaults, self._shard_optimizer)
+        optimizer = build_optimizer(self.runtime, dict(self.named_parameters()), cls, params,
+                                    defaults, self._shard_optimizer)
+        if self._in_place is not None:
+            self._in_place.optimizer_made(self, optimizer)
+        return optimizer
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """``optimizer.step()`` unless the last step overflowed (fp16), then update the loss
@@ -318,7 +399,10 @@ class Pipeline:
         if self._checkpointer is not None:  # an async save still being written completes first
             self._checkpointer.close()
             self._checkpointer = None
-        self.runtime.close()
+        if self.runtime is not None:
+            self.runtime.close()
+        if self._in_place is not None:
+            self._in_place.membership.stop()
         self._closed = True
 
     def train(self, mode: bool = True) -> Pipeline:
@@ -360,13 +444,23 @@ class Pipeline:
         ``async_save=True`` returns once the state is copied to host memory and writes in the
         background: the returned handle's ``.result()`` waits until the checkpoint is
         complete. See docs/checkpoints.md."""
-        return self._checkpoints().save(str(path), optimizer, extra, async_save=async_save)
+        handle = self._checkpoints().save(str(path), optimizer, extra, async_save=async_save)
+        if self._in_place is not None:
+            self._in_place.checkpoint = str(path)
+        return handle
 
     def load_checkpoint(self, path: str,
                         optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Load a checkpoint saved under any layout; returns the ``extra`` dict it was saved
         with."""
+        if self.joined:
+            raise VarunaFxError(
+                "this process joined a running in-place job: its state came from the other "
+                "processes and is newer than any checkpoint; loading one would rewind this "
+                "process alone. Skip the load when pipe.joined is True")
         outcome = self._checkpoints().load(str(path), optimizer)
+        if self._in_place is not None:
+            self._in_place.checkpoint = str(path)
         if isinstance(outcome, FailedLoad):  # partly overwritten: refuse to run until a load
             self._failed_load = outcome      # succeeds
             raise outcome.error
@@ -380,7 +474,10 @@ class Pipeline:
 
     @property
     def preempted(self) -> bool:
-        """True on every rank after the step during which any rank got SIGTERM or SIGUSR1."""
+        """True on every rank after the step during which any rank got SIGTERM or SIGUSR1.
+        In an in-place job only when every process got one (the others morph in place)."""
+        if self._in_place is not None:
+            return self._in_place.all_leaving
         flags = getattr(self.runtime, "flags", ())
         return bool(flags and flags[0])
 

@@ -152,31 +152,61 @@ def user_groups(params: Any, named: dict[str, nn.Parameter]) -> list[dict[str, A
     return groups
 
 
-def build_layout(groups: list[dict[str, Any]], names: dict[int, str], synced: set[str],
-                 tied_here: dict[str, bool], replica: int, replicas: int,
-                 bucket_bytes: int = BUCKET_BYTES) -> ZeroLayout:
-    """Buckets over ``groups``' parameters. ``synced``: names whose gradients grad_sync
-    reduces; ``tied_here``: tied name -> whether this stage is its lowest holder."""
-    layout = ZeroLayout(replica, replicas, [])
+def bucket_items(groups: list[dict[str, Any]], names: dict[int, str], synced: set[str],
+                 tied_here: dict[str, bool], bucket_bytes: int = BUCKET_BYTES
+                 ) -> tuple[list[tuple[int, tuple, list[tuple[str, nn.Parameter]]]],
+                            list[tuple[int, str, nn.Parameter]]]:
+    """Which parameters share a bucket (user group, dtype, device, kind; ~``bucket_bytes``
+    each) and which are stepped whole: the grouping alone, touching no tensor, so an in-place
+    morph can tell the ranges a new shard will need before it exists (:func:`shard_ranges`)."""
+    buckets: list[tuple[int, tuple, list[tuple[str, nn.Parameter]]]] = []
+    whole: list[tuple[int, str, nn.Parameter]] = []
     for gi, group in enumerate(groups):
         open_: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
         for p in group["params"]:
             name = names[id(p)]
             if name not in synced or p.dim() == 0 or p.numel() == 0:
-                layout.whole.append((gi, name, p))
+                whole.append((gi, name, p))
                 continue
             kind = ("tied", tied_here[name]) if name in tied_here else ("plain", True)
             key = (p.dtype, p.device, *kind)
             items = open_.setdefault(key, [])
             size = sum(q.numel() for _, q in items) * p.element_size()
             if items and size + p.numel() * p.element_size() > bucket_bytes:
-                layout.buckets.append(_bucket(gi, key, items, replica, replicas))
+                buckets.append((gi, key, items))
                 items = open_[key] = []
             items.append((name, p))
-        for key, items in open_.items():
-            if items:
-                layout.buckets.append(_bucket(gi, key, items, replica, replicas))
-    return layout
+        buckets += [(gi, key, items) for key, items in open_.items() if items]
+    return buckets, whole
+
+
+def build_layout(groups: list[dict[str, Any]], names: dict[int, str], synced: set[str],
+                 tied_here: dict[str, bool], replica: int, replicas: int,
+                 bucket_bytes: int = BUCKET_BYTES) -> ZeroLayout:
+    """Buckets over ``groups``' parameters. ``synced``: names whose gradients grad_sync
+    reduces; ``tied_here``: tied name -> whether this stage is its lowest holder."""
+    buckets, whole = bucket_items(groups, names, synced, tied_here, bucket_bytes)
+    return ZeroLayout(replica, replicas,
+                      [_bucket(gi, key, items, replica, replicas) for gi, key, items in buckets],
+                      whole)
+
+
+def shard_ranges(groups: list[dict[str, Any]], names: dict[int, str], synced: set[str],
+                 tied_here: dict[str, bool], replica: int, replicas: int,
+                 bucket_bytes: int = BUCKET_BYTES) -> dict[str, list[tuple[int, int]]]:
+    """(first element, count) of each parameter whose optimizer state replica ``replica``'s
+    shard holds, as :func:`build_layout` would cut it (whole parameters: all of them)."""
+    buckets, whole = bucket_items(groups, names, synced, tied_here, bucket_bytes)
+    ranges: dict[str, list[tuple[int, int]]] = {n: [(0, p.numel())] for _, n, p in whole}
+    for _, _, items in buckets:
+        size = math.ceil(sum(p.numel() for _, p in items) / replicas)
+        lo, hi, offset = replica * size, (replica + 1) * size, 0
+        for name, p in items:
+            start, end = max(lo, offset), min(hi, offset + p.numel())
+            if start < end:
+                ranges.setdefault(name, []).append((start - offset, end - start))
+            offset += p.numel()
+    return ranges
 
 
 def _bucket(group: int, key: tuple, items: list[tuple[str, nn.Parameter]], replica: int,
@@ -304,6 +334,42 @@ def _flat_grads(b: Bucket) -> torch.Tensor:
     return flat
 
 
+@dataclass
+class Made:
+    """What ``pipe.optimizer`` made, kept so an in-place morph can point the same optimizer
+    object at another layout's parameters (``repoint_optimizer``): its hooks read the current
+    sharding from here, not from what they closed over."""
+
+    setting: bool | str  # compile's shard_optimizer
+    grad_sync: Any  # the runtime's GradSync it steps with (None in one process)
+    zero: ZeroSync | None  # the sharding now (None: unsharded)
+    group_of: dict[str, int]  # canonical fqn -> its param group (the whole model's, once known)
+    hooked: bool = False  # the step hooks are registered (they read this record)
+
+
+_MADE: weakref.WeakKeyDictionary[torch.optim.Optimizer, Made] = weakref.WeakKeyDictionary()
+
+
+def made_by_pipeline(optimizer: Any) -> Made | None:
+    try:
+        return _MADE.get(optimizer)
+    except TypeError:
+        return None
+
+
+def _gather_after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    made = _MADE.get(opt)
+    if made is not None and made.zero is not None:
+        made.zero.gather()
+
+
+def _current(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    made = _MADE.get(opt)
+    if made is not None and made.zero is not None and made.grad_sync.zero is not made.zero:
+        raise OptimizerError("this optimizer was replaced by a later pipe.optimizer call: "
+                             "step the newest one")
+
+
 def make_sharded(cls: type, groups: list[dict[str, Any]], layout: ZeroLayout, sync: ZeroSync,
                  defaults: dict[str, Any]) -> torch.optim.Optimizer:
     """The user's optimizer class over this rank's shards; stepping it all-gathers."""
@@ -311,8 +377,27 @@ def make_sharded(cls: type, groups: list[dict[str, Any]], layout: ZeroLayout, sy
                      "params": layout.group_members(i)} for i, g in enumerate(groups)]
     optimizer = cls(inner_groups, **defaults)
     _LAYOUTS[optimizer] = layout
-    optimizer.register_step_post_hook(lambda opt, args, kwargs: sync.gather())
     return optimizer
+
+
+def sharded(runtime: Any, setting: bool | str) -> bool:
+    """Whether ``pipe.optimizer`` shards over ``runtime``'s replicas with compile's
+    ``shard_optimizer`` ``setting``: a distributed run with D > 1, unless told never to."""
+    sync = getattr(runtime, "grad_sync", None)
+    return sync is not None and runtime.plan.data_parallel > 1 and setting is not False \
+        and sync.groups.data_parallel is not None
+
+
+def _shard_layout(runtime: Any, groups: list[dict[str, Any]],
+                  names: dict[int, str]) -> tuple[ZeroLayout, ZeroSync]:
+    sync = runtime.grad_sync
+    tied = {n for names_, _ in sync.groups.tied for n in names_}
+    local = set(runtime.local_stages)  # (virtual stages: several)
+    lowest = {n for n in tied if min(runtime.plan.tied_parameters[n]) in local}
+    group = sync.groups.data_parallel
+    layout = build_layout(groups, names, set(sync.held), {n: n in lowest for n in tied},
+                          dist.get_rank(group=group), runtime.plan.data_parallel)
+    return layout, ZeroSync(layout, group, runtime.timeout, sync.who)
 
 
 def build_optimizer(runtime: Any, named: dict[str, nn.Parameter], cls: type, params: Any,
@@ -323,32 +408,59 @@ def build_optimizer(runtime: Any, named: dict[str, nn.Parameter], cls: type, par
         raise OptimizerError(f"pipe.optimizer takes a torch.optim.Optimizer class (e.g. "
                              f"torch.optim.AdamW), not {cls!r}")
     groups = user_groups(params, named)
-    sync = getattr(runtime, "grad_sync", None)
-    if sync is None or runtime.plan.data_parallel == 1 or setting is False:
-        return cls(groups, **defaults)
-    check_elementwise(cls)
-    if sync.groups.data_parallel is None:  # pragma: no cover - D > 1 always has the group
-        return cls(groups, **defaults)
     names = {id(p): n for n, p in named.items()}
-    tied = {n for names_, _ in sync.groups.tied for n in names_}
-    local = set(runtime.local_stages)  # (virtual stages: several)
-    lowest = {n for n in tied if min(runtime.plan.tied_parameters[n]) in local}
-    group = sync.groups.data_parallel
-    layout = build_layout(groups, names, set(sync.held), {n: n in lowest for n in tied},
-                          dist.get_rank(group=group), runtime.plan.data_parallel)
-    zero = ZeroSync(layout, group, runtime.timeout, sync.who)
+    group_of = {names[id(p)]: gi for gi, g in enumerate(groups) for p in g["params"]}
+    sync = getattr(runtime, "grad_sync", None)
+    if not sharded(runtime, setting):
+        optimizer = cls(groups, **defaults)
+        _MADE[optimizer] = Made(setting, sync, None, group_of)
+        return optimizer
+    check_elementwise(cls)
+    layout, zero = _shard_layout(runtime, groups, names)
     optimizer = make_sharded(cls, groups, layout, zero, defaults)
-
-    def current(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if sync.zero is not zero:
-            raise OptimizerError("this optimizer was replaced by a later pipe.optimizer call: "
-                                 "step the newest one")
-
-    optimizer.register_step_pre_hook(current)
+    _MADE[optimizer] = Made(setting, sync, zero, group_of, hooked=True)
+    optimizer.register_step_pre_hook(_current)
+    optimizer.register_step_post_hook(_gather_after_step)
     sync.shard(zero, runtime.replica_index)
     guard_direct_optimizers(named.values(), "pipe.optimizer shards their optimizer state "
                             "over the replicas (shard_optimizer)")
     return optimizer
+
+
+def repoint_optimizer(optimizer: torch.optim.Optimizer, runtime: Any,
+                      named: dict[str, nn.Parameter]) -> None:
+    """Point an optimizer ``pipe.optimizer`` made at ``runtime``'s parameters (an in-place morph:
+    the same object, so LR schedulers holding it carry on): each param group gets the held
+    parameters that belonged to it (``Made.group_of``), sharded over the new D when the rule of
+    :func:`build_optimizer` says so. The state is emptied: the morph loads what moved."""
+    made = _MADE[optimizer]
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []}
+              for g in optimizer.param_groups]
+    for name, p in named.items():
+        if name in made.group_of:
+            groups[made.group_of[name]]["params"].append(p)
+    names = {id(p): n for n, p in named.items()}
+    made.grad_sync = getattr(runtime, "grad_sync", None)
+    if sharded(runtime, made.setting):
+        check_elementwise(type(optimizer))
+        layout, zero = _shard_layout(runtime, groups, names)
+        for gi, group in enumerate(optimizer.param_groups):
+            group["params"] = layout.group_members(gi)
+        _LAYOUTS[optimizer] = layout
+        if not made.hooked:  # hooks once: they read ``made`` at every step
+            optimizer.register_step_pre_hook(_current)
+            optimizer.register_step_post_hook(_gather_after_step)
+            made.hooked = True
+        made.zero = zero
+        made.grad_sync.shard(zero, runtime.replica_index)
+        guard_direct_optimizers(named.values(), "pipe.optimizer shards their optimizer state "
+                                "over the replicas (shard_optimizer)")
+    else:
+        for group, mine in zip(optimizer.param_groups, groups):
+            group["params"] = mine["params"]
+        _LAYOUTS.pop(optimizer, None)
+        made.zero = None
+    optimizer.state.clear()
 
 
 # -- refusing optimizers that bypass the shards ---------------------------------------------------

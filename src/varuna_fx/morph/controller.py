@@ -1,0 +1,518 @@
+"""In-place morphs: the survivors of a membership change keep running, in this process.
+
+A pipeline compiled in an in-place job (``varuna-fx run --elastic --in-place``;
+``world/membership.py``) gets an :class:`InPlace`. Three ways a morph begins:
+
+* **A spot notice** (SIGTERM with some seconds' warning) on some process rides on the step's
+  world all-reduce (a count, beside the loss); so does rank 0's check that a process waits to
+  join. At the start of the next ``pipe.step`` (:meth:`InPlace.begin_step`) every process agrees
+  on the next generation over the old group (who leaves, who joins), then the morph below runs,
+  the leavers taking part until their state has moved, then exiting (``SystemExit(0)``). Nothing
+  is lost: the user's checkpoint after the previous step, if any, ran on the old world.
+* **A process vanishes** (SIGKILL, a machine gone): some receive or collective of the step in
+  flight fails at once (the kernel closes a dead process's sockets). That process destroys its
+  groups and drops every reference to them, which closes its sockets too, so the peers blocked
+  on it fail in turn (gloo cannot abort a blocked wait, and a timed-out wait would close the pair
+  anyway). The survivors meet in the store (:meth:`Membership.recover`), run the morph, and run
+  the step again on the new layout, from the same RNG state and the same global batch: at most
+  that step is lost. If some state has no live holder (every replica of a stage vanished, or a
+  ZeRO-1 shard with its only owner), in-place cannot continue: every survivor exits with
+  ``RESTART_EXIT`` and the launcher starts them again, to resume from the latest checkpoint on
+  the new layout as the restart path does.
+* **This process joins** a running job (:meth:`InPlace.join`, from ``vf.compile``): it plans as
+  the survivors do, receives its stage's state, and keeps the rest (``carried.py``) for the
+  optimizer, schedulers and loader its script makes next.
+
+The morph itself: destroy the old group and form the new generation's (``regroup``); re-plan
+for the new world on this process's captured, annotated graph (``replan``: configure and the back
+passes only); every rank agrees on the plan, makes its groups and allocates the tensors it now
+holds (``runtime``); every process writes what it holds and needs to the store and the moves are
+sent point to point, only what changed owner (``transfer``, ``runtime/transfer.py``); the same
+optimizer object is pointed at the new parameters and loads what arrived, loaders continue with
+the new share, tensors no longer held are released (``adopt``). ``pipe.morphs`` records each.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.contents import rng_state, set_rng_state
+from ..checkpoint.optimizer_state import restore_optimizer
+from ..errors import DistributedError, VarunaFxError
+from ..init.materialize import is_deferred, materialize_tensors
+from ..init.skip import loaded
+from ..planner.cluster import Cluster
+from ..runtime import preemption
+from ..runtime.distributed import agree_on_plan, build_runtime, release_unheld
+from ..runtime.model_state import unread_tensors
+from ..runtime.setup import held_tensors
+from ..runtime.transfer import Channel, MovePlan, plan_moves, run_moves
+from ..runtime.zero import (
+    layout_of,
+    made_by_pipeline,
+    repoint_optimizer,
+    shard_ranges,
+    sharded,
+)
+from ..world.membership import Generation, Membership, backend_name
+from . import batch
+from .carried import Carried, recipe
+from .records import MorphRecord, layout_text
+from .state import (
+    OPT,
+    Descriptor,
+    Sources,
+    expand_needs,
+    merged_info,
+    model_holdings,
+    optimizer_entries_from,
+    optimizer_holdings,
+)
+
+RESTART_EXIT = 75  # exit status asking the in-place launcher to start this worker again
+
+
+class InPlace:
+    """The in-place morphing of one pipeline (``Pipeline._in_place``)."""
+
+    def __init__(self, membership: Membership, replan: Any, cluster: Cluster,
+                 global_batch_size: int | None) -> None:
+        self.membership, self.replan, self.cluster = membership, replan, cluster
+        self.global_batch_size = global_batch_size
+        self.records: list[MorphRecord] = []
+        self.tracked: list[Any] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.carried: Carried | None = None  # a joiner's, until its script used it
+        self.checkpoint: str | None = None  # the latest checkpoint saved or loaded
+        self.pending = False  # a notice or a join rode on the last step: morph at the next
+        self.all_leaving = False  # every process got a notice: the restart path (save, exit)
+        self._rng: dict[str, Any] | None = None  # at the start of the step in flight
+        self._had_grads = False  # the step in flight started with gradients (accumulating)
+        self._first_step: MorphRecord | None = None  # waiting for its first step's time
+        self._step_started = 0.0
+
+    # -- every step ----------------------------------------------------------------------------
+
+    def flags(self) -> tuple[Any, ...]:
+        """What rides on the step's world all-reduce: this process's notice, and (rank 0) a
+        process waiting to join. Both are summed (``runtime.flag_counts``)."""
+        def joins() -> bool:
+            return dist.get_rank() == 0 and self.membership.joins_waiting()
+        return (preemption.requested, joins)
+
+    def begin_step(self, pipe: Any, args: batch.Args) -> batch.Args:
+        """Before a step: the morph a notice or a join asked for, then this step's snapshot."""
+        grads = _has_grads(pipe)
+        if self.pending and not grads:  # (gradients being accumulated stay where they are)
+            args = self._boundary(pipe, args)
+        self._had_grads = grads
+        self._rng = rng_state()
+        self._step_started = time.perf_counter()
+        return args
+
+    def end_step(self, pipe: Any) -> None:
+        counts = getattr(pipe.runtime, "flag_counts", (0, 0))
+        leaving, joins = int(counts[0]), int(counts[1])
+        world = dist.get_world_size()
+        self.all_leaving = leaving >= world
+        self.pending = not self.all_leaving and (leaving > 0 or joins > 0)
+        if self._first_step is not None:
+            self._first_step.phase("first_step")
+            self._first_step = None
+
+    # -- a notice or a join, at a step boundary ------------------------------------------------
+
+    def _boundary(self, pipe: Any, args: batch.Args) -> batch.Args:
+        self.pending = False
+        old = self.membership.generation
+        assert old is not None
+        rec = MorphRecord(old.number + 1, "notice", time.time(), layout_text(pipe.plan, len(
+            old.members)), "")
+        leaving = preemption.requested()
+        said: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(said, (leaving, preemption.received_at()))
+        text = [""]
+        if dist.get_rank() == 0:
+            text[0] = self.membership.after_boundary(
+                [s[0] for s in said], self.cluster.to_dict(), self._global_batch(pipe)).to_json()
+        dist.broadcast_object_list(text, src=0)
+        gen = Generation.from_json(text[0])
+        times = [s[1] for s in said if s[0] and s[1] is not None]
+        rec.signal_at = min(times) if times else None
+        rec.reason, rec.joined, rec.left = gen.reason, gen.joined, gen.left
+        rec.phase("agree")
+        return self._morph(pipe, gen, args, rec, leaving=leaving)
+
+    # -- a process vanished --------------------------------------------------------------------
+
+    def recover(self, pipe: Any, exc: BaseException, args: batch.Args) -> batch.Args:
+        """After the step in flight failed talking to a peer: agree with the other survivors on
+        the next generation, morph, and return the step's arguments for the new layout (the
+        caller runs the step again)."""
+        old = self.membership.generation
+        assert old is not None
+        rec = MorphRecord(old.number + 1, "lost", time.time(),
+                          layout_text(pipe.plan, len(old.members)), "")
+        if self._rng is not None:  # the failed attempt drew its step seed: draw it again
+            set_rng_state(self._rng)
+        _forget(exc)
+        if self._had_grads:
+            raise DistributedError(
+                "a process vanished during a step that accumulates onto earlier steps' "
+                "gradients: those gradients cannot be moved to the new layout, so the job "
+                "cannot continue in place (zero the gradients before each pipe.step to make "
+                "every step recoverable)") from None
+        for p in pipe.parameters():  # the failed attempt's partial gradients
+            p.grad = None
+        snapshot = self._snapshot(pipe, args)  # before the groups go: views of this state
+        self._teardown(pipe)
+        gen = self.membership.recover(self.cluster.to_dict(), self._global_batch(pipe))
+        rec.lost, rec.joined = gen.lost, gen.joined
+        rec.phase("agree")
+        return self._morph(pipe, gen, args, rec, leaving=False, snapshot=snapshot)
+
+    # -- the morph -----------------------------------------------------------------------------
+
+    def _morph(self, pipe: Any, gen: Generation, args: batch.Args, rec: MorphRecord, *,
+               leaving: bool, snapshot: tuple[Descriptor, Sources] | None = None
+               ) -> batch.Args:
+        old_replicas, old_local = pipe.plan.data_parallel, list(pipe.local_stages)
+        desc, sources = snapshot or self._snapshot(pipe, args)
+        if snapshot is None:
+            self._teardown(pipe)
+        desc.signal_at = rec.signal_at
+        self.membership.form(gen, backend_name())
+        rec.phase("regroup")
+        if leaving:  # hand over what this process holds, then go
+            self._exchange(pipe, gen, desc, sources, rec)
+            self._leave(gen)
+        if dist.get_rank() == 0 and gen.joined:
+            self.membership.put(gen.number, "recipe", recipe(
+                self._scaler, self.optimizer, self._group_of(), pipe._shard_optimizer,
+                self.tracked, self.checkpoint).numpy().tobytes())
+        self._rebuild(pipe, gen, rec)
+        self._allocate_opt(pipe, desc)
+        batch.input_needs(args, old_replicas, pipe.replica_index, pipe.plan.data_parallel, desc)
+        plan, got = self._exchange(pipe, gen, desc, sources, rec)
+        missing = [m for m in plan.missing if m[1][0] != batch.INPUT]
+        if missing:
+            self._restart(gen, missing)
+        self._adopt(pipe, plan, got, sources, desc)
+        lost_rows = any(m[1][0] == batch.INPUT and m[0] == self._me(gen) for m in plan.missing)
+        if lost_rows:
+            args = batch.from_loader(args, self._loaders(), pipe.replica_index,
+                                     pipe.plan.data_parallel)
+        elif desc.needs_input:
+            args = batch.rebuilt(args, got, desc.needs_input)
+        for loader in self._loaders():
+            loader.reshard(pipe.replica_index, pipe.plan.data_parallel)
+        keep = unread_tensors(pipe.model, pipe.state_layout) if 0 in pipe.local_stages else []
+        release_unheld(pipe.model, [pipe.stages[s] for s in pipe.local_stages],
+                       pipe.runtime.device, keep=keep, keep_buffers=True)
+        del old_local
+        rec.new_layout = layout_text(pipe.plan, len(gen.members))
+        rec.phase("adopt")
+        self.records.append(rec)
+        self._first_step = rec
+        return args
+
+    def _snapshot(self, pipe: Any, args: batch.Args) -> tuple[Descriptor, Sources]:
+        """What this process holds: views of its tensors, read before anything changes."""
+        desc, sources = Descriptor(), {}
+        model_holdings(pipe.state_dict(), desc, sources)
+        if self.optimizer is not None:
+            names = {id(p): n for n, p in pipe.named_parameters()}
+            optimizer_holdings(self.optimizer, names, pipe.state_layout.shapes, desc, sources)
+        batch.input_state(args, pipe.replica_index, pipe.plan.data_parallel, desc, sources)
+        return desc, sources
+
+    def _teardown(self, pipe: Any) -> None:
+        """Destroy every group of the old generation and drop every reference to them, so their
+        sockets close now (a peer blocked on this process then fails at once)."""
+        if pipe._checkpointer is not None:
+            try:
+                pipe._checkpointer.wait()
+            except Exception:  # noqa: BLE001 - a save that failed with the old world is gone
+                pass
+            pipe._checkpointer = None
+        made = made_by_pipeline(self.optimizer)
+        if made is not None:
+            made.zero, made.grad_sync = None, None
+        # what outlives the runtime: the loss scale, and how the model's loss is weighed
+        self._scaler, self._mean_loss = pipe.runtime.scaler, pipe.runtime.mean_loss
+        self._device = pipe.runtime.device
+        pipe.runtime = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+
+    def _rebuild(self, pipe: Any, gen: Generation, rec: MorphRecord) -> None:
+        """Re-plan for the new world and build this rank's runtime in the new group."""
+        cluster = Cluster.from_dict(gen.cluster) if gen.cluster else self.cluster
+        stages, plan = self.replan(cluster, gen.global_batch_size or self._global_batch(pipe))
+        rec.phase("replan")
+        seconds = pipe.timeout
+        reorder = agree_on_plan(plan, stages, pipe.precision, seconds)
+        local = plan.placement.stages_of(dist.get_rank())
+        self._allocate(pipe, stages, local)
+        runtime = build_runtime(pipe.model, pipe.captured, stages, plan, pipe.canonical,
+                                assemble=pipe._assemble, loss_fn=pipe.loss_fn,
+                                offload_stash=pipe.offload_stash, precision=pipe.precision,
+                                seconds=seconds, layout=pipe.state_layout, reorder=reorder)
+        runtime.scaler, runtime.mean_loss = self._scaler, self._mean_loss
+        pipe.adopt(stages, plan, runtime)
+        if self.global_batch_size is not None:
+            pipe._replica_batch = self.global_batch_size // plan.data_parallel
+        self.cluster = cluster
+        rec.phase("runtime")
+
+    def _allocate(self, pipe: Any, stages: list[Any], local: list[int]) -> None:
+        """Storage for the tensors this rank holds from now on (their values move in next)."""
+        names = pipe.state_layout.held_names(pipe.canonical, stages, local)
+        params, buffers = held_tensors(pipe.model, names)
+        meta = [n for n, t in [*params.items(), *buffers.items()] if t.is_meta]
+        if meta and is_deferred(pipe.model):
+            materialize_tensors(pipe.model, meta, self._device,
+                                roots=[pipe.captured.gm, *(s.module for s in stages)])
+        with torch.no_grad():
+            for name, t in params.items():
+                shape = pipe.state_layout.shapes.get(name)
+                if shape is not None and tuple(t.shape) != shape:
+                    t.data = torch.empty(shape, dtype=t.dtype, device=self._device)
+
+    def _allocate_opt(self, pipe: Any, desc: Descriptor) -> None:
+        """Point the optimizer at the new parameters and say which optimizer state this rank
+        needs (its new shard's elements, or all of each parameter's)."""
+        named = dict(pipe.named_parameters())
+        desc.needs_model = [n for n in pipe.state_dict()]
+        if self.optimizer is None:
+            return
+        repoint_optimizer(self.optimizer, pipe.runtime, named)
+        desc.needs_optimizer = _optimizer_ranges(self.optimizer, named)
+
+    def _me(self, gen: Generation) -> int:
+        return gen.transfer.index(self.membership.member)
+
+    def _exchange(self, pipe: Any, gen: Generation, desc: Descriptor, sources: Sources,
+                  rec: MorphRecord) -> tuple[MovePlan, Sources]:
+        """Descriptors through the store, the moves over the transfer group."""
+        me = self._me(gen)
+        m = self.membership
+        m.put(gen.number, f"desc/{me}", desc.to_bytes())
+        every = [desc if r == me else Descriptor.from_bytes(
+            m.get(gen.number, f"desc/{r}", f"process {r}'s state description"))
+            for r in range(len(gen.transfer))]
+        needs = [expand_needs(d, every) for d in every]
+        plan = plan_moves([d.holds for d in every], needs)
+        info = merged_info(every)
+        group = m.transfer_group(gen)
+        channel = Channel(group, m.timeout, f"process {me} of generation {gen.number}")
+        got = run_moves(plan, me, sources, {i: v.dtype for i, v in info.items()}, channel)
+        itemsize = {i: v.dtype.itemsize for i, v in info.items()}
+        rec.bytes_moved = plan.bytes_moved(itemsize)
+        rec.bytes_received = sum(mv.count * itemsize[mv.item] for mv in plan.moves
+                                 if mv.dst == me)
+        for item, start, count in plan.kept.get(me, []):
+            if item[1] == "":  # a weight this rank keeps is in place already
+                continue
+            for first, flat in sources.get(item, []):
+                if first <= start and start + count <= first + flat.numel():
+                    got.setdefault(item, []).append((start, flat[start - first:
+                                                                 start - first + count]))
+                    break
+        self._info = info
+        del group
+        rec.phase("transfer")
+        return plan, got
+
+    def _adopt(self, pipe: Any, plan: MovePlan, got: Sources, sources: Sources,
+               desc: Descriptor) -> None:
+        """Values into the tensors held now; the optimizer's state loaded."""
+        self._adopt_model(pipe, got)
+        if self.optimizer is not None:
+            names = {id(p): n for n, p in pipe.named_parameters()}
+            made = made_by_pipeline(self.optimizer)
+            assert made is not None
+            fqns = [n for n in names.values() if n in made.group_of]
+            entries = optimizer_entries_from(
+                got, self._info, made.group_of,
+                [{k: v for k, v in g.items() if k != "params"}
+                 for g in self.optimizer.param_groups], fqns)
+            restore_optimizer(self.optimizer, names, entries)
+
+    def _leave(self, gen: Generation) -> None:
+        self.membership.stop()
+        print(f"varuna_fx: {self.membership.member} left the job after handing over its "
+              f"state (generation {gen.number}: {len(gen.members)} processes continue)",
+              file=sys.stderr, flush=True)
+        raise SystemExit(0)
+
+    def _restart(self, gen: Generation, missing: list[Any]) -> None:
+        """State nobody alive holds: the restart path (every survivor exits the same way)."""
+        (dst, item, start, count), *rest = missing
+        what = "its weights" if item[1] == "" else f"its optimizer state {item[1][len(OPT):]!r}"
+        print(f"varuna_fx: no live process holds {item[0]} ({what}, elements {start}-"
+              f"{start + count}; {len(rest)} more ranges): a whole stage or a ZeRO-1 shard "
+              "vanished with its only holder. Exiting to resume from the latest checkpoint on "
+              f"the new layout ({len(gen.members)} processes)", file=sys.stderr, flush=True)
+        self.membership.mark_restart(gen)
+        self.membership.stop()
+        sys.stdout.flush()
+        os._exit(RESTART_EXIT)
+
+    # -- this process joins a running job ------------------------------------------------------
+
+    def join(self, pipe: Any) -> None:
+        """In ``vf.compile`` of a process a running generation admitted: receive its state."""
+        gen = self.membership.generation
+        assert gen is not None
+        rec = MorphRecord(gen.number, "joined", time.time(), "-",
+                          layout_text(pipe.plan, len(gen.members)), joined=gen.joined,
+                          left=gen.left)
+        rec.phase("replan")  # compile made the plan; this is only the record's start
+        carried = Carried.decode(torch.frombuffer(bytearray(self.membership.get(
+            gen.number, "recipe", "the survivors' recipe")), dtype=torch.uint8))
+        carried.restore_process_state(pipe.runtime.scaler)
+        desc = Descriptor(needs_model=list(pipe.state_dict()))
+        if carried.optimizer is not None:
+            desc.needs_optimizer = _joiner_ranges(pipe, carried)
+        plan, got = self._exchange(pipe, gen, desc, {}, rec)
+        missing = [m for m in plan.missing if m[0] == self._me(gen)]
+        if missing:
+            raise DistributedError(f"joining generation {gen.number}: no member holds "
+                                   f"{missing[0][1]}")
+        self._adopt_model(pipe, got)
+        if carried.optimizer is not None:
+            fqns = [n for n, _ in pipe.named_parameters() if n in carried.optimizer["group_of"]]
+            carried.entries = optimizer_entries_from(
+                got, self._info, carried.optimizer["group_of"], carried.optimizer["hypers"],
+                fqns)
+        self.carried, self.checkpoint = carried, carried.checkpoint
+        rec.phase("adopt")
+        self.records.append(rec)
+        self._first_step = rec
+
+    def _adopt_model(self, pipe: Any, got: Sources) -> None:
+        state = pipe.state_dict()
+        with torch.no_grad():
+            for name, t in state.items():
+                flat = t.data.view(-1)
+                for start, values in got.get((name, ""), []):
+                    flat[start:start + values.numel()].copy_(values)
+        loaded(state.values())
+
+    # -- what the pipeline registers -----------------------------------------------------------
+
+    def optimizer_made(self, pipe: Any, optimizer: torch.optim.Optimizer) -> None:
+        """``pipe.optimizer`` made ``optimizer``: the one a morph moves. On a joiner it loads
+        the state carried in; else every process learns every parameter's group."""
+        self.optimizer = optimizer
+        made = made_by_pipeline(optimizer)
+        assert made is not None
+        if self.carried is not None and self.carried.optimizer is not None:
+            self.carried.check_optimizer(optimizer)
+            made.group_of = dict(self.carried.optimizer["group_of"])
+            named = dict(pipe.named_parameters())
+            # cut as the survivors cut (model order within each group), which is what the
+            # carried state was cut for
+            repoint_optimizer(optimizer, pipe.runtime, named)
+            for group, hyper in zip(optimizer.param_groups, self.carried.optimizer["hypers"]):
+                group.update(hyper)
+            restore_optimizer(optimizer, {id(p): n for n, p in named.items()},
+                              self.carried.entries)
+            self.carried.entries = {}
+            return
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, made.group_of)
+        for part in every:
+            made.group_of.update(part)
+
+    def track(self, obj: Any) -> None:
+        self.tracked.append(obj)
+        if self.carried is not None:
+            self.carried.apply_tracked(obj)
+            if self.carried.optimizer is not None and self.optimizer is not None:
+                # a scheduler made after the optimizer set its own learning rate: the running
+                # job's is the one to continue with
+                for group, hyper in zip(self.optimizer.param_groups,
+                                        self.carried.optimizer["hypers"]):
+                    group.update(hyper)
+
+    def _loaders(self) -> list[Any]:
+        return [t for t in self.tracked if isinstance(t, batch.MorphableData)]
+
+    def _group_of(self) -> dict[str, int]:
+        made = made_by_pipeline(self.optimizer)
+        return dict(made.group_of) if made is not None else {}
+
+    def _global_batch(self, pipe: Any) -> int:
+        if self.global_batch_size is None:
+            self.global_batch_size = pipe.plan.micro_batch_size * \
+                pipe.plan.num_micro_batches * pipe.plan.data_parallel
+        return self.global_batch_size
+
+
+def _optimizer_ranges(optimizer: torch.optim.Optimizer,
+                      named: dict[str, torch.nn.Parameter]) -> dict[str, list[tuple[int, int]]]:
+    """Per parameter in ``optimizer``, the elements of its state this rank keeps."""
+    layout = layout_of(optimizer)
+    ids = {id(p): n for n, p in named.items()}
+    if layout is None:
+        return {ids[id(p)]: [(0, p.numel())] for g in optimizer.param_groups
+                for p in g["params"]}
+    ranges: dict[str, list[tuple[int, int]]] = {n: [(0, p.numel())] for _, n, p in layout.whole}
+    for b in layout.buckets:
+        lo, hi = b.lo, b.lo + b.shard_size
+        for pc in b.pieces:
+            start, end = max(lo, pc.offset), min(hi, pc.offset + pc.numel)
+            if start < end:
+                ranges.setdefault(pc.name, []).append((start - pc.offset, end - start))
+    return ranges
+
+
+def _joiner_ranges(pipe: Any, carried: Carried) -> dict[str, list[tuple[int, int]]]:
+    """The ranges a joiner's optimizer will keep once its script makes it (as
+    ``repoint_optimizer`` would cut them)."""
+    assert carried.optimizer is not None
+    group_of = carried.optimizer["group_of"]
+    named = {n: p for n, p in pipe.named_parameters() if n in group_of}
+    groups: list[dict[str, Any]] = [{"params": []} for _ in carried.optimizer["hypers"]]
+    for n, p in named.items():
+        groups[group_of[n]]["params"].append(p)
+    runtime = pipe.runtime
+    if not sharded(runtime, carried.optimizer["setting"]):
+        return {n: [(0, p.numel())] for n, p in named.items()}
+    sync = runtime.grad_sync
+    tied = {n for names_, _ in sync.groups.tied for n in names_}
+    local = set(runtime.local_stages)
+    lowest = {n for n in tied if min(runtime.plan.tied_parameters[n]) in local}
+    return shard_ranges(groups, {id(p): n for n, p in named.items()}, set(sync.held),
+                        {n: n in lowest for n in tied},
+                        dist.get_rank(group=sync.groups.data_parallel),
+                        runtime.plan.data_parallel)
+
+
+def _has_grads(pipe: Any) -> bool:
+    return any(p.grad is not None for p in pipe.parameters())
+
+
+def _forget(exc: BaseException) -> None:
+    """Drop the locals of every frame the failure unwound (they hold the old groups' work and
+    tensors): the groups' sockets close only when nothing references them."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+
+
+__all__ = ["InPlace", "RESTART_EXIT", "VarunaFxError"]
