@@ -3,7 +3,8 @@
 Run: ``python bench/bench_compile.py`` (``--profile fx`` adds a cProfile of one cold compile).
 Each configuration runs in a fresh interpreter, so "cold" is the first compile of a process (what
 a user pays) and "warm" the median of 3 more compiles of new models in the same process. Phases
-are timed by wrapping the pass functions that ``varuna_fx.api`` calls (no change to the package).
+are timed by wrapping the functions that ``varuna_fx.api`` and its pass list
+(``codegen/pass_list.py``) call (no change to the package).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rich.table import Table
 
 import varuna_fx as vf
 import varuna_fx.api as api
+import varuna_fx.codegen.pass_list as pass_list
 import varuna_fx.passes.frontend as frontend
 import varuna_fx.pipeline as pipeline
 import varuna_fx.planner.configure as configure
@@ -69,7 +71,7 @@ def instrument() -> None:
 
     for names in PHASES.values():
         for name in names:  # patch the module whose pass list calls it
-            for module in (api, frontend, configure, pipeline):
+            for module in (api, pass_list, frontend, configure, pipeline):
                 if hasattr(module, name):
                     _timed(module, name)
                     break

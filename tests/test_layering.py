@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("codegen", ["codegen"]),
     ("runtime", ["runtime"]),
     ("checkpoint", ["checkpoint"]),
+    ("data", ["data", "monitor"]),
     ("pipeline", ["pipeline", "morph"]),
     ("api", ["api", "options", "__init__"]),
     ("launch", ["launch"]),

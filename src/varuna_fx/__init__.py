@@ -5,6 +5,7 @@ Public names only; docs/API.md in the repository is the reference.
 
 from .api import compile
 from .checkpoint.directory import latest_checkpoint
+from .data.tokens import TokenDataset
 from .errors import (
     CaptureError,
     CheckpointError,
@@ -22,6 +23,7 @@ from .init.materialize import materialize
 from .init.record import deferred_init
 from .init.skip import skip_init
 from .ir.rng import per_sample_rng
+from .monitor.monitor import Monitor
 from .pipeline import Pipeline
 from .planner.cluster import Cluster
 from .planner.plan import Plan, StageCost
@@ -32,6 +34,7 @@ __all__ = [
     "Cluster",
     "DistributedError",
     "InputError",
+    "Monitor",
     "OptimizerError",
     "PartitionError",
     "PeerTimeoutError",
@@ -40,6 +43,7 @@ __all__ = [
     "PlanError",
     "ScheduleError",
     "StageCost",
+    "TokenDataset",
     "UninitializedError",
     "VarunaFxError",
     "compile",

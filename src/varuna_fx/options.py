@@ -2,10 +2,15 @@
 
 :class:`CompileOptions` holds every keyword ``vf.compile`` takes besides the model and its
 example inputs (the torchtitan way: a frozen options object rather than arguments passed
-along one by one). Making one checks all of them, each error saying which option is wrong and
-what to pass instead; the rest of ``compile`` reads the checked object. ``bool`` is refused
-where a count is expected: ``True`` is an ``int`` in Python, and ``stages=True`` meaning one
-stage is never what the user meant.
+along one by one). It is two parts and the tracer: the planning part
+(``planner/options.PlanOptions``, taken whole by the planner) and the running part
+(``runtime/options.RunOptions``, taken whole by ``make_pipeline``, the ``Pipeline`` and both
+runtimes); ``.planning`` and ``.running`` hand each its own. Making one checks all of them, each
+error saying which option is wrong and what to pass instead; the rest of ``compile`` reads the
+checked object.
+
+A new option is added in two places: a field of the part that reads it (with its check) and a
+keyword of ``vf.compile`` (``tests/api/test_options.py`` holds the two equal).
 
 What depends on the model or its bound inputs (the model's type, example inputs given, their
 devices, a ``target`` parameter) is checked here too, by the functions below, once compile has
@@ -16,85 +21,55 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
 from .capture.trace import TRACERS
 from .errors import InputError, VarunaFxError
-from .planner.cluster import Cluster
-from .runtime.precision import check_precision
-from .schedule import DEFAULT_SCHEDULE, ScheduleChoice, resolve_schedule
-from .world.where import resolve_timeout
+from .planner.options import PlanOptions, check_name
+from .runtime.options import RunOptions
+
+_Part = TypeVar("_Part", PlanOptions, RunOptions)
 
 
 @dataclass(frozen=True)
-class CompileOptions:
+class CompileOptions(PlanOptions, RunOptions):
     """The options of one ``vf.compile`` call (docs/API.md has their meaning), valid once
-    made."""
+    made: the fields of both parts (``timeout``, ``shard_optimizer`` and ``global_batch_size``
+    are read by both) and the tracer."""
 
-    cluster: Cluster | None = None  # None: Cluster.local()
-    loss_fn: Callable[..., Any] | None = None
-    global_batch_size: int | None = None
-    stages: int | None = None
-    stages_per_rank: int | None = 1  # None: the schedule's default (the planner checks it)
-    data_parallel: int | None = None
-    micro_batch_size: int | None = None
-    schedule: str = DEFAULT_SCHEDULE
-    recompute: bool | str = "auto"
     tracer: str = "auto"
-    offload_stash: bool = False
-    shard_optimizer: bool | str = "auto"  # ZeRO-1 over each stage's D replicas
-    precision: str = "fp32"
-    timeout: float | None = None  # None: $VARUNA_FX_TIMEOUT or the default, when waited on
-    profile: Any = False  # False | True | a varuna_fx.planner.Profile (resolve_profile checks)
-    dump: str | None = None
 
     def __post_init__(self) -> None:
-        if self.cluster is not None and not isinstance(self.cluster, Cluster):
-            raise VarunaFxError(
-                f"cluster={_short(self.cluster)} is not a vf.Cluster: the second positional "
-                "argument of vf.compile is the cluster; pass the inputs as example_inputs=(...)"
-            )
-        if self.loss_fn is not None and not callable(self.loss_fn):
-            raise VarunaFxError(f"loss_fn={_short(self.loss_fn)} is not callable: pass a "
-                                "function loss_fn(output, target) -> 0-d tensor, or None")
-        named = (("schedule", self.schedule, "varuna"), ("tracer", self.tracer, "auto"),
-                 ("precision", self.precision, "fp32"))
-        for name, value, default in named:
-            if not isinstance(value, str):
-                raise VarunaFxError(f"{name}={_short(value)}: give its name as a string, e.g. "
-                                    f"{name}={default!r}")
-        check_count("stages", self.stages, "pipeline stages")
-        check_count("data_parallel", self.data_parallel, "data-parallel replicas")
-        check_count("micro_batch_size", self.micro_batch_size, "samples per micro-batch")
-        check_count("global_batch_size", self.global_batch_size, "samples per optimizer step")
-        check_flag("recompute", self.recompute, (True, False, "auto"))
-        check_flag("offload_stash", self.offload_stash)
-        check_flag("shard_optimizer", self.shard_optimizer, (True, False, "auto"))
-        resolve_timeout(self.timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
-        check_precision(self.precision)  # before capture and planning, not after
-        _ = self.schedule_choice  # the name resolved once, now: an unknown one is refused
+        PlanOptions.__post_init__(self)
+        RunOptions.__post_init__(self)
+        check_name("tracer", self.tracer, "auto")
         if self.tracer not in TRACERS:
             raise VarunaFxError(f"tracer={self.tracer!r} is unknown; choose one of {TRACERS}")
 
-    @cached_property
-    def schedule_choice(self) -> ScheduleChoice:
-        """``schedule`` resolved into its registry entry (or "auto"): what compile hands the
-        planner, so that nothing after the options decodes the name."""
-        return resolve_schedule(self.schedule)
+    @property
+    def planning(self) -> PlanOptions:
+        """What the planner reads."""
+        return self._part(PlanOptions)
+
+    @property
+    def running(self) -> RunOptions:
+        """What the pipeline and its runtimes read."""
+        return self._part(RunOptions)
+
+    def _part(self, cls: type[_Part]) -> _Part:
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
 
 
 def fit_to_world(o: CompileOptions, world: int, example_batch: int,
                  settings: dict[str, Any]) -> CompileOptions:
     """The options a plan for ``world`` ranks of an in-place job uses (a morph re-plans, a
     joining process compiles, both through here, so they plan alike): the global batch of the
-    running job (``settings["global_batch_size"]``, else compile's, else ``example_batch`` x D
-    as planned), and ``stages`` / ``data_parallel`` only where they still fit the world (given
-    for the machines a job started on, they would refuse every other count)."""
+    running job (``settings["global_batch_size"]``, else compile's), and ``stages`` /
+    ``data_parallel`` only where they still fit the world (given for the machines a job
+    started on, they would refuse every other count)."""
     gbs = settings.get("global_batch_size") or o.global_batch_size
     stages, dp = o.stages, o.data_parallel
     per_replica = None if stages is None else stages // (o.stages_per_rank or 1)
@@ -105,20 +80,6 @@ def fit_to_world(o: CompileOptions, world: int, example_batch: int,
     if gbs is not None and gbs < example_batch:
         gbs = example_batch
     return dataclasses.replace(o, global_batch_size=gbs, stages=stages, data_parallel=dp)
-
-
-def check_count(name: str, value: Any, what: str) -> None:
-    """``value`` is None (the planner chooses) or a positive int."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise VarunaFxError(f"{name}={value!r}: give a positive number of {what}, or None to let "
-                            "the planner choose")
-
-
-def check_flag(name: str, value: Any, allowed: tuple[Any, ...] = (True, False)) -> None:
-    if not any(value is a or (isinstance(a, str) and value == a) for a in allowed):
-        raise VarunaFxError(f"{name}={value!r}: use one of {list(allowed)}")
 
 
 def check_compile_arguments(model: Any, example_inputs: Any, loss_fn: Any) -> None:
@@ -154,11 +115,6 @@ def check_global_batch(global_batch_size: int | None, example_batch: int) -> Non
             f"{global_batch_size}: a replica's batch is a share of the global batch; give an "
             f"example of at most {global_batch_size} samples or a larger global_batch_size"
         )
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"<{type(value).__name__}>"
 
 
 def check_target_parameter(model: Any, loss_fn: Any) -> None:

@@ -1,7 +1,9 @@
 """Pipeline: what ``vf.compile`` returns -- the stages, the plan and a runtime to drive them.
 
 Layer: above the runtimes. :func:`make_pipeline` picks the runtime for where this process runs
-(``world/where.py``): all stages here, or this rank's stage of a distributed job.
+(``world/where.py``): all stages here, or this rank's stage of a distributed job. The pipeline,
+like the runtime, takes compile's running options whole (``runtime/options.RunOptions``) in
+its constructor.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ from .capture.inputs import BoundInputs, bind_inputs
 from .capture.model_edits import ModelEdits, traced_modules
 from .checkpoint.failures import FailedLoad
 from .checkpoint.save_load import Checkpointer
-from .codegen.modes import Modes, capture_if_changed, evaluation_stages, module_modes
+from .codegen.modes import Modes, evaluation_stages, module_modes
 from .codegen.stage_module import Stage
-from .errors import InputError, PeerTimeoutError, VarunaFxError
+from .data.loader import GlobalBatchLoader, loader_for
+from .errors import InputError, VarunaFxError
 from .init.materialize import is_deferred, materialize_tensors
 from .init.skip import any_marked, loaded, raise_unloaded, unloaded
 from .ir.nodes import info
 from .morph.controller import InPlace
 from .morph.records import MorphRecord
+from .passes.manager import dump_dir
 from .planner.plan import Plan
 from .runtime import preemption
 from .runtime.batching import check_sample_shapes
@@ -33,82 +37,68 @@ from .runtime.distributed import make_distributed_runtime
 from .runtime.local import LocalRuntime
 from .runtime.loss_weights import find_mean_loss
 from .runtime.model_state import StateLayout, check_state_dict
+from .runtime.options import RunOptions
 from .runtime.outputs import OutputAssembler
-from .runtime.precision import check_precision, optimizer_step
+from .runtime.precision import optimizer_step
 from .runtime.setup import held_tensors
 from .runtime.shard import shard_batch
 from .runtime.step import Runtime
+from .runtime.step_stats import StepMeter, StepStats
 from .runtime.zero import build_optimizer, guard_direct_optimizers
 from .world.membership import joining_running_job, membership
-from .world.where import launched_distributed, resolve_timeout
+from .world.where import launched_distributed
 
 
 def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
-                  canonical: dict[str, str], *, loss_fn: Any, offload_stash: bool,
-                  precision: str = "fp32", timeout: float | None = None,
-                  device: torch.device | None = None,
-                  shard_optimizer: bool | str = "auto", replan: Any = None) -> Pipeline:
-    """The distributed runtime under torchrun (world size > 1), else the one-process one.
-    A model built under ``vf.deferred_init`` is materialised here: in one process all of it
-    on ``device`` (the example inputs'), on a rank only its stage (``distributed.py``).
-    ``replan``: in an in-place job (``world/membership.py``), how a morph plans for another
-    world in this process (``api.Replan``); a process joining a running job takes its state
-    from the members here (``morph/controller.py``)."""
-    check_precision(precision)
+                  canonical: dict[str, str], options: RunOptions, *,
+                  device: torch.device | None = None, replan: Any = None) -> Pipeline:
+    """The distributed runtime under torchrun (world size > 1), else the one-process one, run
+    as ``options`` say. A model built under ``vf.deferred_init`` is materialised here: in one
+    process all of it on ``device`` (the example inputs'), on a rank only its stage
+    (``distributed.py``). ``replan``: in an in-place job, how a morph plans for another world
+    in this process (``api.Replan``); a process joining a running job takes its state from the
+    members here (``morph/controller.py``)."""
     assemble = OutputAssembler(captured)
     # the model's whole state, before a distributed rank empties what it does not hold
     layout = StateLayout.of(model, canonical, stages)
     runtime: Runtime
     joining = joining_running_job()
     if launched_distributed():
-        runtime = make_distributed_runtime(
-            model, captured, stages, plan, canonical, assemble=assemble, loss_fn=loss_fn,
-            offload_stash=offload_stash, precision=precision, timeout=timeout, layout=layout,
-            joining=joining)
+        runtime = make_distributed_runtime(model, captured, stages, plan, canonical, options,
+                                           assemble=assemble, layout=layout, joining=joining)
     else:
         if is_deferred(model):
             materialize_tensors(model, None, device or torch.device("cpu"),
                                 roots=[captured.gm, *(s.module for s in stages)])
-        runtime = LocalRuntime(stages, plan, assemble=assemble, loss_fn=loss_fn,
-                               offload_stash=offload_stash, precision=precision)
+        runtime = LocalRuntime(stages, plan, options, assemble=assemble)
     runtime.mean_loss = find_mean_loss(captured.gm, captured.out_spec, captured.input_names,
-                                       loss_fn)
-    pipe = Pipeline(model, captured, stages, plan, canonical, runtime, assemble, layout)
-    pipe._shard_optimizer = shard_optimizer
-    pipe.loss_fn, pipe.offload_stash, pipe.precision = loss_fn, offload_stash, precision
-    pipe.timeout = resolve_timeout(timeout)
-    if replan is not None:
-        pipe._in_place = InPlace(membership(), replan, replan.cluster,
-                                 replan.options.global_batch_size)
-        if joining:
-            pipe._in_place.join(pipe)
-    if pipe.replicas > 1 and (shard_optimizer is True or
-                              (shard_optimizer == "auto" and plan.shard_optimizer)):
-        why = "shard_optimizer=True" if shard_optimizer is True else \
+                                       options.loss_fn)
+    pipe = Pipeline(model, captured, stages, plan, canonical, runtime, options, assemble, layout)
+    shard = options.shard_optimizer
+    if pipe.replicas > 1 and (shard is True or (shard == "auto" and plan.shard_optimizer)):
+        why = "shard_optimizer=True" if shard is True else \
             "the plan shards optimizer state to fit in memory"
         guard_direct_optimizers(pipe.parameters(), f"{why} (ZeRO-1)")
+    if replan is not None:
+        pipe._in_place = InPlace(membership(), replan)
+        if joining:
+            pipe._in_place.join(pipe)
     return pipe
 
 
 class Pipeline:
-    # the samples each replica must pass to step when compile was given global_batch_size
-    # (global / D); None: any batch the micro-batch size divides
-    _replica_batch: int | None = None
-    _shard_optimizer: bool | str = "auto"  # compile's shard_optimizer
     # checkpoints (checkpoint/): the checkpointer, made at the first save or load (its process
     # group, the save in flight); while set, the refusal a load that failed partway left
     _checkpointer: Checkpointer | None = None
     _failed_load: FailedLoad | None = None
     _closed = False  # pipe.close() released the process groups
     _in_place: InPlace | None = None  # an in-place job's morphing (morph/controller.py)
-    # what a runtime is made with (an in-place morph makes another): set by make_pipeline
-    loss_fn: Any = None
-    offload_stash = False
-    precision = "fp32"
-    timeout = 300.0
+    # what the last step measured (runtime/step_stats.py); None before the first step
+    last_step: StepStats | None = None
+    _meter: StepMeter | None = None
 
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
-                 canonical: dict[str, str], runtime: Runtime,
+                 canonical: dict[str, str], runtime: Runtime, options: RunOptions,
                  assemble: OutputAssembler | None = None,
                  state_layout: StateLayout | None = None) -> None:
         self.model = model
@@ -117,6 +107,10 @@ class Pipeline:
         self.plan = plan
         self.canonical = canonical
         self.runtime = runtime
+        self._options = options  # how it runs: compile's running options
+        # the samples each replica must pass to step when compile was given global_batch_size
+        # (global / D); None: any batch the micro-batch size divides
+        self._replica_batch = options.replica_batch(plan.data_parallel)
         self.stage_index = runtime.stage_index
         self.replica_index = runtime.replica_index
         # stages whose parameters live in this process (all of them in one process)
@@ -170,8 +164,8 @@ class Pipeline:
                 f"pipe.step was called under {block}: a step runs forward and backward, which "
                 "needs gradients. Call pipe.step outside that block, or pipe(...) for a "
                 "forward-only evaluation")
-        if self._in_place is not None:  # a morph may run first, or instead re-run this step
-            return self._in_place_step((inputs, kw_inputs, target))
+        if self._in_place is not None:  # a morph may run first, or the step run again
+            return self._in_place.step(self, (inputs, kw_inputs, target))
         return self._step(inputs, kw_inputs, target, (preemption.requested,))
 
     def _step(self, inputs: tuple, kw_inputs: dict[str, Any], target: Any,
@@ -195,60 +189,48 @@ class Pipeline:
                 f"{self.plan.data_parallel} replica(s): pass {self._replica_batch} samples per "
                 "replica, or compile again with the global batch you train with"
             )
+        meter = self._meter = self._meter or StepMeter(self.runtime, self.replicas)
+        meter.start()
         # this process's preemption signal rides on the step's world all-reduce, read when the
         # step's work is done (a signal during this step stops after this step, not the next)
-        return self.runtime.step(tensors, target, flags=flags)
-
-    def _in_place_step(self, args: tuple) -> torch.Tensor:
-        morphing = self._in_place
-        assert morphing is not None
-        args = morphing.begin_step(self, args)
-        while True:
-            failure: PeerTimeoutError | None = None
-            try:
-                loss = self._step(*args, morphing.flags())
-                break
-            except PeerTimeoutError as exc:  # a peer vanished mid-step: survive it, run again
-                failure = exc
-            args = morphing.recover(self, failure, args)
-            del failure
-        morphing.end_step(self)
+        loss = self.runtime.step(tensors, target, flags=flags)
+        self.last_step = meter.finish(tensors)
         return loss
 
     # -- in-place morphing (morph/) ------------------------------------------------------------
 
     @property
     def morphs(self) -> list[MorphRecord]:
-        """Every in-place morph this process took part in (``varuna_fx.morph.records``):
-        when, the old and new layout, seconds per phase, bytes moved. [] outside an in-place
-        job."""
+        """Each in-place morph this process took part in: when, old and new layout, seconds
+        per phase, bytes moved (``morph/records.py``). [] outside an in-place job."""
         return list(self._in_place.records) if self._in_place is not None else []
 
     @property
     def joined(self) -> bool:
-        """This process joined an in-place job that was running: its state came from the
-        other processes (so its script must not load a checkpoint into it)."""
+        """This process joined a running in-place job and took its state from the others (so
+        its script must not load a checkpoint into it)."""
         return self._in_place is not None and self._in_place.carried is not None
 
     def track(self, obj: Any) -> Any:
-        """Register an object with ``state_dict``/``load_state_dict`` (an LR scheduler, a data
-        loader, any state every process keeps alike) for in-place morphing: a process joining
-        the job gets rank 0's state of it, and a data loader (``MorphableData``) continues
-        with the new replica's share. Returns ``obj``. Outside an in-place job, does nothing."""
+        """Register an object with ``state_dict``/``load_state_dict`` (an LR scheduler; a data
+        loader is registered by ``data_loader``) for in-place morphing: a process that joins
+        gets rank 0's state of it, and a loader continues with the new replica's share.
+        Returns ``obj``; does nothing outside an in-place job."""
         if self._in_place is not None:
             self._in_place.track(obj)
         return obj
 
     def adopt(self, stages: list[Stage], plan: Plan, runtime: Runtime) -> None:
-        """Run ``plan`` from now on (an in-place morph re-planned for another world)."""
+        """Run ``plan`` with ``runtime`` from now on (an in-place morph re-planned)."""
         self.stages, self.plan, self.runtime = stages, plan, runtime
         self.stage_index, self.replica_index = runtime.stage_index, runtime.replica_index
         self.local_stages = runtime.local_stages
+        self._replica_batch = self._options.replica_batch(plan.data_parallel)
         self._edits = ModelEdits(self.model, [stages[s].module for s in self.local_stages],
                                  traced_modules(self.captured.gm))
-        # eval mode's stages were cut for the old stages; "the compiled graph serves" holds
+        # eval mode's stages were cut for the old stages ("the compiled graph serves" holds)
         self.other_modes = {k: v for k, v in self.other_modes.items() if v is None}
-        self._checkpointer = None
+        self._checkpointer, self._meter = None, None
 
     @property
     def replicas(self) -> int:
@@ -267,6 +249,17 @@ class Pipeline:
         """
         return shard_batch(batch, self.replica_index if replica is None else replica,
                            self.replicas if replicas is None else replicas)
+
+    def data_loader(self, dataset: Any, *, shuffle: bool = True, seed: int = 0,
+                    num_workers: int = 0, collate_fn: Any = None,
+                    **dataloader_kwargs: Any) -> GlobalBatchLoader:
+        """This replica's share of one global batch per step, over a map-style ``dataset``,
+        in an order that depends on (seed, epoch) only; its position is saved with
+        ``save_checkpoint(..., data=loader)`` and restored on any layout (data/loader.py).
+        Other keyword arguments go to ``torch.utils.data.DataLoader`` (pin_memory, ...)."""
+        return self.track(loader_for(self, dataset, shuffle=shuffle, seed=seed,
+                                     num_workers=num_workers, collate_fn=collate_fn,
+                                     **dataloader_kwargs))
 
     def __call__(self, *inputs: Any, **kw_inputs: Any) -> Any:
         self._check_runnable()
@@ -290,18 +283,14 @@ class Pipeline:
             )
         if modes not in self.other_modes:  # every parameter is here
             bound = BoundInputs(dict(tensors), dict(self.captured.constants))
-            fresh = capture_if_changed(self.model, self.captured, bound)
-            if fresh is None:
-                self.other_modes[modes] = None
-            else:
-                try:
-                    self.other_modes[modes] = evaluation_stages(
-                        self.model, fresh, bound, self.stages, self.canonical, len(self.stages))
-                except VarunaFxError:  # no cut fits the compiled stages: one stage will do
-                    fresh = capture_if_changed(self.model, self.captured, bound)
-                    assert fresh is not None
-                    self.other_modes[modes] = evaluation_stages(
-                        self.model, fresh, bound, [], self.canonical, 1)
+            dump = dump_dir(self._options.dump)
+            try:
+                self.other_modes[modes] = evaluation_stages(
+                    self.model, bound, self.captured, self.stages, self.canonical,
+                    len(self.stages), dump)
+            except VarunaFxError:  # no cut fits the compiled stages: one stage will do
+                self.other_modes[modes] = evaluation_stages(
+                    self.model, bound, self.captured, [], self.canonical, 1, dump)
         return self.other_modes[modes]
 
     def _check_runnable(self) -> None:
@@ -383,7 +372,7 @@ class Pipeline:
         shard of them: an instance of ``cls`` whose state_dict holds this rank's shard only,
         and whose step also gathers the updated parameters."""
         optimizer = build_optimizer(self.runtime, dict(self.named_parameters()), cls, params,
-                                    defaults, self._shard_optimizer)
+                                    defaults, self._options.shard_optimizer)
         if self._in_place is not None:
             self._in_place.optimizer_made(self, optimizer)
         return optimizer
@@ -439,32 +428,41 @@ class Pipeline:
 
     def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None,
                         extra: dict[str, Any] | None = None, *,
-                        async_save: bool = False) -> Any:
+                        async_save: bool = False, data: Any = None, scheduler: Any = None,
+                        stateful: dict[str, Any] | None = None) -> Any:
         """Write a checkpoint directory (torch.distributed.checkpoint; every rank its shard).
         ``async_save=True`` returns once the state is copied to host memory and writes in the
         background: the returned handle's ``.result()`` waits until the checkpoint is
-        complete. See docs/checkpoints.md."""
-        handle = self._checkpoints().save(str(path), optimizer, extra, async_save=async_save)
+        complete. ``data`` (a ``data_loader``), ``scheduler`` and ``stateful`` (names ->
+        objects with state_dict/load_state_dict) are saved too (checkpoint/stateful.py).
+        See docs/checkpoints.md."""
+        handle = self._checkpoints().save(
+            str(path), optimizer, extra, async_save=async_save,
+            states={"data": data, "scheduler": scheduler, "stateful": stateful})
         if self._in_place is not None:
             self._in_place.checkpoint = str(path)
         return handle
 
-    def load_checkpoint(self, path: str,
-                        optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """Load a checkpoint saved under any layout; returns the ``extra`` dict it was saved
+    def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, *,
+                        data: Any = None, scheduler: Any = None,
+                        stateful: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Load a checkpoint saved under any layout (and the states of ``data``,
+        ``scheduler`` and ``stateful``, as saved); returns the ``extra`` dict it was saved
         with."""
         if self.joined:
             raise VarunaFxError(
-                "this process joined a running in-place job: its state came from the other "
-                "processes and is newer than any checkpoint; loading one would rewind this "
-                "process alone. Skip the load when pipe.joined is True")
-        outcome = self._checkpoints().load(str(path), optimizer)
-        if self._in_place is not None:
-            self._in_place.checkpoint = str(path)
+                "this process joined a running in-place job: its state came from the others and "
+                "is newer than any checkpoint; loading one would rewind this process alone. Skip "
+                "the load when pipe.joined is True")
+        outcome = self._checkpoints().load(
+            str(path), optimizer, states={"data": data, "scheduler": scheduler,
+                                          "stateful": stateful})
         if isinstance(outcome, FailedLoad):  # partly overwritten: refuse to run until a load
             self._failed_load = outcome      # succeeds
             raise outcome.error
         self._failed_load = None
+        if self._in_place is not None:
+            self._in_place.checkpoint = str(path)
         return outcome
 
     def _checkpoints(self) -> Checkpointer:
@@ -474,8 +472,8 @@ class Pipeline:
 
     @property
     def preempted(self) -> bool:
-        """True on every rank after the step during which any rank got SIGTERM or SIGUSR1.
-        In an in-place job only when every process got one (the others morph in place)."""
+        """True on every rank after the step during which any rank got SIGTERM or SIGUSR1 (in
+        an in-place job: every process got one; else the others morph in place)."""
         if self._in_place is not None:
             return self._in_place.all_leaving
         flags = getattr(self.runtime, "flags", ())

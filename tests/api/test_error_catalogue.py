@@ -7,6 +7,8 @@ tests/launch/test_timeouts_and_loopback.py and the distributed tests.)"""
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -338,6 +340,19 @@ CATALOGUE = [
     row("deferred tensor nothing initialised", lambda _: vf.materialize(_deferred_empty()),
         vf.UninitializedError, "left", "torch.empty", "vf.skip_init"),
     row("deferred_init nested", lambda _: _nested_deferred(), Inp, "do not nest"),
+    # -- data, stateful checkpoints, watching (tests/data/, tests/monitor/ have the rest) -------
+    row("data_loader over fewer samples than a global batch",
+        step_after(lambda p: p.data_loader(list(range(3)))), Inp, "fewer than one global batch"),
+    row("data_loader given batch_size", step_after(
+        lambda p: p.data_loader(list(range(64)), batch_size=4)), Inp, "decides batch_size"),
+    row("TokenDataset seq_len too long", lambda _: vf.TokenDataset(torch.arange(10), 64), Inp,
+        "too long", "seq_len + 1"),
+    row("save a scheduler without state_dict", step_after(lambda p: p.save_checkpoint(
+        os.path.join(tempfile.gettempdir(), "varuna_fx_never_written"), scheduler=object())),
+        vf.CheckpointError, "lacks state_dict() and load_state_dict()"),
+    row("Monitor.log before any step", step_after(
+        lambda p: vf.Monitor(p, tempfile.mkdtemp(), live=False).log(1.0)), Inp,
+        "no pipe.step since the last log"),
 ]
 
 

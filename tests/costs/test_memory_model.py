@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import varuna_fx as vf
-import varuna_fx.api as api
+import varuna_fx.codegen.pass_list as pass_list
 from support.registry import CASES
 from tiers import tiered
 from varuna_fx.costs.memory import WEIGHT_COPIES, MemoryModel, SharedWeight
@@ -74,19 +74,19 @@ def _compile(case_name: str, stages: int | None, cluster: vf.Cluster | None = No
     """Compile a registry case and return what the partition pass made and priced."""
     case = CASES[case_name]
     seen: list[Any] = []
-    original = api.assign_and_price
+    original = pass_list.assign_and_price
 
     def spy(gm: Any, config: Any, setting: Any) -> Any:
         result = original(gm, config, setting)
         seen.append((gm, setting, *result))
         return result
 
-    api.assign_and_price = spy
+    pass_list.assign_and_price = spy
     try:
         pipe = vf.compile(case.model, cluster, example_inputs=case.inputs, loss_fn=case.loss_fn,
                           stages=stages, **kw)
     finally:
-        api.assign_and_price = original
+        pass_list.assign_and_price = original
     return pipe, seen[-1]
 
 

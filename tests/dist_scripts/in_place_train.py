@@ -25,7 +25,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import varuna_fx as vf  # noqa: E402
-from support.morph_data import GlobalBatches  # noqa: E402
 from support.training import ADAM_EPS, CONFIG, GLOBAL_BATCH  # noqa: E402
 from varuna_fx.examples import GPT, lm_loss  # noqa: E402
 
@@ -50,17 +49,17 @@ def at(spec: str) -> tuple[int, str]:
 
 torch.manual_seed(0)
 model = GPT(CONFIG).double()
-tokens = torch.randint(0, CONFIG.vocab_size, (64, CONFIG.block_size + 1))
-pipe = vf.compile(model, example_inputs=(tokens[:2, :-1],), loss_fn=lm_loss,
+data = vf.TokenDataset(torch.randint(0, CONFIG.vocab_size, (64 * CONFIG.block_size + 1,)),
+                       seq_len=CONFIG.block_size)
+pipe = vf.compile(model, example_inputs=(data[0][0][None],), loss_fn=lm_loss,
                   global_batch_size=GLOBAL_BATCH, stages=args.stages, shard_optimizer=shard)
 opt = pipe.optimizer(torch.optim.AdamW, lr=1e-2, eps=ADAM_EPS)
 sched = pipe.track(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)))
-loader = pipe.track(GlobalBatches(tokens, GLOBAL_BATCH, pipe.replica_index,
-                                  pipe.plan.data_parallel))
+loader = pipe.data_loader(data, shuffle=True, seed=0)
 notice, kill, pause = at(args.notice), at(args.kill), at(args.pause)
-rank0 = pipe.stage_index == 0 and pipe.replica_index == 0
-for x, y in loader:
-    step = loader.position  # the global batch this step trains on (1-based)
+for x, y in loader.forever():
+    # the global batch this step trains on (1-based; a joining process continues the count)
+    step = loader.epoch * len(loader) + loader.position // loader.global_batch_size
     if step > args.total:
         break
     if step == notice[0] and member == notice[1]:

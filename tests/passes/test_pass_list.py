@@ -1,5 +1,6 @@
-"""The pass list as data (names, checks, dumps, the stage header's provenance) and pipelines
-that stay independent of each other when compiled from one cached graph."""
+"""The pass list as data (names, checks, dumps, the stage header's provenance; configure a step
+of it; the eval-mode recompile running it too) and pipelines that stay independent of each
+other when compiled from one cached graph."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import varuna_fx as vf
+import varuna_fx.codegen.modes as modes
+import varuna_fx.codegen.pass_list as pass_list
 from varuna_fx.api import PASSES
+from varuna_fx.codegen.pass_list import CONFIGURE, PASS_LIST
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.ir.nodes import copy_graph_module, info
 from varuna_fx.passes.assign_stages import compute_nodes
@@ -32,6 +37,63 @@ def test_pass_list_names_every_pass_in_order() -> None:
         "mark_sample_mixing",
         "assign_stages", "split_stages", "codegen"]
     assert all(p.guarantees for p in PASSES)
+
+
+def test_configure_is_a_step_of_the_one_list_neither_numbered_nor_dumped() -> None:
+    names = [p.name for p in PASS_LIST]
+    assert names[names.index("mark_sample_mixing") + 1] == "configure"
+    assert names[names.index("configure") + 1] == "assign_stages"
+    assert [p for p in PASS_LIST if not p.graph] == [CONFIGURE] and CONFIGURE.guarantees
+    assert PASSES == tuple(p for p in PASS_LIST if p is not CONFIGURE)
+
+
+class ModeDependent(nn.Module):
+    """Eval mode centres the hidden batch: another graph, and one that mixes samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if not self.training:
+            h = h - h.mean(0)
+        return self.c(torch.relu(self.b(h)))
+
+
+def test_eval_mode_recompile_runs_the_list_with_its_one_substitution(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model, x = ModeDependent(), torch.randn(8, 8)
+    pipe = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=4,
+                      loss_fn=lambda out, target: out.pow(2).mean(), dump=str(tmp_path))
+    checked: list[str] = []
+
+    def spy(module: object, name: str) -> None:
+        original = getattr(module, name)
+
+        def checker(*args: object) -> None:
+            checked.append(name)
+            original(*args)
+        monkeypatch.setattr(module, name, checker)
+
+    spy(modes, "check_assignment")
+    spy(pass_list, "check_split")
+    pipe.eval()
+    with torch.no_grad():
+        out = pipe(x)
+    torch.testing.assert_close(out, copy.deepcopy(model).eval()(x))
+    served = pipe.other_modes[modes.module_modes(model)]
+    assert served is not None
+    _, stages = served
+    # the same list: no configure, the partition replaced by the holders of the parameters
+    names = ["assign_by_holders" if p.name == "assign_stages" else p.name for p in PASSES]
+    assert f"(passes: {', '.join(names)})" in stages[0].code.splitlines()[0]
+    assert checked == ["check_assignment", "check_split"]  # its checkers ran
+    assert any(info(n).mixes_samples for s in stages for n in s.module.graph.nodes)
+    dumped = sorted(f.stem for f in (tmp_path / "eval").glob("*.py"))
+    assert dumped == [f"{k + 1:02d}_{n}" for k, n in enumerate(names)]
+    assert len(list(tmp_path.glob("*.py"))) == len(PASSES)  # compile's own dumps beside
 
 
 @pytest.fixture(scope="module")

@@ -290,3 +290,22 @@ def test_split_backward_first_stage_is_all_weight_gradient(gpt: Analyzed) -> Non
         own, forward=list(costs.forward), backward=list(costs.backward),
         recompute=[costs.r(s) for s in range(2)], send_bytes=[costs.link(0)], bandwidth=1.0,
         weight_grad=[costs.w(s) for s in range(2)]).step_time + c.allreduce_time, rel=1e-9)
+
+
+def test_planning_takes_its_options_whole(gpt: Analyzed) -> None:
+    """``Analyzed.plan(PlanOptions)`` is ``plan_for`` (what ``varuna-fx plan`` calls);
+    recompute="auto" plans without recomputation where that fits, as compile does."""
+    from varuna_fx.planner.options import PlanOptions
+
+    cluster = vf.Cluster(gpus=8, gpus_per_node=8, flops="1TFLOP/s")
+    options = PlanOptions(cluster=cluster, global_batch_size=16, stages=4, schedule="varuna",
+                          recompute=False, shard_optimizer=False)
+    got = gpt.plan(options, top=1).best
+    want = plan_for(gpt, cluster, global_batch_size=16, stages=4, schedule="varuna",
+                    recompute=False, top=1).best
+    row = (got.stages, got.data_parallel, got.micro_batch_size, got.step_time)
+    assert row == (want.stages, want.data_parallel, want.micro_batch_size, want.step_time)
+    auto = gpt.plan(dataclasses.replace(options, recompute="auto"), top=1).best
+    assert auto.step_time == got.step_time
+    with pytest.raises(vf.PlanError, match="stages_per_rank=2"):
+        gpt.plan(dataclasses.replace(options, stages_per_rank=2))

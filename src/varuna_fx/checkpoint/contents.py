@@ -69,12 +69,14 @@ ALLOWED = ("None, bool, int, float, complex, str, bytes, torch.Tensor, torch.dty
            "of these")
 
 
-def check_plain(extra: dict[str, Any]) -> None:
-    """``extra`` holds only data a weights-only load restores (so a checkpoint never runs
-    code): else :class:`CheckpointError` naming the key and the type, and what is allowed."""
-    stack: list[tuple[str, Any]] = [(f"extra[{k!r}]", v) for k, v in extra.items()]
+def check_plain(extra: dict[str, Any], what: str = "extra") -> None:
+    """``extra`` (or another state, named ``what``) holds only data a weights-only load
+    restores (so a checkpoint never runs code): else :class:`CheckpointError` naming the key
+    and the type, and what is allowed."""
+    stack: list[tuple[str, Any]] = [(f"{what}[{k!r}]", v) for k, v in extra.items()]
     if not all(isinstance(k, str | int) for k in extra):
-        stack.insert(0, ("extra's keys", next(k for k in extra if not isinstance(k, str | int))))
+        stack.insert(0, (f"{what}'s keys",
+                         next(k for k in extra if not isinstance(k, str | int))))
     while stack:
         where, value = stack.pop()
         if type(value) in _SCALARS or type(value) in (torch.Tensor, torch.nn.Parameter):
@@ -93,7 +95,7 @@ def check_plain(extra: dict[str, Any]) -> None:
         if kind.__module__ == "numpy":
             hint = " (convert it: .item() for a numpy scalar, torch.from_numpy for an array)"
         raise CheckpointError(
-            f"extra must hold plain data, but {where} is a {kind.__module__}."
+            f"{what} must hold plain data, but {where} is a {kind.__module__}."
             f"{kind.__qualname__}{hint}. Allowed: {ALLOWED} (so that loading a checkpoint "
             "never runs code)")
 

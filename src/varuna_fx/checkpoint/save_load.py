@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..errors import CheckpointError
 from ..init.skip import loaded
 from ..world.where import launched_distributed, resolve_timeout
-from . import dcp_local
+from . import dcp_local, stateful
 from .agreement import Agreement
 from .background import SaveHandle, in_thread
 from .checkpointable import Checkpointable
@@ -103,7 +103,9 @@ class Checkpointer:
     # -- saving --------------------------------------------------------------------------------
 
     def save(self, path: str, optimizer: torch.optim.Optimizer | None,
-             extra: dict[str, Any] | None, *, async_save: bool = False) -> SaveHandle | None:
+             extra: dict[str, Any] | None, *, async_save: bool = False,
+             states: dict[str, Any] | None = None) -> SaveHandle | None:
+        """``states``: ``stateful.collect``'s arguments (data=, scheduler=, stateful=)."""
         self.wait()
         path = os.path.normpath(path)
         kind = class_name(optimizer) if optimizer is not None else None
@@ -114,9 +116,13 @@ class Checkpointer:
         # a bad argument may show on one rank only (extra is rank 0's): every rank must learn
         # of it before the collective save, or the others would wait for that rank in vain
         state: dict[str, torch.Tensor] = {}
+        digests: dict[str, str] = {}
         error: BaseException | None = None
         try:
             state = self._state(optimizer, extra)
+            saved, digests = stateful.entries(stateful.collect(**(states or {})))
+            if self.rank == 0:  # one copy (check_same: every rank's is the same)
+                state.update(saved)
         except CheckpointError as exc:
             error = exc
         if error is None and self.rank == 0:
@@ -126,7 +132,7 @@ class Checkpointer:
                 error = storage_error(exc, path, "preparing")
         writer: Any = None
         try:
-            self.agreement.agree(error, f"preparing {path}")
+            stateful.check_same(self.agreement.agree(error, f"preparing {path}", digests))
             try:  # several writer threads (one file each) keep the disk's queue full
                 writer = RawWriter(path + PARTIAL, thread_count=WRITE_THREADS)
             except OSError as exc:
@@ -228,12 +234,14 @@ class Checkpointer:
 
     # -- loading -------------------------------------------------------------------------------
 
-    def load(self, path: str, optimizer: torch.optim.Optimizer | None
-             ) -> dict[str, Any] | FailedLoad:
+    def load(self, path: str, optimizer: torch.optim.Optimizer | None,
+             states: dict[str, Any] | None = None) -> dict[str, Any] | FailedLoad:
         """The ``extra`` dict the checkpoint was saved with. A failure before the first byte
         reaches the model raises; one after it marks the tensors and returns the
-        :class:`FailedLoad` (its ``error`` for the caller to raise, the refusal for it to keep)."""
+        :class:`FailedLoad` (its ``error`` for the caller to raise, the refusal for it to keep).
+        ``states``: the data loader, scheduler and other stateful objects to restore."""
         self.wait()
+        objects: dict[str, Any] = {}
         path = os.path.normpath(path)
         kind = class_name(optimizer) if optimizer is not None else None
         self.agreement.same_call("load_checkpoint", path, kind, self._holds_parameters())
@@ -243,7 +251,8 @@ class Checkpointer:
         marker: dict[str, Any] = {}
         error: BaseException | None = None
         try:  # every rank checks; one rank's failure stops all before the collective load
-            marker, reader, metadata, dest = self._destinations(path, optimizer)
+            objects = stateful.collect(**(states or {}))
+            marker, reader, metadata, dest = self._destinations(path, optimizer, objects)
         except CheckpointError as exc:
             error = exc
         seen = self.agreement.agree(error, f"checking {path}",
@@ -275,11 +284,14 @@ class Checkpointer:
             error.__cause__, error.__suppress_context__ = exc, True  # `raise error from exc`
             return mark_failed(model, path, error)
         loaded(self.pipe.state_dict().values())  # clears what vf.skip_init left unset
+        # last: a state its object refuses (another dataset) leaves the model loaded and usable
+        stateful.restore(objects, dest, path)
         return extra
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _destinations(self, path: str, optimizer: torch.optim.Optimizer | None
+    def _destinations(self, path: str, optimizer: torch.optim.Optimizer | None,
+                      objects: dict[str, Any] | None = None
                       ) -> tuple[dict[str, Any], Any, Any, dict[str, torch.Tensor]]:
         """Check ``path`` against this model and optimizer; its marker, its reader, its DCP
         metadata and the tensors to load into."""
@@ -293,7 +305,8 @@ class Checkpointer:
         metadata = full.state_dict_metadata
         check_same_model(self.pipe.state_layout, metadata, path)
         held = self.pipe.state_dict()
-        keys = [MODEL + n for n in held] + [META]
+        keys = [MODEL + n for n in held] + [META] + \
+            stateful.wanted(objects or {}, list(metadata), path)
         if optimizer is not None:
             if marker.get("optimizer") is None:
                 raise CheckpointError(

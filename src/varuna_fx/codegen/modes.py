@@ -4,9 +4,13 @@ fx bakes ``if self.training:`` and ``F.dropout(x, p, self.training)`` into the g
 torch.export bakes even ``nn.Dropout``; only module calls kept by fx (``nn.Dropout``,
 ``nn.BatchNorm``) follow ``.train()``/``.eval()`` at run time. So when the modules' modes
 differ from those at compile, the model is captured again in its current modes: if that graph
-is the compiled one, the compiled stages serve; otherwise evaluation runs the new graph, cut
-where the compiled stages hold the parameters it reads (so a distributed rank has them), and
+is the compiled one, the compiled stages serve; otherwise evaluation runs the new graph and
 training refuses with a clear error (a plan is made for one training graph).
+
+The new graph is compiled by the pass list (``pass_list.PASS_LIST``: its checkers, its dumps,
+under ``<dump>/eval``, and its sample-mixing pass) with one substitution: there is no
+configure, and instead of the partition each node goes on the first stage at or after its
+inputs' that holds every parameter and buffer it reads (so a distributed rank has them).
 
 Distributed ranks capture eval mode at compile, with zero-filled example inputs.
 """
@@ -15,21 +19,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch.fx as fx
 from torch import nn
 
 from ..capture.captured import Captured
 from ..capture.inputs import BoundInputs
-from ..capture.trace import capture
 from ..errors import VarunaFxError
 from ..ir.nodes import info
-from ..passes.annotate_backward import annotate_backward
-from ..passes.annotate_shapes import annotate_shapes
-from ..passes.mark_replicable import mark_replicable
-from ..passes.specialize_sizes import specialize_sizes
-from ..passes.split_stages import split_stages
-from .stage_module import Stage, build_stage
+from ..passes.check import check_assignment
+from ..passes.manager import Pass, run_passes, substitute, write_dump
+from .pass_list import PASS_LIST, CompileState
+from .stage_module import Stage
 
 Modes = tuple[bool, ...]
 
@@ -50,30 +52,44 @@ def modes_set(model: nn.Module, training: bool) -> Iterator[None]:
             m.training = mode
 
 
-def capture_if_changed(model: nn.Module, compiled: Captured,
-                       bound: BoundInputs) -> Captured | None:
-    """The model captured in its current modes, or None when that is the compiled graph."""
-    fresh = capture(model, bound, compiled.tracer)
-    return None if fresh.gm.code == compiled.gm.code else fresh
-
-
-def evaluation_stages(model: nn.Module, fresh: Captured, bound: BoundInputs,
-                      compiled: list[Stage], canonical: dict[str, str],
-                      num_stages: int) -> tuple[Captured, list[Stage]]:
-    """Stages for ``fresh`` (the model in its current modes): ``num_stages`` of them, each node
-    on the first stage at or after its inputs' that holds every parameter and buffer it reads."""
-    gm = fresh.gm
-    annotate_shapes(gm, bound)
-    specialize_sizes(gm)
-    annotate_backward(gm, canonical)
-    mark_replicable(gm)
+def evaluation_stages(model: nn.Module, bound: BoundInputs, compiled: Captured,
+                      stages: list[Stage], canonical: dict[str, str], num_stages: int,
+                      dump: Path | None = None) -> tuple[Captured, list[Stage]] | None:
+    """The model in its current modes compiled into ``num_stages`` stages, each node on the
+    first stage at or after its inputs' that holds (in ``stages``, the compiled ones) every
+    parameter and buffer it reads; None when it captures the ``compiled`` graph."""
     holders: dict[str, set[int]] = {}
-    for s in compiled:
+    for s in stages:
         for name in [*s.parameter_names, *s.spec.buffer_names]:
             holders.setdefault(name, set()).add(s.index)
+    by_holders: Pass[CompileState] = Pass(
+        "assign_by_holders", "every compute node has a stage: the first at or after its "
+        "inputs' that holds every parameter and buffer it reads (no edge goes backwards)",
+        lambda state: assign_by_holders(state, holders),
+        lambda state: check_assignment(state.gm, state.num_stages))
+    passes = substitute(PASS_LIST, configure=None, assign_stages=by_holders)
+    state = CompileState(model=model, bound=bound, tracer=compiled.tracer, canonical=canonical,
+                         num_stages=num_stages, pass_list=passes)
+    run_passes(passes[:1], state)  # capture: is it the compiled graph?
+    assert state.captured is not None and state.built is None
+    if state.captured.gm.code == compiled.gm.code:
+        return None
+    where = None if dump is None else dump / _modes_name(model)
+    if where is not None:
+        write_dump(where, passes[:1], state)
+    run_passes(passes[1:], state, dump=where, done=passes[:1])
+    assert state.built is not None
+    return state.captured, state.built
+
+
+def assign_by_holders(state: CompileState, holders: dict[str, set[int]]) -> None:
+    """Each compute node on the first stage at or after its inputs' whose compiled stage
+    holds every parameter and buffer it reads (``holders``: name -> those stages)."""
+    model, num_stages = state.model, state.num_stages
+    assert state.gm is not None
     needs: dict[fx.Node, set[str]] = {}
     stage_of: dict[fx.Node, int] = {}
-    for node in gm.graph.nodes:
+    for node in state.gm.graph.nodes:
         needs[node] = set(info(node).params)
         for i in node.all_input_nodes:
             if info(i).replicable:
@@ -92,10 +108,9 @@ def evaluation_stages(model: nn.Module, fresh: Captured, bound: BoundInputs,
                 "this mode (vf.compile after model.eval()) for evaluation"
             )
         info(node).stage = stage_of[node] = min(allowed)
-    trainable = {canonical[n] for n, p in model.named_parameters(remove_duplicate=False)
-                 if p.requires_grad}
-    order = list(dict.fromkeys(canonical.values()))
-    params = {canonical[n] for n, _ in model.named_parameters(remove_duplicate=False)}
-    graphs = split_stages(gm, num_stages, trainable)
-    name = type(model).__name__
-    return fresh, [build_stage(gm, g, num_stages, order, name, params) for g in graphs]
+
+
+def _modes_name(model: nn.Module) -> str:
+    """The dump folder of a recompile: "eval", "train", or "mixed" modes."""
+    modes = set(module_modes(model))
+    return "mixed" if len(modes) > 1 else "train" if True in modes else "eval"

@@ -1,4 +1,8 @@
-"""``varuna-fx plan``: the planner's choice for a model factory and a described cluster."""
+"""``varuna-fx plan``: the planner's choice for a model factory and a described cluster.
+
+The command line's constraints become the planner's options object (``plan_options``:
+``planner/options.PlanOptions``), taken whole by ``Analyzed.plan``.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +18,10 @@ from rich.table import Table
 
 from ..costs.memory import format_bytes
 from ..errors import VarunaFxError
-from ..planner.analyze import Analyzed, analyze, plan_for
+from ..planner.analyze import Analyzed, analyze
 from ..planner.candidates import Candidate, SearchResult
 from ..planner.cluster import Cluster
+from ..planner.options import PlanOptions
 from ..planner.plan import Alternative, Plan, _count, _seconds, alternatives_table
 from ..planner.profile import Profile
 from .factory import load_factory
@@ -75,17 +80,22 @@ def as_options(message: str) -> str:
     return message
 
 
-def search(args: argparse.Namespace, graph: Analyzed, cluster: Cluster,
-           profile: Profile | None, **fixed: int) -> SearchResult:
-    """The planner's search with the command line's constraints (``fixed`` overrides them)."""
+def plan_options(args: argparse.Namespace, cluster: Cluster, profile: Profile | None,
+                 **fixed: int) -> PlanOptions:
+    """The command line's constraints as the planner's options (``fixed`` overrides them)."""
     chosen = {"stages": getattr(args, "stages", None),
               "data_parallel": getattr(args, "data_parallel", None),
               "micro_batch_size": getattr(args, "micro_batch_size", None), **fixed}
-    return plan_for(
-        graph, cluster, global_batch_size=args.global_batch_size, schedule=args.schedule,
-        recompute=not getattr(args, "no_recompute", False), profile=profile,
-        top=1 if fixed else getattr(args, "top", 5), **chosen,
-    )
+    return PlanOptions(cluster=cluster, global_batch_size=args.global_batch_size,
+                       schedule=args.schedule, recompute=not getattr(args, "no_recompute", False),
+                       profile=profile, shard_optimizer=False, **chosen)
+
+
+def search(args: argparse.Namespace, graph: Analyzed, cluster: Cluster,
+           profile: Profile | None, **fixed: int) -> SearchResult:
+    """The planner's search with the command line's constraints (``fixed`` overrides them)."""
+    return graph.plan(plan_options(args, cluster, profile, **fixed),
+                      top=1 if fixed else getattr(args, "top", 5))
 
 
 def devices_note(args: argparse.Namespace, graph: Analyzed, cluster: Cluster,

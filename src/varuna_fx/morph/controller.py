@@ -34,6 +34,7 @@ the new share, tensors no longer held are released (``adopt``). ``pipe.morphs`` 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -46,7 +47,7 @@ import torch.distributed as dist
 
 from ..checkpoint.contents import rng_state, set_rng_state
 from ..checkpoint.optimizer_state import restore_optimizer
-from ..errors import DistributedError, VarunaFxError
+from ..errors import DistributedError, PeerTimeoutError, VarunaFxError
 from ..init.materialize import is_deferred, materialize_tensors
 from ..init.skip import loaded
 from ..planner.cluster import Cluster
@@ -83,10 +84,9 @@ RESTART_EXIT = 75  # exit status asking the in-place launcher to start this work
 class InPlace:
     """The in-place morphing of one pipeline (``Pipeline._in_place``)."""
 
-    def __init__(self, membership: Membership, replan: Any, cluster: Cluster,
-                 global_batch_size: int | None) -> None:
-        self.membership, self.replan, self.cluster = membership, replan, cluster
-        self.global_batch_size = global_batch_size
+    def __init__(self, membership: Membership, replan: Any) -> None:
+        self.membership, self.replan, self.cluster = membership, replan, replan.cluster
+        self.global_batch_size: int | None = replan.options.global_batch_size
         self.records: list[MorphRecord] = []
         self.tracked: list[Any] = []
         self.optimizer: torch.optim.Optimizer | None = None
@@ -100,6 +100,22 @@ class InPlace:
         self._step_started = 0.0
 
     # -- every step ----------------------------------------------------------------------------
+
+    def step(self, pipe: Any, args: batch.Args) -> torch.Tensor:
+        """``pipe.step`` in an in-place job: a morph first if the last step asked for one;
+        if a peer vanishes mid-step, survive it and run the step again on the new layout."""
+        args = self.begin_step(pipe, args)
+        while True:
+            failure: PeerTimeoutError | None = None
+            try:
+                loss = pipe._step(*args, self.flags())
+                break
+            except PeerTimeoutError as exc:
+                failure = exc
+            args = self.recover(pipe, failure, args)
+            del failure
+        self.end_step(pipe)
+        return loss
 
     def flags(self) -> tuple[Any, ...]:
         """What rides on the step's world all-reduce: this process's notice, and (rank 0) a
@@ -196,7 +212,7 @@ class InPlace:
             self._leave(gen)
         if dist.get_rank() == 0 and gen.joined:
             self.membership.put(gen.number, "recipe", recipe(
-                self._scaler, self.optimizer, self._group_of(), pipe._shard_optimizer,
+                self._scaler, self.optimizer, self._group_of(), pipe._options.shard_optimizer,
                 self.tracked, self.checkpoint).numpy().tobytes())
         self._rebuild(pipe, gen, rec)
         self._allocate_opt(pipe, desc)
@@ -257,20 +273,18 @@ class InPlace:
     def _rebuild(self, pipe: Any, gen: Generation, rec: MorphRecord) -> None:
         """Re-plan for the new world and build this rank's runtime in the new group."""
         cluster = Cluster.from_dict(gen.cluster) if gen.cluster else self.cluster
-        stages, plan = self.replan(cluster, gen.global_batch_size or self._global_batch(pipe))
+        gbs = gen.global_batch_size or self._global_batch(pipe)
+        stages, plan, options = self.replan(cluster, gbs)
         rec.phase("replan")
-        seconds = pipe.timeout
-        reorder = agree_on_plan(plan, stages, pipe.precision, seconds)
+        pipe._options = dataclasses.replace(pipe._options, global_batch_size=gbs)
+        reorder = agree_on_plan(plan, stages, pipe._options)
         local = plan.placement.stages_of(dist.get_rank())
         self._allocate(pipe, stages, local)
         runtime = build_runtime(pipe.model, pipe.captured, stages, plan, pipe.canonical,
-                                assemble=pipe._assemble, loss_fn=pipe.loss_fn,
-                                offload_stash=pipe.offload_stash, precision=pipe.precision,
-                                seconds=seconds, layout=pipe.state_layout, reorder=reorder)
+                                pipe._options, assemble=pipe._assemble,
+                                layout=pipe.state_layout, reorder=reorder)
         runtime.scaler, runtime.mean_loss = self._scaler, self._mean_loss
         pipe.adopt(stages, plan, runtime)
-        if self.global_batch_size is not None:
-            pipe._replica_batch = self.global_batch_size // plan.data_parallel
         self.cluster = cluster
         rec.phase("runtime")
 

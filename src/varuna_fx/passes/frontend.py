@@ -1,4 +1,9 @@
-"""The front end of ``vf.compile``: capture and the annotation passes, cached per model.
+"""The front end of ``vf.compile``: capture and the annotation passes (1-6), cached per model.
+
+These six are the head of the one pass list (``codegen/pass_list.PASS_LIST``, which names every
+pass in order, configure included); they are defined here, beside their cache, because the
+planner's ``analyze`` runs them too and sits below the rest of the list. They run over a
+:class:`FrontState`, which the list's ``CompileState`` extends.
 
 Re-compiling the same model (another P, schedule or micro-batch size, as one does while
 exploring in a notebook) reuses its annotated graph; the planner's ``analyze`` shares it. Later
@@ -20,6 +25,7 @@ cheap; the figures: bench/RESULTS.md, "Figures the code cites").
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,27 +36,39 @@ from ..capture.inputs import BoundInputs
 from ..capture.trace import capture
 from .annotate_backward import annotate_backward
 from .annotate_shapes import annotate_shapes
-from .manager import CompileState, Pass, run_passes
+from .manager import GraphState, Pass, run_passes
 from .mark_replicable import mark_replicable
 from .sample_mixing import mark_sample_mixing
 from .specialize_sizes import specialize_sizes
 
 
-def _capture(state: CompileState) -> None:
-    state["captured"] = captured = capture(state.model, state["bound"], state["tracer"])
+@dataclass(kw_only=True)
+class FrontState(GraphState):
+    """What the front passes read (the model, its bound inputs, the tracer asked for, canonical
+    parameter names) and what capture fills."""
+
+    model: nn.Module
+    bound: BoundInputs
+    tracer: str  # "auto", "fx" or "export" (the captured graph says which ran)
+    canonical: dict[str, str]  # every parameter/buffer FQN -> its canonical (tied: one) name
+    captured: Captured | None = None  # capture: the graph and its input/output structure
+
+
+def _capture(state: FrontState) -> None:
+    state.captured = captured = capture(state.model, state.bound, state.tracer)
     state.gm = captured.gm
 
 
-FRONT_PASSES: tuple[Pass, ...] = (
+FRONT_PASSES: tuple[Pass[FrontState], ...] = (
     Pass("capture", "one flat GraphModule over tensor inputs; original FQNs and parameter "
          "objects; output = flat tuple + out_spec", _capture),
     Pass("annotate_shapes", "every node has shapes, dtypes, bytes and FLOPs affine in the "
-         "micro-batch size b", lambda s: annotate_shapes(s.gm, s["bound"])),
+         "micro-batch size b", lambda s: annotate_shapes(s.gm, s.bound)),
     Pass("specialize_sizes", "size()/.shape of activations are constants or arithmetic on the "
          "batch size: ints never pin two operations to one stage",
          lambda s: specialize_sizes(s.gm)),
     Pass("annotate_backward", "backward FLOPs and the parameters each node reads, under canonical "
-         "names", lambda s: annotate_backward(s.gm, s["canonical"])),
+         "names", lambda s: annotate_backward(s.gm, s.canonical)),
     Pass("mark_replicable", "cheap input/constant-derived nodes are copied into every stage "
          "that needs them, never sent", lambda s: mark_replicable(s.gm)),
     Pass("mark_sample_mixing", "nodes whose result micro-batching changes (statistics over the "
@@ -99,19 +117,29 @@ def captured_and_annotated(model: nn.Module, bound: BoundInputs, tracer: str,
     """The front passes' result, from the cache when a fresh capture equals the cached one.
     With ``dump`` the passes run afresh (so each one's graph can be written) and the result is
     cached."""
-    state = CompileState(model, values={"bound": bound, "tracer": tracer,
-                                        "canonical": canonical})
+    state = FrontState(model=model, bound=bound, tracer=tracer, canonical=canonical)
+    run_front_end(state, dump)
+    assert state.captured is not None
+    return state.captured
+
+
+def run_front_end(state: FrontState, dump: Path | None = None) -> None:
+    """Fill ``state.captured`` and ``state.gm`` (the cached graph: a compile copies it before
+    changing it) with the front passes' result, from the cache when a fresh capture equals the
+    cached one (``captured_and_annotated``)."""
+    model, bound = state.model, state.bound
     if dump is not None:
         run_passes(FRONT_PASSES, state, dump=dump)
-        captured: Captured = state["captured"]
-        _CAPTURES[model] = (_fingerprint(model, captured, bound), captured)
-        return captured
+        assert state.captured is not None
+        _CAPTURES[model] = (_fingerprint(model, state.captured, bound), state.captured)
+        return
     run_passes(FRONT_PASSES[:1], state)  # capture: cheap, and what the key is made of
-    captured = state["captured"]
-    key = _fingerprint(model, captured, bound)
+    assert state.captured is not None
+    key = _fingerprint(model, state.captured, bound)
     cached = _CAPTURES.get(model)
     if cached is not None and cached[0] == key:
-        return cached[1]
+        state.captured = cached[1]
+        state.gm = cached[1].gm
+        return
     run_passes(FRONT_PASSES[1:], state)
-    _CAPTURES[model] = (key, captured)
-    return captured
+    _CAPTURES[model] = (key, state.captured)

@@ -1,11 +1,13 @@
-"""The pass list as data: named passes, a checker after every one, and dumps of each graph.
+"""The pass list's machinery: named passes, a checker after every one, and dumps of each graph.
 
-``vf.compile`` is an ordered list of :class:`Pass` objects (``frontend.FRONT_PASSES``, then
-``api.BACK_PASSES``). :func:`run_passes` runs them over one mutable :class:`CompileState`; after
-every pass it runs the generic graph check plus the pass's own checker, and, when
-``VARUNA_FX_DUMP=<dir>`` is set (or ``dump=`` is given), writes the graph the pass left as
-readable code, headed by its provenance (every pass run so far and what each guarantees), the
-way lightning-thunder writes its traces. The stage code header names the same list.
+``vf.compile`` runs an ordered list of :class:`Pass` objects (``codegen/pass_list.PASS_LIST``).
+:func:`run_passes` runs them over one mutable state (a :class:`GraphState`: the compile's
+typed ``CompileState``, or the front end's ``FrontState``); after every pass it runs the generic
+graph check plus the pass's own checker, and, when ``VARUNA_FX_DUMP=<dir>`` is set (or
+``dump=`` is given), writes the graph the pass left as readable code, headed by its provenance
+(every graph pass run so far and what each guarantees), the way lightning-thunder writes its
+traces. The stage code header names the same list. A step that does not change the graph
+(``configure``: ``graph=False``) is checked like the others but neither numbered nor dumped.
 
 The generic check after every pass is ``check_graph`` (fx's lint, and no two nodes sharing a
 ``NodeInfo``); dumps are ``<dir>/NN_<pass>.py``, each stage's graph after the split.
@@ -15,40 +17,51 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Generic, TypeVar
 
 import torch.fx as fx
 
 from ..ir.nodes import info
 from .check import check_graph
+from .split_stages import StageGraph
 
 
-@dataclass
-class CompileState:
-    """Everything one compile knows; each pass reads some fields and fills others."""
+@dataclass(kw_only=True)
+class GraphState:
+    """What every pass state holds for the checks and dumps between passes."""
 
-    model: Any
     gm: fx.GraphModule | None = None  # the graph the passes annotate
-    values: dict[str, Any] = field(default_factory=dict)  # pass results by name
+    stage_graphs: list[StageGraph] | None = None  # split_stages: one graph per stage
 
-    def __getitem__(self, key: str) -> Any:
-        return self.values[key]
 
-    def __setitem__(self, key: str, value: Any) -> None:
-        self.values[key] = value
+State = TypeVar("State", bound=GraphState, contravariant=True)
 
 
 @dataclass(frozen=True)
-class Pass:
+class Pass(Generic[State]):
     name: str
     guarantees: str  # what holds afterwards (the dump header and ARCHITECTURE.md say it)
-    run: Callable[[CompileState], None]
-    check: Callable[[CompileState], None] | None = None  # invariants after this pass
+    run: Callable[[State], None]
+    check: Callable[[State], None] | None = None  # invariants after this pass
+    graph: bool = True  # False: a step that leaves the graph as it is (not numbered, no dump)
 
     def __str__(self) -> str:
         return self.name
+
+
+def graph_passes(passes: Sequence[Pass]) -> list[str]:
+    """The names of the passes that rewrite or annotate the graph, numbered as the dumps are."""
+    return [p.name for p in passes if p.graph]
+
+
+def substitute(passes: Sequence[Pass], **replace: Pass | None) -> tuple[Pass, ...]:
+    """``passes`` with the pass of each given name replaced (None: left out)."""
+    unknown = set(replace) - {p.name for p in passes}
+    assert not unknown, f"no passes named {sorted(unknown)} in the list"
+    kept = (replace.get(p.name, p) for p in passes)
+    return tuple(p for p in kept if p is not None)
 
 
 def dump_dir(dump: str | os.PathLike[str] | None = None) -> Path | None:
@@ -57,23 +70,24 @@ def dump_dir(dump: str | os.PathLike[str] | None = None) -> Path | None:
     return Path(target) if target is not None else None
 
 
-def run_passes(passes: Sequence[Pass], state: CompileState, *, dump: Path | None = None,
+def run_passes(passes: Sequence[Pass[State]], state: State, *, dump: Path | None = None,
                done: Sequence[Pass] = ()) -> None:
     """Run ``passes`` in order over ``state``, checking after each; ``done``: passes already
     applied to ``state.gm`` (the cached front end), for the provenance of the dumps."""
-    history = list(done)
+    history = [p for p in done if p.graph]
     for p in passes:
         p.run(state)
         if state.gm is not None:
             check_graph(state.gm)
         if p.check is not None:
             p.check(state)
-        history.append(p)
-        if dump is not None:
-            write_dump(dump, history, state)
+        if p.graph:
+            history.append(p)
+            if dump is not None:
+                write_dump(dump, history, state)
 
 
-def write_dump(directory: Path, history: Sequence[Pass], state: CompileState) -> Path:
+def write_dump(directory: Path, history: Sequence[Pass], state: GraphState) -> Path:
     """``<dir>/<NN>_<pass>.py``: provenance, then the graph (each stage's after split_stages)
     with one comment per node giving its annotations."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -82,9 +96,8 @@ def write_dump(directory: Path, history: Sequence[Pass], state: CompileState) ->
              "# provenance -- passes applied, in order:"]
     lines += [f"#   {k + 1}. {p.name}: {p.guarantees}" for k, p in enumerate(history)]
     graphs: list[tuple[str, fx.Graph]] = []
-    stage_graphs = state.values.get("stage_graphs")
-    if stage_graphs is not None:
-        graphs = [(f"stage {sg.spec.index}", sg.graph) for sg in stage_graphs]
+    if state.stage_graphs is not None:
+        graphs = [(f"stage {sg.spec.index}", sg.graph) for sg in state.stage_graphs]
     elif state.gm is not None:
         graphs = [("whole model", state.gm.graph)]
     for title, graph in graphs:

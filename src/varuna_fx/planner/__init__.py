@@ -10,6 +10,7 @@ from .analyze import Analyzed, analyze, plan_for
 from .candidates import Candidate, SearchResult, Space
 from .cost_table import CostTable, MeasuredTimes
 from .measure import ProfileSettings
+from .options import PlanOptions
 from .profile import ChunkProfile, Profile
 from .resolve import profile_here, resolve_profile
 from .search import Planner
@@ -20,6 +21,7 @@ __all__ = [
     "ChunkProfile",
     "CostTable",
     "MeasuredTimes",
+    "PlanOptions",
     "Planner",
     "Profile",
     "ProfileSettings",

@@ -2,6 +2,8 @@
 
 ``vf.compile`` does the same inside its pass list; these entry points serve the command line,
 the benchmarks and anyone asking "what would the planner do on a cluster I do not have?".
+``Analyzed.plan`` takes the planning options whole (``options.PlanOptions``, as ``varuna-fx
+plan`` makes them); ``plan_for`` is the same with keywords.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from ..costs.memory import format_bytes
 from ..errors import PartitionError, PlanError
 from ..passes.annotate_backward import canonical_names
 from ..passes.frontend import captured_and_annotated
-from ..schedule import DEFAULT_SCHEDULE, ScheduleSpec
+from ..schedule import AUTO, DEFAULT_SCHEDULE, ScheduleSpec
+from ..world.where import resolve_timeout
 from .candidates import Candidate, SearchResult, Space
 from .cluster import Cluster
 from .configure import check_micro_batch, default_micro_batch_size, replica_batch
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .measure import ProfileSettings
+from .options import PlanOptions
 from .profile import Profile
 from .resolve import resolve_profile
 from .search import Planner
@@ -53,6 +57,45 @@ class Analyzed:
         assert found is not None
         return found
 
+    def plan(self, options: PlanOptions, top: int = 5) -> SearchResult:
+        """The ``top`` configurations for ``options.cluster`` (None: this machine's,
+        ``Cluster.local()``), one stage per rank (a schedule of several stages per rank: as
+        ``vf.compile`` plans it, :func:`_plan_virtual`); raises PlanError when none fits.
+        ``options.schedule``: a name, or "auto" (each candidate with the fastest schedule that
+        fits: ``result.best.schedule``). ``options.recompute``: True, False, or "auto" (as if no
+        stage recomputed; when nothing fits, as if every stage did). ``options.profile``: a
+        Profile (used where it was measured on the cluster's kind of device), True (this
+        device's: ``self.profile()``) or False (FLOP estimates)."""
+        choice = options.schedule_choice
+        virtual = choice != AUTO and choice.virtual
+        if options.stages_per_rank != 1 and not virtual:
+            raise PlanError(f"stages_per_rank={options.stages_per_rank!r}: planning without "
+                            "compiling searches one stage per rank; vf.compile weighs virtual "
+                            "stages on the ranks it chose")
+        cluster = options.cluster or Cluster.local(timeout=resolve_timeout(options.timeout))
+        profile = self.profile() if options.profile is True else options.profile or None
+        use = profile if profile is not None and profile.applies_to(cluster) else None
+        space = Space(cluster.gpus, self.bound.batch_size, options.global_batch_size,
+                      options.stages, options.data_parallel, options.micro_batch_size)
+
+        def search(recompute: bool) -> SearchResult:
+            planner = Planner(self.table(use), cluster, schedule=choice,
+                              recompute=recompute, network=use.network if use else None,
+                              shard_optimizer=options.shard_optimizer)
+            if virtual:  # v stages per rank, as compile plans them
+                return _plan_virtual(planner, space, planner.schedules[0])
+            result = planner.search(space, top=top)
+            if not result.top:
+                raise explain_nothing_fits(planner, space)
+            return result
+
+        if options.recompute == "auto":
+            try:
+                return search(False)
+            except PlanError:
+                return search(True)
+        return search(bool(options.recompute))
+
 
 def analyze(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Analyzed:
     """Capture and annotate ``model`` exactly as ``vf.compile`` does (the same passes, and the
@@ -70,20 +113,13 @@ def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None
              schedule: str | ScheduleSpec = DEFAULT_SCHEDULE, recompute: bool = True,
              profile: Profile | None = None, top: int = 5) -> SearchResult:
     """The best configurations for ``cluster``; raises PlanError when none fits.
-    ``schedule``: a name, or "auto" (the default: each candidate with the fastest schedule
-    that fits, ``result.best.schedule``). A schedule of several stages per rank is planned
-    as ``vf.compile`` plans it (:func:`_plan_virtual`)."""
-    use = profile if profile is not None and profile.applies_to(cluster) else None
-    planner = Planner(graph.table(use), cluster, schedule=schedule, recompute=recompute,
-                      network=use.network if use else None)
-    space = Space(cluster.gpus, graph.bound.batch_size, global_batch_size, stages,
-                  data_parallel, micro_batch_size)
-    if planner.schedules[0].virtual:
-        return _plan_virtual(planner, space, planner.schedules[0])
-    result = planner.search(space, top=top)
-    if not result.top:
-        raise explain_nothing_fits(planner, space)
-    return result
+    ``schedule``: a name, or "auto" (each candidate with the fastest schedule that fits:
+    ``result.best.schedule``). The keywords of :meth:`Analyzed.plan`'s options (optimizer
+    state unsharded)."""
+    return graph.plan(PlanOptions(
+        cluster=cluster, global_batch_size=global_batch_size, stages=stages,
+        data_parallel=data_parallel, micro_batch_size=micro_batch_size,
+        schedule=schedule if isinstance(schedule, str) else schedule.name, recompute=recompute, profile=profile, shard_optimizer=False), top=top)
 
 
 def _plan_virtual(planner: Planner, space: Space, kind: ScheduleSpec) -> SearchResult:

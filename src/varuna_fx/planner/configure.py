@@ -37,13 +37,13 @@ from ..schedule import (
     ScheduleSpec,
     build_schedule,
     peak_stash_counts,
-    resolve_schedule,
 )
 from ..world.where import running_world
 from .candidates import Candidate, Space
 from .cluster import Cluster
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
+from .options import PlanOptions
 from .plan import Alternative
 from .profile import Profile
 from .search import Planner
@@ -102,21 +102,22 @@ def default_micro_batch_size(batch: int, stages: int) -> int:
     return 1
 
 
-def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch: int,
-                         global_batch_size: int | None, stages: int | None,
-                         data_parallel: int | None, micro_batch_size: int | None,
-                         schedule: ScheduleChoice | str, recompute: bool,
-                         profile: Profile | None = None,
-                         stages_per_rank: int | None = 1,
-                         shard_optimizer: bool | str = False) -> Configuration:
-    """``profile``: measured costs (``varuna_fx.planner.Profile``), or None for estimates.
-    ``schedule``: an entry (or its name), or "auto" (the planner picks the fastest that fits,
-    per candidate).
-    ``stages_per_rank``: v, stages each rank runs (a virtual schedule: ``interleaved-1f1b``,
-    ``zbv``); None: that schedule's default.
-    ``shard_optimizer``: True counts the optimizer state split over D wherever D > 1; "auto"
-    only where a candidate does not fit otherwise; False never."""
-    schedule = resolve_schedule(schedule)  # (resolved already when compile passes it)
+def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_batch: int,
+                         recompute: bool, profile: Profile | None = None) -> Configuration:
+    """The configuration for ``options`` (its ``cluster`` given): what it fixes is kept, the
+    rest chosen. ``options.schedule``: a name (resolved into its entry), or "auto" (the planner picks the fastest that
+    fits, per candidate). ``options.stages_per_rank``: v, stages each rank runs (a virtual
+    schedule: ``interleaved-1f1b``, ``zbv``); None: that schedule's default.
+    ``options.shard_optimizer``: True counts the optimizer state split over D wherever D > 1;
+    "auto" only where a candidate does not fit otherwise; False never. ``recompute``: the
+    setting planned for (compile decides it for ``options.recompute="auto"``). ``profile``:
+    measured costs (``varuna_fx.planner.Profile``), or None for estimates."""
+    assert options.cluster is not None, "the caller resolves Cluster.local()"
+    # the schedule's entry (or "auto"), resolved once when the options were made
+    cluster, schedule = options.cluster, options.schedule_choice
+    stages_per_rank = options.stages_per_rank
+    global_batch_size, micro_batch_size = options.global_batch_size, options.micro_batch_size
+    stages, data_parallel = options.stages, options.data_parallel
     v = check_stages_per_rank(schedule, stages_per_rank)
     if stages is not None:  # before any schedule is built: 10**6 stages would take minutes
         operations = len(compute_nodes(gm))
@@ -124,7 +125,7 @@ def choose_configuration(gm: fx.GraphModule, cluster: Cluster, *, example_batch:
             raise PartitionError(f"stages={stages} is more than the {operations} operations of "
                                  f"the model: use at most {operations} stages")
     planner = _planner(gm, cluster, schedule, recompute, profile)
-    planner.shard_optimizer = shard_optimizer
+    planner.shard_optimizer = options.shard_optimizer
     planner.stages_per_rank = v
     planner.memory_cap /= v  # a rank holds v stages (each checked at its share)
     alternatives: list[Alternative] = []

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..errors import PeerTimeoutError
 from ..world.where import TIMEOUT_ENV
+from .traffic import SENT
 
 BUCKET_BYTES = 25 * 2**20  # all-reduce bucket size, as DDP
 
@@ -153,6 +154,7 @@ class Outbox:
         work = launch(
             lambda: dist.isend(tensor, dst=msg.peer_rank, tag=msg.tag, group=msg.group),
             self.who, lambda: msg.describe("to") + " to be received")
+        SENT.send(tensor)
         pending = self._at_end if proof is None else self._by_proof.setdefault(proof, [])
         pending.append((work, tensor, msg))
 
@@ -188,6 +190,7 @@ class AllReduce:
                 else bucket[0].reshape(-1).clone()
             work = launch(lambda f=flat: dist.all_reduce(f, group=group, async_op=True), who,
                           what)
+            SENT.all_reduce(flat, group)
             self._pending.append((work, flat, bucket))
 
     def finish(self) -> None:

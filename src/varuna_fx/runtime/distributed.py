@@ -24,6 +24,7 @@ dtype, autocast and loss scaling, so both give the same numbers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,17 +33,18 @@ from torch import nn
 
 from ..capture.captured import Captured
 from ..capture.inputs import BoundInputs
-from ..codegen.modes import Modes, capture_if_changed, evaluation_stages, modes_set, module_modes
+from ..codegen.modes import Modes, evaluation_stages, modes_set, module_modes
 from ..codegen.stage_module import Stage
 from ..errors import DistributedError, InputError, PeerTimeoutError
 from ..init.materialize import is_deferred, materialize_tensors, meta_without_record
 from ..ir.nodes import info
 from ..ir.rng import RandomKey
+from ..passes.manager import dump_dir
 from ..planner.plan import Plan
 from ..schedule import OpKind, RankOp, validate
 from ..schedule.placement import Placement, check_world_size
 from ..world.membership import in_place
-from ..world.where import comm_device, init_process_group, resolve_timeout
+from ..world.where import comm_device, init_process_group
 from . import preemption
 from .batching import check_batch_shapes
 from .comm import launch, peer_error, wait
@@ -51,6 +53,7 @@ from .grad_sync import GradSync
 from .model_state import StateLayout, unread_tensors
 from .opportunistic import ENV as RULE_ENV
 from .opportunistic import rule_enabled
+from .options import RunOptions
 from .precision import LossScaler, autocast_factory
 from .setup import (
     Groups,
@@ -69,28 +72,28 @@ from .worker import StageWorker
 
 class DistributedRuntime(StepLoop):
     def __init__(self, stages: list[Stage], plan: Plan, placement: Placement, rank: int,
-                 groups: Groups, grad_sync: GradSync, *, assemble: Callable[[dict], Any],
-                 loss_fn: Any, precision: str, timeout: float, device: torch.device,
-                 input_shapes: dict[str, Any], offload_stash: bool,
-                 reorder: bool = False, tied_holders: Sequence[tuple[int, ...]] = ()) -> None:
+                 groups: Groups, grad_sync: GradSync, options: RunOptions, *,
+                 assemble: Callable[[dict], Any], device: torch.device,
+                 input_shapes: dict[str, Any], reorder: bool = False,
+                 tied_holders: Sequence[tuple[int, ...]] = ()) -> None:
         self.stages, self.plan, self.placement, self.rank = stages, plan, placement, rank
         self.stage, self.replica = placement.coords(rank)
         self.stage_index, self.replica_index = self.stage, self.replica
         self.local_stages = placement.stages_of(rank)
         self.groups, self.grad_sync = groups, grad_sync
-        self.assemble, self.loss_fn = assemble, loss_fn
-        self.timeout, self.device, self.input_shapes = timeout, device, input_shapes
+        self.assemble, self.loss_fn = assemble, options.loss_fn
+        self.timeout, self.device, self.input_shapes = options.seconds, device, input_shapes
         self.who = f"{stage_label(self.local_stages)} (rank {rank})"
         last = plan.stages - 1
         self.is_last = last in self.local_stages
-        self.autocast = autocast_factory(precision, device.type)
-        self.scaler = LossScaler(enabled=precision == "fp16")
+        self.autocast = autocast_factory(options.precision, device.type)
+        self.scaler = LossScaler(enabled=options.precision == "fp16")
         self.workers = [StageWorker(stages[s], recompute=plan.recompute[s], is_last=s == last,
-                                    offload_stash=offload_stash, autocast=self.autocast)
+                                    offload_stash=options.offload_stash, autocast=self.autocast)
                         for s in self.local_stages]
         self.worker = self.workers[0]
         self.executor = StageExecutor(self.workers, stages, placement, self.replica,
-                                      plan.micro_batch_size, device, timeout, self.who,
+                                      plan.micro_batch_size, device, self.timeout, self.who,
                                       links=groups.links)
         validate(plan.schedule)
         self.executor.split = plan.schedule.split_backward
@@ -164,6 +167,7 @@ class DistributedRuntime(StepLoop):
             else:  # ALLREDUCE(world) and its wait: finish() makes them, after the step's work
                 closed = True
 
+        self.executor.timeline = self.timeline
         self.executor.run(self.per_stage, micro, loss_of if self.is_last else None, tail,
                           self.rank_lists)
         assert next(tied, None) is None and closed, "the tail covers every reduction"
@@ -238,32 +242,32 @@ class DistributedRuntime(StepLoop):
 
 
 def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[Stage],
-                             plan: Plan, canonical: dict[str, str], *,
-                             assemble: Callable[[dict], Any], loss_fn: Any, offload_stash: bool,
-                             precision: str, timeout: float | None,
+                             plan: Plan, canonical: dict[str, str], options: RunOptions, *,
+                             assemble: Callable[[dict], Any],
                              layout: StateLayout | None = None,
                              joining: bool = False) -> DistributedRuntime:
-    """Join the job and build this rank's runtime (collective: every rank calls it).
-    ``layout``: the model's state, recorded before this rank empties what it does not hold.
-    ``joining``: this process joins an in-place job that is running (``world/membership.py``):
-    its values come from the members (``morph/``), not from replica 0."""
+    """Join the job and build this rank's runtime (collective: every rank calls it), run as
+    ``options`` say. ``layout``: the model's state, recorded before this rank empties what it
+    does not hold. ``joining``: this process joins an in-place job that is running
+    (``world/membership.py``): its values come from the members (``morph/``), not from
+    replica 0."""
     layout = layout or StateLayout.of(model, canonical, stages)
-    seconds = resolve_timeout(timeout)
+    seconds = options.seconds
     refuse_plain_meta(model)  # every rank has the same model: all raise, before any wait
     # eval mode's graph, cut now (a rank keeps only its stage's parameters), and before the
     # first collective, so peers never wait on it
-    eval_mode = _eval_mode_stages(model, captured, stages, canonical, plan)
+    eval_mode = _eval_mode_stages(model, captured, stages, canonical, plan,
+                                  dump_dir(options.dump))
     init_process_group(seconds)
-    reorder = agree_on_plan(plan, stages, precision, seconds)
+    reorder = agree_on_plan(plan, stages, options)
     local = (plan.placement or Placement(plan.stages, plan.data_parallel)).stages_of(
         dist.get_rank())
-    device = comm_device() if torch.cuda.is_available() else torch.device("cpu")
     eval_roots = [] if eval_mode[1] is None else \
         [eval_mode[1][0].gm, *(s.module for s in eval_mode[1][1])]
-    hold_only(model, stages, local, device, layout, canonical, [captured.gm, *eval_roots])
-    runtime = build_runtime(model, captured, stages, plan, canonical, assemble=assemble,
-                            loss_fn=loss_fn, offload_stash=offload_stash, precision=precision,
-                            seconds=seconds, layout=layout, reorder=reorder,
+    hold_only(model, stages, local, rank_device(), layout, canonical,
+              [captured.gm, *eval_roots])
+    runtime = build_runtime(model, captured, stages, plan, canonical, options,
+                            assemble=assemble, layout=layout, reorder=reorder,
                             eval_stages=eval_mode[1][1] if eval_mode[1] is not None else None)
     runtime.other_modes[eval_mode[0]] = eval_mode[1]
     preemption.install_handlers()  # under torchrun: SIGTERM/SIGUSR1 -> pipe.preempted
@@ -274,33 +278,37 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     return runtime
 
 
-def agree_on_plan(plan: Plan, stages: list[Stage], precision: str, seconds: float) -> bool:
-    """Every rank checks that all planned alike (collective); returns whether Varuna's
-    run-time rule runs (every rank must agree: it changes which message proves a send
-    delivered, acks.py)."""
-    # on NCCL (receives can be polled) unless the environment says; not with virtual stages
-    # (the rule's stash bound and send proofs are one stage's)
+def rank_device() -> torch.device:
+    return comm_device() if torch.cuda.is_available() else torch.device("cpu")
+
+
+def agree_on_plan(plan: Plan, stages: list[Stage], options: RunOptions) -> bool:
+    """Every rank checks that all planned alike and that the world fits the plan
+    (collective); returns whether Varuna's run-time rule runs."""
+    # on NCCL (receives can be polled) unless the environment says; every rank must agree,
+    # since it changes which message proves a send delivered (acks.py) (not with virtual
+    # stages: the rule's stash bound and send proofs are one stage's)
     reorder = rule_enabled(dist.get_backend()) and plan.stages_per_rank == 1
     runtime_text = f" opportunistic forwards ${RULE_ENV}={'on' if reorder else 'off'}"
-    verify_same_plan(plan, plan_fingerprint(plan, stages, precision, runtime_text), seconds,
-                     runtime_text)
+    fingerprint = plan_fingerprint(plan, stages, options.precision, runtime_text)
+    verify_same_plan(plan, fingerprint, options.seconds, runtime_text)
     check_world_size(dist.get_world_size(), plan.stages, plan.data_parallel,
                      plan.stages_per_rank)
     return reorder
 
 
 def build_runtime(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
-                  canonical: dict[str, str], *, assemble: Callable[[dict], Any], loss_fn: Any,
-                  offload_stash: bool, precision: str, seconds: float, layout: StateLayout,
-                  reorder: bool, eval_stages: list[Stage] | None = None) -> DistributedRuntime:
+                  canonical: dict[str, str], options: RunOptions, *,
+                  assemble: Callable[[dict], Any], layout: StateLayout, reorder: bool,
+                  eval_stages: list[Stage] | None = None) -> DistributedRuntime:
     """This rank's runtime in the formed process group, once every rank agreed on the plan
     (:func:`agree_on_plan`) and holds its stages' tensors (:func:`hold_only`; the gradient
-    sync keeps those tensor objects). Collective: every rank makes the same groups."""
-    rank = dist.get_rank()
+    sync keeps those tensor objects). Collective: every rank makes the same groups. An
+    in-place morph builds its new runtime with this too (``morph/``)."""
+    seconds, rank = options.seconds, dist.get_rank()
     placement = plan.placement or Placement(plan.stages, plan.data_parallel)
     stage, replica = placement.coords(rank)
     local = placement.stages_of(rank)
-    device = comm_device() if torch.cuda.is_available() else torch.device("cpu")
     tied = tied_sets(plan, model, canonical)
     links = message_links(stages, eval_stages)
     groups = build_groups(placement, tied, local, replica, seconds, links)
@@ -311,9 +319,8 @@ def build_runtime(model: nn.Module, captured: Captured, stages: list[Stage], pla
     shapes = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
               if n.op == "placeholder" and info(n).outputs}
     return DistributedRuntime(
-        stages, plan, placement, rank, groups, sync, assemble=assemble, loss_fn=loss_fn,
-        precision=precision, timeout=seconds, device=device, input_shapes=shapes,
-        offload_stash=offload_stash, reorder=reorder,
+        stages, plan, placement, rank, groups, sync, options, assemble=assemble,
+        device=rank_device(), input_shapes=shapes, reorder=reorder,
         # (a tied set all on one rank, D = 1, has no group: autograd sums its copies there)
         tied_holders=[h for h in tied if len(placement.holder_ranks(list(h))) > 1],
     )
@@ -354,7 +361,8 @@ def stage_label(local: list[int]) -> str:
 
 
 def _eval_mode_stages(model: nn.Module, captured: Captured, stages: list[Stage],
-                      canonical: dict[str, str], plan: Plan) -> tuple[Modes, Any]:
+                      canonical: dict[str, str], plan: Plan,
+                      dump: Path | None) -> tuple[Modes, Any]:
     """(the modes of ``model.eval()``, its stages or None when the compiled graph serves)."""
     compiled = module_modes(model)
     with modes_set(model, False):
@@ -366,7 +374,5 @@ def _eval_mode_stages(model: nn.Module, captured: Captured, stages: list[Stage],
         example = {name: torch.zeros(t.concrete_shape(plan.micro_batch_size), dtype=t.dtype)
                    for name, t in shapes.items()}
         bound = BoundInputs(example, dict(captured.constants))
-        fresh = capture_if_changed(model, captured, bound)
-        if fresh is None:
-            return modes, None
-        return modes, evaluation_stages(model, fresh, bound, stages, canonical, plan.stages)
+        return modes, evaluation_stages(model, bound, captured, stages, canonical, plan.stages,
+                                        dump)

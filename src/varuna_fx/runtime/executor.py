@@ -129,6 +129,9 @@ class StageExecutor:
         self.arrived: Callable[[Message], bool] | None = None
         self.on_send: Callable[[Message], None] | None = None  # tests: after every send
         self.cursor: Cursor | None = None  # the last step's walk (jumped forwards, peak held)
+        # (stage, what, micro-batch, start, end) of every action, send, wait and tail op of
+        # a step, appended here when a list is set (runtime/timeline.py; pipe.last_step)
+        self.timeline: list[tuple[int, str, int, float, float]] | None = None
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -237,12 +240,16 @@ class StageExecutor:
         near: dict[tuple, torch.Tensor] = {}  # values between two stages of this rank
         trace = self.trace
         opened: list[tuple[str, int, float, float]] = []  # the compute action being traced
+        timeline, clock = self.timeline, time.perf_counter
 
         def take(key: tuple) -> torch.Tensor:
             if trace is not None:
                 start, cpu = time.perf_counter(), time.process_time()
+            began = clock()
             value = inbox.take(key)
             self.outbox.release(key)
+            if timeline is not None:  # key: (kind, name, peer stage, mb, stage)
+                timeline.append((key[4], "wait", key[3], began, clock()))
             if trace is not None:
                 trace.append(("wait", key[3], start, time.perf_counter() - start,
                               time.process_time() - cpu))
@@ -268,17 +275,22 @@ class StageExecutor:
                 for _, msg in self._op_wire(op):
                     inbox.post(msg)
             elif op.kind in SENDS:
+                began = clock()
                 for t, msg in self._op_wire(op):
                     self._send(produced[t.name], msg, proofs[op.stage][msg.key[:4]])
+                if timeline is not None:
+                    timeline.append((op.stage, "send", i, began, clock()))
             elif op.kind in COMPUTE:
                 if trace is not None:
                     opened.append((op.kind.name, i, time.perf_counter(), time.process_time()))
                 s = op.stage
                 worker = self.workers[s]
+                began = clock()  # (F and B: after the waits for their inputs, "wait")
                 if op.kind is OpKind.F:
                     received = {t.name: take(self.message(t, i, ACTIVATION).key)
                                 if self.remote(t) else near.pop((ACTIVATION, t.name, t.dst, i))
                                 for t in self._recvs[s]}
+                    began = clock()
                     produced = worker.forward(i, micro[i], received)
                     for t in self._sends[s]:  # to a stage of this rank: in the wire's dtype
                         if not self.remote(t):
@@ -289,19 +301,25 @@ class StageExecutor:
                 elif op.kind is OpKind.W:  # weight gradients: no messages
                     worker.weight_grads(i)
                 else:
-                    loss = loss_of(i, worker.outputs_of(i)) \
-                        if loss_of is not None and worker.is_last else None
                     grads: dict[str, torch.Tensor] = {}
                     for t in self._grad_in[s]:  # one per consumer stage: summed on the producer
                         g = take(self.message(t, i, GRADIENT).key) if self.remote(t) \
                             else near.pop((GRADIENT, t.name, t.dst, i))
                         grads[t.name] = grads[t.name] + g if t.name in grads else g
+                    began = clock()
+                    loss = loss_of(i, worker.outputs_of(i)) \
+                        if loss_of is not None and worker.is_last else None
                     produced = worker.backward(i, grads, loss, split=self.split)
                     for t in self._grad_out[s]:
                         if not self.remote(t):
                             near[(GRADIENT, t.name, t.dst, i)] = produced[t.name]
+                if timeline is not None:
+                    timeline.append((s, op.kind.name, i, began, clock()))
             elif tail is not None:
+                began = clock()
                 tail(op)
+                if timeline is not None:  # the step's tail: reductions and their waits
+                    timeline.append((self.spec.index, "sync", -1, began, clock()))
         if trace is not None:
             close()
         assert inbox.pending == 0, "every posted receive is consumed by the schedule"

@@ -3,12 +3,14 @@
 Actions run in ``execution_order(schedule)``: a global order that respects every stage's list
 and every data dependency; Python dicts stand in for the network. The step loop is the shared
 one (``step.py``), so the numbers are the same as a distributed run's, which makes this the
-runtime for notebooks, exploration and tests.
+runtime for notebooks, exploration and tests. It runs as compile's running options say
+(``options.RunOptions``, taken whole).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -21,24 +23,26 @@ from ..ir.rng import RandomKey
 from ..planner.plan import Plan
 from ..schedule import Action, Kind, execution_order, validate, with_micro_batches
 from . import preemption
+from .options import RunOptions
 from .precision import LossScaler, autocast_factory
 from .step import LossOf, StepLoop
 from .worker import StageWorker
 
 
 class LocalRuntime(StepLoop):
-    def __init__(self, stages: list[Stage], plan: Plan, *, assemble: Callable[[dict], Any],
-                 loss_fn: Any, offload_stash: bool = False, precision: str = "fp32") -> None:
+    def __init__(self, stages: list[Stage], plan: Plan, options: RunOptions, *,
+                 assemble: Callable[[dict], Any]) -> None:
         self.stages = stages
         self.plan = plan
         self.assemble = assemble
-        self.loss_fn = loss_fn
+        self.loss_fn = options.loss_fn
         self.local_stages = list(range(len(stages)))
-        self.autocast = autocast_factory(precision, "cuda" if _on_cuda(stages) else "cpu")
-        self.scaler = LossScaler(enabled=precision == "fp16")
+        self.autocast = autocast_factory(options.precision,
+                                         "cuda" if _on_cuda(stages) else "cpu")
+        self.scaler = LossScaler(enabled=options.precision == "fp16")
         last = len(stages) - 1
         self.workers = [StageWorker(s, recompute=plan.recompute[s.index],
-                                    is_last=s.index == last, offload_stash=offload_stash,
+                                    is_last=s.index == last, offload_stash=options.offload_stash,
                                     autocast=self.autocast)
                         for s in stages]
         self._orders: dict[int, list[Action]] = {}
@@ -65,8 +69,10 @@ class LocalRuntime(StepLoop):
         inbox: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
         grad_box: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
         last = len(self.stages) - 1
+        timeline, clock = self.timeline, time.perf_counter
         for action in self.order(len(micro)):
             s, i = action.stage, action.mb
+            began = clock()
             worker = self.workers[s]
             if action.kind is Kind.F:
                 outputs = worker.forward(i, micro[i], inbox.pop((s, i), {}))
@@ -85,6 +91,8 @@ class LocalRuntime(StepLoop):
                         box = grad_box[(t.src, i)]
                         box[t.name] = box[t.name] + grads[t.name] if t.name in box \
                             else grads[t.name]
+            if timeline is not None:
+                timeline.append((s, action.kind.value, i, began, clock()))
 
     def finish(self, losses: list[torch.Tensor], flags: Sequence[bool]
                ) -> tuple[torch.Tensor, tuple[bool, ...]]:

@@ -88,6 +88,9 @@ class StepLoop:
         return any(s.random for s in self.stages)
 
     flags: tuple[bool, ...] = ()  # the last step's ``flags``, ORed over every rank
+    # set to a list to record (stage, what, micro-batch, start, end) of the step's actions
+    # (``step_stats.py``: ``pipe.last_step.timeline``)
+    timeline: list[tuple[int, str, int, float, float]] | None = None
 
     def step(self, inputs: dict[str, torch.Tensor], target: Any = None,
              flags: Sequence[bool | Callable[[], bool]] = ()) -> torch.Tensor:

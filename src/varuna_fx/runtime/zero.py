@@ -48,6 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import OptimizerError
 from .comm import BUCKET_BYTES, launch, wait
+from .traffic import SENT
 
 # torch optimizers whose step updates every element from that element's gradient and state only
 ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
@@ -265,10 +266,12 @@ class ZeroSync:
                     part = b.flat[k * b.shard_size:(k + 1) * b.shard_size]
                     works.append(launch(lambda p=part, s=src: dist.broadcast(
                         p, src=s, group=self.group, async_op=True), self.who, self._gathering))
+                    SENT.broadcast(part, src)
             else:
                 works.append(launch(lambda b=b: _ALL_GATHER(
                     b.flat, b.shard.data, group=self.group, async_op=True), self.who,
                     self._gathering))
+                SENT.scatter_or_gather(b.flat, self.group)
             self.ring_bytes += (d - 1) * b.shard_size * b.flat.element_size()
         for w in works:
             wait(w, self.timeout, self.who, self._gathering)
@@ -301,10 +304,12 @@ class ZeroReduce:
                 work = launch(lambda f=flat: dist.all_reduce(f, group=sync.group,
                                                              async_op=True),
                               sync.who, self._what)
+                SENT.all_reduce(flat, sync.group)
             else:
                 out = torch.empty(b.shard_size, dtype=flat.dtype, device=flat.device)
                 work = launch(lambda f=flat, o=out: _REDUCE_SCATTER(
                     o, f, group=sync.group, async_op=True), sync.who, self._what)
+                SENT.scatter_or_gather(flat, sync.group)
             sync.ring_bytes += flat.numel() * flat.element_size() * (d - 1) // d
             self.pending.append((b, work, out))
 

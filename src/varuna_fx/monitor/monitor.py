@@ -1,0 +1,239 @@
+"""``vf.Monitor``: watch a pipeline train.
+
+Every rank calls ``monitor.log(loss)`` after each step (and ``close()`` at the end); rank 0
+alone prints and writes. Per step a record of what ``pipe.last_step`` measured: loss, step
+time beside the plan's prediction, samples/s and tokens/s, MFU (``flops.py``), this rank's
+peak memory and bytes sent; every ``memory_every`` steps (and at the end) rank 0 gathers the
+peak memory and bytes sent of every rank (one small gather on a gloo group of the monitor's
+own, so it never interleaves with training's messages). Records go to ``metrics.jsonl`` and
+TensorBoard (``sinks.py``) and to the live line (``display.py``). ``charts()`` (collective,
+also run by ``close()``) gathers every rank's timeline of the last step to rank 0, which draws
+``charts/training.png`` and ``charts/timeline.png`` (``charts.py``).
+
+Throughput and MFU are over the loop's time per step (from one ``log`` to the next: the
+optimizer step and data loading included) once there is a previous step, else over
+``pipe.step``'s own time; ``step_seconds`` is always ``pipe.step``'s, the figure to hold
+against the plan's ``predicted_step_seconds``.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from rich.console import Console
+
+from ..costs.memory import format_bytes
+from ..errors import InputError
+from ..runtime.step_stats import StepStats
+from ..runtime.traffic import SENT
+from ..world.where import launched_distributed
+from .charts import timeline_chart, training_chart
+from .display import Display
+from .flops import peak_of, step_flops
+from .sinks import METRICS, JsonlSink, finite, read_jsonl, tensorboard_sink
+
+CHARTS = "charts"
+
+
+class Monitor:
+    """Watch ``pipe`` train; output under ``out_dir`` (rank 0). Construct, ``log`` and
+    ``close`` on every rank. ``total_steps``: for the progress bar; ``start_step``: the step
+    the run resumes at (earlier records of ``metrics.jsonl`` are kept for the charts, later
+    ones -- steps repeated after a restore -- are dropped from them); ``print_every``: plain
+    lines every so many steps when not on a terminal; ``live``: None decides by the terminal;
+    ``tensorboard``: None when installed, True required, False never; ``peak_flops``: the
+    device's peak FLOP/s for MFU (None: ``flops.py``'s table); ``tokens_per_sample``: when the
+    inputs do not hold token ids (None: counted from an integer input); ``charts``: whether
+    ``close`` draws the charts (``charts()`` draws them on demand either way)."""
+
+    def __init__(self, pipe: Any, out_dir: str | Path, *, total_steps: int | None = None,
+                 start_step: int = 0, print_every: int = 10, memory_every: int = 50,
+                 live: bool | None = None, tensorboard: bool | None = None,
+                 peak_flops: float | None = None, tokens_per_sample: int | None = None,
+                 console: Console | None = None, charts: bool = True) -> None:
+        for name, value, low in (("print_every", print_every, 1), ("memory_every", memory_every, 1),
+                                 ("start_step", start_step, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InputError(f"Monitor: {name} must be an integer >= {low}, got {value!r}")
+        self.pipe = pipe
+        self.out = Path(out_dir)
+        self.step = start_step
+        self.memory_every = memory_every
+        self.tokens_per_sample = tokens_per_sample
+        self.draw_at_close = charts
+        self.peak = peak_of(pipe, peak_flops)
+        self.group = None
+        self.rank, self.world = 0, 1
+        if launched_distributed() and dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            timeout = getattr(pipe.runtime, "timeout", 300.0)
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        self.records: list[dict[str, Any]] = []
+        self._last: StepStats | None = None
+        self._logged_at: float | None = None
+        self._closed = False
+        self.display: Display | None = None
+        self.sinks: list[Any] = []
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.records = read_jsonl(self.out / METRICS, before_step=start_step + 1) \
+                if start_step else []
+            self.sinks = [JsonlSink(self.out)]
+            board = tensorboard_sink(self.out, tensorboard)
+            if board is not None:
+                self.sinks.append(board)
+            self.display = Display(console, live, total_steps, print_every)
+            self.display.note(f"monitor: {self.out / METRICS}"
+                              f"{' and TensorBoard' if board is not None else ''}; MFU = the "
+                              f"plan's FLOPs per step / ({self.peak.devices} device(s) x "
+                              f"{self.peak.what})")
+
+    # -- per step ------------------------------------------------------------------------------
+
+    def log(self, loss: Any = None, step: int | None = None,
+            **scalars: float) -> dict[str, Any] | None:
+        """Record the last ``pipe.step`` (call after it, on every rank); ``scalars`` (e.g.
+        ``lr=``) are written beside. Returns the record on rank 0, else None."""
+        stats = self.pipe.last_step
+        if stats is None or stats is self._last:
+            raise InputError("Monitor.log: no pipe.step since the last log: call it once after "
+                             "every step")
+        self._last = stats
+        now = time.perf_counter()
+        loop = now - self._logged_at if self._logged_at is not None else None
+        self._logged_at = now
+        self.step = self.step + 1 if step is None else step
+        gathered = self._gather_totals() if self.step % self.memory_every == 0 else None
+        if self.rank != 0:
+            return None
+        record = self._record(stats, loss, loop, scalars)
+        if gathered is not None:
+            record["peak_memory_per_rank"], record["bytes_sent_per_rank"] = gathered
+        self.records.append(record)
+        for sink in self.sinks:
+            sink.write(record)
+        assert self.display is not None
+        self.display.show(record)
+        return record
+
+    def _record(self, stats: StepStats, loss: Any, loop: float | None,
+                scalars: dict[str, float]) -> dict[str, Any]:
+        seconds = loop if loop is not None and loop > 0 else stats.seconds
+        tokens = stats.tokens if self.tokens_per_sample is None \
+            else stats.samples * self.tokens_per_sample
+        record: dict[str, Any] = {
+            "step": self.step,
+            "loss": finite(float(loss)) if loss is not None else None,
+            "step_seconds": stats.seconds,
+            "loop_seconds": loop,
+            "predicted_step_seconds": stats.predicted_seconds,
+            "samples": stats.samples,
+            "samples_per_second": stats.samples / seconds,
+            "tokens_per_second": tokens / seconds if tokens is not None else None,
+            "mfu": finite(self.peak.mfu(step_flops(self.pipe.plan, stats.samples), seconds)),
+            "peak_memory": stats.peak_memory,
+            "bytes_sent": stats.bytes_sent,
+            "time": time.time(),
+        }
+        for key, value in scalars.items():
+            record[key] = finite(float(value))
+        return record
+
+    def _gather_totals(self) -> tuple[list[int], list[int]] | None:
+        """Every rank's peak memory and bytes sent so far, on rank 0 (collective)."""
+        stats = self.pipe.last_step
+        mine = (int(stats.peak_memory) if stats is not None else 0, SENT.total)
+        if self.group is None:
+            return [mine[0]], [mine[1]]
+        every: list[Any] = [None] * self.world if self.rank == 0 else None  # type: ignore[assignment]
+        dist.gather_object(mine, every, dst=0, group=self.group)
+        if self.rank != 0:
+            return None
+        return [m for m, _ in every], [b for _, b in every]
+
+    # -- charts and the end --------------------------------------------------------------------
+
+    def charts(self) -> list[Path]:
+        """Draw the charts now (collective: every rank sends its last step's timeline);
+        returns the files written (rank 0; [] elsewhere, or without matplotlib)."""
+        stats = self.pipe.last_step
+        mine = stats.timeline if stats is not None else []
+        if self.group is not None:
+            every: list[Any] = [None] * self.world if self.rank == 0 else None  # type: ignore[assignment]
+            dist.gather_object(mine, every, dst=0, group=self.group)
+        else:
+            every = [mine]
+        if self.rank != 0:
+            return []
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            assert self.display is not None
+            self.display.note("monitor: no charts (matplotlib is not installed: pip install "
+                              "'varuna_fx[charts]')")
+            return []
+        folder = self.out / CHARTS
+        folder.mkdir(exist_ok=True)
+        written = []
+        if self.records:
+            written.append(training_chart(self.records, folder / "training.png"))
+        if stats is not None:
+            written.append(timeline_chart(self.pipe.plan, self._rows(every), folder /
+                                          "timeline.png", self.step))
+        return written
+
+    def _rows(self, every: list[Any]) -> list[tuple[str, list[Any]]]:
+        """Row labels and actions: per rank, or per stage in one process."""
+        if self.group is None:
+            stages = sorted({a.stage for a in every[0]})
+            return [(f"stage {s}", [a for a in every[0] if a.stage == s]) for s in stages]
+        placement = self.pipe.plan.placement
+        rows = []
+        for rank, actions in enumerate(every):
+            stage, replica = placement.coords(rank) if placement is not None else (rank, 0)
+            rows.append((f"rank {rank}: stage {stage}, replica {replica}", actions or []))
+        return rows
+
+    def close(self) -> list[Path]:
+        """Gather the final peak memory per rank, draw the charts and close the sinks
+        (collective). Returns the chart files (rank 0)."""
+        if self._closed:
+            return []
+        self._closed = True
+        gathered = self._gather_totals()
+        written = self.charts() if self.draw_at_close and self.pipe.last_step is not None \
+            else []
+        if self.rank == 0:
+            assert self.display is not None
+            if self.records and self.display.shown != self.records[-1]["step"]:
+                self.display.show(self.records[-1], force=True)  # the last step, always
+            self.display.close()
+            if gathered is not None and self.records:
+                memory, sent = (", ".join(format_bytes(b) for b in x) for x in gathered)
+                self.display.note(f"monitor: peak memory per rank {memory}; bytes sent per "
+                                  f"rank since the start {sent}")
+            if written:
+                self.display.note(f"monitor: charts in {self.out / CHARTS}")
+            for sink in self.sinks:
+                sink.close()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+        return written
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+        elif self.rank == 0:  # an error: no collective (peers may be gone); keep what was logged
+            self._closed = True
+            if self.display is not None:
+                self.display.close()
+            for sink in self.sinks:
+                sink.close()

@@ -1,0 +1,90 @@
+"""The planning part of ``vf.compile``'s options: what the planner reads, as one frozen object.
+
+:class:`PlanOptions` is taken whole by the planner's entry points (``configure.py:
+choose_configuration``, ``analyze.py: Analyzed.plan`` behind ``plan_for``) and by ``varuna-fx
+plan``; ``vf.compile`` makes it from its keywords (``options.py: CompileOptions`` is this part
+and the running part, ``runtime/options.py``). Making one checks every field, each error saying
+which option is wrong and what to pass instead. ``bool`` is refused where a count is expected:
+``True`` is an ``int`` in Python, and ``stages=True`` meaning one stage is never what the user
+meant.
+
+A new planning option is one field here (with its check) and one keyword of ``vf.compile``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from ..errors import VarunaFxError
+from ..schedule import DEFAULT_SCHEDULE, ScheduleChoice, resolve_schedule
+from ..world.where import resolve_timeout
+from .cluster import Cluster
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What the planner chooses with (docs/API.md has each option's meaning)."""
+
+    cluster: Cluster | None = None  # None: Cluster.local()
+    global_batch_size: int | None = None
+    stages: int | None = None
+    stages_per_rank: int | None = 1  # None: the schedule's default (the planner checks it)
+    data_parallel: int | None = None
+    micro_batch_size: int | None = None
+    schedule: str = DEFAULT_SCHEDULE
+    recompute: bool | str = "auto"
+    shard_optimizer: bool | str = "auto"  # ZeRO-1 over each stage's D replicas
+    profile: Any = False  # False | True | a varuna_fx.planner.Profile (resolve_profile checks)
+    timeout: float | None = None  # None: $VARUNA_FX_TIMEOUT or the default, when waited on
+
+    def __post_init__(self) -> None:
+        if self.cluster is not None and not isinstance(self.cluster, Cluster):
+            raise VarunaFxError(
+                f"cluster={short(self.cluster)} is not a vf.Cluster: the second positional "
+                "argument of vf.compile is the cluster; pass the inputs as example_inputs=(...)"
+            )
+        check_name("schedule", self.schedule, "varuna")
+        check_count("stages", self.stages, "pipeline stages")
+        check_count("data_parallel", self.data_parallel, "data-parallel replicas")
+        check_count("micro_batch_size", self.micro_batch_size, "samples per micro-batch")
+        check_count("global_batch_size", self.global_batch_size, "samples per optimizer step")
+        check_flag("recompute", self.recompute, (True, False, "auto"))
+        check_flag("shard_optimizer", self.shard_optimizer, (True, False, "auto"))
+        resolve_timeout(self.timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
+        _ = self.schedule_choice  # the name resolved once, now: an unknown one is refused
+
+    @cached_property
+    def schedule_choice(self) -> ScheduleChoice:
+        """``schedule`` resolved into its registry entry (or "auto"): what the planner reads,
+        so that nothing after the options decodes the name."""
+        return resolve_schedule(self.schedule)
+
+
+def check_name(name: str, value: Any, example: str) -> None:
+    """A choice given by name must be a string (the value is checked against the choices
+    after the other options)."""
+    if not isinstance(value, str):
+        raise VarunaFxError(f"{name}={short(value)}: give its name as a string, e.g. "
+                            f"{name}={example!r}")
+
+
+def check_count(name: str, value: Any, what: str) -> None:
+    """``value`` is None (the planner chooses) or a positive int."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise VarunaFxError(f"{name}={value!r}: give a positive number of {what}, or None to let "
+                            "the planner choose")
+
+
+def check_flag(name: str, value: Any, allowed: tuple[Any, ...] = (True, False)) -> None:
+    if not any(value is a or (isinstance(a, str) and value == a) for a in allowed):
+        raise VarunaFxError(f"{name}={value!r}: use one of {list(allowed)}")
+
+
+def short(value: Any) -> str:
+    """``repr(value)``, or its type where that is long (a model passed by mistake)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"<{type(value).__name__}>"

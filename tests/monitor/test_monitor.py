@@ -1,0 +1,123 @@
+"""vf.Monitor in one process: the JSONL records and their keys, plain lines off a terminal and
+a live line on one, MFU as stated, TensorBoard when installed (and skipped cleanly when not),
+the charts, a resumed run's records, and the refusals."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+
+import varuna_fx as vf
+from varuna_fx.examples import GPT, GPTConfig, lm_loss
+from varuna_fx.monitor.flops import step_flops
+
+REQUIRED = {"step", "loss", "step_seconds", "predicted_step_seconds", "tokens_per_second", "mfu"}
+
+
+@pytest.fixture(scope="module")
+def pipe() -> vf.Pipeline:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    return vf.compile(GPT(cfg), vf.Cluster(gpus=2, device="cpu"),
+                      (torch.zeros(4, 8, dtype=torch.long),), loss_fn=lm_loss, stages=2,
+                      micro_batch_size=2, schedule="1f1b")
+
+
+def run(pipe: vf.Pipeline, monitor: vf.Monitor, steps: int) -> list[dict[str, Any]]:
+    records = []
+    for _ in range(steps):
+        x = torch.randint(0, 64, (4, 8))
+        loss = pipe.step(x, target=x)
+        records.append(monitor.log(loss, lr=0.1))
+    return records
+
+
+def test_records_lines_and_charts(pipe: vf.Pipeline, tmp_path: Path) -> None:
+    out = io.StringIO()
+    monitor = vf.Monitor(pipe, tmp_path, total_steps=5, print_every=2, tensorboard=False,
+                         console=Console(file=out, width=300), memory_every=2)
+    records = run(pipe, monitor, 5)
+    charts = monitor.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == records and [r["step"] for r in lines] == [1, 2, 3, 4, 5]
+    for r in lines:
+        assert REQUIRED <= set(r) and r["lr"] == 0.1
+        assert r["tokens_per_second"] == pytest.approx(32 / (r["loop_seconds"] or
+                                                            r["step_seconds"]))
+    r = lines[-1]
+    peak = 2 * 5e10  # the assumed CPU peak, stated in the header
+    assert r["mfu"] == pytest.approx(step_flops(pipe.plan, 4) / (r["loop_seconds"] * peak))
+    assert r["predicted_step_seconds"] == pipe.plan.predicted_step_time
+    assert lines[1]["peak_memory_per_rank"] and "peak_memory_per_rank" not in lines[0]
+    text = out.getvalue()  # not a terminal: plain lines at steps 2, 4 and the last
+    assert "assumed" in text and "MFU = the plan's FLOPs per step" in text
+    steps = [line.split(" |")[0] for line in text.splitlines() if line.startswith("step ")]
+    assert steps == ["step 2/5", "step 4/5", "step 5/5"]
+    assert "\x1b[" not in text  # no cursor movement or colour codes in a log file
+    assert sorted(p.name for p in charts) == ["timeline.png", "training.png"]
+    for path in charts:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_a_live_line_on_a_terminal(pipe: vf.Pipeline, tmp_path: Path) -> None:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=200)
+    with vf.Monitor(pipe, tmp_path, total_steps=3, tensorboard=False, console=console,
+                    charts=False) as m:
+        run(pipe, m, 3)
+    assert "step 1/3" in out.getvalue() and "━" in out.getvalue()  # the bar
+
+
+def test_tensorboard_when_installed_and_skipped_when_not(pipe: vf.Pipeline, tmp_path: Path,
+                                                         monkeypatch: Any) -> None:
+    real_import = builtins.__import__
+
+    def without_tensorboard(name: str, *args: Any, **kw: Any) -> Any:
+        if name == "torch.utils.tensorboard":
+            raise ImportError("No module named 'tensorboard'")
+        return real_import(name, *args, **kw)
+
+    pytest.importorskip("tensorboard")
+    quiet = Console(file=io.StringIO())
+    with vf.Monitor(pipe, tmp_path / "on", live=False, console=quiet, charts=False) as m:
+        run(pipe, m, 1)
+    assert list((tmp_path / "on" / "tensorboard").iterdir())
+    monkeypatch.setattr(builtins, "__import__", without_tensorboard)
+    with vf.Monitor(pipe, tmp_path / "off", live=False, console=quiet, charts=False) as m:
+        run(pipe, m, 1)
+    assert not (tmp_path / "off" / "tensorboard").exists()
+    with pytest.raises(vf.InputError, match=r"varuna_fx\[tensorboard\]"):
+        vf.Monitor(pipe, tmp_path / "required", tensorboard=True)
+
+
+def test_a_resumed_run_keeps_the_earlier_records_for_its_charts(pipe: vf.Pipeline,
+                                                                tmp_path: Path) -> None:
+    quiet = Console(file=io.StringIO())
+    with vf.Monitor(pipe, tmp_path, tensorboard=False, console=quiet, charts=False) as m:
+        run(pipe, m, 4)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": [cut by a cra')  # a line a kill left half-written
+    resumed = vf.Monitor(pipe, tmp_path, start_step=2, tensorboard=False, console=quiet,
+                         charts=False)
+    assert [r["step"] for r in resumed.records] == [1, 2]  # 3 and 4 are repeated after it
+    run(pipe, resumed, 1)
+    assert resumed.records[-1]["step"] == 3
+    resumed.close()
+
+
+def test_refusals(pipe: vf.Pipeline, tmp_path: Path) -> None:
+    with pytest.raises(vf.InputError, match="print_every"):
+        vf.Monitor(pipe, tmp_path, print_every=0)
+    monitor = vf.Monitor(pipe, tmp_path, tensorboard=False, console=Console(file=io.StringIO()),
+                         charts=False)
+    run(pipe, monitor, 1)
+    with pytest.raises(vf.InputError, match="no pipe.step since the last log"):
+        monitor.log(1.0)
+    monitor.close()
