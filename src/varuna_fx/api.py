@@ -34,6 +34,7 @@ from .options import (
     fit_to_world,
 )
 from .passes.annotate_backward import canonical_names
+from .passes.frontend import run_front_end
 from .passes.manager import dump_dir
 from .passes.sample_mixing import graph_findings, warn_sample_mixing
 from .pipeline import Pipeline, make_pipeline
@@ -82,21 +83,23 @@ def compile(  # noqa: A001 - the public name in API.md
     o = CompileOptions(**{k: v for k, v in locals().items()
                           if k not in ("model", "example_inputs")})
     check_compile_arguments(model, example_inputs, o.loss_fn)
-    cluster = o.cluster or Cluster.local(timeout=resolve_timeout(o.timeout))
-
     bound = bind_inputs(model, example_inputs)
     check_devices(model, bound.tensors)
     check_global_batch(o.global_batch_size, bound.batch_size)
+
+    # the pass list (codegen/pass_list.py): capture and annotate (cached per model), then (once
+    # the cluster is known: in a launched job every rank meets the others there, and a process
+    # joining a running in-place job waits to be admitted, its graph made already) configure,
+    # partition, split and codegen on this compile's own copy of the graph
+    dump = dump_dir(o.dump)
+    state = CompileState(model=model, bound=bound, tracer=o.tracer,
+                         canonical=canonical_names(model), profile_split=input_grads)
+    run_front_end(state, dump)
+    cluster = o.cluster or Cluster.local(timeout=resolve_timeout(o.timeout))
     if in_place():  # a morph keeps the global batch; a joining process plans as the others do
         o = fit_to_world(o, world_size(), bound.batch_size, joined_settings())
-    planning = dataclasses.replace(o.planning, cluster=cluster)
-
-    # the pass list (codegen/pass_list.py): capture and annotate (cached per model), configure,
-    # partition, split and codegen on this compile's own copy of the graph
-    state = CompileState(model=model, bound=bound, tracer=o.tracer,
-                         canonical=canonical_names(model), planning=planning,
-                         profile_split=input_grads)
-    run_pass_list(state, dump=dump_dir(o.dump))
+    state.planning = dataclasses.replace(o.planning, cluster=cluster)
+    run_after_front_end(state, dump)
 
     plan = plan_of(state)
     assert state.captured is not None and state.built is not None

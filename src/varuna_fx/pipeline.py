@@ -220,7 +220,7 @@ class Pipeline:
             self._in_place.track(obj)
         return obj
 
-    def adopt(self, stages: list[Stage], plan: Plan, runtime: Runtime) -> None:
+    def _adopt(self, stages: list[Stage], plan: Plan, runtime: Runtime) -> None:
         """Run ``plan`` with ``runtime`` from now on (an in-place morph re-planned)."""
         self.stages, self.plan, self.runtime = stages, plan, runtime
         self.stage_index, self.replica_index = runtime.stage_index, runtime.replica_index

@@ -25,6 +25,7 @@ import varuna_fx as vf
 from varuna_fx.examples import demo_gpt, lm_loss
 from varuna_fx.launch.elastic import elastic_launch
 from varuna_fx.launch.factory import load_factory
+from varuna_fx.launch.in_place import InPlaceLaunch
 from varuna_fx.launch.plan_command import plan_as_dict, plan_command
 from varuna_fx.launch.standalone import loopback_interfaces, loopback_stores, standalone_args
 from varuna_fx.schedule import DEFAULT_SCHEDULE, schedule_choices
@@ -145,6 +146,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from torch.distributed.run import main as torchrun
 
     argv = torchrun_flags(args.torchrun_args)
+    if args.in_place:
+        if not args.elastic or argv:
+            raise SystemExit("--in-place goes with --elastic (and takes no --torchrun-args: "
+                             "its launcher is not torchrun)")
+        return InPlaceLaunch(
+            nproc=args.nproc, nnodes=args.nnodes or "1:1", rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id, local_addr=args.local_addr, max_restarts=args.max_restarts,
+            argv=[args.script, *args.script_args], store_host=args.store_host).run()
     try:
         if args.elastic:
             launch = elastic_launch(
@@ -314,6 +323,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "machine whose address is the endpoint's)")
     run.add_argument("--max-restarts", type=int, default=100,
                      help="with --elastic: restarts after worker failures (joins are free)")
+    run.add_argument("--in-place", action="store_true",
+                     help="with --elastic: surviving processes keep running when a machine "
+                          "leaves or joins (they re-plan and move only what changed); the "
+                          "script's state must be the pipeline's (pipe.optimizer, "
+                          "pipe.data_loader, pipe.track); see docs/API.md 'Morphing in place'")
+    run.add_argument("--store-host", action="store_true", default=None,
+                     help="with --in-place: this machine hosts the membership store (default: "
+                          "the machine whose --local-addr is the --rdzv-endpoint's host); it "
+                          "must stay up, so it can run --nproc 0 on a machine that is not spot")
     run.add_argument("--rdzv-conf", default=None,
                      help="with --elastic: extra rendezvous settings key=value[,key=value]")
     run.add_argument("script", help="the training script every process runs")

@@ -56,13 +56,7 @@ from ..runtime.distributed import agree_on_plan, build_runtime, release_unheld
 from ..runtime.model_state import unread_tensors
 from ..runtime.setup import held_tensors
 from ..runtime.transfer import Channel, MovePlan, plan_moves, run_moves
-from ..runtime.zero import (
-    layout_of,
-    made_by_pipeline,
-    repoint_optimizer,
-    shard_ranges,
-    sharded,
-)
+from ..runtime.zero import made_by_pipeline, repoint_optimizer
 from ..world.membership import Generation, Membership, backend_name
 from . import batch
 from .carried import Carried, recipe
@@ -72,10 +66,12 @@ from .state import (
     Descriptor,
     Sources,
     expand_needs,
+    joiner_ranges,
     merged_info,
     model_holdings,
     optimizer_entries_from,
     optimizer_holdings,
+    optimizer_ranges,
 )
 
 RESTART_EXIT = 75  # exit status asking the in-place launcher to start this worker again
@@ -96,6 +92,7 @@ class InPlace:
         self.all_leaving = False  # every process got a notice: the restart path (save, exit)
         self._rng: dict[str, Any] | None = None  # at the start of the step in flight
         self._had_grads = False  # the step in flight started with gradients (accumulating)
+        self._lost_shard = False
         self._first_step: MorphRecord | None = None  # waiting for its first step's time
         self._step_started = 0.0
 
@@ -189,7 +186,7 @@ class InPlace:
         for p in pipe.parameters():  # the failed attempt's partial gradients
             p.grad = None
         snapshot = self._snapshot(pipe, args)  # before the groups go: views of this state
-        self._teardown(pipe)
+        self._teardown(pipe, failed=True)
         gen = self.membership.recover(self.cluster.to_dict(), self._global_batch(pipe))
         rec.lost, rec.joined = gen.lost, gen.joined
         rec.phase("agree")
@@ -219,7 +216,7 @@ class InPlace:
         batch.input_needs(args, old_replicas, pipe.replica_index, pipe.plan.data_parallel, desc)
         plan, got = self._exchange(pipe, gen, desc, sources, rec)
         missing = [m for m in plan.missing if m[1][0] != batch.INPUT]
-        if missing:
+        if missing or self._lost_shard:
             self._restart(gen, missing)
         self._adopt(pipe, plan, got, sources, desc)
         lost_rows = any(m[1][0] == batch.INPUT and m[0] == self._me(gen) for m in plan.missing)
@@ -250,9 +247,10 @@ class InPlace:
         batch.input_state(args, pipe.replica_index, pipe.plan.data_parallel, desc, sources)
         return desc, sources
 
-    def _teardown(self, pipe: Any) -> None:
+    def _teardown(self, pipe: Any, failed: bool = False) -> None:
         """Destroy every group of the old generation and drop every reference to them, so their
-        sockets close now (a peer blocked on this process then fails at once)."""
+        sockets close now (``failed``: at once, cycles collected too; a peer blocked on this
+        process then fails at once)."""
         if pipe._checkpointer is not None:
             try:
                 pipe._checkpointer.wait()
@@ -268,7 +266,8 @@ class InPlace:
         pipe.runtime = None
         if dist.is_initialized():
             dist.destroy_process_group()
-        gc.collect()
+        if failed:
+            gc.collect()
 
     def _rebuild(self, pipe: Any, gen: Generation, rec: MorphRecord) -> None:
         """Re-plan for the new world and build this rank's runtime in the new group."""
@@ -284,7 +283,7 @@ class InPlace:
                                 pipe._options, assemble=pipe._assemble,
                                 layout=pipe.state_layout, reorder=reorder)
         runtime.scaler, runtime.mean_loss = self._scaler, self._mean_loss
-        pipe.adopt(stages, plan, runtime)
+        pipe._adopt(stages, plan, runtime)
         self.cluster = cluster
         rec.phase("runtime")
 
@@ -306,11 +305,11 @@ class InPlace:
         """Point the optimizer at the new parameters and say which optimizer state this rank
         needs (its new shard's elements, or all of each parameter's)."""
         named = dict(pipe.named_parameters())
-        desc.needs_model = [n for n in pipe.state_dict()]
+        desc.needs_model = {n: t.numel() for n, t in pipe.state_dict().items()}
         if self.optimizer is None:
             return
         repoint_optimizer(self.optimizer, pipe.runtime, named)
-        desc.needs_optimizer = _optimizer_ranges(self.optimizer, named)
+        desc.needs_optimizer = optimizer_ranges(self.optimizer, named)
 
     def _me(self, gen: Generation) -> int:
         return gen.transfer.index(self.membership.member)
@@ -325,6 +324,8 @@ class InPlace:
             m.get(gen.number, f"desc/{r}", f"process {r}'s state description"))
             for r in range(len(gen.transfer))]
         needs = [expand_needs(d, every) for d in every]
+        # a vanished process of a sharded (ZeRO-1) optimizer took the only copy of its shard
+        self._lost_shard = bool(gen.lost) and any(d.sharded for d in every)
         plan = plan_moves([d.holds for d in every], needs)
         info = merged_info(every)
         group = m.transfer_group(gen)
@@ -371,10 +372,14 @@ class InPlace:
 
     def _restart(self, gen: Generation, missing: list[Any]) -> None:
         """State nobody alive holds: the restart path (every survivor exits the same way)."""
-        (dst, item, start, count), *rest = missing
-        what = "its weights" if item[1] == "" else f"its optimizer state {item[1][len(OPT):]!r}"
-        print(f"varuna_fx: no live process holds {item[0]} ({what}, elements {start}-"
-              f"{start + count}; {len(rest)} more ranges): a whole stage or a ZeRO-1 shard "
+        if missing:
+            (dst, item, start, count), *rest = missing
+            what = "its weights" if item[1] == "" else \
+                f"its optimizer state {item[1][len(OPT):]!r}"
+            lost = f"{item[0]} ({what}, elements {start}-{start + count}; {len(rest)} more)"
+        else:
+            lost = "the ZeRO-1 optimizer shards of the processes that vanished"
+        print(f"varuna_fx: no live process holds {lost}: a whole stage or a ZeRO-1 shard "
               "vanished with its only holder. Exiting to resume from the latest checkpoint on "
               f"the new layout ({len(gen.members)} processes)", file=sys.stderr, flush=True)
         self.membership.mark_restart(gen)
@@ -395,9 +400,9 @@ class InPlace:
         carried = Carried.decode(torch.frombuffer(bytearray(self.membership.get(
             gen.number, "recipe", "the survivors' recipe")), dtype=torch.uint8))
         carried.restore_process_state(pipe.runtime.scaler)
-        desc = Descriptor(needs_model=list(pipe.state_dict()))
+        desc = Descriptor(needs_model={n: t.numel() for n, t in pipe.state_dict().items()})
         if carried.optimizer is not None:
-            desc.needs_optimizer = _joiner_ranges(pipe, carried)
+            desc.needs_optimizer = joiner_ranges(pipe, carried)
         plan, got = self._exchange(pipe, gen, desc, {}, rec)
         missing = [m for m in plan.missing if m[0] == self._me(gen)]
         if missing:
@@ -472,46 +477,6 @@ class InPlace:
             self.global_batch_size = pipe.plan.micro_batch_size * \
                 pipe.plan.num_micro_batches * pipe.plan.data_parallel
         return self.global_batch_size
-
-
-def _optimizer_ranges(optimizer: torch.optim.Optimizer,
-                      named: dict[str, torch.nn.Parameter]) -> dict[str, list[tuple[int, int]]]:
-    """Per parameter in ``optimizer``, the elements of its state this rank keeps."""
-    layout = layout_of(optimizer)
-    ids = {id(p): n for n, p in named.items()}
-    if layout is None:
-        return {ids[id(p)]: [(0, p.numel())] for g in optimizer.param_groups
-                for p in g["params"]}
-    ranges: dict[str, list[tuple[int, int]]] = {n: [(0, p.numel())] for _, n, p in layout.whole}
-    for b in layout.buckets:
-        lo, hi = b.lo, b.lo + b.shard_size
-        for pc in b.pieces:
-            start, end = max(lo, pc.offset), min(hi, pc.offset + pc.numel)
-            if start < end:
-                ranges.setdefault(pc.name, []).append((start - pc.offset, end - start))
-    return ranges
-
-
-def _joiner_ranges(pipe: Any, carried: Carried) -> dict[str, list[tuple[int, int]]]:
-    """The ranges a joiner's optimizer will keep once its script makes it (as
-    ``repoint_optimizer`` would cut them)."""
-    assert carried.optimizer is not None
-    group_of = carried.optimizer["group_of"]
-    named = {n: p for n, p in pipe.named_parameters() if n in group_of}
-    groups: list[dict[str, Any]] = [{"params": []} for _ in carried.optimizer["hypers"]]
-    for n, p in named.items():
-        groups[group_of[n]]["params"].append(p)
-    runtime = pipe.runtime
-    if not sharded(runtime, carried.optimizer["setting"]):
-        return {n: [(0, p.numel())] for n, p in named.items()}
-    sync = runtime.grad_sync
-    tied = {n for names_, _ in sync.groups.tied for n in names_}
-    local = set(runtime.local_stages)
-    lowest = {n for n in tied if min(runtime.plan.tied_parameters[n]) in local}
-    return shard_ranges(groups, {id(p): n for n, p in named.items()}, set(sync.held),
-                        {n: n in lowest for n in tied},
-                        dist.get_rank(group=sync.groups.data_parallel),
-                        runtime.plan.data_parallel)
 
 
 def _has_grads(pipe: Any) -> bool:

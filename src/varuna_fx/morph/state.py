@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..checkpoint.optimizer_state import (
     GROUP_OBJECT_PREFIX,
@@ -38,6 +39,7 @@ from ..checkpoint.optimizer_state import (
 )
 from ..checkpoint.sharded_state import CHUNK_PREFIX, chunk_key
 from ..runtime.transfer import Item, Range, assemble
+from ..runtime.zero import layout_of, shard_ranges, sharded
 
 OPT = "o:"
 OBJ = "o:@obj"
@@ -61,10 +63,12 @@ class Descriptor:
 
     holds: dict[Item, list[Range]] = field(default_factory=dict)
     info: dict[Item, Info] = field(default_factory=dict)
-    needs_model: list[str] = field(default_factory=list)
+    needs_model: dict[str, int] = field(default_factory=dict)  # fqn -> its element count
     needs_optimizer: dict[str, list[Range]] = field(default_factory=dict)
     needs_input: dict[str, list[Range]] = field(default_factory=dict)  # by "@in" key
     signal_at: float | None = None
+    # this rank's optimizer state is a ZeRO-1 shard (its only copy): losing it loses state
+    sharded: bool = False
 
     def to_bytes(self) -> bytes:
         def item(i: Item) -> str:
@@ -75,6 +79,7 @@ class Descriptor:
                                v.elementwise] for i, v in self.info.items()},
             "needs_model": self.needs_model, "needs_optimizer": self.needs_optimizer,
             "needs_input": self.needs_input, "signal_at": self.signal_at,
+            "sharded": self.sharded,
         }).encode()
 
     @classmethod
@@ -95,10 +100,10 @@ class Descriptor:
             holds={item(k): [tuple(r) for r in v] for k, v in raw["holds"].items()},
             info={item(k): Info(dtype(v[0]), tuple(v[1]), bool(v[2]))
                   for k, v in raw["info"].items()},
-            needs_model=list(raw["needs_model"]),
+            needs_model={k: int(v) for k, v in raw["needs_model"].items()},
             needs_optimizer={k: [tuple(r) for r in v] for k, v in raw["needs_optimizer"].items()},
             needs_input={k: [tuple(r) for r in v] for k, v in raw["needs_input"].items()},
-            signal_at=raw["signal_at"])
+            signal_at=raw["signal_at"], sharded=bool(raw["sharded"]))
 
 
 Sources = dict[Item, list[tuple[int, torch.Tensor]]]
@@ -121,6 +126,7 @@ def optimizer_holdings(optimizer: torch.optim.Optimizer, names: dict[int, str],
                        shapes: dict[str, tuple[int, ...]], desc: Descriptor,
                        sources: Sources) -> None:
     """The optimizer's state entries (views of its tensors: read them before it changes)."""
+    desc.sharded = layout_of(optimizer) is not None and bool(optimizer.state)
     for key, value in optimizer_entries(optimizer, names).items():
         if key.startswith(CHUNK_PREFIX):
             fqn, entry, start = key[len(CHUNK_PREFIX):].rsplit("/", 2)
@@ -160,9 +166,8 @@ def expand_needs(desc: Descriptor, every: list[Descriptor]) -> dict[Item, list[R
     """``desc``'s needs per item, optimizer needs widened to the entries the holders have."""
     info = merged_info(every)
     needs: dict[Item, list[Range]] = {}
-    for name in desc.needs_model:
-        if (name, "") in info:
-            needs[(name, "")] = [(0, info[(name, "")].numel)]
+    for name, numel in desc.needs_model.items():  # (known to all: missing if nobody has it)
+        needs[(name, "")] = [(0, numel)]
     by_fqn: dict[str, list[Item]] = {}
     for item in info:
         if item[1].startswith(OPT):
@@ -202,7 +207,48 @@ def optimizer_entries_from(pieces: Sources, info: dict[Item, Info], group_of: di
         elif meta.elementwise:
             for start, flat in got:
                 entries[chunk_key(fqn, entry, start)] = flat
-        else:
+        else:  # a copy: a sharded optimizer's ``step`` is one tensor for a whole bucket, and
+            # the parameters sharing it would each count every step
             entries[f"{TENSOR_PREFIX}{fqn}/{entry}"] = \
-                assemble(got, 0, meta.numel, meta.dtype).view(meta.shape)
+                assemble(got, 0, meta.numel, meta.dtype).view(meta.shape).clone()
     return entries
+
+
+def optimizer_ranges(optimizer: torch.optim.Optimizer,
+                     named: dict[str, torch.nn.Parameter]) -> dict[str, list[tuple[int, int]]]:
+    """Per parameter in ``optimizer``, the elements of its state this rank keeps."""
+    layout = layout_of(optimizer)
+    ids = {id(p): n for n, p in named.items()}
+    if layout is None:
+        return {ids[id(p)]: [(0, p.numel())] for g in optimizer.param_groups
+                for p in g["params"]}
+    ranges: dict[str, list[tuple[int, int]]] = {n: [(0, p.numel())] for _, n, p in layout.whole}
+    for b in layout.buckets:
+        lo, hi = b.lo, b.lo + b.shard_size
+        for pc in b.pieces:
+            start, end = max(lo, pc.offset), min(hi, pc.offset + pc.numel)
+            if start < end:
+                ranges.setdefault(pc.name, []).append((start - pc.offset, end - start))
+    return ranges
+
+
+def joiner_ranges(pipe: Any, carried: Any) -> dict[str, list[tuple[int, int]]]:
+    """The ranges a joiner's optimizer will keep once its script makes it (as
+    ``repoint_optimizer`` would cut them)."""
+    assert carried.optimizer is not None
+    group_of = carried.optimizer["group_of"]
+    named = {n: p for n, p in pipe.named_parameters() if n in group_of}
+    groups: list[dict[str, Any]] = [{"params": []} for _ in carried.optimizer["hypers"]]
+    for n, p in named.items():
+        groups[group_of[n]]["params"].append(p)
+    runtime = pipe.runtime
+    if not sharded(runtime, carried.optimizer["setting"]):
+        return {n: [(0, p.numel())] for n, p in named.items()}
+    sync = runtime.grad_sync
+    tied = {n for names_, _ in sync.groups.tied for n in names_}
+    local = set(runtime.local_stages)
+    lowest = {n for n in tied if min(runtime.plan.tied_parameters[n]) in local}
+    return shard_ranges(groups, {id(p): n for n, p in named.items()}, set(sync.held),
+                        {n: n in lowest for n in tied},
+                        dist.get_rank(group=sync.groups.data_parallel),
+                        runtime.plan.data_parallel)

@@ -134,7 +134,8 @@ def run_moves(plan: MovePlan, me: int, sources: dict[Item, list[tuple[int, torch
             out.setdefault((m.dst, dtypes[m.item]), []).append(m)
         if m.dst == me:
             inc.setdefault((m.src, dtypes[m.item]), []).append(m)
-    order = sorted({d for _, d in [*out, *inc]}, key=str)  # the same tag per dtype on both ends
+    # one tag per dtype, the same on every rank (from the whole plan, not this rank's moves)
+    order = sorted({dtypes[m.item] for m in plan.moves}, key=str)
     works: list[tuple[Any, str]] = []
     for (dst, dtype), moves in sorted(out.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         flat = torch.cat([_piece(sources[m.item], m.start, m.count) for m in moves])

@@ -484,8 +484,8 @@ def guard_direct_optimizers(params: Iterable[nn.Parameter], reason: str) -> None
 
 
 def _refuse_direct(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _GUARDED or layout_of(optimizer) is not None:
-        return
+    if not _GUARDED or layout_of(optimizer) is not None or made_by_pipeline(optimizer):
+        return  # (pipe.optimizer's, sharded or not: an in-place morph to D = 1 unshards it)
     for group in optimizer.param_groups:
         for p in group["params"]:
             found = _GUARDED.get(id(p))
