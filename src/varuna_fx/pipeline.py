@@ -391,6 +391,7 @@ class Pipeline:
         if self.runtime is not None:
             self.runtime.close()
         if self._in_place is not None:
+            self._in_place.membership.finished()
             self._in_place.membership.stop()
         self._closed = True
 

@@ -148,18 +148,24 @@ class InPlaceLaunch:
 
     def _serve_until_idle(self, store: object) -> None:
         """Keep the store up while the job's members still beat (the other machines' workers
-        may run on after this machine's are done)."""
+        may run on after this machine's are done, or start later)."""
         job = dist.PrefixStore(f"varuna_fx/{self.rdzv_id}/", store)  # type: ignore[arg-type]
         window = float(os.environ.get(ms.WINDOW_ENV) or ms.WINDOW)
         last: dict[str, int] = {}
-        quiet = time.monotonic()
-        while time.monotonic() - quiet < window:
-            if not job.check(["gen"]):
-                return
+        started, quiet = time.monotonic(), time.monotonic()
+        while True:
+            if not job.check(["gen"]):  # the job has not started
+                if time.monotonic() - started > self.timeout:
+                    return
+                time.sleep(0.25)
+                quiet = time.monotonic()
+                continue
             gen = ms.Generation.from_json(job.get(f"gen/{int(job.get('gen'))}"))
             keys = [f"beat/{m}" for m in gen.members if job.check([f"beat/{m}"])]
             beats = dict(zip(keys, (int(v) for v in job.multi_get(keys)))) if keys else {}
             if beats != last:
                 last, quiet = beats, time.monotonic()
+            elif time.monotonic() - quiet > max(window, 2 * self.timeout
+                                                if not gen.members else window):
+                return
             time.sleep(0.25)
-

@@ -382,7 +382,7 @@ class InPlace:
         print(f"varuna_fx: no live process holds {lost}: a whole stage or a ZeRO-1 shard "
               "vanished with its only holder. Exiting to resume from the latest checkpoint on "
               f"the new layout ({len(gen.members)} processes)", file=sys.stderr, flush=True)
-        self.membership.mark_restart(gen)
+        self.membership.mark_restart(gen, back=gen.members)
         self.membership.stop()
         sys.stdout.flush()
         os._exit(RESTART_EXIT)

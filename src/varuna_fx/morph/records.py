@@ -47,13 +47,20 @@ class MorphRecord:
     left: tuple[str, ...] = ()
     lost: tuple[str, ...] = ()
     signal_at: float | None = None  # time.time() of the notice that caused it (its leaver's)
+    # this process's CPU seconds per phase (on a loaded machine, what a phase would take alone)
+    cpu: dict[str, float] = field(default_factory=dict)
+    finished: float | None = None  # time.time() when its first step on the new layout ended
     _mark: float = field(default_factory=time.perf_counter, repr=False)
+    _cpu_mark: float = field(default_factory=time.process_time, repr=False)
 
     def phase(self, name: str) -> None:
         """Close the phase ``name`` (seconds since the previous mark)."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         self.phases[name] = self.phases.get(name, 0.0) + now - self._mark
-        self._mark = now
+        self.cpu[name] = self.cpu.get(name, 0.0) + cpu - self._cpu_mark
+        self._mark, self._cpu_mark = now, cpu
+        if name == "first_step":
+            self.finished = time.time()
 
     @property
     def seconds(self) -> float:
@@ -65,4 +72,5 @@ class MorphRecord:
                 "old_layout": self.old_layout, "new_layout": self.new_layout,
                 "phases": dict(self.phases), "bytes_moved": self.bytes_moved,
                 "bytes_received": self.bytes_received, "joined": list(self.joined),
-                "left": list(self.left), "lost": list(self.lost), "signal_at": self.signal_at}
+                "left": list(self.left), "lost": list(self.lost), "signal_at": self.signal_at,
+                "cpu": dict(self.cpu), "finished": self.finished}

@@ -6,7 +6,7 @@ flattened elements. A rank *holds* ranges of items (a whole weight; the chunk of
 state its ZeRO-1 shard covers) and *needs* ranges in the new layout. :func:`plan_moves` is a pure
 function of everyone's holdings and needs (every rank computes the same plan): what a rank
 already holds stays where it is; every other needed range comes from a rank that holds it, the
-replicas of a stage taking turns so that several sources send at once; a range nobody holds is
+least loaded holder first (the replicas of a stage share the sending, so several send at once); a range nobody holds is
 reported missing (the caller then falls back to the latest checkpoint). :func:`run_moves` then
 sends, per peer and dtype, one flat buffer of the pieces in plan order, so both ends know every
 piece's place without any metadata on the wire.
@@ -76,6 +76,7 @@ def plan_moves(holds: list[dict[Item, list[Range]]],
     plan = MovePlan()
     world = len(holds)
     holders: dict[Item, list[int]] = {}
+    load: dict[int, int] = {}  # elements each source sends so far
     for r, held in enumerate(holds):
         for item in held:
             holders.setdefault(item, []).append(r)
@@ -84,14 +85,15 @@ def plan_moves(holds: list[dict[Item, list[Range]]],
         for item in sorted(needs[dst]):
             covered, left = _subtract(needs[dst][item], holds[dst].get(item, []))
             kept += [(item, s, n) for s, n in covered]
-            # the other holders, starting after dst: replicas of a stage take turns as sources
+            # the other holders, least loaded first: replicas of a stage share the sending
             others = sorted((r for r in holders.get(item, []) if r != dst),
-                            key=lambda r: (r - dst) % world)
+                            key=lambda r: (load.get(r, 0), (r - dst) % world))
             for src in others:
                 if not left:
                     break
                 got, left = _subtract(left, holds[src][item])
                 plan.moves += [Move(src, dst, item, s, n) for s, n in sorted(got)]
+                load[src] = load.get(src, 0) + sum(n for _, n in got)
             plan.missing += [(dst, item, s, n) for s, n in left]
     return plan
 

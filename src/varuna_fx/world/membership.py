@@ -217,6 +217,10 @@ class Membership:
             if self.member in gen.members:
                 self.generation = gen
                 return gen
+            if self.store.check(["finished"]):
+                raise DistributedError(
+                    f"{self.member} was to join job {self.job!r}, which has finished (its "
+                    f"process {self.store.get('finished').decode()} closed its pipeline)")
             if gen.reason == "restart" and number == gen.admitted + 1:
                 # the job restarts (state was lost): the first to register since leads it
                 self._start_job(gen.number + 1, gen.admitted, max(1, len(gen.joined)),
@@ -254,14 +258,20 @@ class Membership:
                         for k in range(after + 1, after + n + 1))
         self._publish(Generation(g, members, members, admitted=after + n))
 
-    def mark_restart(self, gen: Generation) -> Generation:
+    def mark_restart(self, gen: Generation, back: tuple[str, ...] = ()) -> Generation:
         """The job cannot continue in place (state was lost with its only holders, or every
         member vanished): generation ``gen.number + 1`` names nobody, so every process that
         registers from now on starts the job again (its script resumes from the latest
-        checkpoint). ``joined``: the members expected back."""
+        checkpoint): those that registered after the generation that failed, the first of them
+        leading (:meth:`_start_job`), once as many as ``back`` (the members its launchers will
+        start again) did."""
         return self._publish(Generation(
-            gen.number + 1, (), (), admitted=int(self.store.add("joins", 0)),
-            reason="restart", joined=gen.members))
+            gen.number + 1, (), (), admitted=gen.admitted, reason="restart", joined=back))
+
+    def finished(self) -> None:
+        """This job is over (a member closed its pipeline): processes waiting to join exit."""
+        if self.store is not None:
+            self.store.set("finished", self.member)
 
     def _record(self, g: int) -> Generation:
         return Generation.from_json(self._wait_key(f"gen/{g}", f"generation {g}'s record"))
