@@ -1,6 +1,6 @@
 """In-place morph time on the ~100M GPT: a notice, the survivors' re-plan and hand-over, and a
-join back, each phase timed (wall and CPU), against the restart path's 9.8 s
-(``bench_morph.py``).
+join back, each phase timed (wall and CPU), beside the restart path (``bench_morph.py``; both in
+bench/RESULTS.md).
 
 Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_morph_in_place.py``
 (``--small``: a tiny GPT, a smoke test; ``--write``: the table into bench/RESULTS.md).
@@ -14,10 +14,10 @@ with ``pipe.track``; ``pipe.data_loader`` over random tokens; global batch 4 x 6
 * ``stages=1``: P=1 x D=2 with ZeRO-1 -> (SIGTERM to replica 1) -> D=1 -> (a join) -> D=2.
 
 For each morph the survivors' ``pipe.morphs`` records give the phases (agree, regroup, replan,
-runtime, transfer, adopt) and the first step on the new layout; ``signal -> first step`` is the
-leaver's signal time to the end of that step (it contains the rest of the step the signal
-interrupted, which completes as useful work, and the first step itself); ``stall`` is what the
-survivors waited (the morph's phases: no work is lost on a notice). For a join, the survivors'
+runtime, transfer, adopt) and the first step on the new layout; ``signal -> ready`` is the
+leaver's signal time to the new layout's first step beginning (the rest of the step the signal
+interrupted, which completes as useful work, then the morph), ``-> first step done`` adds that
+step; ``stall`` is what the survivors waited (the morph's phases: no work is lost on a notice). For a join, the survivors'
 stall is measured the same way and the joiner's own time from its spawn to its first step is
 shown beside it (imports, model, capture happen before it is admitted, while the job runs).
 """
@@ -142,6 +142,7 @@ def rows_of(job: dict) -> list[dict]:
         if kind == "notice":
             row["signal_to_first_step_s"] = rec["finished"] - rec["signal_at"]
             row["drain_s"] = rec["started"] - rec["signal_at"]
+            row["signal_to_ready_s"] = row["drain_s"] + stall
         else:
             jrec = j["morphs"][0]
             row["joiner_spawn_to_first_step_s"] = jrec["finished"] - j["spawned"]
@@ -153,14 +154,14 @@ def table(results: list[dict], params: int, load: tuple) -> str:
     lines = [f"GPT {params / 1e6:.0f}M parameters, AdamW, global batch 4 x 64 tokens; "
              f"load average at start {load[0]:.1f} on {os.cpu_count()} CPUs (**loaded: wall "
              "times are not the result**; the CPU columns are this process's CPU seconds)", "",
-             "| morph | layouts | signal -> first step (s) | stall (s) | agree | regroup | "
-             "replan | runtime | transfer | adopt | first step | CPU: replan / runtime / "
-             "transfer / adopt | MB moved |",
+             "| morph | layouts | signal -> ready / -> first step done (s) | stall (s) | agree | "
+             "regroup | replan | runtime | transfer | adopt | first step | CPU: replan / "
+             "runtime / transfer / adopt | MB moved |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         p, c = r["phases"], r["cpu"]
         first = r.get("signal_to_first_step_s")
-        head = f"{first:.2f}" if first is not None else \
+        head = f"{r['signal_to_ready_s']:.2f} / {first:.2f}" if first is not None else \
             f"(joiner: spawn -> step {r['joiner_spawn_to_first_step_s']:.1f})"
         lines.append(
             f"| {r['kind']} | {r['from']} -> {r['to']} | {head} | {r['stall_s']:.2f} | "

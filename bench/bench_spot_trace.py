@@ -25,18 +25,19 @@ replayed at ``t / scale`` after the first step:
 
 At the end every launcher gets SIGTERM (all leaving: the workers save and exit). Reported:
 
-* goodput: samples trained (each global batch once) per second over the trace, against the
-  failure-free throughput on all machines (the steady step time of the full world in this run;
-  ``--baseline`` runs a failure-free job for the same time instead);
-* morph efficiency: samples trained against what the machines alive at each moment could have
-  trained (each world size's steady throughput): what the morphs themselves cost, apart from
-  running on fewer machines; and that cost per event extrapolated to the uncompressed trace;
+* goodput: samples trained (each global batch once) in the trace's time, against a failure-free
+  run of the same job on all machines for the same time (``--no-baseline``: against the steady
+  step time instead). On a machine whose cores the namespaces share, fewer machines do not
+  mean less capacity: there read the downtime line;
+* the morphs' downtime: each morph's stall (its phases), its first step's excess over the
+  steady step, and every step lost, summed; as a share of the uncompressed trace (the morphs
+  cost the same seconds there, spread over ``scale`` times the time);
 * every morph's phases (``pipe.morphs``), steps lost (re-run after an abrupt kill, redone after
   a restart from the checkpoint), and the largest relative difference of any step's loss from
   an uninterrupted one-process run of the same steps.
 
 Time compression keeps the morphs' own seconds real, so a compressed replay overstates their
-share of the time by the scale factor; the extrapolated line corrects for it.
+share of the time by the scale factor; the downtime line is the uncompressed trace's.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def worker(args: argparse.Namespace) -> None:
     data = vf.TokenDataset(torch.randint(0, cfg.vocab_size, (20000 * cfg.block_size,)),
                            seq_len=cfg.block_size)
     pipe = vf.compile(model, example_inputs=(data[0][0][None],), loss_fn=lm_loss,
-                      global_batch_size=GLOBAL_BATCH, shard_optimizer=args.shard)
+                      global_batch_size=GLOBAL_BATCH, shard_optimizer=args.shard,
+                      stages=args.stages)
     opt = pipe.optimizer(torch.optim.AdamW, lr=1e-3)
     sched = pipe.track(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s)))
     loader = pipe.data_loader(data, seed=0)
@@ -131,14 +133,18 @@ class Cluster:
         net = self.net
         i = node + 1
         argv = [sys.executable, "-m", "varuna_fx.launch.cli", "run", "--elastic", "--in-place",
-                "--nproc", "0" if node < 0 else "1", "--nnodes", f"1:{self.workers}",
+                # every worker machine to start the job; any number of them to continue it
+                "--nproc", "0" if node < 0 else "1", "--nnodes",
+                f"{self.workers}:{self.workers}",
                 "--rdzv-endpoint", f"{net.addresses[0]}:{self.port}",  # type: ignore[attr-defined]
                 "--local-addr", net.addresses[i], "--rdzv-id", "trace",  # type: ignore[attr-defined]
                 "--max-restarts", "3"]
         if node < 0:
             argv.append("--store-host")
         argv += [str(Path(__file__).resolve()), "--worker", "--dir", str(self.out),
-                 "--model", self.args.model, "--checkpoint-every",
+                 "--model", self.args.model, *(["--stages", str(self.args.stages)]
+                                               if self.args.stages else []),
+                 "--checkpoint-every",
                  str(self.args.checkpoint_every), *(["--shard"] if self.args.shard else [])]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"),
                    CUDA_VISIBLE_DEVICES="", VARUNA_FX_TIMEOUT="300",
@@ -237,6 +243,7 @@ def reference_losses(args: argparse.Namespace, steps: int, out: Path) -> dict[in
     env.pop("VARUNA_FX_STORE", None)
     subprocess.run([sys.executable, __file__, "--worker", "--dir", str(out), "--model",
                     args.model, "--reference", str(steps),
+                    *(["--stages", str(args.stages)] if args.stages else []),
                     *(["--shard"] if args.shard else [])], env=env, check=True, timeout=7200)
     return {r["step"]: r["loss"] for r in map(json.loads, (out / "log").read_text().splitlines())}
 
@@ -247,51 +254,51 @@ def analyse(run: dict, ref: dict[int, float], trace: dict, args: argparse.Namesp
     unique = {r["step"] for r in rows}
     redone = len(rows) - len(unique)  # logged twice: redone after a restart from a checkpoint
     span = run["end"] - run["t0"]
-    # steady step seconds per world size: gaps between consecutive steps of one layout
-    gaps: dict[int, list[float]] = {}
-    for a, b in zip(rows, rows[1:]):
-        if a["world"] == b["world"] and b["step"] == a["step"] + 1:
-            gaps.setdefault(b["world"], []).append(b["t"] - a["t"])
-    steady = {w: statistics.median(g) for w, g in gaps.items() if g}
-    full = baseline["step_s"] if baseline else steady.get(run["n"])
-    samples = len(unique) * GLOBAL_BATCH
-    goodput = samples / span / (GLOBAL_BATCH / full) if full else float("nan")
-    # what the machines alive could have trained: per event, the world changes at its time
-    alive, t_last, capacity = run["n"], 0.0, 0.0
-    for e in sorted(run["events"], key=lambda e: e["at"]):
-        step_s = steady.get(alive) or (full * run["n"] / max(alive, 1))
-        capacity += (e["at"] - t_last) / step_s
-        alive += 1 if e["kind"] == "join" else -1
-        t_last = e["at"]
-    capacity += (span - t_last) / (steady.get(alive) or (full * run["n"] / max(alive, 1)))
-    efficiency = len(unique) / capacity if capacity else float("nan")
-    stalls = [sum(v for k, v in m["phases"].items() if k != "first_step") for m in run["morphs"]]
-    lost_steps = sum(1 for m in run["morphs"] if m["reason"] == "lost") + redone
-    # the morphs' cost per real (uncompressed) second of trace
-    cost = (1 - efficiency) * span
-    extrapolated = 1 - cost / trace["duration_s"]
+    gaps = [b["t"] - a["t"] for a, b in zip(rows, rows[1:]) if b["step"] == a["step"] + 1]
+    step_s = statistics.median(gaps) if gaps else float("nan")
+    # the failure-free run's samples in the same time (or, without one, the steady step)
+    if baseline is not None:
+        goodput = len(unique) / baseline["steps"]
+    else:
+        goodput = len(unique) * step_s / span
+    # one record per morph (rank 0's; a record of its own joining is skipped when the
+    # survivors' is there)
+    per_gen: dict[int, dict] = {}
+    for m in run["morphs"]:
+        if m["reason"] != "joined" or m["generation"] not in per_gen:
+            per_gen[m["generation"]] = m
+    morphs = [per_gen[g] for g in sorted(per_gen)]
+    stalls = [sum(v for k, v in m["phases"].items() if k != "first_step") +
+              max(0.0, m["phases"].get("first_step", 0.0) - step_s) for m in morphs]
+    lost = sum(1 for m in morphs if m["reason"] == "lost")
+    downtime = sum(stalls) + (lost + redone) * step_s
     diffs = [abs(r["loss"] - ref[r["step"]]) / abs(ref[r["step"]]) for r in rows
              if r["step"] in ref]
     return {"trace": trace["name"], "scale": args.scale, "nodes": run["n"], "span_s": span,
             "steps": len(unique), "redone": redone, "goodput": goodput,
-            "efficiency": efficiency, "efficiency_uncompressed": extrapolated,
-            "steady_step_s": steady, "morphs": run["morphs"], "stalls": stalls,
-            "lost_steps": lost_steps, "events": run["events"],
-            "max_loss_rel_diff": max(diffs) if diffs else None,
-            "compared_steps": len(diffs)}
+            "baseline_steps": baseline["steps"] if baseline else None,
+            "step_s": step_s, "morphs": morphs, "stalls": stalls, "lost_steps": lost + redone,
+            "downtime_s": downtime,
+            # the same events in the real trace: the morphs cost what they cost here
+            "morph_share_uncompressed": downtime / trace["duration_s"],
+            "events": run["events"],
+            "max_loss_rel_diff": max(diffs) if diffs else None, "compared_steps": len(diffs)}
 
 
 def report(res: dict, args: argparse.Namespace) -> str:
     load = os.getloadavg()
+    base = f"the failure-free run's {res['baseline_steps']} steps in the same time" \
+        if res["baseline_steps"] is not None else "the steady step time (no failure-free run)"
     lines = [f"trace `{res['trace']}` at scale 1/{res['scale']:g} ({res['span_s']:.0f} s of "
              f"wall time), {res['nodes']} worker machines + the store's, model {args.model}; "
              f"load average {load[0]:.1f} on {os.cpu_count()} CPUs (**loaded: not the result**)",
              "",
-             f"* goodput {res['goodput']:.1%} of the failure-free throughput on all machines; "
-             f"morph efficiency {res['efficiency']:.1%} (samples against what the machines "
-             f"alive could train), {res['efficiency_uncompressed']:.2%} extrapolated to the "
-             "uncompressed trace",
-             f"* {res['steps']} steps; steps lost: {res['lost_steps']} "
+             f"* goodput {res['goodput']:.1%}: {res['steps']} steps against {base}",
+             f"* the morphs' downtime {res['downtime_s']:.1f} s (stalls, first steps beyond the "
+             f"steady {res['step_s']:.2f} s, lost steps): "
+             f"{1 - res['morph_share_uncompressed']:.2%} of the uncompressed trace's "
+             f"{res['span_s'] * res['scale']:.0f} s left to training",
+             f"* steps lost: {res['lost_steps']} "
              f"({sum(1 for m in res['morphs'] if m['reason'] == 'lost')} re-run after an abrupt "
              f"kill, {res['redone']} redone from a checkpoint); events: "
              + ", ".join(f"{e['kind']} node {e['node']} at {e['at']:.0f} s"
@@ -299,7 +306,7 @@ def report(res: dict, args: argparse.Namespace) -> str:
              f"* every step's loss against an uninterrupted one-process run: largest relative "
              f"difference {res['max_loss_rel_diff']:.1e} over {res['compared_steps']} steps"
              if res["max_loss_rel_diff"] is not None else "* no loss compared",
-             "", "| morph | layouts | stall (s) | agree | regroup | replan | runtime | "
+             "", "| morph | layouts | downtime (s) | agree | regroup | replan | runtime | "
              "transfer | adopt | first step | MB moved |", "|---|---|---|---|---|---|---|---|"
              "---|---|---|"]
     for m, stall in zip(res["morphs"], res["stalls"]):
@@ -324,25 +331,33 @@ def main() -> None:
     ap.add_argument("--model", default="small", choices=["small", "gpt100m"])
     ap.add_argument("--rate", default=None, help="each machine's link, e.g. 1gbit (unshaped)")
     ap.add_argument("--shard", action="store_true", help="ZeRO-1 (a kill then restarts)")
+    ap.add_argument("--stages", type=int, default=None,
+                    help="compile's stages= (dropped where it does not fit a world); 1: data "
+                         "parallel only, so every abrupt kill leaves a replica (default: the "
+                         "planner's choice)")
     ap.add_argument("--checkpoint-every", type=int, default=50)
-    ap.add_argument("--baseline", action="store_true",
-                    help="also run the job failure-free for the same time")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the failure-free run (goodput from the steady step time)")
     ap.add_argument("--write", action="store_true", help="the table into bench/RESULTS.md")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--keep", default=None, help="keep the runs' logs in this directory")
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
     trace = json.loads(Path(args.trace).read_text())
     with tempfile.TemporaryDirectory(prefix="bench_spot_") as d:
+        if args.keep:
+            d = args.keep
+            Path(d).mkdir(parents=True, exist_ok=True)
         (Path(d) / "run").mkdir()
         run = replay(trace, args, Path(d) / "run", events=True)
         baseline = None
-        if args.baseline:
+        if not args.no_baseline:
             (Path(d) / "base").mkdir()
             base = replay(trace, args, Path(d) / "base", events=False)
-            gaps = [b["t"] - a["t"] for a, b in zip(base["steps"], base["steps"][1:])]
-            baseline = {"step_s": statistics.median(gaps)}
+            baseline = {"steps": len({r["step"] for r in base["steps"]
+                                      if r["t"] <= base["end"]})}
         (Path(d) / "ref").mkdir()
         last = max(r["step"] for r in run["steps"])
         ref = reference_losses(args, last, Path(d) / "ref")

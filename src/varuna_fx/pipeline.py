@@ -8,6 +8,7 @@ its constructor.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -437,9 +438,16 @@ class Pipeline:
         complete. ``data`` (a ``data_loader``), ``scheduler`` and ``stateful`` (names ->
         objects with state_dict/load_state_dict) are saved too (checkpoint/stateful.py).
         See docs/checkpoints.md."""
-        handle = self._checkpoints().save(
-            str(path), optimizer, extra, async_save=async_save,
-            states={"data": data, "scheduler": scheduler, "stateful": stateful})
+        try:
+            handle = self._checkpoints().save(
+                str(path), optimizer, extra, async_save=async_save,
+                states={"data": data, "scheduler": scheduler, "stateful": stateful})
+        except VarunaFxError as exc:  # in place, a peer lost meanwhile: the next step recovers
+            if self._in_place is None or not self._in_place.save_failed(self, exc):
+                raise
+            warnings.warn(f"{path} was not saved: a process vanished during the save; the "
+                          "next step recovers in place", stacklevel=2)
+            return None
         if self._in_place is not None:
             self._in_place.checkpoint = str(path)
         return handle

@@ -56,6 +56,12 @@ pipe = vf.compile(model, example_inputs=(data[0][0][None],), loss_fn=lm_loss,
 opt = pipe.optimizer(torch.optim.AdamW, lr=1e-2, eps=ADAM_EPS)
 sched = pipe.track(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)))
 loader = pipe.data_loader(data, shuffle=True, seed=0)
+refused = None
+if pipe.joined:  # its state came from the others: loading a checkpoint would rewind it alone
+    try:
+        pipe.load_checkpoint(str(out / "no_such_checkpoint"), optimizer=opt)
+    except vf.VarunaFxError as exc:
+        refused = str(exc)
 notice, kill, pause = at(args.notice), at(args.kill), at(args.pause)
 for x, y in loader.forever():
     # the global batch this step trains on (1-based; a joining process continues the count)
@@ -80,7 +86,8 @@ for x, y in loader.forever():
             f.write(f"{step} {world} {pipe.plan.stages} {pipe.plan.data_parallel} "
                     f"{float(loss):.17g}\n")
 torch.save({"params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
-            "morphs": [r.as_dict() for r in pipe.morphs], "lr": sched.get_last_lr()},
+            "morphs": [r.as_dict() for r in pipe.morphs], "lr": sched.get_last_lr(),
+            "refused_load": refused},
            out / f"{member}.pt")
 pipe.close()
 sys.stdout.flush()

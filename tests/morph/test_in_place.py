@@ -90,6 +90,7 @@ def test_notice_shrinks_and_a_join_grows_back(tmp_path: Path, reference: dict) -
     assert join["new_layout"].startswith("P=1 D=2")
     joiner = _check(tmp_path, "m2", reference)
     assert [m["reason"] for m in joiner["morphs"]] == ["joined"]
+    assert "joined a running in-place job" in joiner["refused_load"]
     # moved: the leaver's half of AdamW's two moments to the survivor; then all weights and
     # half the moments to the joiner -- never a whole copy of the state
     weights = sum(v.numel() * v.element_size() for v in survivor["params"].values())

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from ..checkpoint.contents import class_name, rng_state, set_rng_state
-from ..checkpoint.optimizer_state import decode, encode
+from ..checkpoint.optimizer_state import decode, encode, restore_optimizer
 from ..errors import VarunaFxError
+from ..runtime.zero import repoint_optimizer
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +89,21 @@ class Carried:
                 f"this process joined a running job that trains with {self.optimizer['class']}, "
                 f"but its script made a {class_name(optimizer)}: run the same script everywhere")
 
-    def apply_tracked(self, obj: Any) -> None:
+    def apply_optimizer(self, optimizer: torch.optim.Optimizer, made: Any, runtime: Any,
+                        named: dict[str, Any]) -> None:
+        """The optimizer the joiner's script made: cut as the survivors cut theirs (model order
+        within each param group, which is what the carried state was cut for), with the running
+        job's hyperparameters and state."""
+        assert self.optimizer is not None
+        self.check_optimizer(optimizer)
+        made.group_of = dict(self.optimizer["group_of"])
+        repoint_optimizer(optimizer, runtime, named)
+        for group, hyper in zip(optimizer.param_groups, self.optimizer["hypers"]):
+            group.update(hyper)
+        restore_optimizer(optimizer, {id(p): n for n, p in named.items()}, self.entries)
+        self.entries = {}
+
+    def apply_tracked(self, obj: Any, optimizer: torch.optim.Optimizer | None) -> None:
         """The next registered object's state (objects are matched in registration order)."""
         if self.applied >= len(self.tracked):
             raise VarunaFxError(
@@ -102,3 +117,8 @@ class Carried:
                 f"{type(obj).__name__} here: register the same objects in the same order")
         obj.load_state_dict(state)
         self.applied += 1
+        if self.optimizer is not None and optimizer is not None:
+            # a scheduler made after the optimizer set its own learning rate: the running
+            # job's is the one to continue with
+            for group, hyper in zip(optimizer.param_groups, self.optimizer["hypers"]):
+                group.update(hyper)

@@ -47,9 +47,8 @@ import torch.distributed as dist
 
 from ..checkpoint.contents import rng_state, set_rng_state
 from ..checkpoint.optimizer_state import restore_optimizer
-from ..errors import DistributedError, PeerTimeoutError, VarunaFxError
+from ..errors import DistributedError, PeerTimeoutError
 from ..init.materialize import is_deferred, materialize_tensors
-from ..init.skip import loaded
 from ..planner.cluster import Cluster
 from ..runtime import preemption
 from ..runtime.distributed import agree_on_plan, build_runtime, release_unheld
@@ -65,6 +64,7 @@ from .state import (
     OPT,
     Descriptor,
     Sources,
+    copy_model,
     expand_needs,
     joiner_ranges,
     merged_info,
@@ -93,6 +93,7 @@ class InPlace:
         self._rng: dict[str, Any] | None = None  # at the start of the step in flight
         self._had_grads = False  # the step in flight started with gradients (accumulating)
         self._lost_shard = False
+        self.broken = False  # a checkpoint save lost a peer: the next step recovers first
         self._first_step: MorphRecord | None = None  # waiting for its first step's time
         self._step_started = 0.0
 
@@ -123,10 +124,11 @@ class InPlace:
 
     def begin_step(self, pipe: Any, args: batch.Args) -> batch.Args:
         """Before a step: the morph a notice or a join asked for, then this step's snapshot."""
-        grads = _has_grads(pipe)
-        if self.pending and not grads:  # (gradients being accumulated stay where they are)
+        if self.broken:  # a process vanished during a checkpoint save: recover first
+            args = self.recover(pipe, None, args, in_flight=False)
+        if self.pending:
             args = self._boundary(pipe, args)
-        self._had_grads = grads
+        self._had_grads = _has_grads(pipe)
         self._rng = rng_state()
         self._step_started = time.perf_counter()
         return args
@@ -144,14 +146,16 @@ class InPlace:
     # -- a notice or a join, at a step boundary ------------------------------------------------
 
     def _boundary(self, pipe: Any, args: batch.Args) -> batch.Args:
-        self.pending = False
         old = self.membership.generation
         assert old is not None
         rec = MorphRecord(old.number + 1, "notice", time.time(), layout_text(pipe.plan, len(
             old.members)), "")
         leaving = preemption.requested()
         said: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(said, (leaving, preemption.received_at()))
+        dist.all_gather_object(said, (leaving, preemption.received_at(), _has_grads(pipe)))
+        if any(s[2] for s in said):  # gradients being accumulated: morph at a later step
+            return args
+        self.pending = False
         text = [""]
         if dist.get_rank() == 0:
             text[0] = self.membership.after_boundary(
@@ -166,18 +170,21 @@ class InPlace:
 
     # -- a process vanished --------------------------------------------------------------------
 
-    def recover(self, pipe: Any, exc: BaseException, args: batch.Args) -> batch.Args:
-        """After the step in flight failed talking to a peer: agree with the other survivors on
-        the next generation, morph, and return the step's arguments for the new layout (the
-        caller runs the step again)."""
+    def recover(self, pipe: Any, exc: BaseException | None, args: batch.Args,
+                in_flight: bool = True) -> batch.Args:
+        """After the step in flight failed talking to a peer (``in_flight``; else the last
+        step's checkpoint save did): agree with the other survivors on the next generation,
+        morph, and return the step's arguments for the new layout (the caller runs the step)."""
         old = self.membership.generation
         assert old is not None
         rec = MorphRecord(old.number + 1, "lost", time.time(),
                           layout_text(pipe.plan, len(old.members)), "")
-        if self._rng is not None:  # the failed attempt drew its step seed: draw it again
+        self.broken = False
+        if in_flight and self._rng is not None:  # the failed attempt drew its step seed
             set_rng_state(self._rng)
-        _forget(exc)
-        if self._had_grads:
+        if exc is not None:
+            _forget(exc)
+        if self._had_grads if in_flight else _has_grads(pipe):
             raise DistributedError(
                 "a process vanished during a step that accumulates onto earlier steps' "
                 "gradients: those gradients cannot be moved to the new layout, so the job "
@@ -186,11 +193,24 @@ class InPlace:
         for p in pipe.parameters():  # the failed attempt's partial gradients
             p.grad = None
         snapshot = self._snapshot(pipe, args)  # before the groups go: views of this state
-        self._teardown(pipe, failed=True)
+        if pipe.runtime is not None:
+            self._teardown(pipe, failed=True)
         gen = self.membership.recover(self.cluster.to_dict(), self._global_batch(pipe))
         rec.lost, rec.joined = gen.lost, gen.joined
         rec.phase("agree")
         return self._morph(pipe, gen, args, rec, leaving=False, snapshot=snapshot)
+
+    def save_failed(self, pipe: Any, exc: BaseException) -> bool:
+        """A checkpoint save raised: when a peer vanished meanwhile (its connection closed or
+        reset, a wait timed out), close this process's groups at once (so peers blocked in the
+        save fail too) and recover at the next step; True then (the save is abandoned)."""
+        text = " ".join(str(e) for e in _chain(exc)).lower()
+        if not any(w in text for w in ("closed", "reset", "timed out", "timeout", "broken")):
+            return False
+        _forget(exc)
+        self._teardown(pipe, failed=True)
+        self.broken = True
+        return True
 
     # -- the morph -----------------------------------------------------------------------------
 
@@ -351,7 +371,7 @@ class InPlace:
     def _adopt(self, pipe: Any, plan: MovePlan, got: Sources, sources: Sources,
                desc: Descriptor) -> None:
         """Values into the tensors held now; the optimizer's state loaded."""
-        self._adopt_model(pipe, got)
+        copy_model(pipe.state_dict(), got)
         if self.optimizer is not None:
             names = {id(p): n for n, p in pipe.named_parameters()}
             made = made_by_pipeline(self.optimizer)
@@ -408,7 +428,7 @@ class InPlace:
         if missing:
             raise DistributedError(f"joining generation {gen.number}: no member holds "
                                    f"{missing[0][1]}")
-        self._adopt_model(pipe, got)
+        copy_model(pipe.state_dict(), got)
         if carried.optimizer is not None:
             fqns = [n for n, _ in pipe.named_parameters() if n in carried.optimizer["group_of"]]
             carried.entries = optimizer_entries_from(
@@ -419,15 +439,6 @@ class InPlace:
         self.records.append(rec)
         self._first_step = rec
 
-    def _adopt_model(self, pipe: Any, got: Sources) -> None:
-        state = pipe.state_dict()
-        with torch.no_grad():
-            for name, t in state.items():
-                flat = t.data.view(-1)
-                for start, values in got.get((name, ""), []):
-                    flat[start:start + values.numel()].copy_(values)
-        loaded(state.values())
-
     # -- what the pipeline registers -----------------------------------------------------------
 
     def optimizer_made(self, pipe: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -437,17 +448,8 @@ class InPlace:
         made = made_by_pipeline(optimizer)
         assert made is not None
         if self.carried is not None and self.carried.optimizer is not None:
-            self.carried.check_optimizer(optimizer)
-            made.group_of = dict(self.carried.optimizer["group_of"])
-            named = dict(pipe.named_parameters())
-            # cut as the survivors cut (model order within each group), which is what the
-            # carried state was cut for
-            repoint_optimizer(optimizer, pipe.runtime, named)
-            for group, hyper in zip(optimizer.param_groups, self.carried.optimizer["hypers"]):
-                group.update(hyper)
-            restore_optimizer(optimizer, {id(p): n for n, p in named.items()},
-                              self.carried.entries)
-            self.carried.entries = {}
+            self.carried.apply_optimizer(optimizer, made, pipe.runtime,
+                                         dict(pipe.named_parameters()))
             return
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, made.group_of)
@@ -457,13 +459,7 @@ class InPlace:
     def track(self, obj: Any) -> None:
         self.tracked.append(obj)
         if self.carried is not None:
-            self.carried.apply_tracked(obj)
-            if self.carried.optimizer is not None and self.optimizer is not None:
-                # a scheduler made after the optimizer set its own learning rate: the running
-                # job's is the one to continue with
-                for group, hyper in zip(self.optimizer.param_groups,
-                                        self.carried.optimizer["hypers"]):
-                    group.update(hyper)
+            self.carried.apply_tracked(obj, self.optimizer)
 
     def _loaders(self) -> list[Any]:
         return [t for t in self.tracked if isinstance(t, batch.MorphableData)]
@@ -483,6 +479,14 @@ def _has_grads(pipe: Any) -> bool:
     return any(p.grad is not None for p in pipe.parameters())
 
 
+def _chain(exc: BaseException) -> list[BaseException]:
+    found: list[BaseException] = []
+    while exc is not None and exc not in found:
+        found.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return found
+
+
 def _forget(exc: BaseException) -> None:
     """Drop the locals of every frame the failure unwound (they hold the old groups' work and
     tensors): the groups' sockets close only when nothing references them."""
@@ -493,5 +497,3 @@ def _forget(exc: BaseException) -> None:
             traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
 
-
-__all__ = ["InPlace", "RESTART_EXIT", "VarunaFxError"]

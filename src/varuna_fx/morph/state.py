@@ -38,6 +38,7 @@ from ..checkpoint.optimizer_state import (
     optimizer_entries,
 )
 from ..checkpoint.sharded_state import CHUNK_PREFIX, chunk_key
+from ..init.skip import loaded
 from ..runtime.transfer import Item, Range, assemble
 from ..runtime.zero import layout_of, shard_ranges, sharded
 
@@ -178,6 +179,16 @@ def expand_needs(desc: Descriptor, every: list[Descriptor]) -> dict[Item, list[R
     for key, ranges in desc.needs_input.items():
         needs[(INPUT, key)] = list(ranges)
     return needs
+
+
+def copy_model(state: dict[str, torch.Tensor], got: Sources) -> None:
+    """What arrived for the model's tensors, into them (``vf.skip_init`` marks cleared)."""
+    with torch.no_grad():
+        for name, t in state.items():
+            flat = t.data.view(-1)
+            for start, values in got.get((name, ""), []):
+                flat[start:start + values.numel()].copy_(values)
+    loaded(state.values())
 
 
 def merged_info(every: list[Descriptor]) -> dict[Item, Info]:

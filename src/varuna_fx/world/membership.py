@@ -250,13 +250,19 @@ class Membership:
                     f"only {count()} of the {wanted} processes the job needs to start "
                     f"registered within {self.timeout:.0f} s")
             time.sleep(POLL)
+        def names() -> list[str]:
+            return [self.store.get(f"join/{k}").decode()
+                    for k in range(after + 1, after + count() + 1)]
+
+        before = self.beats(names())
         last = time.monotonic() + LAST_CALL
         while time.monotonic() < last and count() < self.max_world:
             time.sleep(POLL)
-        n = min(count(), self.max_world)
-        members = tuple(self.store.get(f"join/{k}").decode()
-                        for k in range(after + 1, after + n + 1))
-        self._publish(Generation(g, members, members, admitted=after + n))
+        time.sleep(2 * BEAT)  # every live registrant beats meanwhile; a dead one does not
+        every = names()
+        now = self.beats(every)
+        live = tuple(m for m in every if now[m] > before.get(m, 0))[:self.max_world]
+        self._publish(Generation(g, live, live, admitted=after + len(every)))
 
     def mark_restart(self, gen: Generation, back: tuple[str, ...] = ()) -> Generation:
         """The job cannot continue in place (state was lost with its only holders, or every
@@ -320,17 +326,29 @@ class Membership:
         count = int(self.store.add("joins", 0))
         if count <= gen.admitted:
             return False
-        return bool(self._ready(range(gen.admitted + 1, count + 1)))
+        return bool(self._admit(gen, count, 1)[0])
 
-    def _ready(self, numbers: range) -> list[str]:
+    def _admit(self, gen: Generation, count: int, room: int) -> tuple[tuple[str, ...], int]:
+        """(the processes registered after ``gen.admitted`` that are ready to be admitted, at
+        most ``room``; how many registrations are settled). Ready: its heartbeat moved since
+        this process first saw it; one silent for twice the heartbeat window is settled as
+        gone, so a process that registered and died is never admitted nor waited for."""
+        numbers = range(gen.admitted + 1, count + 1)
         names = [self.store.get(f"join/{n}").decode() for n in numbers]
         beats = self.beats(names)
-        now, ready = time.monotonic(), []
-        for name in names:
+        now = time.monotonic()
+        joined: list[str] = []
+        settled, blocked = gen.admitted, False
+        for n, name in zip(numbers, names):
             first = self._seen.setdefault(name, (beats[name], now))
-            if beats[name] > first[0]:
-                ready.append(name)
-        return ready
+            ready = beats[name] > first[0]
+            if ready and len(joined) < room:
+                joined.append(name)
+            gone = not ready and now - first[1] > 2 * self.window
+            blocked = blocked or not (name in joined or gone)
+            if not blocked:
+                settled = n
+        return tuple(joined), settled
 
     def after_boundary(self, leaving: list[bool], cluster: dict[str, Any] | None,
                        global_batch_size: int | None) -> Generation:
@@ -340,13 +358,12 @@ class Membership:
         assert gen is not None
         stay = [m for m, out in zip(gen.members, leaving) if not out]
         gone = tuple(m for m, out in zip(gen.members, leaving) if out)
-        count = int(self.store.add("joins", 0))
-        ready = self._ready(range(gen.admitted + 1, count + 1)) if count > gen.admitted else []
-        joined = tuple(ready[:max(0, self.max_world - len(stay))])
+        joined, admitted = self._admit(gen, int(self.store.add("joins", 0)),
+                                       max(0, self.max_world - len(stay)))
         members = (*stay, *joined)
         reason = "notice" if gone else "join"
         return self._publish(Generation(
-            gen.number + 1, members, (*members, *gone), admitted=count, reason=reason,
+            gen.number + 1, members, (*members, *gone), admitted=admitted, reason=reason,
             joined=joined, left=gone, cluster=_resized(cluster, len(members)),
             global_batch_size=global_batch_size, running=True))
 
@@ -380,13 +397,11 @@ class Membership:
                     lost.add(m)
             if len(alive) + len(lost) == len(gen.members):
                 stay = [m for m in gen.members if m in alive]
-                count = int(self.store.add("joins", 0))
-                ready = self._ready(range(gen.admitted + 1, count + 1)) \
-                    if count > gen.admitted else []
-                joined = tuple(ready[:max(0, self.max_world - len(stay))])
+                joined, admitted = self._admit(gen, int(self.store.add("joins", 0)),
+                                               max(0, self.max_world - len(stay)))
                 members = (*stay, *joined)
                 self._publish(Generation(
-                    gen.number + 1, members, members, admitted=count, reason="lost",
+                    gen.number + 1, members, members, admitted=admitted, reason="lost",
                     joined=joined, lost=tuple(m for m in gen.members if m in lost),
                     cluster=_resized(cluster, len(members)),
                     global_batch_size=global_batch_size, running=True))
