@@ -81,9 +81,7 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
             "the plan shards optimizer state to fit in memory"
         guard_direct_optimizers(pipe.parameters(), f"{why} (ZeRO-1)")
     if replan is not None:
-        pipe._in_place = InPlace(membership(), replan)
-        if joining:
-            pipe._in_place.join(pipe)
+        pipe._in_place = InPlace.attach(pipe, membership(), replan, joining)
     return pipe
 
 

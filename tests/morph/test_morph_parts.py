@@ -1,19 +1,22 @@
 """The pure parts of in-place morphing, in one process: who sends what to whom, what a new
 ZeRO-1 shard will hold, the records in the store, the options a new world plans with, and the
-data loader's share of a step on another layout."""
+data loader's share of a step on another layout, and the refusal of an optimizer a morph could
+not move."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import varuna_fx as vf
 from varuna_fx.data.loader import GlobalBatchLoader
+from varuna_fx.errors import OptimizerError
 from varuna_fx.morph.batch import MorphableData, rebuilt, sample_tensors
 from varuna_fx.morph.state import INPUT, Descriptor, Info, expand_needs, input_holdings
 from varuna_fx.options import CompileOptions, fit_to_world
 from varuna_fx.runtime.transfer import Move, plan_moves
-from varuna_fx.runtime.zero import build_layout, shard_ranges
+from varuna_fx.runtime.zero import build_layout, guard_direct_optimizers, shard_ranges
 from varuna_fx.world.membership import Generation
 
 W = ("w", "")
@@ -110,3 +113,14 @@ def test_the_loader_cuts_any_share_of_its_last_batch_and_moves_on_resharded() ->
     assert loader.state_at_last()["samples"] == 0  # a joiner would run this batch first
     loader.reshard(0, 1)
     assert torch.equal(next(it), data[8:16])  # the next global batch, all of it
+
+
+def test_an_optimizer_made_around_the_pipeline_is_refused_in_an_in_place_job() -> None:
+    params = [nn.Parameter(torch.ones(2))]
+    guard_direct_optimizers(params, "this job morphs in place (--in-place)", (
+        "a morph moves pipe.optimizer's state and parameters only, so this one would keep "
+        "stepping the old layout's", "run without --in-place (the restart path)"))
+    opt = torch.optim.SGD(params, lr=0.1)
+    params[0].grad = torch.ones(2)
+    with pytest.raises(OptimizerError, match=r"in place.*pipe.optimizer\(torch.optim.SGD"):
+        opt.step()

@@ -54,20 +54,19 @@ from ..runtime import preemption
 from ..runtime.distributed import agree_on_plan, build_runtime, release_unheld
 from ..runtime.model_state import unread_tensors
 from ..runtime.setup import held_tensors
-from ..runtime.transfer import Channel, MovePlan, plan_moves, run_moves
-from ..runtime.zero import made_by_pipeline, repoint_optimizer
+from ..runtime.transfer import MovePlan
+from ..runtime.zero import guard_direct_optimizers, made_by_pipeline, repoint_optimizer
 from ..world.membership import Generation, Membership, backend_name
 from . import batch
 from .carried import Carried, recipe
+from .exchange import exchange
 from .records import MorphRecord, layout_text
 from .state import (
     OPT,
     Descriptor,
     Sources,
     copy_model,
-    expand_needs,
     joiner_ranges,
-    merged_info,
     model_holdings,
     optimizer_entries_from,
     optimizer_holdings,
@@ -96,6 +95,17 @@ class InPlace:
         self.broken = False  # a checkpoint save lost a peer: the next step recovers first
         self._first_step: MorphRecord | None = None  # waiting for its first step's time
         self._step_started = 0.0
+
+    @classmethod
+    def attach(cls, pipe: Any, membership: Membership, replan: Any, joining: bool) -> InPlace:
+        """``make_pipeline``'s: the pipeline's morphing (a joining process takes its state)."""
+        guard_direct_optimizers(pipe.parameters(), "this job morphs in place (--in-place)", (
+            "a morph moves pipe.optimizer's state and parameters only, so this one would keep "
+            "stepping the old layout's", "run without --in-place (the restart path)"))
+        morphing = cls(membership, replan)
+        if joining:
+            morphing.join(pipe)
+        return morphing
 
     # -- every step ----------------------------------------------------------------------------
 
@@ -336,37 +346,9 @@ class InPlace:
 
     def _exchange(self, pipe: Any, gen: Generation, desc: Descriptor, sources: Sources,
                   rec: MorphRecord) -> tuple[MovePlan, Sources]:
-        """Descriptors through the store, the moves over the transfer group."""
-        me = self._me(gen)
-        m = self.membership
-        m.put(gen.number, f"desc/{me}", desc.to_bytes())
-        every = [desc if r == me else Descriptor.from_bytes(
-            m.get(gen.number, f"desc/{r}", f"process {r}'s state description"))
-            for r in range(len(gen.transfer))]
-        needs = [expand_needs(d, every) for d in every]
-        # a vanished process of a sharded (ZeRO-1) optimizer took the only copy of its shard
-        self._lost_shard = bool(gen.lost) and any(d.sharded for d in every)
-        plan = plan_moves([d.holds for d in every], needs)
-        info = merged_info(every)
-        group = m.transfer_group(gen)
-        channel = Channel(group, m.timeout, f"process {me} of generation {gen.number}")
-        got = run_moves(plan, me, sources, {i: v.dtype for i, v in info.items()}, channel)
-        itemsize = {i: v.dtype.itemsize for i, v in info.items()}
-        rec.bytes_moved = plan.bytes_moved(itemsize)
-        rec.bytes_received = sum(mv.count * itemsize[mv.item] for mv in plan.moves
-                                 if mv.dst == me)
-        for item, start, count in plan.kept.get(me, []):
-            if item[1] == "":  # a weight this rank keeps is in place already
-                continue
-            for first, flat in sources.get(item, []):
-                if first <= start and start + count <= first + flat.numel():
-                    got.setdefault(item, []).append((start, flat[start - first:
-                                                                 start - first + count]))
-                    break
-        self._info = info
-        del group
-        rec.phase("transfer")
-        return plan, got
+        done = exchange(self.membership, gen, desc, sources, rec)
+        self._info, self._lost_shard = done.info, done.lost_shard
+        return done.plan, done.got
 
     def _adopt(self, pipe: Any, plan: MovePlan, got: Sources, sources: Sources,
                desc: Descriptor) -> None:

@@ -100,10 +100,14 @@ def plan_moves(holds: list[dict[Item, list[Range]]],
 
 class Channel:
     """Point-to-point sends and receives over the default group (``group=None``: the new
-    generation's) or over a gloo group made outside it (``world/membership.transfer_group``)."""
+    generation's) or over a gloo group made outside it (``world/membership.transfer_group``).
+    ``device``: where its buffers live (the default group's device under NCCL, else the CPU)."""
 
     def __init__(self, group: Any, timeout: float, who: str) -> None:
         self.group, self.timeout, self.who = group, timeout, who
+        nccl = group is None and dist.is_initialized() and dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl \
+            else torch.device("cpu")
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         if self.group is None:
@@ -140,12 +144,13 @@ def run_moves(plan: MovePlan, me: int, sources: dict[Item, list[tuple[int, torch
     order = sorted({dtypes[m.item] for m in plan.moves}, key=str)
     works: list[tuple[Any, str]] = []
     for (dst, dtype), moves in sorted(out.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        flat = torch.cat([_piece(sources[m.item], m.start, m.count) for m in moves])
+        flat = torch.cat([_piece(sources[m.item], m.start, m.count).to(channel.device)
+                          for m in moves])
         works.append((channel.send(flat, dst, order.index(dtype)), f"to rank {dst}"))
     received: dict[Item, list[tuple[int, torch.Tensor]]] = {}
     buffers = []
     for (src, dtype), moves in sorted(inc.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        flat = torch.empty(sum(m.count for m in moves), dtype=dtype)
+        flat = torch.empty(sum(m.count for m in moves), dtype=dtype, device=channel.device)
         works.append((channel.recv(flat, src, order.index(dtype)), f"from rank {src}"))
         buffers.append((flat, moves))
     for work, what in works:

@@ -470,15 +470,22 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, runtime: Any,
 
 # -- refusing optimizers that bypass the shards ---------------------------------------------------
 
-_GUARDED: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (its ref, the reason)
+# id(parameter) -> (its ref, the reason, (what would go wrong, the other way out))
+_GUARDED: dict[int, tuple[weakref.ref, str, tuple[str, str]]] = {}
 _HOOK: Any = None
 
 
-def guard_direct_optimizers(params: Iterable[nn.Parameter], reason: str) -> None:
-    """Refuse, at their first step, optimizers over ``params`` not made by pipe.optimizer."""
+_AVERAGED = ("its step would apply gradients that are not averaged over the data-parallel "
+             "replicas", "compile with shard_optimizer=False")
+
+
+def guard_direct_optimizers(params: Iterable[nn.Parameter], reason: str,
+                            why: tuple[str, str] = _AVERAGED) -> None:
+    """Refuse, at their first step, optimizers over ``params`` not made by pipe.optimizer.
+    ``why``: what would go wrong, and the other way out (besides ``pipe.optimizer``)."""
     global _HOOK
     for p in params:
-        _GUARDED[id(p)] = (weakref.ref(p), reason)
+        _GUARDED[id(p)] = (weakref.ref(p), reason, why)
     if _HOOK is None:
         _HOOK = register_optimizer_step_pre_hook(_refuse_direct)
 
@@ -492,8 +499,7 @@ def _refuse_direct(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
             if found is not None and found[0]() is p:
                 raise OptimizerError(
                     f"this {type(optimizer).__name__} was built over the pipeline's parameters "
-                    f"directly, but {found[1]}: its step would apply gradients that are not "
-                    "averaged over the data-parallel replicas. Build it with "
+                    f"directly, but {found[1]}: {found[2][0]}. Build it with "
                     f"pipe.optimizer(torch.optim.{type(optimizer).__name__}, ...) (same "
-                    "arguments), or compile with shard_optimizer=False"
+                    f"arguments), or {found[2][1]}"
                 )

@@ -275,8 +275,10 @@ class Membership:
             gen.number + 1, (), (), admitted=gen.admitted, reason="restart", joined=back))
 
     def finished(self) -> None:
-        """This job is over (a member closed its pipeline): processes waiting to join exit."""
-        if self.store is not None:
+        """This job is over (a member closed its pipeline): processes waiting to join exit.
+        (A process that left the job closing its pipeline says nothing.)"""
+        gen = self.generation
+        if self.store is not None and gen is not None and self.member in gen.members:
             self.store.set("finished", self.member)
 
     def _record(self, g: int) -> Generation:
