@@ -5,6 +5,7 @@ Public names only; docs/API.md in the repository is the reference.
 
 from .api import compile
 from .checkpoint.directory import latest_checkpoint
+from .costs.wire import DiLoCo, PowerSGD
 from .data.tokens import TokenDataset
 from .errors import (
     CaptureError,
@@ -15,6 +16,7 @@ from .errors import (
     PartitionError,
     PeerTimeoutError,
     PlanError,
+    PretrainedError,
     ScheduleError,
     UninitializedError,
     VarunaFxError,
@@ -32,6 +34,7 @@ __all__ = [
     "CaptureError",
     "CheckpointError",
     "Cluster",
+    "DiLoCo",
     "DistributedError",
     "InputError",
     "Monitor",
@@ -40,7 +43,9 @@ __all__ = [
     "PeerTimeoutError",
     "Pipeline",
     "Plan",
+    "PowerSGD",
     "PlanError",
+    "PretrainedError",
     "ScheduleError",
     "StageCost",
     "TokenDataset",

@@ -43,6 +43,21 @@ class CheckpointError(VarunaFxError):
     """A checkpoint cannot be written or does not fit this model or optimizer."""
 
 
+class PretrainedError(CheckpointError):
+    """A Hugging Face (safetensors) checkpoint cannot be read or written, or its tensors do not
+    fit the model. ``missing`` (the model's names no tensor fills), ``unexpected`` (checkpoint
+    keys naming nothing of the model) and ``mismatched`` ("name: what the checkpoint holds, what
+    the model holds") list them; empty where the error is about something else."""
+
+    def __init__(self, message: str, *, missing: list[str] | None = None,
+                 unexpected: list[str] | None = None,
+                 mismatched: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
+        self.unexpected = list(unexpected or [])
+        self.mismatched = list(mismatched or [])
+
+
 class OptimizerError(VarunaFxError):
     """An optimizer the pipeline cannot step correctly (sharded optimizer state, ZeRO-1)."""
 

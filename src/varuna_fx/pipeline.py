@@ -8,6 +8,7 @@ its constructor.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -20,16 +21,18 @@ from .capture.captured import Captured
 from .capture.inputs import BoundInputs, bind_inputs
 from .capture.model_edits import ModelEdits, traced_modules
 from .checkpoint.failures import FailedLoad
+from .checkpoint.pretrained import PretrainedLoad, load_pretrained, save_pretrained
 from .checkpoint.save_load import Checkpointer
 from .codegen.modes import Modes, evaluation_stages, module_modes
 from .codegen.stage_module import Stage
+from .costs.wire import DiLoCo
 from .data.loader import GlobalBatchLoader, loader_for
 from .errors import InputError, VarunaFxError
 from .init.materialize import is_deferred, materialize_tensors
 from .init.skip import any_marked, loaded, raise_unloaded, unloaded
 from .ir.nodes import info
 from .morph.controller import InPlace
-from .morph.records import MorphRecord
+from .morph.face import InPlaceFace
 from .passes.manager import dump_dir
 from .planner.plan import Plan
 from .runtime import preemption
@@ -80,18 +83,23 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
         why = "shard_optimizer=True" if shard is True else \
             "the plan shards optimizer state to fit in memory"
         guard_direct_optimizers(pipe.parameters(), f"{why} (ZeRO-1)")
+    if pipe.replicas > 1 and any(isinstance(s, DiLoCo) for s in plan.replica_sync):
+        guard_direct_optimizers(
+            pipe.parameters(), "replica_sync=vf.DiLoCo(...) takes its outer step after every "
+            "'every' steps of the optimizer pipe.optimizer made",
+            "its steps would never reach the outer step, so the replicas would never meet "
+            "again", ", or compile with another replica_sync")
     if replan is not None:
         pipe._in_place = InPlace.attach(pipe, membership(), replan, joining)
     return pipe
 
 
-class Pipeline:
+class Pipeline(InPlaceFace):
     # checkpoints (checkpoint/): the checkpointer, made at the first save or load (its process
     # group, the save in flight); while set, the refusal a load that failed partway left
     _checkpointer: Checkpointer | None = None
     _failed_load: FailedLoad | None = None
     _closed = False  # pipe.close() released the process groups
-    _in_place: InPlace | None = None  # an in-place job's morphing (morph/controller.py)
     # what the last step measured (runtime/step_stats.py); None before the first step
     last_step: StepStats | None = None
     _meter: StepMeter | None = None
@@ -172,6 +180,7 @@ class Pipeline:
         if target is not None and "target" in self.captured.signature.parameters:
             # forward's own `target` (compile refused it alongside a loss_fn): feed the model
             kw_inputs, target = {**kw_inputs, "target": target}, None
+        self._check_target_by_keyword(inputs, target)
         tensors = self._bind(inputs, kw_inputs)
         if self._mode_graph(tensors) is not None:
             raise InputError(
@@ -195,41 +204,6 @@ class Pipeline:
         loss = self.runtime.step(tensors, target, flags=flags)
         self.last_step = meter.finish(tensors)
         return loss
-
-    # -- in-place morphing (morph/) ------------------------------------------------------------
-
-    @property
-    def morphs(self) -> list[MorphRecord]:
-        """Each in-place morph this process took part in: when, old and new layout, seconds
-        per phase, bytes moved (``morph/records.py``). [] outside an in-place job."""
-        return list(self._in_place.records) if self._in_place is not None else []
-
-    @property
-    def joined(self) -> bool:
-        """This process joined a running in-place job and took its state from the others (so
-        its script must not load a checkpoint into it)."""
-        return self._in_place is not None and self._in_place.carried is not None
-
-    def track(self, obj: Any) -> Any:
-        """Register an object with ``state_dict``/``load_state_dict`` (an LR scheduler; a data
-        loader is registered by ``data_loader``) for in-place morphing: a process that joins
-        gets rank 0's state of it, and a loader continues with the new replica's share.
-        Returns ``obj``; does nothing outside an in-place job."""
-        if self._in_place is not None:
-            self._in_place.track(obj)
-        return obj
-
-    def _adopt(self, stages: list[Stage], plan: Plan, runtime: Runtime) -> None:
-        """Run ``plan`` with ``runtime`` from now on (an in-place morph re-planned)."""
-        self.stages, self.plan, self.runtime = stages, plan, runtime
-        self.stage_index, self.replica_index = runtime.stage_index, runtime.replica_index
-        self.local_stages = runtime.local_stages
-        self._replica_batch = self._options.replica_batch(plan.data_parallel)
-        self._edits = ModelEdits(self.model, [stages[s].module for s in self.local_stages],
-                                 traced_modules(self.captured.gm))
-        # eval mode's stages were cut for the old stages ("the compiled graph serves" holds)
-        self.other_modes = {k: v for k, v in self.other_modes.items() if v is None}
-        self._checkpointer, self._meter = None, None
 
     @property
     def replicas(self) -> int:
@@ -353,6 +327,24 @@ class Pipeline:
 
     # -- mixed precision (see runtime/precision.py) ---------------------------------------------
 
+    def _check_target_by_keyword(self, inputs: tuple, target: Any) -> None:
+        """``pipe.step(x, y)`` with a loss_fn: ``y`` is surely the target, which step takes by
+        keyword only (a positional one could not be told from an input the model forgot); say
+        so instead of only that forward takes fewer arguments."""
+        if target is not None or getattr(self.runtime, "loss_fn", None) is None:
+            return
+        params = self.captured.signature.parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+            return
+        room = sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                              inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params)
+        if len(inputs) == room + 1:
+            raise InputError(
+                f"pipe.step got {len(inputs)} positional arguments, but "
+                f"{type(self.model).__name__}.forward takes {room}: the last one looks like "
+                "the loss_fn's target, which step takes by keyword: x, y = batch; "
+                "pipe.step(x, target=y)")
+
     @property
     def found_inf(self) -> bool:
         """fp16: whether the last ``step`` overflowed on any stage of any replica (then
@@ -443,11 +435,10 @@ class Pipeline:
         except VarunaFxError as exc:  # in place, a peer lost meanwhile: the next step recovers
             if self._in_place is None or not self._in_place.save_failed(self, exc):
                 raise
-            warnings.warn(f"{path} was not saved: a process vanished during the save; the "
-                          "next step recovers in place", stacklevel=2)
+            warnings.warn(f"{path} was not saved: a process vanished; the next step recovers "
+                          "in place", stacklevel=2)
             return None
-        if self._in_place is not None:
-            self._in_place.checkpoint = str(path)
+        self._note_checkpoint(str(path))
         return handle
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, *,
@@ -468,14 +459,28 @@ class Pipeline:
             self._failed_load = outcome      # succeeds
             raise outcome.error
         self._failed_load = None
-        if self._in_place is not None:
-            self._in_place.checkpoint = str(path)
+        self._note_checkpoint(str(path))
         return outcome
 
     def _checkpoints(self) -> Checkpointer:
         if self._checkpointer is None:
             self._checkpointer = Checkpointer(self)
         return self._checkpointer
+
+    def load_pretrained(self, path: str, *, strict: bool = True) -> PretrainedLoad:
+        """Load a Hugging Face safetensors checkpoint (a directory, or one file) into the
+        tensors held here, reading only those; see checkpoint/pretrained.py."""
+        outcome = load_pretrained(self, self._checkpoints(), path, strict=strict)
+        if isinstance(outcome, FailedLoad):  # partly overwritten: refuse to run until a load
+            self._failed_load = outcome      # succeeds
+            raise outcome.error
+        self._failed_load = None
+        return outcome
+
+    def save_pretrained(self, directory: str) -> None:
+        """Write the weights in Hugging Face's layout (sharded safetensors, index, config),
+        every rank its own stages'; ``from_pretrained(directory)`` opens it."""
+        save_pretrained(self, self._checkpoints(), directory)
 
     @property
     def preempted(self) -> bool:

@@ -35,7 +35,7 @@ def test_every_subcommand_and_option_has_help() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     helped = {choice.dest: choice.help for choice in sub._choices_actions}
-    assert set(helped) == {"demo", "inspect", "plan", "run"} and all(helped.values())
+    assert set(helped) == {"demo", "inspect", "plan", "run", "train"} and all(helped.values())
     for name, command in sub.choices.items():
         for action in command._actions:
             if not isinstance(action, argparse._HelpAction):
@@ -146,7 +146,9 @@ def test_planner_messages_name_the_command_line_options() -> None:
     from varuna_fx.launch.plan_command import as_options
 
     assert as_options("fixed stages=3, micro_batch_size=2; try recompute=True") == (
-        "fixed --stages=3, --micro-batch-size=2; try recompute (without --no-recompute)")
+        "fixed --stages=3, --micro-batch-size=2; try --recompute true")
+    assert as_options("stages_per_rank=2 with shard_optimizer=False") == (
+        "--stages-per-rank=2 with --shard-optimizer false")
     assert as_options("num_stages=3 stays") == "num_stages=3 stays"
 
 
@@ -171,6 +173,20 @@ def test_str_of_a_plan_is_the_table_even_inside_jupyter(monkeypatch: pytest.Monk
     assert "balance max/mean" in str(plan) and "activations/mb" in str(plan)
 
 
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[argparse.Namespace]:
+    """What ``varuna-fx run`` hands torchrun, as torchrun's own parser read it: its ``run`` is
+    replaced, its parser is not."""
+    import torch.distributed.run
+
+    calls: list[argparse.Namespace] = []
+    monkeypatch.setattr(torch.distributed.run, "run", calls.append)
+    return calls
+
+
+def script_argv(parsed: argparse.Namespace) -> list[str]:
+    return [parsed.training_script, *parsed.training_script_args]
+
+
 @pytest.mark.parametrize("given", [
     ["--torchrun-args=--nnodes=2 --node-rank=1 --rdzv-endpoint=h:29400"],
     ["--torchrun-args", "--nnodes=2 --node-rank=1 --rdzv-endpoint=h:29400"],
@@ -179,28 +195,62 @@ def test_str_of_a_plan_is_the_table_even_inside_jupyter(monkeypatch: pytest.Monk
 ], ids=["equals", "quoted", "repeated"])
 def test_run_passes_torchrun_flags_through(given: list[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch.distributed.run
-
-    calls: list[list[str]] = []
-    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: calls.append(argv))
+    calls = launches(monkeypatch)
     assert main(["run", "--nproc", "4", *given, "train.py", "--lr", "1e-3"]) == 0
+    parsed = calls[0]
     # multi-node flags: no loopback standalone rendezvous added
-    assert calls == [["--nproc-per-node=4", "--nnodes=2", "--node-rank=1",
-                      "--rdzv-endpoint=h:29400", "train.py", "--lr", "1e-3"]]
+    assert (parsed.nnodes, parsed.node_rank, parsed.rdzv_endpoint) == ("2", 1, "h:29400")
+    assert not parsed.standalone and parsed.nproc_per_node == "4"
+    assert script_argv(parsed) == ["train.py", "--lr", "1e-3"]
     # after the script, the same words are the script's own
     calls.clear()
     assert main(["run", "--nproc", "2", "x.py", "--torchrun-args", "--y"]) == 0
-    assert calls[0][-3:] == ["x.py", "--torchrun-args", "--y"]
+    assert script_argv(calls[0]) == ["x.py", "--torchrun-args", "--y"]
+    assert calls[0].rdzv_endpoint == "127.0.0.1:0"  # one machine: the loopback rendezvous
+
+
+# each would be read as an abbreviation of one of torchrun's options (--log-dir, --node-rank,
+# --max-restarts, --monitor-interval) or of run's own (--nproc, --max-restarts, --elastic)
+SCRIPT_FLAGS = ["--log", "ref.jsonl", "--node", "3", "--max", "5", "--monitor", "--np", "2",
+                "--el", "--nproc", "7", "--standalone", "--", "-h", "--help", "--torchrun-args",
+                "x", "--rdzv-endpoint=far:1"]
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["plain", "elastic"])
+@pytest.mark.parametrize("dashes", [[], ["--"]], ids=["script", "dashdash-script"])
+def test_run_passes_every_argument_after_the_script_untouched(
+        elastic: bool, dashes: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until issue 28, `varuna-fx run --nproc 4 train.py --log ref.jsonl` printed torchrun's
+    usage and "ambiguous option: --log could match --log-dir, ..." (also --node, --max,
+    --monitor), and `--` did not help."""
+    calls = launches(monkeypatch)
+    ours = ["--elastic", "--max-restarts", "3"] if elastic else []
+    assert main(["run", "--nproc", "2", *ours, *dashes, "train.py", *SCRIPT_FLAGS]) == 0
+    parsed = calls[0]
+    assert parsed.training_script == "train.py"
+    assert parsed.training_script_args == SCRIPT_FLAGS
+    assert parsed.nproc_per_node == "2"  # the script's --nproc 7 is not ours
+    assert parsed.nnodes == ("1:1" if elastic else "1")
+    assert parsed.max_restarts == (3 if elastic else 0)  # nor its --max 5
+    assert parsed.log_dir is None and parsed.monitor_interval == 0.1  # nor --log, --monitor
+
+
+def test_run_refuses_an_abbreviated_option_of_its_own(capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the script nothing is guessed: `--np 4` is not `--nproc 4`."""
+    calls = launches(monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--nproc", "2", "--np", "4", "train.py"])
+    assert exit_.value.code == 2 and not calls
+    assert "unrecognized arguments: --np" in capsys.readouterr().err
 
 
 def test_run_says_how_to_pass_several_torchrun_flags(capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch.distributed.run
-
-    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: pytest.fail("launched"))
+    calls = launches(monkeypatch)
     with pytest.raises(SystemExit) as exit_:
         main(["run", "--nproc", "2", "--torchrun-args", "--nnodes=2", "--node-rank=0",
               "train.py"])
-    assert exit_.value.code == 2
+    assert exit_.value.code == 2 and not calls
     err = capsys.readouterr().err
     assert "--node-rank=0" in err and '--torchrun-args="--nnodes=2 --node-rank=0"' in err

@@ -101,24 +101,24 @@ def test_standalone_run_builds_a_loopback_rendezvous(monkeypatch: pytest.MonkeyP
 
     from varuna_fx.launch.cli import cmd_run, main
 
-    calls: list[list[str]] = []
+    calls: list[argparse.Namespace] = []  # what torchrun's parser made of our argv
     seen: list[str | None] = []
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: (
-        calls.append(argv), seen.append(os.environ.get("GLOO_SOCKET_IFNAME"))))
+    monkeypatch.setattr(torch.distributed.run, "run", lambda parsed: (
+        calls.append(parsed), seen.append(os.environ.get("GLOO_SOCKET_IFNAME"))))
     main(["run", "--nproc", "2", "train.py", "--lr", "1"])
-    (argv,) = calls
+    (parsed,) = calls
     # the workers get the loopback interface; this process keeps its own environment (a later
     # launch from it, such as an elastic one in namespaces, must not inherit it)
     assert seen[0] is not None and seen[0].startswith("lo")
     assert "GLOO_SOCKET_IFNAME" not in os.environ
-    assert "--standalone" not in argv  # it would name localhost:0, listening on every interface
-    assert "--rdzv-endpoint=127.0.0.1:0" in argv and "--local-addr=127.0.0.1" in argv
-    assert argv[-3:] == ["train.py", "--lr", "1"]
+    assert not parsed.standalone  # it would name localhost:0, listening on every interface
+    assert parsed.rdzv_endpoint == "127.0.0.1:0" and parsed.local_addr == "127.0.0.1"
+    assert [parsed.training_script, *parsed.training_script_args] == ["train.py", "--lr", "1"]
     cmd_run(argparse.Namespace(nproc=2, torchrun_args=["--nnodes=2", "--rdzv-endpoint=h:1"],
                                script="train.py", script_args=[], elastic=False, nnodes=None,
                                rdzv_endpoint=None, local_addr=None))
-    assert not any("127.0.0.1" in a for a in calls[1])  # multi-node: the user's endpoint
+    assert calls[1].rdzv_endpoint == "h:1" and calls[1].local_addr is None  # the user's
 
 
 def test_store_servers_in_a_standalone_run_bind_loopback() -> None:

@@ -1,7 +1,7 @@
 """The pure parts of in-place morphing, in one process: who sends what to whom, what a new
 ZeRO-1 shard will hold, the records in the store, the options a new world plans with, and the
 data loader's share of a step on another layout, and the refusal of an optimizer a morph could
-not move."""
+not move, and of a replica sync whose state a morph would not carry."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def test_a_new_shard_holds_what_build_layout_cuts() -> None:
     names = {id(p): f"p{i}" for i, p in enumerate(params)}
     groups = [{"params": params[:2]}, {"params": params[2:]}]
     for replica in range(3):
-        predicted = shard_ranges(groups, names, set(names.values()), {}, replica, 3)
-        layout = build_layout(groups, names, set(names.values()), {}, replica, 3)
+        predicted = shard_ranges(groups, names, set(names.values()), replica, 3)
+        layout = build_layout(groups, names, set(names.values()), replica, 3)
         built: dict[str, list[tuple[int, int]]] = {}
         for b in layout.buckets:
             for pc in b.pieces:
@@ -117,10 +117,21 @@ def test_the_loader_cuts_any_share_of_its_last_batch_and_moves_on_resharded() ->
 
 def test_an_optimizer_made_around_the_pipeline_is_refused_in_an_in_place_job() -> None:
     params = [nn.Parameter(torch.ones(2))]
-    guard_direct_optimizers(params, "this job morphs in place (--in-place)", (
+    guard_direct_optimizers(
+        params, "this job morphs in place (--in-place)",
         "a morph moves pipe.optimizer's state and parameters only, so this one would keep "
-        "stepping the old layout's", "run without --in-place (the restart path)"))
+        "stepping the old layout's", ", or run without --in-place (the restart path)")
     opt = torch.optim.SGD(params, lr=0.1)
     params[0].grad = torch.ones(2)
     with pytest.raises(OptimizerError, match=r"in place.*pipe.optimizer\(torch.optim.SGD"):
         opt.step()
+
+
+@pytest.mark.parametrize("sync", ["auto", vf.PowerSGD(rank=2), vf.DiLoCo(every=4)],
+                         ids=["auto", "powersgd", "diloco"])
+def test_an_in_place_job_refuses_a_replica_sync_that_keeps_state(sync: object) -> None:
+    # compile in an in-place job and every re-plan go through fit_to_world
+    with pytest.raises(vf.PlanError, match=r"replica_sync=.*in-place.*'exact' or 'bf16'"):
+        fit_to_world(CompileOptions(replica_sync=sync), 4, 2, {})
+    for fine in ("exact", "bf16"):
+        assert fit_to_world(CompileOptions(replica_sync=fine), 4, 2, {}).replica_sync == fine

@@ -3,7 +3,7 @@
 The search got faster by timing each per-candidate order once without compiling it
 (``simulate_step``), by remembering Varuna's orders per rule variant, by finding where a stage
 stops fitting once per (stash count, memory cap) instead of per bisection step, and by
-computing the first bounds of all candidates at once. None of them may change a chosen
+computing the first floors (lower bounds) of all candidates at once. None of them may change a chosen
 configuration, a predicted step or an alternatives row: each is compared here, float for
 float, with the path it replaced, and a whole search with every fast path against one with
 all of them switched off.
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import varuna_fx as vf
+import varuna_fx.planner.floors as floors
 import varuna_fx.planner.pricing as pricing_module
 from tiers import tiered
 from varuna_fx.costs.memory import SharedWeight
@@ -29,6 +30,7 @@ from varuna_fx.examples import GPT, GPTConfig
 from varuna_fx.planner import Analyzed, CostTable, Planner, Space, analyze
 from varuna_fx.planner.balance import Balancer
 from varuna_fx.planner.cost_table import UnitArrays
+from varuna_fx.planner.pricing import Pricer
 from varuna_fx.schedule import (
     Action,
     Kind,
@@ -288,15 +290,17 @@ def test_first_bounds_of_all_candidates_at_once_are_the_bounds_one_at_a_time(
     for spec in CLUSTERS:
         planner = Planner(table, vf.Cluster(**spec), schedule=schedule,  # type: ignore[arg-type]
                           recompute=True)
-        pool = planner.candidates(Space(planner.cluster.gpus, 4, 64))
-        assert planner.bounds_from_totals(pool) == [planner.bound_from_totals(c) for c in pool]
+        pricer = planner.pricer
+        pool = planner.candidates(Space(pricer.cluster.gpus, 4, 64))
+        assert floors.all_from_totals(pricer, pool) == [floors.from_totals(pricer, c)
+                                                        for c in pool]
 
 
 def _search(gpt: Analyzed, spec: dict[str, Any], schedule: str, recompute: bool) -> Any:
     clear_caches()
     planner = Planner(CostTable.build(gpt.gm), vf.Cluster(**spec),  # type: ignore[arg-type]
                       schedule=schedule, recompute=recompute)
-    result = planner.search(Space(planner.cluster.gpus, 4, 64), top=6)
+    result = planner.search(Space(planner.pricer.cluster.gpus, 4, 64), top=6)
     return result.alternatives, result.best.plan.bounds
 
 
@@ -308,14 +312,14 @@ def test_search_with_every_fast_path_chooses_what_the_plain_paths_choose(
         monkeypatch: pytest.MonkeyPatch) -> None:
     fast = _search(gpt, CLUSTERS[cluster], schedule, recompute)
     # every fast path off: compiled simulations, no orders kept, the memory model asked at
-    # every greedy step, the first bounds one candidate at a time
+    # every greedy step, the first floors one candidate at a time
     monkeypatch.setattr(pricing_module, "simulate_step", simulate)
     monkeypatch.setattr(varuna_module, "_MEMO_SIZE", 0)
     monkeypatch.setattr(Balancer, "_fitting_ends", lambda self, cap, stash: None)
-    monkeypatch.setattr(Planner, "bounds_from_totals",
-                        lambda self, pool: [self.bound_from_totals(c) for c in pool])
-    monkeypatch.setattr(Planner, "_cannot_fit", lambda self, c: False)  # every order made
-    monkeypatch.setattr(Planner, "_overflows", lambda self, c, effort: False)  # ... in full
+    monkeypatch.setattr(floors, "all_from_totals",
+                        lambda pricer, pool: [floors.from_totals(pricer, c) for c in pool])
+    monkeypatch.setattr(Pricer, "_cannot_fit", lambda self, c: False)  # every order made
+    monkeypatch.setattr(Pricer, "_overflows", lambda self, c, effort: False)  # ... in full
     plain = _search(gpt, CLUSTERS[cluster], schedule, recompute)
     assert [dataclasses.astuple(a) for a in fast[0]] == [dataclasses.astuple(a) for a in plain[0]]
     assert fast[1] == plain[1]

@@ -1,9 +1,9 @@
 """The planner's slow-link bounds hold, and a memory-tight search on a slow link stays exact.
 
 A link carries one message at a time each way, so a step lasts at least one micro-batch's
-round trip plus ``m - 1`` messages queued on the slowest link (``Planner._link_queue``; with
+round trip plus ``m - 1`` messages queued on the slowest link (``floors.link_queue``; with
 the partition's own cuts where no order can make the search re-partition it,
-``Planner._plan_queue``). That bound took a memory-tight search on a 1 Gbit/s link from
+``floors.plan_queue``). That bound took a memory-tight search on a 1 Gbit/s link from
 minutes to seconds; here it is checked against the simulator on random settings, the planner's
 bounds against the steps it then simulates, and a whole search against evaluating every
 candidate.
@@ -19,10 +19,12 @@ import pytest
 import torch
 
 import varuna_fx as vf
+import varuna_fx.planner.floors as floors
 from tiers import tiered
 from varuna_fx.examples import GPT, GPTConfig
 from varuna_fx.planner import Analyzed, CostTable, Planner, Space, analyze
 from varuna_fx.planner.candidates import Candidate
+from varuna_fx.planner.pricing import Pricer
 from varuna_fx.schedule import (
     ScheduleCosts,
     build_schedule,
@@ -36,7 +38,7 @@ from varuna_fx.schedule import (
 
 
 def test_a_step_lasts_a_round_trip_plus_the_slowest_links_queue() -> None:
-    """The proof of ``_link_queue`` against ``simulate``, every schedule, random costs."""
+    """The proof of ``floors.link_queue`` against ``simulate``, every schedule, random costs."""
     rng = random.Random(5)
     for _ in range(150):
         p, m = rng.randint(2, 6), rng.randint(1, 12)
@@ -66,7 +68,7 @@ def test_a_step_lasts_a_round_trip_plus_the_slowest_links_queue() -> None:
 
 
 def test_varuna_orders_hold_one_micro_batch_on_the_last_stage() -> None:
-    """What ``_most_held`` relies on: B goes before F, and the last stage's B is ready as its
+    """What ``floors.most_held`` relies on: B goes before F, and the last stage's B is ready as its
     F ends; no stage holds more than m."""
     rng = random.Random(8)
     for _ in range(40):
@@ -105,31 +107,32 @@ SLOW = [
 def test_bounds_never_exceed_the_step_the_search_then_simulates(
         gpt: Analyzed, spec: int, schedule: str) -> None:
     """For every candidate: the first bound (any partition) and the link queue (any
-    partition) are below its full step; the partition's own bound where ``_final`` says no
+    partition) are below its full step; the partition's own floor where ``is_final`` says no
     order re-partitions it, and then none does. (Where one does, the first partition's own
-    cuts can bound above the step of the second: that is why ``_final`` is asked.)"""
+    cuts can bound above the step of the second: that is why ``is_final`` is asked.)"""
     clear_caches()
     planner = Planner(CostTable.build(gpt.gm), vf.Cluster(**SLOW[spec]),  # type: ignore[arg-type]
                       schedule=schedule, recompute=True)
-    pool = planner.candidates(Space(planner.cluster.gpus, 4, 64))
+    pricer = planner.pricer
+    pool = planner.candidates(Space(pricer.cluster.gpus, 4, 64))
     finals = checked = needed = 0
-    for first, c in zip(planner.bounds_from_totals(pool), pool):
-        c.plan = planner.partition(c.micro_batch_size, c.stages, None)
+    for first, c in zip(floors.all_from_totals(pricer, pool), pool):
+        c.plan = pricer.partition(c.micro_batch_size, c.stages, None)
         if c.plan is None:
             continue
         for one in planner._branches(c):
-            final = planner._final(one)
-            own = planner.bound_from_stages(one)
-            assumed = planner.bound_from_stages(one, final=True)
+            final = floors.is_final(pricer, one)
+            own = floors.from_stages(pricer, one)
+            assumed = floors.from_stages(pricer, one, final=True)
             plan = one.plan
-            step = planner.finish(one)
+            step = pricer.finish(one)
             if step is None:
                 continue
             checked += 1
             key = planner._key(step, one)
             assert planner._key(first, one) <= key
             # (summed in another order: the same value to the last bits)
-            assert planner._link_queue(one) + planner.allreduce(one) <= step * (1 + 1e-12)
+            assert floors.link_queue(pricer, one) + pricer.allreduce(one) <= step * (1 + 1e-12)
             if final:
                 finals += 1
                 assert one.plan is plan  # not re-partitioned
@@ -145,16 +148,17 @@ def _exhaustive(planner: Planner, space: Space, top: int) -> list[tuple[object, 
     """Every candidate (and schedule) partitioned as the search would and simulated with its
     full order, memory checked with that order's own counts: the keys of the fastest."""
     found = []
+    pricer = planner.pricer
     for c in planner.candidates(space):
-        c.plan = planner.partition(c.micro_batch_size, c.stages, None)
+        c.plan = pricer.partition(c.micro_batch_size, c.stages, None)
         if c.plan is None:
             continue
         for one in planner._branches(c):
             if one.stages == 1 or not depends_on_costs(one.schedule):  # as level 1 does
-                _, counts = planner.built(one.stages, one.num_micro_batches, one.schedule)
-                if not planner._fits(one, counts) and not planner.fit(one, counts):
+                _, counts = pricer.built(one.stages, one.num_micro_batches, one.schedule)
+                if not pricer.fits(one, counts) and not pricer.fit(one, counts):
                     continue
-            step = planner.finish(one)
+            step = pricer.finish(one)
             if step is not None:
                 found.append(planner._key(step, one))
     return sorted(found)[:top]
@@ -195,13 +199,14 @@ def test_a_search_without_the_link_bounds_lists_the_same_rows(
 
     bounded = search()
 
-    def round_trip(self: Planner, c: Candidate) -> float:
-        chain = self._totals_at(c.micro_batch_size, self._split_bound(c) is not None)[3]
-        return chain + self._hops(c.micro_batch_size, c.stages, c.data_parallel)
+    def round_trip(pricer: Pricer, c: Candidate) -> float:
+        split = floors.split_schedule(pricer, c) is not None
+        chain = floors.totals_at(pricer, c.micro_batch_size, split)[3]
+        return chain + floors.hops(pricer, c.micro_batch_size, c.stages, c.data_parallel)
 
-    monkeypatch.setattr(Planner, "_link_queue", round_trip)
-    monkeypatch.setattr(Planner, "_plan_queue", lambda self, c, hop, back, final=False: 0.0)
-    monkeypatch.setattr(Planner, "bounds_from_totals",
-                        lambda self, pool: [self.bound_from_totals(c) for c in pool])
+    monkeypatch.setattr(floors, "link_queue", round_trip)
+    monkeypatch.setattr(floors, "plan_queue", lambda pricer, c, hop, back, final=False: 0.0)
+    monkeypatch.setattr(floors, "all_from_totals",
+                        lambda pricer, pool: [floors.from_totals(pricer, c) for c in pool])
     assert search() == bounded
     assert np.isfinite(bounded[0][0][4])

@@ -19,7 +19,8 @@ def test_plan_for_a_virtual_schedule_is_compiles_configuration(schedule: str) ->
     model = GPT(GPTConfig(n_layer=2, n_embd=32, vocab_size=64, block_size=8))
     tokens = torch.randint(0, 64, (8, 8))
     cluster = vf.Cluster(gpus=4, gpus_per_node=2, device="cpu")
-    result = plan_for(analyze(model, (tokens,)), cluster, schedule=schedule)
+    result = plan_for(analyze(model, (tokens,)), cluster, schedule=schedule,
+                      stages_per_rank=None)  # the schedule's own v, as compile is given
     best = result.best
     plan = vf.compile(model, cluster, example_inputs=(tokens,), schedule=schedule,
                       stages_per_rank=None).plan
@@ -32,4 +33,4 @@ def test_plan_for_a_virtual_schedule_is_compiles_configuration(schedule: str) ->
     assert result.alternatives[0].chosen and best.step_time > 0
     with pytest.raises(PlanError, match="needs 8 devices, more than the 4"):
         plan_for(analyze(model, (tokens,)), cluster, schedule=schedule, stages=8,
-                 data_parallel=2, global_batch_size=8)
+                 data_parallel=2, global_batch_size=8, stages_per_rank=None)

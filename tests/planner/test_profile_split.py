@@ -51,10 +51,11 @@ def test_planner_prices_split_schedules_with_the_measured_passes(profiled: tuple
                        top=1).best
     plan = c.plan
     assert plan is not None and plan.input_grad is not None and plan.weight_grad is not None
-    backward, weight = planner.backward_costs(plan)
+    backward, weight = planner.pricer.backward_costs(plan)
     assert backward[0] == weight[0] == pytest.approx(float(plan.backward[0]))
     assert backward[1] == pytest.approx(float(plan.input_grad[1] + plan.weight_grad[1]))
     assert weight[1] == pytest.approx(float(plan.weight_grad[1]))
     # a schedule that does not split keeps the fused backward
-    fused = Planner(table, cluster, schedule="varuna", recompute=False).backward_costs(plan)[0]
+    fused = Planner(table, cluster, schedule="varuna", recompute=False).pricer \
+        .backward_costs(plan)[0]
     assert fused == pytest.approx(np.asarray(plan.backward, float).tolist())

@@ -96,10 +96,10 @@ def test_branch_and_bound_finds_the_exhaustive_optimum(gpt: Analyzed) -> None:
     full = []
     for c in planner.candidates(space):
         c.schedule = "varuna"
-        c.plan = planner.partition(c.micro_batch_size, c.stages, 1)
+        c.plan = planner.pricer.partition(c.micro_batch_size, c.stages, 1)
         if c.plan is None:
             continue
-        step = planner.finish(c)  # the full order, memory checked with its own counts
+        step = planner.pricer.finish(c)  # the full order, memory checked with its own counts
         if step is not None:
             full.append(planner._key(step, c))
     assert fast.partitioned < len(planner.candidates(space)) / 2  # it did prune
@@ -117,12 +117,12 @@ def test_fast_partition_matches_the_exact_partitioner(gpt: Analyzed) -> None:
     table = CostTable.build(gpt.gm)
     cluster = vf.Cluster(gpus=8, gpus_per_node=8)
     planner = Planner(table, cluster, schedule="varuna", recompute=True)
-    bw = planner.links(2, 1).partition_bandwidth
+    bw = planner.pricer.links(2, 1).partition_bandwidth
     for b, cap in ((1, math.inf), (2, math.inf), (2, 40 * 2**20)):
         setting = CostSetting(b, cluster.spec, bw, cap, 3, True)
         # the optimum itself (no trading balance for fewer bytes)
         exact_costs = dataclasses.replace(partition_problem(gpt.gm, setting), byte_tolerance=0.0)
-        balancer = planner.balancer(b)
+        balancer = planner.pricer.balancer(b)
         for p in (1, 2, 3, 5, 8):
             fast = balancer.partition(p, cap, 3)
             try:
@@ -258,11 +258,11 @@ def test_search_prices_candidates_with_the_order_the_plan_will_run(gpt: Analyzed
     result = planner.search(Space(4, 4, 16, stages=4, data_parallel=1), top=3, exact=3)
     differs = False
     for c in result.top:
-        costs = planner.schedule_costs(c)
+        costs = planner.pricer.schedule_costs(c)
         own = build_schedule("varuna", c.stages, c.num_micro_batches, False, costs)
-        unit, _ = planner.built(c.stages, c.num_micro_batches)
+        unit, _ = planner.pricer.built(c.stages, c.num_micro_batches)
         differs |= own.per_stage != unit.per_stage
-        assert c.step_time == pytest.approx(planner.simulated(c, own), rel=1e-12)
+        assert c.step_time == pytest.approx(planner.pricer.simulated(c, own), rel=1e-12)
     assert differs  # the setting is one where the order depends on the costs
 
 
@@ -280,12 +280,12 @@ def test_split_backward_first_stage_is_all_weight_gradient(gpt: Analyzed) -> Non
     planner = Planner(CostTable.build(gpt.gm), cluster, schedule="varuna-zb", recompute=False)
     c = planner.search(Space(2, 4, 8, stages=2, data_parallel=1), top=1).best
     assert c.plan is not None
-    costs = planner.schedule_costs(c)
+    costs = planner.pricer.schedule_costs(c)
     assert costs.w(0) == pytest.approx(float(c.plan.backward[0]))
     assert costs.b(0, split=True) == 0.0
     assert costs.w(1) == pytest.approx(float(c.plan.backward[1]) / 2)
     # the search's prediction is the simulation with exactly these costs
-    own = planner.ordered(c)
+    own = planner.pricer.ordered(c)
     assert c.step_time == pytest.approx(simulate(
         own, forward=list(costs.forward), backward=list(costs.backward),
         recompute=[costs.r(s) for s in range(2)], send_bytes=[costs.link(0)], bandwidth=1.0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,8 +13,8 @@ import varuna_fx as vf
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.planner import Analyzed, Planner, Space, analyze
 from varuna_fx.planner.balance import PartitionCosts
-from varuna_fx.planner.network import Links
-from varuna_fx.planner.virtual import rank_allreduce, rank_links, weigh
+from varuna_fx.planner.network import Links, rank_allreduce, rank_links
+from varuna_fx.planner.virtual import weigh
 from varuna_fx.schedule import build_schedule
 
 
@@ -56,12 +57,29 @@ def test_rank_allreduce_sums_a_ranks_stages_and_skips_tied_copies_on_one_rank() 
     assert rank_allreduce(net, plan, looped, 1) == pytest.approx(10)
 
 
+def test_a_pricer_is_fixed_when_made_and_v_stages_per_rank_is_another_pricer(
+        gpt: Analyzed) -> None:
+    """Nothing writes a pricer's setting (configure once set v and the memory cap on the
+    planner from outside): v stages per rank is a pricer of its own, with its own memo."""
+    pricer = Planner(gpt.table(), vf.Cluster(gpus=4, gpu_memory="1GiB"),
+                     schedule="interleaved-1f1b",
+                     recompute=False).pricer
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pricer.memory_cap = 1.0  # type: ignore[misc]
+    three = pricer.per_rank(3)
+    assert (three.memory_cap, three.stages_per_rank) == (2**30 / 3, 3)
+    assert (pricer.memory_cap, pricer.stages_per_rank) == (2**30, None)
+    assert three.per_rank(3) is three and three.memo is not pricer.memo
+    assert three.built(6, 6)[0].stages_per_rank == 3
+    assert pricer.built(6, 6)[0].stages_per_rank == 2  # the schedule's default
+
+
 def _weighed(gpt: Analyzed, gbits: float) -> tuple[float, dict[str, float]]:
     cluster = vf.Cluster(gpus=2, gpus_per_node=1, inter_node_bandwidth=gbits * 1e9 / 8,
                          flops="10TFLOP/s", gpu_memory=2**34)
     planner = Planner(gpt.table(), cluster, schedule="1f1b", recompute=False)
     best = planner.search(Space(2, 16, 16, stages=2, data_parallel=1, micro_batch_size=4)).best
-    return best.step_time, {c.schedule: c.step_time for c, _ in weigh(planner, best)}
+    return best.step_time, {c.schedule: c.step_time for c, _ in weigh(planner.pricer, best)}
 
 
 def test_the_link_decides_whether_virtual_stages_pay(gpt: Analyzed) -> None:

@@ -32,7 +32,7 @@ from .untraced import (
 
 def capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Captured:
     signature = inspect.signature(model.forward)
-    kwargs = {**_unaliased(bound.tensors), **bound.constants}
+    kwargs = {**_at_least_two(_unaliased(bound.tensors)), **bound.constants}
     # dim 0 of every tensor input is the one batch dimension: export it symbolically, so the
     # graph runs at any micro-batch size instead of being specialised to the example's.
     batch = torch.export.Dim("batch", min=1)
@@ -108,6 +108,20 @@ def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[name] = t.clone() if key in seen else t
         seen.add(key)
     return out
+
+
+def _at_least_two(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The example inputs with a batch of at least two samples (a batch of 1 repeated).
+
+    torch.export specialises every dimension whose example size is 1 to the constant 1 (its
+    0/1 specialisation), so an example batch of 1 (the natural first try for a big model)
+    failed as "Constraints violated (batch)" and was reported as forward's code fixing the
+    batch size. Captured from two copies of the sample, the graph is symbolic in the batch
+    (down to 1: ``Dim(min=1)``) and identical to the one a batch of 2 gives; only the capture
+    sees the copy (the shape pass, the planner and the pipeline use the example as given)."""
+    if not tensors or next(iter(tensors.values())).shape[0] != 1:
+        return tensors
+    return {name: t.repeat(2, *([1] * (t.dim() - 1))) for name, t in tensors.items()}
 
 
 def _leaf_names(kwargs: dict[str, Any]) -> list[str]:

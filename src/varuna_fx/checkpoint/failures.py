@@ -73,10 +73,10 @@ class FailedLoad:
     """The refusal a pipeline raises while a failed load's partial overwrite stands;
     ``error``: what the failed load itself raises."""
 
-    def __init__(self, path: str, error: BaseException) -> None:
+    def __init__(self, path: str, error: BaseException, call: str = "load_checkpoint") -> None:
         self.error = error
         said = str(error).splitlines()[0] if str(error) else type(error).__name__
-        self.message = f"the last pipe.load_checkpoint({path!r}) failed partway ({said})"
+        self.message = f"the last pipe.{call}({path!r}) failed partway ({said})"
 
     def refuse(self, names: list[str], where: str) -> None:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -86,10 +86,10 @@ class FailedLoad:
             "successfully before stepping")
 
 
-def mark_failed(tensors: Iterable[torch.Tensor], path: str,
-                error: BaseException) -> FailedLoad:
-    """Mark ``tensors`` as not loaded; the refusal to keep until a load succeeds
+def mark_failed(tensors: Iterable[torch.Tensor], path: str, error: BaseException,
+                call: str = "load_checkpoint") -> FailedLoad:
+    """Mark ``tensors`` as not loaded; the refusal to keep until a load by ``call`` succeeds
     (``Pipeline._check_loaded`` raises it)."""
     for t in tensors:
         mark(t)
-    return FailedLoad(path, error)
+    return FailedLoad(path, error, call)

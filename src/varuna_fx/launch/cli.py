@@ -1,4 +1,5 @@
-"""varuna-fx: inspect a model's partition and stage code, plan for a cluster, launch, demo.
+"""varuna-fx: train, inspect a model's partition and stage code, plan for a cluster, launch,
+demo. (``train`` parses its own flags: launch/train.py.)
 
 Output is for people on a terminal and for logs elsewhere: when stdout is not a terminal nothing
 is wrapped or coloured, so table headers stay whole and stage code copied from a log is valid
@@ -10,12 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shlex
 import signal
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -23,11 +21,10 @@ from rich.syntax import Syntax
 
 import varuna_fx as vf
 from varuna_fx.examples import demo_gpt, lm_loss
-from varuna_fx.launch.elastic import elastic_launch
 from varuna_fx.launch.factory import load_factory
-from varuna_fx.launch.in_place import InPlaceLaunch
 from varuna_fx.launch.plan_command import plan_as_dict, plan_command
-from varuna_fx.launch.standalone import loopback_interfaces, loopback_stores, standalone_args
+from varuna_fx.launch.torchrun import Ranks, split_flags, start_ranks
+from varuna_fx.launch.train import train_command
 from varuna_fx.schedule import DEFAULT_SCHEDULE, schedule_choices
 
 _load_factory = load_factory  # its home is launch/factory.py (launch/plan_command.py uses it too)
@@ -106,21 +103,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return plan_command(args, output_console())
 
 
-def torchrun_flags(values: Sequence[str]) -> list[str]:
-    """The torchrun flags of every ``--torchrun-args`` value, each split as a shell would
-    (``--torchrun-args="--nnodes=2 --node-rank=0"`` gives two flags)."""
-    return [flag for value in values for flag in shlex.split(value)]
+def split_at_script(argv: list[str], run: argparse.ArgumentParser
+                    ) -> tuple[list[str], list[str]]:
+    """``run``'s own words (up to and including the script) and the script's arguments.
 
-
-def _glue_torchrun_args(argv: list[str], run: argparse.ArgumentParser) -> list[str]:
-    """``run --torchrun-args --nnodes=2`` as ``run --torchrun-args=--nnodes=2``.
-
-    argparse reads a value that starts with '-' as an option, here even inside a quoted
-    "--nnodes=2 --node-rank=0" (``run`` has a ``--nnodes`` of its own), so the value that
-    follows --torchrun-args is glued to it. Only up to the script: what follows it is the
-    script's."""
+    Everything after the script is the script's, untouched: neither argparse (which would read
+    ``--log`` as an abbreviation of an option, or say it is ambiguous) nor torchrun (whose parser
+    raises "ambiguous option: --log could match --log-dir, ..." even after the script) sees
+    it. ``--`` before the script is accepted and dropped. The value that follows
+    ``--torchrun-args`` is glued to it (``--torchrun-args=--nnodes=2``): argparse reads a value
+    that starts with '-' as an option, here even inside a quoted "--nnodes=2 --node-rank=0"."""
     if not argv or argv[0] != "run":
-        return argv
+        return argv, []
     takes_value = {o for a in run._actions if a.nargs != 0 for o in a.option_strings}
     out, i = argv[:1], 1
     while i < len(argv):
@@ -131,51 +125,36 @@ def _glue_torchrun_args(argv: list[str], run: argparse.ArgumentParser) -> list[s
         elif token in takes_value:
             out += argv[i:i + 2]
             i += 2
-        elif token.startswith("-") and token != "--":
+        elif token == "--":  # the script follows
+            return out + argv[i + 1:i + 2], argv[i + 2:]
+        elif token.startswith("-"):
             out.append(token)
             i += 1
-        else:  # the script (or "--"): the rest is not ours to read
-            return out + argv[i:]
-    return out
+        else:  # the script: the rest is not ours to read
+            return out + [token], argv[i + 1:]
+    return out, []
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Wrap torch.distributed.run: standalone on one machine, multi-node flags pass through;
-    ``--elastic``: torchrun's elastic agent set up for morphing (varuna_fx.launch.elastic)."""
+    """Run the script under torchrun (launch/torchrun.py): standalone on one machine,
+    multi-node flags pass through; ``--elastic``: torchrun's elastic agent set up for
+    morphing (launch/elastic.py); ``--elastic --in-place``: varuna_fx's in-place launcher
+    (launch/in_place.py)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import main as torchrun
 
-    argv = torchrun_flags(args.torchrun_args)
-    if args.in_place:
-        if not args.elastic or argv:
-            raise SystemExit("--in-place goes with --elastic (and takes no --torchrun-args: "
-                             "its launcher is not torchrun)")
-        return InPlaceLaunch(
-            nproc=args.nproc, nnodes=args.nnodes or "1:1", rdzv_endpoint=args.rdzv_endpoint,
-            rdzv_id=args.rdzv_id, local_addr=args.local_addr, max_restarts=args.max_restarts,
-            argv=[args.script, *args.script_args], store_host=args.store_host).run()
+    if not args.elastic and (args.nnodes or args.rdzv_endpoint or args.local_addr):
+        raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for "
+                         "a fixed multi-machine job pass torchrun's flags in --torchrun-args")
+    if args.in_place and not args.elastic:
+        raise SystemExit("--in-place goes with --elastic")
+    elastic = dict(nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                   local_addr=args.local_addr, max_restarts=args.max_restarts,
+                   rdzv_conf=args.rdzv_conf, in_place=args.in_place,
+                   store_host=args.store_host) if args.elastic else {}
+    ranks = Ranks(nproc=args.nproc, flags=tuple(split_flags(args.torchrun_args)),
+                  elastic=args.elastic, **elastic)
     try:
-        if args.elastic:
-            launch = elastic_launch(
-                nproc=args.nproc, nnodes=args.nnodes or "1:1",
-                rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                local_addr=args.local_addr, max_restarts=args.max_restarts,
-                rdzv_conf=args.rdzv_conf)
-            # read by torchrun's rendezvous, inherited by workers
-            with _environment(launch.env):
-                torchrun([*launch.argv, *argv, args.script, *args.script_args])
-            return 0
-        if args.nnodes or args.rdzv_endpoint or args.local_addr:
-            raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for "
-                             "a fixed multi-machine job pass torchrun's flags in --torchrun-args")
-        one_machine = not any(a.startswith(("--nnodes", "--rdzv", "--standalone")) for a in argv)
-        env = {}
-        if one_machine:  # as --standalone, but reachable from this machine only
-            argv = [*standalone_args(), *argv]
-            env = loopback_interfaces()  # the workers' gloo/NCCL sockets too
-        with loopback_stores() if one_machine else nullcontext(), _environment(env):
-            torchrun([f"--nproc-per-node={args.nproc}", *argv, args.script, *args.script_args])
-        return 0
+        return start_ranks(ranks, args.script, args.script_args)
     except SignalException as stop:
         # what a spot supervisor sends: torchrun passed it on to the workers (which save and
         # exit, see pipe.preempted) and then raised; a traceback and exit code 1 read as a
@@ -186,21 +165,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 128 + int(stop.sigval)
 
 
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in this process's environment (the workers inherit them) while the body runs,
-    then the environment as it was: ``main`` may run inside a longer-lived process (a test, a
-    notebook), whose later launches must not inherit them."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+def _setting(text: str) -> bool | str:
+    """auto | true | false (as compile's recompute= and shard_optimizer= take them)."""
+    value = {"auto": "auto", "true": True, "false": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose auto, true or false")
+    return value
+
+
+def _stages_per_rank(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive number of stages, or auto")
+    return int(text)
 
 
 _TRACER_HELP = ("how to capture the model: fx (torch.fx symbolic tracing), export "
@@ -217,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="varuna-fx", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    # listed here for --help; main() hands its arguments to launch/train.py unparsed
+    sub.add_parser("train", add_help=False,
+                   help="train a model from a TOML config and --key value flags (no arguments: "
+                        "the built-in GPT on the standard library's sources, 2 processes, "
+                        "about a minute); varuna-fx train --help lists every key")
 
     demo = sub.add_parser(
         "demo", help="compile the built-in GPT, print its plan and a stage, run one step",
@@ -287,8 +271,25 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fix D (default: searched)")
     plan.add_argument("--micro-batch-size", type=int, default=None,
                       help="fix the micro-batch size (default: searched)")
-    plan.add_argument("--no-recompute", action="store_true",
-                      help="stash all activations instead of recomputing the forward")
+    plan.add_argument("--stages-per-rank", default=None, type=_stages_per_rank,
+                      metavar="V|auto",
+                      help="model stages on each device, as compile's stages_per_rank (several: "
+                           "--schedule interleaved-1f1b or zbv); auto: the schedule's own, and "
+                           "with --schedule auto the planner weighs virtual stages too (default: "
+                           "1, or 2 for interleaved-1f1b and zbv)")
+    plan.add_argument("--recompute", default="auto", type=_setting, metavar="auto|true|false",
+                      help="recompute activations in the backward, as compile's recompute: "
+                           "auto plans without it unless nothing fits (default: %(default)s)")
+    plan.add_argument("--no-recompute", action="store_true", help="the same as --recompute false")
+    plan.add_argument("--shard-optimizer", default="auto", type=_setting,
+                      metavar="auto|true|false",
+                      help="ZeRO-1 over each stage's replicas, as compile's shard_optimizer: "
+                           "auto shards an optimizer built with pipe.optimizer when D > 1 and "
+                           "counts it sharded only where a configuration needs it to fit "
+                           "(default: %(default)s)")
+    plan.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                      help="as compile's precision; the plan is the same for each (the planner "
+                           "prices the model's own dtypes) (default: %(default)s)")
     plan.add_argument("--profile", action="store_true",
                       help="measure this device (cached) instead of FLOP estimates")
     plan.add_argument("--top", type=int, default=5,
@@ -301,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser(
         "run", help="launch a training script on local processes (torchrun)",
+        allow_abbrev=False,  # an abbreviation would be read up to the script: spell options out
         description="Run SCRIPT under torchrun: --standalone on this machine unless "
                     "--torchrun-args names --nnodes or --rdzv flags. A multi-machine job: "
                     "varuna-fx run --nproc 4 --torchrun-args=\"--nnodes=2 --node-rank=0 "
@@ -336,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --elastic: extra rendezvous settings key=value[,key=value]")
     run.add_argument("script", help="the training script every process runs")
     run.add_argument("script_args", nargs=argparse.REMAINDER,
-                     help="arguments passed on to the script")
+                     help="arguments passed on to the script untouched (main() splits them "
+                          "off before parsing: --log, --node, ... are the script's)")
     run.set_defaults(func=cmd_run)
     return parser
 
@@ -347,10 +350,14 @@ def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.Argument
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # every key of its config is a flag: launch/train.py parses them
+        return train_command(argv[1:])
     parser = build_parser()
-    argv = _glue_torchrun_args(sys.argv[1:] if argv is None else list(argv),
-                               _subcommand(parser, "run"))
+    argv, script_args = split_at_script(argv, _subcommand(parser, "run"))
     args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "func", None) is cmd_run:
+        args.script_args = script_args  # (argparse never saw them)
     if unknown:
         hint = ""
         if getattr(args, "func", None) is cmd_run:

@@ -1,7 +1,9 @@
 """``varuna-fx plan``: the planner's choice for a model factory and a described cluster.
 
-The command line's constraints become the planner's options object (``plan_options``:
-``planner/options.PlanOptions``), taken whole by ``Analyzed.plan``.
+It takes what ``vf.compile`` takes (schedule, stages per rank, recompute, optimizer sharding,
+precision) and makes the choice compile makes with them: the command line's options become the
+planner's options object (``plan_options``: ``planner/options.PlanOptions``), taken whole by
+``Analyzed.plan``, so a plan printed here is the one a launched run on that cluster gets.
 """
 
 from __future__ import annotations
@@ -22,8 +24,16 @@ from ..planner.analyze import Analyzed, analyze
 from ..planner.candidates import Candidate, SearchResult
 from ..planner.cluster import Cluster
 from ..planner.options import PlanOptions
-from ..planner.plan import Alternative, Plan, _count, _seconds, alternatives_table
+from ..planner.plan import (
+    Alternative,
+    Plan,
+    _count,
+    _seconds,
+    alternatives_table,
+    optimizer_note,
+)
 from ..planner.profile import Profile
+from ..schedule import virtual_names
 from .factory import load_factory
 
 
@@ -52,10 +62,11 @@ def plan_command(args: argparse.Namespace, console: Console | None = None) -> in
         return 1
     if getattr(args, "json", False):
         print(json.dumps(search_as_dict(cluster, graph.model_name, result, profile is not None,
-                                        note), indent=2))
+                                        note, options_as_dict(args, result)), indent=2))
         return 0
     console.print(describe(cluster, graph.model_name, result, profile is not None,
                            graph.seconds))
+    console.print(options_line(args, result))
     if note:
         console.print(f"[yellow]note:[/yellow] {note}")
     console.print(alternatives_table(result.alternatives, f"{graph.model_name} on {cluster.gpus}"
@@ -68,8 +79,10 @@ def plan_command(args: argparse.Namespace, console: Console | None = None) -> in
 _OPTIONS = [
     (re.compile(r"\b(global_batch_size|micro_batch_size|data_parallel|stages)="),
      lambda m: "--" + m.group(1).replace("_", "-") + "="),
-    (re.compile(r"\brecompute=True\b"), lambda m: "recompute (without --no-recompute)"),
-    (re.compile(r"\brecompute=False\b"), lambda m: "--no-recompute"),
+    (re.compile(r"\brecompute=True\b"), lambda m: "--recompute true"),
+    (re.compile(r"\brecompute=False\b"), lambda m: "--recompute false"),
+    (re.compile(r"\bstages_per_rank=(\d+)"), lambda m: f"--stages-per-rank={m.group(1)}"),
+    (re.compile(r"\bshard_optimizer=(\w+)"), lambda m: f"--shard-optimizer {m.group(1).lower()}"),
 ]
 
 
@@ -87,8 +100,9 @@ def plan_options(args: argparse.Namespace, cluster: Cluster, profile: Profile | 
               "data_parallel": getattr(args, "data_parallel", None),
               "micro_batch_size": getattr(args, "micro_batch_size", None), **fixed}
     return PlanOptions(cluster=cluster, global_batch_size=args.global_batch_size,
-                       schedule=args.schedule, recompute=not getattr(args, "no_recompute", False),
-                       profile=profile, shard_optimizer=False, **chosen)
+                       schedule=args.schedule, recompute=recompute_setting(args),
+                       profile=profile, stages_per_rank=stages_per_rank_setting(args),
+                       shard_optimizer=getattr(args, "shard_optimizer", "auto"), **chosen)
 
 
 def search(args: argparse.Namespace, graph: Analyzed, cluster: Cluster,
@@ -96,6 +110,52 @@ def search(args: argparse.Namespace, graph: Analyzed, cluster: Cluster,
     """The planner's search with the command line's constraints (``fixed`` overrides them)."""
     return graph.plan(plan_options(args, cluster, profile, **fixed),
                       top=1 if fixed else getattr(args, "top", 5))
+
+
+def recompute_setting(args: argparse.Namespace) -> bool | str:
+    """compile's ``recompute`` from ``--recompute`` (default "auto") or ``--no-recompute``."""
+    if getattr(args, "no_recompute", False):
+        return False
+    return getattr(args, "recompute", "auto")
+
+
+def stages_per_rank_setting(args: argparse.Namespace) -> int | None:
+    """compile's ``stages_per_rank``: ``--stages-per-rank`` as given ("auto": None), else the
+    schedule's own (1, or None: the entry's v for a schedule of several stages per rank)."""
+    given = getattr(args, "stages_per_rank", None)
+    if given is not None:
+        return None if given == "auto" else int(given)
+    return None if args.schedule in virtual_names() else 1
+
+
+def options_as_dict(args: argparse.Namespace, result: SearchResult) -> dict[str, Any]:
+    """compile's options the plan was made with (JSON), and the optimizer's fate."""
+    best = result.best
+    shard = getattr(args, "shard_optimizer", "auto")
+    return {"precision": getattr(args, "precision", "fp32"),
+            "recompute": recompute_setting(args), "planned_with_recompute": result.recompute,
+            "shard_optimizer": shard, "optimizer_state_priced_sharded": best.shard,
+            "optimizer": optimizer_note(shard, best.data_parallel, best.shard),
+            "stages_per_rank": result.stages_per_rank}
+
+
+def options_line(args: argparse.Namespace, result: SearchResult) -> str:
+    """compile's options the plan was made with, and what a launched run does with them."""
+    best = result.best
+    precision = getattr(args, "precision", "fp32")
+    rc = recompute_setting(args)
+    recompute = f"recompute {str(rc).lower()}" + (
+        " (" + ("planned with recomputation: nothing fits without" if result.recompute
+                else "planned without recomputation") + ")" if rc == "auto" else "")
+    line = (f"options: precision {precision}, {recompute}, "
+            f"shard_optimizer {str(getattr(args, 'shard_optimizer', 'auto')).lower()}, "
+            f"stages per rank {result.stages_per_rank}")
+    if precision != "fp32":
+        line += (f"\n{precision}: planned from the model's own dtypes, as vf.compile plans it "
+                 "(autocast's narrower activations are not priced)")
+    note = optimizer_note(getattr(args, "shard_optimizer", "auto"), best.data_parallel,
+                          best.shard)
+    return line + (f"\n{note}" if note else "")
 
 
 def devices_note(args: argparse.Namespace, graph: Analyzed, cluster: Cluster,
@@ -158,11 +218,7 @@ def stage_table(best: Candidate) -> Table:
     for column in ("stage", "forward", "recompute", "backward", "sends", "weights+opt",
                    "memory"):
         table.add_column(column, justify="right")
-    rows: list[Any] = list(range(plan.num_stages))
-    if len(rows) > 12:  # long pipelines: the ends and the slowest stage
-        slow = int((plan.forward + plan.backward).argmax())
-        rows = sorted({0, 1, 2, slow, len(rows) - 3, len(rows) - 2, len(rows) - 1})
-    for s in rows:
+    for s in range(plan.num_stages):  # every one (a long pipeline's middle was left out once)
         send = format_bytes(float(plan.send_bytes[s])) if s < plan.num_stages - 1 else "-"
         memory = format_bytes(best.memory[s]) if best.memory else "-"
         table.add_row(str(s), _seconds(float(plan.forward[s])),
@@ -194,7 +250,7 @@ def plan_as_dict(plan: Plan) -> dict[str, Any]:
 
 
 def search_as_dict(cluster: Cluster, name: str, result: SearchResult, measured: bool,
-                   note: str | None) -> dict[str, Any]:
+                   note: str | None, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """What ``varuna-fx plan`` prints, as JSON-ready data."""
     best = result.best
     plan = best.plan
@@ -213,6 +269,7 @@ def search_as_dict(cluster: Cluster, name: str, result: SearchResult, measured: 
                    "predicted_step_time": best.step_time,
                    "samples_per_second": best.samples / best.step_time},
         "note": note,
+        "options": options or {},
         "alternatives": [alternative_as_dict(a) for a in result.alternatives],
         "stages": [{"stage": s, "forward": float(plan.forward[s]),
                     "recompute": float(plan.recompute[s]), "backward": float(plan.backward[s]),

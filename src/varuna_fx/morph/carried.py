@@ -25,7 +25,7 @@ import torch
 from ..checkpoint.contents import class_name, rng_state, set_rng_state
 from ..checkpoint.optimizer_state import decode, encode, restore_optimizer
 from ..errors import VarunaFxError
-from ..runtime.zero import repoint_optimizer
+from ..runtime.zero_repoint import repoint_optimizer
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:

@@ -55,7 +55,8 @@ from ..runtime.distributed import agree_on_plan, build_runtime, release_unheld
 from ..runtime.model_state import unread_tensors
 from ..runtime.setup import held_tensors
 from ..runtime.transfer import MovePlan
-from ..runtime.zero import guard_direct_optimizers, made_by_pipeline, repoint_optimizer
+from ..runtime.zero import guard_direct_optimizers, made_by_pipeline
+from ..runtime.zero_repoint import repoint_optimizer
 from ..world.membership import Generation, Membership, backend_name
 from . import batch
 from .carried import Carried, recipe
@@ -99,9 +100,10 @@ class InPlace:
     @classmethod
     def attach(cls, pipe: Any, membership: Membership, replan: Any, joining: bool) -> InPlace:
         """``make_pipeline``'s: the pipeline's morphing (a joining process takes its state)."""
-        guard_direct_optimizers(pipe.parameters(), "this job morphs in place (--in-place)", (
+        guard_direct_optimizers(
+            pipe.parameters(), "this job morphs in place (--in-place)",
             "a morph moves pipe.optimizer's state and parameters only, so this one would keep "
-            "stepping the old layout's", "run without --in-place (the restart path)"))
+            "stepping the old layout's", ", or run without --in-place (the restart path)")
         morphing = cls(membership, replan)
         if joining:
             morphing.join(pipe)

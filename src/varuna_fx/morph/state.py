@@ -256,10 +256,6 @@ def joiner_ranges(pipe: Any, carried: Any) -> dict[str, list[tuple[int, int]]]:
     if not sharded(runtime, carried.optimizer["setting"]):
         return {n: [(0, p.numel())] for n, p in named.items()}
     sync = runtime.grad_sync
-    tied = {n for names_, _ in sync.groups.tied for n in names_}
-    local = set(runtime.local_stages)
-    lowest = {n for n in tied if min(runtime.plan.tied_parameters[n]) in local}
     return shard_ranges(groups, {id(p): n for n, p in named.items()}, set(sync.held),
-                        {n: n in lowest for n in tied},
                         dist.get_rank(group=sync.groups.data_parallel),
                         runtime.plan.data_parallel)

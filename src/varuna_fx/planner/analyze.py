@@ -8,6 +8,7 @@ plan`` makes them); ``plan_for`` is the same with keywords.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from torch import nn
 
 from ..capture.inputs import BoundInputs, bind_inputs
 from ..costs.memory import format_bytes
+from ..costs.wire import ReplicaSync
 from ..errors import PartitionError, PlanError
 from ..passes.annotate_backward import canonical_names
 from ..passes.frontend import captured_and_annotated
@@ -24,15 +26,22 @@ from ..schedule import AUTO, DEFAULT_SCHEDULE, ScheduleSpec
 from ..world.where import resolve_timeout
 from .candidates import Candidate, SearchResult, Space
 from .cluster import Cluster
-from .configure import check_micro_batch, default_micro_batch_size, replica_batch
+from .configure import (
+    check_micro_batch,
+    check_stages_per_rank,
+    default_micro_batch_size,
+    replica_batch,
+)
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .measure import ProfileSettings
 from .options import PlanOptions
+from .pricing import Pricer
 from .profile import Profile
 from .resolve import resolve_profile
 from .search import Planner
 from .virtual import on_ranks
+from .virtual import weigh as weigh_virtual
 
 
 @dataclass
@@ -59,19 +68,20 @@ class Analyzed:
 
     def plan(self, options: PlanOptions, top: int = 5) -> SearchResult:
         """The ``top`` configurations for ``options.cluster`` (None: this machine's,
-        ``Cluster.local()``), one stage per rank (a schedule of several stages per rank: as
-        ``vf.compile`` plans it, :func:`_plan_virtual`); raises PlanError when none fits.
-        ``options.schedule``: a name, or "auto" (each candidate with the fastest schedule that
-        fits: ``result.best.schedule``). ``options.recompute``: True, False, or "auto" (as if no
-        stage recomputed; when nothing fits, as if every stage did). ``options.profile``: a
+        ``Cluster.local()``), best first: the best is the choice ``vf.compile`` makes with the
+        same options; raises PlanError when none fits. ``options.schedule``: a name, or "auto"
+        (each candidate with the fastest schedule that fits: ``result.best.schedule``). A
+        schedule of several stages per rank is planned as compile plans it
+        (:func:`_plan_virtual`), with ``options.stages_per_rank`` stages per rank (None: the
+        schedule's own); ``stages_per_rank=None`` with ``schedule="auto"`` also weighs virtual
+        stages on the chosen ranks, as compile does (:func:`_with_virtual`).
+        ``options.recompute``: True, False, or "auto" (as if no stage recomputed; when nothing
+        fits, as if every stage did; ``result.recompute`` says which). ``options.profile``: a
         Profile (used where it was measured on the cluster's kind of device), True (this
         device's: ``self.profile()``) or False (FLOP estimates)."""
         choice = options.schedule_choice
         virtual = choice != AUTO and choice.virtual
-        if options.stages_per_rank != 1 and not virtual:
-            raise PlanError(f"stages_per_rank={options.stages_per_rank!r}: planning without "
-                            "compiling searches one stage per rank; vf.compile weighs virtual "
-                            "stages on the ranks it chose")
+        v = check_stages_per_rank(choice, options.stages_per_rank)
         cluster = options.cluster or Cluster.local(timeout=resolve_timeout(options.timeout))
         profile = self.profile() if options.profile is True else options.profile or None
         use = profile if profile is not None and profile.applies_to(cluster) else None
@@ -81,12 +91,19 @@ class Analyzed:
         def search(recompute: bool) -> SearchResult:
             planner = Planner(self.table(use), cluster, schedule=choice,
                               recompute=recompute, network=use.network if use else None,
-                              shard_optimizer=options.shard_optimizer)
+                              shard_optimizer=options.shard_optimizer,
+                              compression=options.compression,
+                              replica_sync=options.replica_sync)
             if virtual:  # v stages per rank, as compile plans them
-                return _plan_virtual(planner, space, planner.schedules[0])
-            result = planner.search(space, top=top)
-            if not result.top:
-                raise explain_nothing_fits(planner, space)
+                result = _plan_virtual(planner.pricer, space, dataclasses.replace(
+                    planner.pricer.schedules[0], stages_per_rank=v))
+            else:
+                result = planner.search(space, top=top)
+                if not result.top:
+                    raise explain_nothing_fits(planner, space)
+                if options.stages_per_rank is None and choice == AUTO:  # v chosen too
+                    result = _with_virtual(planner.pricer, result)
+            result.recompute = recompute
             return result
 
         if options.recompute == "auto":
@@ -110,24 +127,48 @@ def analyze(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Anal
 def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None = None,
              stages: int | None = None, data_parallel: int | None = None,
              micro_batch_size: int | None = None,
-             schedule: str | ScheduleSpec = DEFAULT_SCHEDULE, recompute: bool = True,
-             profile: Profile | None = None, top: int = 5) -> SearchResult:
+             schedule: str | ScheduleSpec = DEFAULT_SCHEDULE, recompute: bool | str = True,
+             profile: Profile | None = None, top: int = 5, stages_per_rank: int | None = 1,
+             shard_optimizer: bool | str = False, compression: str = "off",
+             replica_sync: ReplicaSync = "exact") -> SearchResult:
     """The best configurations for ``cluster``; raises PlanError when none fits.
     ``schedule``: a name, or "auto" (each candidate with the fastest schedule that fits:
-    ``result.best.schedule``). The keywords of :meth:`Analyzed.plan`'s options (optimizer
-    state unsharded)."""
+    ``result.best.schedule``). The keywords of :meth:`Analyzed.plan`'s options, meaning what
+    ``vf.compile``'s do (by default recompute on and the optimizer state unsharded)."""
     return graph.plan(PlanOptions(
         cluster=cluster, global_batch_size=global_batch_size, stages=stages,
         data_parallel=data_parallel, micro_batch_size=micro_batch_size,
-        schedule=schedule if isinstance(schedule, str) else schedule.name, recompute=recompute, profile=profile, shard_optimizer=False), top=top)
+        schedule=schedule if isinstance(schedule, str) else schedule.name, recompute=recompute,
+        profile=profile, stages_per_rank=stages_per_rank, shard_optimizer=shard_optimizer,
+        compression=compression, replica_sync=replica_sync), top=top)
 
 
-def _plan_virtual(planner: Planner, space: Space, kind: ScheduleSpec) -> SearchResult:
+def _with_virtual(pricer: Pricer, result: SearchResult) -> SearchResult:
+    """``result`` after weighing virtual stages on its best candidate's ranks, as
+    ``vf.compile`` does for ``stages_per_rank=None, schedule="auto"``
+    (``configure._weigh_virtual``): one that simulates faster becomes the best; each is a
+    row."""
+    best = result.best
+    found = weigh_virtual(pricer, best)
+    pick = min(found, key=lambda f: f[0].step_time, default=None)
+    rows = list(result.alternatives)
+    if pick is None or pick[0].step_time >= best.step_time:
+        rows += [c.alternative() for c, _ in found]
+        return dataclasses.replace(result, alternatives=sorted(rows, key=lambda a: a.step_time))
+    rows = [dataclasses.replace(a, chosen=False) for a in rows]
+    rows += [c.alternative(c is pick[0]) for c, _ in found]
+    return dataclasses.replace(result, top=[pick[0], *result.top],
+                               alternatives=sorted(rows, key=lambda a: a.step_time),
+                               stages_per_rank=pick[1].stages_per_rank)
+
+
+def _plan_virtual(pricer: Pricer, space: Space, kind: ScheduleSpec) -> SearchResult:
     """What ``vf.compile`` plans for a schedule of several stages per rank (v, its entry's):
     P = v x R stages on R ranks per replica (P given, or every device in one replica), D given
     or the replicas the devices hold, the micro-batch size given or about 4 micro-batches per
     stage; nothing is searched but its partition, each stage at 1/v of a device's memory
-    (``virtual.on_ranks``). One row."""
+    (``virtual.on_ranks``). One row. ``pricer``: the setting's, one stage per rank (its
+    ``per_rank(v)`` builds the schedule)."""
     start = time.perf_counter()
     v = kind.stages_per_rank
     stages = space.stages or v * max(1, space.gpus // (space.data_parallel or 1))
@@ -143,15 +184,15 @@ def _plan_virtual(planner: Planner, space: Space, kind: ScheduleSpec) -> SearchR
     batch = replica_batch(space.example_batch, space.global_batch_size, d)
     b = space.micro_batch_size or default_micro_batch_size(batch, stages)
     check_micro_batch(batch, b)
-    most = planner.balancer(b).count
+    most = pricer.balancer(b).count
     if stages > most:
         raise PartitionError(f"stages={stages} is more than the {most} places the model can "
                              f"be cut: use at most {most - most % v} stages ({v} per rank)")
-    priced = on_ranks(planner, Candidate(ranks, d, b, batch // b), kind)
+    priced = on_ranks(pricer, Candidate(ranks, d, b, batch // b), kind)
     if priced is None:
         raise PlanError(
             f"{kind.name} with P={stages} ({v} stages per rank), D={d} and micro-batch size "
-            f"{b}: no partition fits {format_bytes(planner.memory_cap / v)} per stage (1/{v} "
+            f"{b}: no partition fits {format_bytes(pricer.memory_cap / v)} per stage (1/{v} "
             "of a device's memory); use more devices or more stages, a smaller micro-batch "
             "size, devices with more memory, or a schedule of one stage per rank"
         )

@@ -21,7 +21,7 @@ class Candidate:
     plan: PartitionCosts | None = None
     # stash counts the partition was made for; None: one micro-batch per stage (a relaxation)
     stash_counts: tuple[int, ...] | None = None
-    # the stash counts of the order it was simulated with (``Pricing.finish``): its memory
+    # the stash counts of the order it was simulated with (``Pricer.finish``): its memory
     # was checked at these, so the partition pass starts from them
     run_counts: tuple[int, ...] | None = None
     exact: bool = False  # partitioned with the schedule's real stash counts
@@ -29,13 +29,17 @@ class Candidate:
     allreduce_time: float = 0.0
     bubble: float = 0.0
     memory: tuple[float, ...] = ()
-    # the name of the schedule it is priced with (its registry entry: ``Pricing.kind``); ""
-    # until a schedule="auto" search branches it (after partitioning: the bounds before that
+    # the name of the schedule it is priced with (its registry entry: ``Pricer.kind``); ""
+    # until a schedule="auto" search branches it (after partitioning: the floors before that
     # hold for every schedule)
     schedule: str = ""
-    bound: float = 0.0  # seconds: the lower bound it was last pushed with
+    floor: float = 0.0  # seconds: the lower bound of its step it was last pushed with
     estimated: bool = False  # step_time is a cheaper order's (see Planner.search)
     shard: bool = False  # its memory counts the optimizer state sharded over D (ZeRO-1)
+    # as it was simulated (``slow_links.py``): per boundary how it travels, per stage its
+    # replica sync
+    compression: tuple[str, ...] = ()
+    sync: tuple = ()
 
     @property
     def samples(self) -> int:
@@ -57,6 +61,7 @@ class SearchResult:
     seconds: float = 0.0
     alternatives: list[Alternative] = field(default_factory=list)
     stages_per_rank: int = 1  # v of the schedule searched (several stages per rank: virtual)
+    recompute: bool = True  # whether it was planned with recomputation (plan_for sets it)
 
     @property
     def best(self) -> Candidate:
@@ -105,6 +110,6 @@ def _divisors(n: int) -> tuple[int, ...]:
 
 
 # How much faster the full order generator may be than the quick one (the most measured:
-# 2.1%; see schedule/varuna.py QUICK_VARIANTS): a quick estimate e bounds the full step
-# below by e / (1 + QUICK_SLACK), which is what the search orders estimated candidates by.
+# 2.1%; see schedule/varuna.py QUICK_VARIANTS): a quick estimate e puts a floor under the
+# full step, e / (1 + QUICK_SLACK), which is what the search orders estimated candidates by.
 QUICK_SLACK = 0.05

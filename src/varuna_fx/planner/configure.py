@@ -10,9 +10,10 @@ cannot match the running ranks (the runtime then says what to launch instead).
 Layer: above ``planner`` and ``schedule``, below ``api``; imports nothing from the runtime
 (``world/where.py`` answers whether this is a distributed run).
 
-Pricing (``price``) simulates the made partition with the planner's costs (``cost_table`` unit
-arrays and ``balance.PartitionCosts``) and prices its memory with the one memory model, so the plan
-table's memory column, the chosen alternatives row and ``Partition.stage_memory`` are the same
+Pricing (``price``) simulates the made partition with the search's own pricer
+(``pricing.Pricer``, set for the chosen layout: its ``cost_table`` unit arrays and
+``balance.PartitionCosts``) and prices its memory with the one memory model, so the plan table's
+memory column, the chosen alternatives row and ``Partition.stage_memory`` are the same
 numbers. On the registry models ``assign_and_price`` always reached its fixed point after one
 or two rounds. The search checks memory with its own schedule's counts, so a plan the planner
 thought fitted can still be re-cut (or refused) by the partition pass.
@@ -45,8 +46,10 @@ from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .options import PlanOptions
 from .plan import Alternative
+from .pricing import Pricer
 from .profile import Profile
 from .search import Planner
+from .slow_links import byte_ratio, check_settings, shards_by_default
 from .virtual import weigh as weigh_virtual
 
 
@@ -60,7 +63,7 @@ class Configuration:
     allreduce_bandwidth: float
     stash_counts: tuple[int, ...]  # the schedule's micro-batches held at once, per stage
     schedule: Schedule  # the one object simulated, and later run by the runtime
-    planner: Planner
+    pricer: Pricer  # the search's, for the chosen layout (v stages per rank): ``price`` uses it
     alternatives: list[Alternative] = field(default_factory=list)
     device: DeviceSpec | None = None  # what time estimates are made for
     node_times: NodeTimes | None = None  # measured costs, when a profile applies
@@ -68,6 +71,12 @@ class Configuration:
     # the search's own partition of the chosen row (node positions): what its step was priced
     # with, so the compiled partition is never slower than the row (None: nothing searched)
     searched_bounds: tuple[int, ...] | None = None
+    # per boundary, the bandwidth the partition prices its cut at (slow_links.py; None: the
+    # one pipeline_bandwidth), and the share of gradient bytes the replica sync sends (what
+    # the partition weighs each stage's all-reduce by)
+    link_bandwidths: tuple[float, ...] | None = None
+    sync_ratio: float = 1.0
+    shards_by_default: bool = True  # Plan.shards_by_default
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,8 @@ class Priced:
     alternatives: tuple[Alternative, ...]
     schedule: Schedule  # generated from this partition's costs: what the runtimes run
     stash_counts: tuple[int, ...]  # that schedule's micro-batches held at once, per stage
+    compression: tuple[str, ...] = ()  # per boundary, as simulated (slow_links.py)
+    replica_sync: tuple = ()  # per stage, as priced
 
 
 def replica_batch(example_batch: int, global_batch_size: int | None, data_parallel: int) -> int:
@@ -124,10 +135,9 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
         if stages > operations:
             raise PartitionError(f"stages={stages} is more than the {operations} operations of "
                                  f"the model: use at most {operations} stages")
-    planner = _planner(gm, cluster, schedule, recompute, profile)
-    planner.shard_optimizer = options.shard_optimizer
-    planner.stages_per_rank = v
-    planner.memory_cap /= v  # a rank holds v stages (each checked at its share)
+    # a rank holds v stages, each checked at its share of the memory
+    planner = _planner(gm, cluster, schedule, recompute, profile, options, v)
+    pricer = planner.pricer
     alternatives: list[Alternative] = []
     searched: tuple[int, ...] | None = None
     world = running_world()
@@ -161,12 +171,15 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
         shard = best.shard
         alternatives = result.alternatives
         if stages_per_rank is None and schedule == AUTO:  # the planner chooses v too
-            p, name, v, alternatives = _weigh_virtual(planner, best, alternatives)
+            p, name, v, alternatives = _weigh_virtual(pricer, best, alternatives)
+            pricer = pricer.per_rank(v)
         if best.plan is not None and v == 1 and p == best.stages:  # unit -> node positions
-            searched = tuple(int(planner.table.units[u]) for u in best.plan.bounds)
+            searched = tuple(int(pricer.table.units[u]) for u in best.plan.bounds)
     m = replica_batch(example_batch, global_batch_size, d) // b
-    net = planner.links(p, d)
-    sched, counts = planner.built(p, m, name)  # the chosen schedule (schedule="auto")
+    net = pricer.links(p, d)
+    chosen = Candidate(p, d, b, m, shard=shard)
+    check_settings(options, chosen, pricer.table.parameter_shapes)
+    sched, counts = pricer.built(p, m, name)  # the chosen schedule (schedule="auto")
     if best is not None and best.run_counts is not None and (p, name) == \
             (best.stages, best.schedule) and len(best.run_counts) == p:
         # the cost-aware order the search checked memory with (a split backward's unit-cost
@@ -175,23 +188,26 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
     return Configuration(
         stages=p, data_parallel=d, micro_batch_size=b, num_micro_batches=m,
         pipeline_bandwidth=net.partition_bandwidth, allreduce_bandwidth=net.allreduce_bandwidth,
-        stash_counts=tuple(counts), schedule=sched, planner=planner, alternatives=alternatives,
-        device=planner.spec, node_times=planner.table.measured, searched_bounds=searched,
+        stash_counts=tuple(counts), schedule=sched, pricer=pricer, alternatives=alternatives,
+        device=pricer.spec, node_times=pricer.table.measured, searched_bounds=searched,
         shard_optimizer=shard,
+        link_bandwidths=pricer.link_bandwidths(chosen),
+        sync_ratio=byte_ratio(best.sync if best is not None and best.sync else
+                              [options.replica_sync if options.replica_sync != "auto"
+                               else "exact"], pricer.table.parameter_shapes),
+        shards_by_default=shards_by_default(options, net, shard),
     )
 
 
-def _weigh_virtual(planner: Planner, best: Candidate, rows: list[Alternative]
+def _weigh_virtual(pricer: Pricer, best: Candidate, rows: list[Alternative]
                    ) -> tuple[int, str, int, list[Alternative]]:
     """(stages, schedule, v, the rows) after weighing virtual stages on ``best``'s ranks
     (``virtual.py``): one that simulates faster is chosen; each becomes a row."""
     pick, stages, name, v = best, best.stages, best.schedule, 1
-    found = weigh_virtual(planner, best)
+    found = weigh_virtual(pricer, best)
     for c, sched in found:
         if c.step_time < pick.step_time:
             pick, stages, name, v = c, c.stages, c.schedule, sched.stages_per_rank
-    planner.stages_per_rank = v
-    planner.memory_cap /= v
     rows = [dataclasses.replace(a, chosen=False) if a.chosen and pick is not best else a
             for a in rows] + [c.alternative(c is pick) for c, _ in found]
     return stages, name, v, sorted(rows, key=lambda a: a.step_time)
@@ -219,7 +235,8 @@ def check_stages_per_rank(schedule: ScheduleChoice, stages_per_rank: int | None)
 
 
 def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, recompute: bool,
-             profile: Profile | None) -> Planner:
+             profile: Profile | None, options: PlanOptions,
+             stages_per_rank: int) -> Planner:
     """Costs measured by ``profile`` when it was made on this kind of device, else estimated
     from FLOPs for the cluster's devices."""
     table = CostTable.build(gm)
@@ -232,7 +249,9 @@ def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, rec
             warnings.warn(f"the profile was measured on {profile.device!r}, the cluster has "
                           f"{cluster.kind!r} devices: planning with FLOP estimates instead",
                           stacklevel=4)
-    return Planner(table, cluster, schedule=schedule, recompute=recompute, network=network)
+    return Planner(table, cluster, schedule=schedule, recompute=recompute, network=network,
+                   shard_optimizer=options.shard_optimizer, stages_per_rank=stages_per_rank,
+                   compression=options.compression, replica_sync=options.replica_sync)
 
 
 def price(config: Configuration, bounds: tuple[int, ...],
@@ -240,25 +259,25 @@ def price(config: Configuration, bounds: tuple[int, ...],
     """Simulate the partition the partition pass made (``bounds``: positions among the compute
     nodes, as ``assign_stages`` returned them) with the schedule object the plan will carry, and
     note the result on the chosen row of the alternatives."""
-    planner = config.planner
+    pricer = config.pricer
     b, p, m = config.micro_batch_size, config.stages, config.num_micro_batches
-    units = planner.table.unit_arrays(b, planner.spec, positions=list(bounds))
+    units = pricer.table.unit_arrays(b, pricer.spec, positions=list(bounds))
     d = config.data_parallel
-    balancer = planner.balancer_for(units, p, d if config.shard_optimizer else 1)
+    balancer = pricer.balancer_for(units, p, d if config.shard_optimizer else 1)
     base = config.schedule
     c = Candidate(p, d, b, m, schedule=base.name, shard=config.shard_optimizer)  # (the row shows it)
     c.plan = balancer.partition_costs(list(range(p + 1)))
     # the search ordered schedules with unit costs (cached per P, m); the plan's schedule is
     # generated from this partition's own times (Varuna's order, split backward's W placement)
-    # ``recompute``: the partition's per-stage choice (default: the planner's one setting)
+    # ``recompute``: the partition's per-stage choice (default: the pricer's one setting)
     rc = base.recompute if recompute is None else recompute
-    sched = build_schedule(base.spec or base.name, p, m, rc, planner.schedule_costs(c, rc),
+    sched = build_schedule(base.spec or base.name, p, m, rc, pricer.schedule_costs(c, rc),
                            stages_per_rank=base.stages_per_rank if base.is_virtual else None)
     counts = peak_stash_counts(sched)
-    step = planner.simulated(c, sched, rc)
+    step = pricer.simulated(c, sched, rc)
     c.memory = tuple(float(x) for x in c.plan.memory(counts, rc))
     rows = tuple(c.alternative(True) if a.chosen else a for a in config.alternatives)
-    return Priced(step, c.memory, rows, sched, tuple(counts))
+    return Priced(step, c.memory, rows, sched, tuple(counts), c.compression, c.sync)
 
 
 def assign_and_price(gm: fx.GraphModule, config: Configuration,
@@ -320,9 +339,9 @@ def _settled(costs: PartitionProblem, config: Configuration) -> tuple[Partition,
 
 def allreduce_terms(config: Configuration) -> dict[str, float | int]:
     """The partition's all-reduce weights (``PartitionProblem``) for the configuration's D."""
-    per_byte, latency = config.planner.links(config.stages, config.data_parallel) \
+    per_byte, latency = config.pricer.links(config.stages, config.data_parallel) \
         .allreduce_terms(config.data_parallel)
-    return {"allreduce_per_byte": per_byte, "allreduce_latency": latency,
+    return {"allreduce_per_byte": per_byte * config.sync_ratio, "allreduce_latency": latency,
             "micro_batches": config.num_micro_batches}
 
 

@@ -1,17 +1,28 @@
-"""Pricing a candidate: its partition (cached per (b, P, stash counts, budget)), the order its
+"""Pricing a candidate: its partition (memoized per (b, P, stash counts, budget)), the order its
 schedule runs in, the memory check with that order's stash counts, and the simulated step plus
-the data-parallel and tied all-reduces."""
+the data-parallel and tied all-reduces.
+
+A ``Pricer`` is one model on one cluster under one setting (cost table, cluster, network,
+memory cap, the schedules weighed, recompute, optimizer sharding, stages per rank), fixed when
+it is made: nothing outside writes it, and a different setting is a different pricer
+(``Pricer.per_rank``). What it works out is kept in its ``Memo``, each entry a pure function of
+the pricer and the entry's key, so a memo never needs to be invalidated. The search
+(``search.py``) holds a pricer; the lower bounds of a step (``floors.py``) are functions of a
+pricer and a candidate.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..costs.memory import sharded_held
 from ..costs.roofline import DeviceSpec
+from ..costs.wire import LOSSIER_MARGIN, ReplicaSync
 from ..schedule import (
     Schedule,
     ScheduleCosts,
@@ -29,50 +40,93 @@ from .balance import Balancer, PartitionCosts
 from .candidates import Candidate, weight_grads
 from .cluster import Cluster
 from .cost_table import CostTable, UnitArrays
-from .network import Links, links
-from .virtual import rank_allreduce, rank_links
+from .network import Links, links, rank_allreduce, rank_links
+from .slow_links import (
+    boundary_modes,
+    codec_per_stage,
+    compressed,
+    partition_bandwidths,
+    stage_syncs,
+    sync_seconds,
+)
 
 
-class Pricing:
+@dataclass
+class Memo:
+    """What one ``Pricer`` has worked out, by key. Every value depends only on the pricer's
+    fields and its key (a budget or a shard count that varies is part of the key)."""
+
+    # (b, shards) -> the partitioner at micro-batch size b
+    balancers: dict[tuple[int, int], Balancer] = field(default_factory=dict)
+    # (b, P, stash counts, budget, shards, per-boundary bandwidths) -> the fastest fitting
+    # partition, or None
+    plans: dict[tuple, PartitionCosts | None] = field(default_factory=dict)
+    # (schedule, P, m) -> the unit-cost schedule and its per-stage stash counts
+    schedules: dict[tuple[str, int, int], tuple[Schedule, list[int]]] = \
+        field(default_factory=dict)
+    # (P, D) -> the links of that placement
+    links: dict[tuple[int, int], Links] = field(default_factory=dict)
+    # for ``floors.py``: (b, split) -> the model's totals at b; (b, P, D) -> one round trip's hops
+    totals: dict[tuple[int, bool], tuple[float, ...]] = field(default_factory=dict)
+    hops: dict[tuple[int, int, int], float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class Pricer:
     """One model on one cluster: partitions, orders and simulated steps of candidates, each
-    cached (the search in ``search.py`` and the bounds in ``bounds.py`` build on it)."""
+    memoized (the search in ``search.py`` and the floors in ``floors.py`` build on it). Make
+    one with ``Pricer.build``."""
 
-    def __init__(self, table: CostTable, cluster: Cluster, *, schedule: str | ScheduleSpec,
-                 recompute: bool,
-                 spec: DeviceSpec | None = None, network: NetworkProfile | None = None,
-                 shard_optimizer: bool | str = False) -> None:
-        self.table = table
-        self.cluster = cluster
-        self.spec = spec or cluster.spec
-        self.schedule = schedule  # a schedule (entry or name), or "auto": each candidate
-        # weighs them all
-        self.schedules = weighed_schedules(schedule)
-        self._rank = {s.name: k for k, s in enumerate(self.schedules)}  # (ties: see _key)
-        self.recompute = recompute
-        self.network = network
-        self.memory_cap = float(cluster.gpu_memory)
-        # v of a virtual schedule (several stages per rank; None: its default), set by
-        # ``configure`` before anything is built
-        self.stages_per_rank: int | None = None
-        # optimizer state over the D replicas (ZeRO-1): True counts it sharded wherever D > 1,
-        # "auto" only for a candidate that does not fit otherwise, False never
-        self.shard_optimizer = shard_optimizer
-        self._balancers: dict[tuple[int, int], Balancer] = {}
-        self._plans: dict[tuple[int, int, tuple[int, ...], float, int], PartitionCosts | None] = {}
-        self._schedules: dict[tuple[str, int, int], tuple[Schedule, list[int]]] = {}
-        self._links: dict[tuple[int, int], Links] = {}
-        self._totals: dict[int, tuple[float, ...]] = {}
-        self._hop_sums: dict[tuple[int, int, int], float] = {}
+    table: CostTable
+    cluster: Cluster
+    spec: DeviceSpec  # what time estimates are made for
+    network: NetworkProfile | None  # measured links (None: the cluster's stated ones)
+    # the schedules weighed (their registry entries; several for schedule="auto")
+    schedules: tuple[ScheduleSpec, ...]
+    recompute: bool
+    memory_cap: float  # bytes one stage may hold (a rank's memory over its v stages)
+    # v of a virtual schedule (several stages per rank; None: its default)
+    stages_per_rank: int | None = None
+    # optimizer state over the D replicas (ZeRO-1): True counts it sharded wherever D > 1,
+    # "auto" only for a candidate that does not fit otherwise, False never
+    shard_optimizer: bool | str = False
+    # what slow links carry (``slow_links.py``): compile's compression= and replica_sync=
+    compression: str = "off"
+    replica_sync: ReplicaSync = "exact"
+    memo: Memo = field(default_factory=Memo, init=False, repr=False)
 
-    # -- caches --------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, table: CostTable, cluster: Cluster, *, schedule: str | ScheduleSpec,
+              recompute: bool,
+              spec: DeviceSpec | None = None, network: NetworkProfile | None = None,
+              shard_optimizer: bool | str = False,
+              stages_per_rank: int | None = None, compression: str = "off",
+              replica_sync: ReplicaSync = "exact") -> Pricer:
+        """``schedule``: an entry or its name, or "auto" (each candidate weighs them all:
+        ``schedule.weighed_schedules``). A rank running ``stages_per_rank`` stages checks
+        each against that share of its memory."""
+        return cls(table, cluster, spec or cluster.spec, network,
+                   weighed_schedules(schedule), recompute,
+                   float(cluster.gpu_memory) / (stages_per_rank or 1), stages_per_rank,
+                   shard_optimizer, compression, replica_sync)
+
+    def per_rank(self, v: int) -> Pricer:
+        """This setting with ``v`` stages per rank (each stage checked at 1/v of the device
+        memory), with a memo of its own; itself where that is its setting already."""
+        cap = float(self.cluster.gpu_memory) / v
+        if v == self.stages_per_rank and cap == self.memory_cap:
+            return self
+        return dataclasses.replace(self, stages_per_rank=v, memory_cap=cap)
+
+    # -- memoized --------------------------------------------------------------------------------
 
     def balancer(self, b: int, shards: int = 1) -> Balancer:
         """Partitions at micro-batch size ``b``, the optimizer state split over ``shards``."""
-        if (b, shards) not in self._balancers:
+        if (b, shards) not in self.memo.balancers:
             bw = links(self.cluster, 2, 1, self.network).partition_bandwidth
             units = self.table.unit_arrays(b, self.spec)
-            self._balancers[b, shards] = self._make_balancer(units, bw, shards)
-        return self._balancers[b, shards]
+            self.memo.balancers[b, shards] = self._make_balancer(units, bw, shards)
+        return self.memo.balancers[b, shards]
 
     def balancer_for(self, units: UnitArrays, stages: int, shards: int = 1) -> Balancer:
         """A balancer over given unit arrays (one unit per stage of a made partition)."""
@@ -87,17 +141,30 @@ class Pricing:
         return Balancer(units, shared, bandwidth, self.recompute)
 
     def partition(self, b: int, stages: int, stash_counts: int | tuple[int, ...] | None,
-                  budget: float | None = None, shards: int = 1) -> PartitionCosts | None:
+                  budget: float | None = None, shards: int = 1,
+                  bandwidths: tuple[float, ...] | None = None) -> PartitionCosts | None:
         """Fastest partition whose stages fit ``budget`` (default: the device memory) by the
         memory model, each stage holding its ``stash_counts`` micro-batches (one count for
-        all, or per stage; None: one), the optimizer state split over ``shards`` replicas."""
+        all, or per stage; None: one), the optimizer state split over ``shards`` replicas.
+        ``bandwidths``: per boundary, the link each stage's send is priced at (None: one)."""
         budget = self.memory_cap if budget is None else budget
         counts = (stash_counts or 1,) * stages if not isinstance(stash_counts, tuple) \
             else stash_counts
-        key = (b, stages, counts, budget, shards)
-        if key not in self._plans:
-            self._plans[key] = self.balancer(b, shards).partition(stages, budget, counts)
-        return self._plans[key]
+        key = (b, stages, counts, budget, shards, bandwidths)
+        if key not in self.memo.plans:
+            self.memo.plans[key] = self.balancer(b, shards).partition(stages, budget, counts,
+                                                                      bandwidths)
+        return self.memo.plans[key]
+
+    def link_bandwidths(self, c: Candidate) -> tuple[float, ...] | None:
+        """Per boundary, what the partition prices ``c``'s cuts at: each link's bandwidth
+        (widened by an explicit compression), where the links of ``c``'s placement differ
+        from the balancer's one bandwidth or are compressed; None: that one bandwidth."""
+        if c.stages < 2 or (self.stages_per_rank or 1) > 1:
+            return None
+        widths = partition_bandwidths(self.links(c.stages, c.data_parallel), self.compression)
+        one = self.balancer(c.micro_batch_size).bandwidth
+        return None if all(w == one for w in widths) else tuple(widths)
 
     def plan_candidate(self, c: Candidate, stash_counts: int | tuple[int, ...] | None = None,
                        budget: float | None = None) -> PartitionCosts | None:
@@ -106,76 +173,93 @@ class Pricing:
         partition fits without (``c.shard`` records which)."""
         d = c.data_parallel
         shards = d if self.shard_optimizer is True and d > 1 else 1
-        plan = self.partition(c.micro_batch_size, c.stages, stash_counts, budget, shards)
+        bws = self.link_bandwidths(c)
+        plan = self.partition(c.micro_batch_size, c.stages, stash_counts, budget, shards, bws)
         if plan is None and self.shard_optimizer == "auto" and d > 1:
-            plan = self.partition(c.micro_batch_size, c.stages, stash_counts, budget, d)
+            plan = self.partition(c.micro_batch_size, c.stages, stash_counts, budget, d, bws)
             shards = d
         c.shard = plan is not None and shards > 1
         return plan
 
     def kind(self, schedule: str | ScheduleSpec = "") -> ScheduleSpec:
         """The registry entry of ``schedule`` (a candidate's schedule name; default: the
-        first the planner weighs)."""
+        first the pricer weighs)."""
         return schedule_spec(schedule) if schedule else self.schedules[0]
 
     def built(self, stages: int, micro_batches: int,
               schedule: str | ScheduleSpec = "") -> tuple[Schedule, list[int]]:
         """The schedule (its compiled form is cached on it) and its per-stage stash counts,
-        from unit costs. ``schedule``: an entry or its name (default: the planner's first)."""
+        from unit costs. ``schedule``: an entry or its name (default: the first weighed)."""
         kind = self.kind(schedule)
         key = (kind.name, stages, micro_batches)
-        if key not in self._schedules:
+        if key not in self.memo.schedules:
             sched = build_schedule(kind, stages, micro_batches, self.recompute,
                                    stages_per_rank=self.stages_per_rank if kind.virtual
                                    else None)
-            self._schedules[key] = (sched, peak_stash_counts(sched))
-        return self._schedules[key]
+            self.memo.schedules[key] = (sched, peak_stash_counts(sched))
+        return self.memo.schedules[key]
 
     def links(self, stages: int, replicas: int) -> Links:
         key = (stages, replicas)
-        if key not in self._links:
-            self._links[key] = links(self.cluster, stages, replicas, self.network)
-        return self._links[key]
-
-    def _split_bound(self, c: Candidate) -> ScheduleSpec | None:
-        """The split-backward schedule ``c``'s bounds must hold for, if any: its own, or
-        before a schedule="auto" search branches it, any it weighs."""
-        kinds = [self.kind(c.schedule)] if c.schedule else self.schedules
-        return next((k for k in kinds if k.split_backward), None)
-
-    def _chain_backward(self, c: Candidate) -> np.ndarray:
-        """Each stage's backward as far as the stage upstream waits for it: all of it, or in
-        a split-backward schedule only the input-gradient part (``W`` can run later)."""
-        plan = c.plan
-        assert plan is not None
-        split = self._split_bound(c)
-        if split is None:
-            return np.asarray(plan.backward, dtype=float)
-        backward, weight = self.backward_costs(plan, split)
-        return np.asarray(backward, dtype=float) - np.asarray(weight, dtype=float)
+        if key not in self.memo.links:
+            self.memo.links[key] = links(self.cluster, stages, replicas, self.network)
+        return self.memo.links[key]
 
     def allreduce(self, c: Candidate) -> float:
-        """Gradient all-reduce of the largest stage across replicas, plus summing the
-        gradients of weights that several stages hold (tied embeddings)."""
+        """The replicas' sync of the slowest stage (each stage's under its ``replica_sync``,
+        noted on ``c.sync``), plus summing the gradients of weights that several stages
+        hold (tied embeddings)."""
         assert c.plan is not None
         net = self.links(c.stages, c.data_parallel)
-        replicas = net.allreduce(float(c.plan.grads.max()), c.data_parallel)
+        grads = [float(g) for g in c.plan.grads]
+        c.sync = self.syncs(c, grads, net)
+        sharded = self.sharded(c)
+        shapes = self.table.parameter_shapes
+        replicas = max(sync_seconds(s, g, net, c.data_parallel, self.spec, shapes, sharded)
+                       for s, g in zip(c.sync, grads))
         tied = net.allreduce(c.plan.shared_grads, 2) if c.stages > 1 else 0.0
         return replicas + tied
+
+    def syncs(self, c: Candidate, grads: Sequence[float], net: Links) -> tuple:
+        """Per stage, its replica sync (``slow_links.stage_syncs``)."""
+        return stage_syncs(self.replica_sync, grads, net, c.data_parallel, self.spec,
+                           self.table.parameter_shapes, self.sharded(c))
+
+    def sharded(self, c: Candidate) -> bool:
+        """Whether ``c``'s optimizer state is sharded (ZeRO-1: its step all-gathers the
+        parameters, half an all-reduce's bytes more): with ``shard_optimizer=True``, or where
+        memory needs it. (Where "auto" shards only because ``pipe.optimizer`` does by
+        default, on a fast link, the price leaves the all-gather out.)"""
+        return c.data_parallel > 1 and (self.shard_optimizer is True or c.shard)
+
+    def modes(self, c: Candidate, net: Links | None = None) -> tuple[str, ...]:
+        """Per boundary of ``c``, how it travels (``slow_links.boundary_modes``)."""
+        assert c.plan is not None
+        net = net or self.links(c.stages, c.data_parallel)
+        return boundary_modes(self.compression, net, [float(b) for b in c.plan.send_bytes],
+                              self.spec)
 
     def schedule_costs(self, c: Candidate, recompute: bool | Sequence[bool] | None = None,
                        schedule: ScheduleSpec | None = None) -> ScheduleCosts:
         """The candidate's per-stage F, R, B and link times, which cost-aware schedules (Varuna's
         order, split backward's W placement) are generated from. ``recompute``: per-stage flags
-        (default: the planner's one setting)."""
+        (default: the pricer's one setting). Compressed boundaries send their wire bytes and
+        add their (de)quantisation to both stages they join."""
         rc = self.recompute if recompute is None else recompute
         plan = c.plan
         assert plan is not None
         net = self.links(c.stages, c.data_parallel)
-        links = [net.latency + nb / bw for nb, bw in zip(plan.send_bytes, net.bandwidths)] \
+        modes = self.modes(c, net) if c.stages > 1 else ()
+        sent = compressed(plan.send_bytes, modes)
+        links = [net.latency + nb / bw for nb, bw in zip(sent, net.bandwidths)] \
             if c.stages > 1 else []
         backward, weight = self.backward_costs(plan, schedule or self.kind(c.schedule))
-        return ScheduleCosts.of(plan.sim_forward(rc), backward,
+        forward = plan.sim_forward(rc)
+        if any(m != "off" for m in modes):
+            extra = codec_per_stage(plan.send_bytes, modes, self.spec)
+            forward = forward + extra
+            backward = [b + e for b, e in zip(backward, extra)]
+        return ScheduleCosts.of(forward, backward,
                                 recompute=plan.recompute, links=links, weight_grad=weight)
 
     def backward_costs(self, plan: PartitionCosts,
@@ -200,7 +284,7 @@ class Pricing:
         will give the plan and the runtime will run -- so candidates are compared by the
         step they would really take (Varuna's order from unit costs can be slower or faster
         than the one the chosen partition gets). Orders that do not depend on costs (and any
-        order of one stage) come from the cache. ``effort``: "quick" or "rough", a cheaper
+        order of one stage) come from the memo. ``effort``: "quick" or "rough", a cheaper
         generator's order (its step is an upper bound of the full order's)."""
         kind = self.kind(c.schedule)
         if c.stages == 1 or not kind.cost_aware:
@@ -225,7 +309,7 @@ class Pricing:
             return None  # what the order's own counts would find, without making the order
         sched = self.ordered(c, effort)
         counts = peak_stash_counts(sched)
-        if not self._fits(c, counts):
+        if not self.fits(c, counts):
             checked = c.stash_counts or (1,) * c.stages
             grown = [max(a, b) for a, b in zip(counts, checked)]
             if not self.fit(c, grown):
@@ -234,7 +318,7 @@ class Pricing:
                 return None  # as below, from orders given up as soon as a stage overflows
             sched = self.ordered(c, effort)  # the new partition's own order
             counts = peak_stash_counts(sched)
-            if not self._fits(c, counts):
+            if not self.fits(c, counts):
                 return None
         c.run_counts = tuple(counts)  # what its memory was checked with: compile starts there
         return self.simulated(c, sched)
@@ -276,6 +360,9 @@ class Pricing:
 
     def simulated(self, c: Candidate, sched: Schedule,
                   recompute: bool | Sequence[bool] | None = None) -> float:
+        """``c``'s step with ``sched`` plus its all-reduces (noted on ``c``: ``step_time``,
+        ``allreduce_time``, ``bubble``). ``recompute``: per-stage flags (default: the
+        pricer's one setting)."""
         rc = self.recompute if recompute is None else recompute
         plan = c.plan
         assert plan is not None
@@ -286,18 +373,53 @@ class Pricing:
         # an order made for this candidate is timed once: no compiled simulation (the cached
         # cost-free ones, timed for many candidates, keep theirs); the same floats either way
         made = c.stages > 1 and sched.spec.cost_aware
-        sim = (simulate_step if made else simulate)(
-            sched, forward=plan.sim_forward(rc), backward=backward,
-            recompute=plan.recompute, send_bytes=plan.send_bytes, latency=net.latency,
-            bandwidth=net.bandwidths if c.stages > 1 else math.inf, weight_grad=weight,
-        )
-        c.allreduce_time = self.allreduce(c) if not sched.is_virtual else \
-            rank_allreduce(net, plan, sched, c.data_parallel)
-        c.bubble = sim.bubble_fraction
-        c.step_time = sim.step_time + c.allreduce_time
+
+        def run(modes: tuple[str, ...]) -> object:
+            forward, back = plan.sim_forward(rc), backward
+            if any(m != "off" for m in modes):  # wire bytes, and the codec on both sides
+                extra = codec_per_stage(plan.send_bytes, modes, self.spec)
+                forward, back = forward + extra, [b + e for b, e in zip(backward, extra)]
+            return (simulate_step if made else simulate)(
+                sched, forward=forward, backward=back,
+                recompute=plan.recompute, send_bytes=compressed(plan.send_bytes, modes)
+                if modes else plan.send_bytes, latency=net.latency,
+                bandwidth=net.bandwidths if c.stages > 1 else math.inf, weight_grad=weight,
+            )
+
+        modes = self.modes(c, net) if c.stages > 1 else ()
+        sim = run(modes)
+        if self.compression == "auto" and any(m != "off" for m in modes):
+            exact_modes = ("off",) * len(modes)
+            exact = run(exact_modes)  # the simulator's word: compress only where it pays,
+            # by more than the margin a lossy choice must earn (costs/wire.py)
+            if sim.step_time >= exact.step_time * (1 - LOSSIER_MARGIN):  # type: ignore[attr-defined]
+                sim, modes = exact, exact_modes
+        c.compression = tuple(modes)
+        if sched.is_virtual:
+            c.allreduce_time = self.virtual_sync(c, net, sched)
+        else:
+            c.allreduce_time = self.allreduce(c)
+        c.bubble = sim.bubble_fraction  # type: ignore[attr-defined]
+        c.step_time = sim.step_time + c.allreduce_time  # type: ignore[attr-defined]
         return c.step_time
 
-    def _fits(self, c: Candidate, counts: Sequence[int], cap: float | None = None) -> bool:
+    def virtual_sync(self, c: Candidate, net: Links, sched: Schedule) -> float:
+        """The reductions of a virtual schedule (per rank: ``network.rank_allreduce``), under
+        one replica sync for every rank (its ratio of the bytes, where not exact)."""
+        assert c.plan is not None
+        base = rank_allreduce(net, c.plan, sched, c.data_parallel)
+        grads = [float(g) for g in c.plan.grads]
+        c.sync = self.syncs(c, grads, self.links(c.stages, c.data_parallel))
+        if all(s == "exact" for s in c.sync):
+            return base
+        exact = max(sync_seconds("exact", g, net, c.data_parallel, self.spec) for g in grads)
+        ours = max(sync_seconds(s, g, net, c.data_parallel, self.spec,
+                                self.table.parameter_shapes) for s, g in zip(c.sync, grads))
+        return base * (ours / exact) if exact > 0 else base
+
+    def fits(self, c: Candidate, counts: Sequence[int], cap: float | None = None) -> bool:
+        """Whether ``c``'s partition fits ``cap`` (default: the memory cap) holding ``counts``
+        micro-batches per stage; its memory at those counts is noted on ``c``."""
         assert c.plan is not None
         memory = c.plan.memory(counts, self.recompute)
         c.memory = tuple(float(m) for m in memory)
@@ -309,10 +431,10 @@ class Pricing:
         cap = self.memory_cap if cap is None else cap
         c.exact, c.stash_counts = True, tuple(counts)
         c.plan = self.plan_candidate(c, c.stash_counts, cap)
-        if c.plan is not None and not self._fits(c, counts, cap) and not c.shard and \
+        if c.plan is not None and not self.fits(c, counts, cap) and not c.shard and \
                 self.shard_optimizer == "auto" and c.data_parallel > 1:
             # fits at these counts only with the optimizer state sharded
             c.plan = self.partition(c.micro_batch_size, c.stages, c.stash_counts, cap,
-                                    c.data_parallel)
+                                    c.data_parallel, self.link_bandwidths(c))
             c.shard = c.plan is not None
-        return c.plan is not None and self._fits(c, counts, cap)
+        return c.plan is not None and self.fits(c, counts, cap)

@@ -392,7 +392,7 @@ def stash_floor(num_stages: int, num_micro_batches: int, recompute: Sequence[boo
                 costs: ScheduleCosts) -> tuple[int, ...] | None:
     """Per-stage counts that every variant's order holds at least (at its peak), from the
     costs alone; None where no floor is derived (a stage recomputes). The planner drops a
-    candidate whose orders could not fit in memory without generating one (``Pricing``).
+    candidate whose orders could not fit in memory without generating one (``Pricer``).
 
     Without recomputation a stage runs only forwards until it starts ``B(s, 0)`` (backwards
     go in micro-batch order on every stage, by induction from the last), and ``B(s, 0)`` waits
