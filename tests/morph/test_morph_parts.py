@@ -135,3 +135,29 @@ def test_an_in_place_job_refuses_a_replica_sync_that_keeps_state(sync: object) -
         fit_to_world(CompileOptions(replica_sync=sync), 4, 2, {})
     for fine in ("exact", "bf16"):
         assert fit_to_world(CompileOptions(replica_sync=fine), 4, 2, {}).replica_sync == fine
+
+
+def test_the_shared_launch_starts_the_in_place_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``varuna-fx run --elastic --in-place`` goes through launch/torchrun.py as every launch
+    does; with in_place it starts varuna_fx's own launcher (not torchrun) with the script's
+    arguments untouched, and returns its exit status."""
+    from varuna_fx.launch import in_place as launcher
+    from varuna_fx.launch.cli import main
+    from varuna_fx.launch.torchrun import Ranks, start_ranks
+
+    started: list[launcher.InPlaceLaunch] = []
+    monkeypatch.setattr(launcher.InPlaceLaunch, "run", lambda self: started.append(self) or 143)
+    assert main(["run", "--elastic", "--in-place", "--nproc", "2", "--nnodes", "1:3",
+                 "--rdzv-endpoint", "127.0.0.1:29999",
+                 "train.py", "--lr", "1"]) == 143
+    (got,) = started
+    assert (got.argv, got.nproc, got.nnodes) == (["train.py", "--lr", "1"], 2, "1:3")
+    assert start_ranks(Ranks(nproc=1, elastic=True, in_place=True), "pkg.worker", ["x"],
+                       module=True) == 143
+    assert started[1].argv == ["-m", "pkg.worker", "x"]
+    with pytest.raises(vf.InputError, match="goes with elastic"):
+        Ranks(nproc=1, in_place=True)
+    with pytest.raises(vf.InputError, match="no torchrun flags"):
+        Ranks(nproc=1, elastic=True, in_place=True, flags=("--nnodes=2",))
+    with pytest.raises(SystemExit, match="--in-place goes with --elastic"):
+        main(["run", "--in-place", "--nproc", "1", "train.py"])

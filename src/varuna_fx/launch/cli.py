@@ -145,12 +145,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.elastic and (args.nnodes or args.rdzv_endpoint or args.local_addr):
         raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for "
                          "a fixed multi-machine job pass torchrun's flags in --torchrun-args")
-    if args.in_place and not args.elastic:
+    in_place = getattr(args, "in_place", False)  # (a Namespace made by another caller)
+    if in_place and not args.elastic:
         raise SystemExit("--in-place goes with --elastic")
     elastic = dict(nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                    local_addr=args.local_addr, max_restarts=args.max_restarts,
-                   rdzv_conf=args.rdzv_conf, in_place=args.in_place,
-                   store_host=args.store_host) if args.elastic else {}
+                   rdzv_conf=args.rdzv_conf, in_place=in_place,
+                   store_host=getattr(args, "store_host", None)) if args.elastic else {}
     ranks = Ranks(nproc=args.nproc, flags=tuple(split_flags(args.torchrun_args)),
                   elastic=args.elastic, **elastic)
     try:
