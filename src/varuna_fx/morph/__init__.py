@@ -1,5 +1,6 @@
 """In-place morphing: survivors keep running when a machine leaves or joins.
 
+``face`` is what ``Pipeline`` shows of it (``pipe.morphs``, ``pipe.joined``, ``pipe.track``);
 ``controller`` drives a morph (agree on the next generation, re-plan in this process, build the
 runtime, move what changed owner, adopt it into the same ``Pipeline``); ``state`` says what a
 rank holds and needs (model tensors, optimizer state, the step's samples) as flat ranges per
