@@ -458,9 +458,13 @@ def joined_settings() -> dict[str, Any]:
 
 
 def _resized(cluster: dict[str, Any] | None, world: int) -> dict[str, Any] | None:
+    """``cluster`` with ``world`` devices. ``gpus_per_node`` stays: it is the machines' size,
+    not the world's (shrunk to a one-process world and grown back, it would say that the two
+    processes sit on two machines, and the planner would price their replica link as slow:
+    ZeRO-1's "auto" would then stop sharding, replica_sync "auto" would compress)."""
     if cluster is None or world < 1:
         return cluster
-    return {**cluster, "gpus": world, "gpus_per_node": min(int(cluster["gpus_per_node"]), world)}
+    return {**cluster, "gpus": world}
 
 
 _MEMBERSHIP: Membership | None = None
