@@ -7,7 +7,7 @@ Builds the tiny GPT in float64 (every layout then equals eager tightly), compile
 global batch fixed, makes the optimizer with ``pipe.optimizer`` and a tracked LR scheduler and
 data loader, and trains ``for x, y in loader: pipe.step(x, target=y); opt.step();
 sched.step()``. ``--notice`` sends this process SIGTERM (a spot notice) before step STEP if its
-member name is MEMBER; ``--kill`` SIGKILLs it there; ``--pause`` waits before step STEP until
+member name is MEMBER (or ends with it, MEMBER starting with '.'); ``--kill`` SIGKILLs it there; ``--pause`` waits before step STEP until
 FILE exists, then takes slow steps while alone (so a test can let a process join). Rank 0 appends ``step world P D loss`` to
 OUT/log; at the end every process writes its parameters and its morph records to
 OUT/<member>.pt. Outside an in-place job (no membership store) it is the uninterrupted
@@ -47,6 +47,12 @@ def at(spec: str) -> tuple[int, str]:
     return (int(step), who) if spec else (-1, "")
 
 
+def me(who: str) -> bool:
+    """``who`` names this process: its member name, or under the launcher (whose names are
+    node.pid.local_rank.restarts) a tail of it such as ".1.0"."""
+    return member == who or (who.startswith(".") and member.endswith(who))
+
+
 torch.manual_seed(0)
 model = GPT(CONFIG).double()
 data = vf.TokenDataset(torch.randint(0, CONFIG.vocab_size, (64 * CONFIG.block_size + 1,)),
@@ -68,9 +74,9 @@ for x, y in loader.forever():
     step = loader.epoch * len(loader) + loader.position // loader.global_batch_size
     if step > args.total:
         break
-    if step == notice[0] and member == notice[1]:
+    if step == notice[0] and me(notice[1]):
         os.kill(os.getpid(), signal.SIGTERM)
-    if step == kill[0] and member == kill[1]:
+    if step == kill[0] and me(kill[1]):
         os.kill(os.getpid(), signal.SIGKILL)
     if 0 <= pause[0] <= step and pipe.plan.data_parallel * pipe.plan.stages < 2:
         while not Path(pause[1]).exists():  # until the test saw a process register

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.dist import free_port
 from support.in_place import ROOT, InPlaceJob
 from varuna_fx.morph.controller import RESTART_EXIT
 
@@ -101,15 +102,22 @@ def test_notice_shrinks_and_a_join_grows_back(tmp_path: Path, reference: dict) -
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_notice_repartitions_the_pipeline(tmp_path: Path, reference: dict) -> None:
-    """P=2 -> P=1: the survivor takes stage 1's weights and optimizer state from the leaver."""
-    argv = [SCRIPT, str(tmp_path), STEPS, "--stages", "2", "--notice", "2:m1"]
-    with InPlaceJob(tmp_path, min_world=2) as job:
-        job.start("m0", argv)
-        job.start("m1", argv)
-        codes = job.finish()
-    assert codes == {"m0": 0, "m1": 0}, job.tails()
+    """P=2 -> P=1: the survivor takes stage 1's weights and optimizer state from the leaver.
+    Launched as a user does (``varuna-fx run --elastic --in-place``: the shared launch starts
+    the in-place launcher, which hosts the store and starts both workers)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"),
+               CUDA_VISIBLE_DEVICES="", VARUNA_FX_TIMEOUT="60", VARUNA_FX_HEARTBEAT_WINDOW="2")
+    for key in ("VARUNA_FX_STORE", "LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(key, None)
+    launched = subprocess.run(
+        [sys.executable, "-m", "varuna_fx.launch.cli", "run", "--elastic", "--in-place",
+         "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+         SCRIPT, str(tmp_path), STEPS, "--stages", "2", "--notice", "2:.1.0"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     assert [int(r[2]) for r in _log(tmp_path)] == [2, 2] + [1] * 7  # P per step
-    survivor = _check(tmp_path, "m0", reference)
+    (survivor_file,) = tmp_path.glob("*.0.0.pt")  # local rank 0's first start
+    survivor = _check(tmp_path, survivor_file.stem, reference)
     (notice,) = survivor["morphs"]
     assert notice["old_layout"].startswith("P=2 D=1") and notice["new_layout"].startswith("P=1")
     assert notice["bytes_moved"] == notice["bytes_received"] > 0
