@@ -27,6 +27,10 @@ and state are sharded (``ELEMENTWISE``; a class of one's own opts in with
 parameters while sharding is on is refused at its first step (:func:`guard_direct_optimizers`):
 it would hold the whole state on every replica, which the plan may not have room for.
 
+The hooks read the optimizer's record (:class:`Made`), not what they closed over, so an
+in-place morph can re-point the same optimizer object at another layout (``zero_repoint.py``);
+nothing else of a sharding outlives a step, so a morph moves only the shards' state.
+
 Limits: "auto" shards a candidate only when it does not fit unsharded, so a candidate that fits
 unsharded on a memory-bound partition is not tried sharded (where a looser cap might balance it
 better). Loading a checkpoint into a sharded optimizer reads every chunk of the parameters the
