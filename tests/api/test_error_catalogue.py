@@ -32,6 +32,18 @@ def compile_mlp(cluster: vf.Cluster | None = None, inputs: Any = MLP.inputs,
                       example_inputs=inputs, **kw)
 
 
+def _deferred_falcon() -> vf.Pipeline:
+    """Falcon's ``qkv[:, :, :, [-2]]`` becomes a constant torch.export makes on the model's
+    device, meta under deferred_init (it ran with garbage: loss NaN)."""
+    from transformers import AutoModelForCausalLM, FalconConfig
+
+    config = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, use_cache=False)
+    with vf.deferred_init(seed=0):
+        model = AutoModelForCausalLM.from_config(config)
+    return vf.compile(model, example_inputs=(torch.randint(0, 64, (2, 8)),), stages=1)
+
+
 def compile_module(model: nn.Module, inputs: Any, **kw: Any) -> vf.Pipeline:
     return vf.compile(model, vf.Cluster(gpus=1, device="cpu"), example_inputs=inputs, **kw)
 
@@ -362,6 +374,9 @@ CATALOGUE = [
     row("deferred tensor nothing initialised", lambda _: vf.materialize(_deferred_empty()),
         vf.UninitializedError, "left", "torch.empty", "vf.skip_init"),
     row("deferred_init nested", lambda _: _nested_deferred(), Inp, "do not nest"),
+    row("deferred model whose forward makes a meta constant (Falcon)",
+        lambda _: _deferred_falcon(), Inp, "tensor constant", "lifted_tensor_0", "meta",
+        "without vf.deferred_init"),
     # -- data, stateful checkpoints, watching (tests/data/, tests/monitor/ have the rest) -------
     row("data_loader over fewer samples than a global batch",
         step_after(lambda p: p.data_loader(list(range(3)))), Inp, "fewer than one global batch"),

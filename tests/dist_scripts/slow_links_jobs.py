@@ -5,7 +5,8 @@ kinds:
 
 * ``train``: STEPS AdamW steps (``pipe.optimizer``) at (P, D) with the job's ``settings``
   (``compression``, ``sync``: "bf16", ["powersgd", rank], ["diloco", every]); reports the
-  losses and the state this rank holds; ``save``: a checkpoint after ``split`` steps.
+  losses and the state this rank holds; ``save``: a checkpoint after ``split`` steps;
+  ``bucket_bytes``: the replica-sync hooks' bucket size (several buckets in flight).
 * ``resume``: loads ``path`` at (P, D, settings) from another initialisation, trains to STEPS.
   ``direct``: then a step of torch's own optimizer over ``pipe.parameters()`` (DiLoCo:
   refused).
@@ -26,6 +27,9 @@ from support.slow_links import compile_settings, run_steps  # noqa: E402
 from support.training import ckpt_model  # noqa: E402
 from support.zero import BATCH, STEPS, tokens  # noqa: E402
 from varuna_fx.examples import lm_loss  # noqa: E402
+from varuna_fx.runtime import comm  # noqa: E402
+
+DEFAULT_BUCKET_BYTES = comm.BUCKET_BYTES
 
 
 def compile_job(job: dict[str, Any], seed: int = 0) -> vf.Pipeline:
@@ -44,6 +48,15 @@ def report(pipe: vf.Pipeline, losses: list[float]) -> dict[str, Any]:
 
 
 def train(job: dict[str, Any]) -> dict[str, Any]:
+    if "bucket_bytes" in job:  # the hooks' buckets this small: a tiny model's many buckets
+        comm.BUCKET_BYTES = job["bucket_bytes"]
+    try:
+        return train_steps(job)
+    finally:
+        comm.BUCKET_BYTES = DEFAULT_BUCKET_BYTES
+
+
+def train_steps(job: dict[str, Any]) -> dict[str, Any]:
     pipe = compile_job(job)
     opt = pipe.optimizer(torch.optim.AdamW, lr=1e-2)
     split = job.get("split", STEPS)

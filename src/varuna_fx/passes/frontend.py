@@ -34,6 +34,7 @@ from torch import nn
 from ..capture.captured import Captured
 from ..capture.inputs import BoundInputs
 from ..capture.trace import capture
+from ..errors import InputError
 from .annotate_backward import annotate_backward
 from .annotate_shapes import annotate_shapes
 from .manager import GraphState, Pass, run_passes
@@ -105,6 +106,25 @@ def _content(t: torch.Tensor) -> int:
     return hash(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
+def refuse_meta_constants(model: nn.Module, captured: Captured) -> None:
+    """A tensor the forward makes from Python values (Falcon's ``qkv[:, :, :, [-2]]`` index,
+    lifted by torch.export) is created on the model's device: under ``vf.deferred_init`` that
+    is meta, so the graph would hold a constant with no values and every run would read
+    garbage (Falcon's loss came out NaN). Refused, naming it, until such constants are
+    re-made on the run's device."""
+    owned = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    gm = captured.gm
+    empty = [(n, tuple(t.shape)) for n, t in [*gm.named_parameters(), *gm.named_buffers()]
+             if t.is_meta and id(t) not in owned]
+    if empty:
+        name, shape = empty[0]
+        raise InputError(
+            f"the model's forward makes a tensor constant ({name}, shape {shape}; "
+            f"{len(empty)} in all) on the model's device, which under vf.deferred_init is "
+            "meta: its values are unknown when the model is captured. Build this model "
+            "without vf.deferred_init, or vf.materialize(model) before vf.compile")
+
+
 def _module_settings(module: nn.Module) -> tuple:
     """A called module's type and plain settings (``p`` of Dropout, ``eps`` of LayerNorm...)."""
     plain = (bool, int, float, str, type(None), tuple)
@@ -131,10 +151,12 @@ def run_front_end(state: FrontState, dump: Path | None = None) -> None:
     if dump is not None:
         run_passes(FRONT_PASSES, state, dump=dump)
         assert state.captured is not None
+        refuse_meta_constants(model, state.captured)
         _CAPTURES[model] = (_fingerprint(model, state.captured, bound), state.captured)
         return
     run_passes(FRONT_PASSES[:1], state)  # capture: cheap, and what the key is made of
     assert state.captured is not None
+    refuse_meta_constants(model, state.captured)
     key = _fingerprint(model, state.captured, bound)
     cached = _CAPTURES.get(model)
     if cached is not None and cached[0] == key:

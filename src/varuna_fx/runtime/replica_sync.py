@@ -30,6 +30,7 @@ buckets the loading layout makes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from ..costs.wire import PowerSGD, ReplicaSync
-from .comm import BUCKET_BYTES, _buckets, launch, peer_error
+from ..errors import PeerTimeoutError
+from . import comm
+from .comm import _buckets, launch, peer_error
 from .traffic import SENT
 
 
@@ -82,36 +85,82 @@ Hook = Callable[[HookBucket], Any]  # a bucket -> torch.futures.Future[Tensor]
 
 
 class HookReduce:
-    """One step's hook reductions in flight: (bucket, its future, where the result goes)."""
+    """One step's hook reductions: (bucket, hook, where the result goes), run one bucket after
+    another on the replica-sync worker thread, waited for by :meth:`finish`.
+
+    Why one at a time, off the main thread: torch's PowerSGD hook issues its ``Q`` all-reduce
+    from a future's callback, so with two buckets in flight each replica issues the buckets'
+    ``Q`` all-reduces in whichever order its callbacks ran. Gloo pairs collectives by the order
+    they were issued, so a replica then reduces one bucket's ``Q`` against another's ("Received
+    data size doesn't match expected size", or silently wrong sums where the sizes agree).
+    One worker running every reduction's collectives in the order the step submitted them
+    keeps that order the same on every replica; the main thread goes on with the step's tail
+    meanwhile. Every collective inside is bounded by the process group's timeout."""
 
     def __init__(self, who: str, what: str, timeout: float) -> None:
         self.who, self.what, self.timeout = who, what, timeout
-        self.pending: list[tuple[HookBucket, Any, Callable[[torch.Tensor], None]]] = []
+        self.pending: list[tuple[Hook, HookBucket, Callable[[torch.Tensor], None]]] = []
+        self.job: concurrent.futures.Future[None] | None = None
 
     def launch(self, hook: Hook, bucket: HookBucket,
                done: Callable[[torch.Tensor], None]) -> None:
-        future = launch(lambda: hook(bucket), self.who, self.what)
-        self.pending.append((bucket, future, done))
+        self.pending.append((hook, bucket, done))
+
+    def start(self, first: Callable[[], None] | None = None) -> None:
+        """Submit this step's buckets (after ``first``, another collective of the same group
+        that must keep its place in the order) to the worker."""
+        jobs, self.pending = list(self.pending), []
+
+        def run() -> None:
+            if first is not None:
+                first()
+            for hook, bucket, done in jobs:
+                future = launch(lambda hook=hook, bucket=bucket: hook(bucket), self.who,
+                                self.what)
+                done(future.wait())
+
+        self.collectives = 2 + 3 * len(jobs)  # at most: first, and three per PowerSGD bucket
+        self.job = _worker().submit(run)
 
     def finish(self) -> None:
-        """Wait for every hook (each collective inside bounded by the process group's
-        timeout) and hand each averaged buffer on."""
-        for _bucket, future, done in self.pending:
-            try:
-                result = future.wait()
-            except RuntimeError as exc:
-                raise peer_error(exc, self.timeout, self.who, self.what) from exc
-            done(result)
-        self.pending.clear()
+        """Wait for the worker to have run every bucket (each collective inside bounded by
+        the process group's timeout, so the whole by that many timeouts)."""
+        if self.job is None:
+            return
+        job, self.job = self.job, None
+        limit = self.timeout * self.collectives
+        try:
+            job.result(timeout=limit)
+        except concurrent.futures.TimeoutError as exc:
+            raise peer_error(exc, limit, self.who, self.what) from exc
+        except RuntimeError as exc:
+            if isinstance(exc, PeerTimeoutError):
+                raise
+            raise peer_error(exc, self.timeout, self.who, self.what) from exc
+
+
+_WORKER: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _worker() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's one replica-sync thread (one, so reductions of several stages on one
+    rank also keep the order they were submitted in)."""
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="varuna-fx-replica-sync")
+    return _WORKER
 
 
 def named_buckets(named: Sequence[tuple[str, torch.Tensor]],
-                  bucket_bytes: int = BUCKET_BYTES) -> list[list[tuple[str, torch.Tensor]]]:
+                  bucket_bytes: int | None = None) -> list[list[tuple[str, torch.Tensor]]]:
     """``named`` in the exact all-reduce's buckets (``comm._buckets``: consecutive tensors of
-    one dtype and device, ~25 MB), names kept."""
+    one dtype and device, ``comm.BUCKET_BYTES``: ~25 MB, read at the call so a test can make a
+    small model's gradients several buckets), names kept."""
     by_id = {id(t): n for n, t in named}
+    size = comm.BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     return [[(by_id[id(t)], t) for t in bucket]
-            for bucket in _buckets([t for _, t in named], bucket_bytes)]
+            for bucket in _buckets([t for _, t in named], size)]
 
 
 class SyncHook:
@@ -155,14 +204,16 @@ class SyncHook:
 
     def start(self, buckets: Sequence[tuple[torch.Tensor, list[Piece],
                                             Callable[[torch.Tensor], None]]],
-              reduce: HookReduce) -> None:
-        """Launch the hook on every (flat, pieces, done) bucket of this step."""
+              reduce: HookReduce, first: Callable[[], None] | None = None) -> None:
+        """Launch the hook on every (flat, pieces, done) bucket of this step (after
+        ``first``: see :meth:`HookReduce.start`)."""
         if self.state is not None:
             self.state.iter = self.steps  # every rank counts steps alike (checkpoints)
         self.steps += 1
         for i, (flat, pieces, done) in enumerate(buckets):
             self.layout[i] = (list(pieces), flat.numel())
             reduce.launch(self.hook, HookBucket(flat, pieces, i, i == len(buckets) - 1), done)
+        reduce.start(first)
 
     # -- what checkpoints keep (checkpoint/sync_state.py) --------------------------------------
 
@@ -287,8 +338,11 @@ class HookedReduction:
 
         self.reduce = HookReduce(who, what, timeout)
         exact_grads = [_grad(p) for n, p in plain if n in exact]
-        self.exact = AllReduce(exact_grads, hook.group, divide=hook.replicas, timeout=timeout,
-                               who=who, what=what) if exact_grads else None
+        self.exact: AllReduce | None = None
+
+        def tied() -> None:  # on the worker, first: the group's collectives keep one order
+            self.exact = AllReduce(exact_grads, hook.group, divide=hook.replicas,
+                                   timeout=timeout, who=who, what=what)
         buckets = []
         for (pieces, _), bucket in zip(hook_layout(plain, exact), _plain_buckets(plain, exact)):
             grads = [_grad(p) for _, p in bucket]
@@ -300,7 +354,7 @@ class HookedReduction:
                     at += g.numel()
 
             buckets.append((torch.cat([g.reshape(-1) for g in grads]), pieces, done))
-        hook.start(buckets, self.reduce)
+        hook.start(buckets, self.reduce, tied if exact_grads else None)
 
     def finish(self) -> None:
         self.reduce.finish()
