@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("runtime", ["runtime"]),
     ("checkpoint", ["checkpoint"]),
     ("data", ["data", "monitor"]),
-    ("pipeline", ["pipeline"]),
+    ("pipeline", ["pipeline", "morph"]),
     ("api", ["api", "options", "__init__"]),
     ("launch", ["launch"]),
 ]

@@ -15,12 +15,27 @@ import torch
 from torch import nn
 
 from .capture.buffers import warn_micro_batch_state
-from .capture.inputs import bind_inputs
-from .codegen.pass_list import PASS_LIST, PASSES, CompileState, run_pass_list  # noqa: F401 (the list, read here too)
+from .capture.captured import Captured
+from .capture.inputs import BoundInputs, bind_inputs
+from .codegen.pass_list import (  # noqa: F401 (the list, read here too)
+    PASS_LIST,
+    PASSES,
+    CompileState,
+    run_after_front_end,
+    run_pass_list,
+)
+from .codegen.stage_module import Stage
 from .codegen.stage_totals import stage_totals
 from .costs.wire import ReplicaSync
-from .options import CompileOptions, check_compile_arguments, check_devices, check_global_batch
+from .options import (
+    CompileOptions,
+    check_compile_arguments,
+    check_devices,
+    check_global_batch,
+    fit_to_world,
+)
 from .passes.annotate_backward import canonical_names
+from .passes.frontend import run_front_end
 from .passes.manager import dump_dir
 from .passes.sample_mixing import (
     graph_findings,
@@ -35,7 +50,8 @@ from .runtime.compress import transfer_mode, wire_nbytes
 from .runtime.split_backward import input_grads
 from .schedule import DEFAULT_SCHEDULE
 from .schedule.placement import Placement
-from .world.where import resolve_timeout
+from .world.membership import in_place, joined_settings
+from .world.where import resolve_timeout, world_size
 
 
 def compile(  # noqa: A001 - the public name in API.md
@@ -78,19 +94,23 @@ def compile(  # noqa: A001 - the public name in API.md
     o = CompileOptions(**{k: v for k, v in locals().items()
                           if k not in ("model", "example_inputs")})
     check_compile_arguments(model, example_inputs, o.loss_fn)
-    planning = dataclasses.replace(
-        o.planning, cluster=o.cluster or Cluster.local(timeout=resolve_timeout(o.timeout)))
-
     bound = bind_inputs(model, example_inputs)
     check_devices(model, bound.tensors)
     check_global_batch(o.global_batch_size, bound.batch_size)
 
-    # the pass list (codegen/pass_list.py): capture and annotate (cached per model), configure,
+    # the pass list (codegen/pass_list.py): capture and annotate (cached per model), then (once
+    # the cluster is known: in a launched job every rank meets the others there, and a process
+    # joining a running in-place job waits to be admitted, its graph made already) configure,
     # partition, split and codegen on this compile's own copy of the graph
+    dump = dump_dir(o.dump)
     state = CompileState(model=model, bound=bound, tracer=o.tracer,
-                         canonical=canonical_names(model), planning=planning,
-                         profile_split=input_grads)
-    run_pass_list(state, dump=dump_dir(o.dump))
+                         canonical=canonical_names(model), profile_split=input_grads)
+    run_front_end(state, dump)
+    cluster = o.cluster or Cluster.local(timeout=resolve_timeout(o.timeout))
+    if in_place():  # a morph keeps the global batch; a joining process plans as the others do
+        o = fit_to_world(o, world_size(), bound.batch_size, joined_settings())
+    state.planning = dataclasses.replace(o.planning, cluster=cluster)
+    run_after_front_end(state, dump)
 
     plan = plan_of(state)
     assert state.captured is not None and state.built is not None
@@ -99,8 +119,39 @@ def compile(  # noqa: A001 - the public name in API.md
                        plan.num_micro_batches)
     refuse_layout_dependent_draws(state.captured.gm, f"{type(model).__name__}.forward",
                                   plan.num_micro_batches, plan.data_parallel)
+    replan = Replan(model, bound, state.canonical, state.captured, o, cluster) \
+        if in_place() else None
     return make_pipeline(model, state.captured, state.built, plan, state.canonical, o.running,
-                         device=next((t.device for t in bound.tensors.values()), None))
+                         device=next((t.device for t in bound.tensors.values()), None),
+                         replan=replan)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replan:
+    """How an in-place morph plans for a new world in this process: compile's options and the
+    graph it captured and annotated (``passes/frontend.py``), so a re-plan runs only configure
+    and the back passes (``codegen/pass_list.run_after_front_end``)."""
+
+    model: nn.Module
+    bound: BoundInputs
+    canonical: dict[str, str]
+    captured: Captured
+    options: CompileOptions
+    cluster: Cluster  # what compile planned for (a morph hands the next one's to __call__)
+
+    def __call__(self, cluster: Cluster, global_batch_size: int
+                 ) -> tuple[list[Stage], Plan, CompileOptions]:
+        """The stages, plan and options for ``cluster.gpus`` ranks with the same global batch
+        (the new world's process group is formed: the planner matches its size)."""
+        o = fit_to_world(self.options, cluster.gpus, self.bound.batch_size,
+                         {"global_batch_size": global_batch_size})
+        state = CompileState(model=self.model, bound=self.bound, tracer=o.tracer,
+                             canonical=self.canonical,
+                             planning=dataclasses.replace(o.planning, cluster=cluster),
+                             profile_split=input_grads, captured=self.captured)
+        run_after_front_end(state)
+        assert state.built is not None
+        return state.built, plan_of(state), o
 
 
 def plan_of(state: CompileState) -> Plan:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from .capture.trace import TRACERS
-from .errors import InputError, VarunaFxError
+from .errors import InputError, PlanError, VarunaFxError
 from .planner.options import PlanOptions, check_name
 from .runtime.options import RunOptions
 
@@ -61,6 +61,46 @@ class CompileOptions(PlanOptions, RunOptions):
 
     def _part(self, cls: type[_Part]) -> _Part:
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+
+def fit_to_world(o: CompileOptions, world: int, example_batch: int,
+                 settings: dict[str, Any]) -> CompileOptions:
+    """The options a plan for ``world`` ranks of an in-place job uses (a morph re-plans, a
+    joining process compiles, both through here, so they plan alike): the global batch of the
+    running job (``settings["global_batch_size"]``, else compile's), and ``stages`` /
+    ``data_parallel`` only where they still fit the world (given for the machines a job
+    started on, they would refuse every other count)."""
+    refuse_stateful_sync(o.replica_sync)
+    gbs = settings.get("global_batch_size") or o.global_batch_size
+    stages, dp = o.stages, o.data_parallel
+    per_replica = None if stages is None else stages // (o.stages_per_rank or 1)
+    if per_replica is not None and world % per_replica:
+        stages = per_replica = None
+    if dp is not None and (world % dp or (per_replica is not None and per_replica * dp != world)):
+        dp = None
+    if gbs is not None and gbs < example_batch:
+        gbs = example_batch
+    return dataclasses.replace(o, global_batch_size=gbs, stages=stages, data_parallel=dp)
+
+
+# what an in-place job's replicas may sync with: settings that keep no state across steps
+IN_PLACE_SYNCS = ("exact", "bf16")
+
+
+def refuse_stateful_sync(replica_sync: Any) -> None:
+    """An in-place morph moves weights, optimizer state and the data position, not a replica
+    sync's own state (PowerSGD's error feedback and warm-start factors, DiLoCo's anchor and
+    outer optimizer), so an in-place job refuses those settings, and "auto" (which may choose
+    PowerSGD), rather than train on after a morph with that state lost or misplaced."""
+    if isinstance(replica_sync, str) and replica_sync in IN_PLACE_SYNCS:
+        return
+    shown = repr(replica_sync) if isinstance(replica_sync, str) else f"vf.{replica_sync!r}"
+    raise PlanError(
+        f"replica_sync={shown} cannot run in an in-place job (varuna-fx run --elastic "
+        "--in-place): it keeps state across steps on each replica (PowerSGD's error feedback, "
+        "DiLoCo's anchor and outer optimizer; 'auto' may choose PowerSGD), which a morph does "
+        "not move. Compile with replica_sync='exact' or 'bf16', or run without --in-place "
+        "(the restart path checkpoints that state)")
 
 
 def check_compile_arguments(model: Any, example_inputs: Any, loss_fn: Any) -> None:

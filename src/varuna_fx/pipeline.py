@@ -9,6 +9,7 @@ its constructor.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +31,8 @@ from .errors import InputError, VarunaFxError
 from .init.materialize import is_deferred, materialize_tensors
 from .init.skip import any_marked, loaded, raise_unloaded, unloaded
 from .ir.nodes import info
+from .morph.controller import InPlace
+from .morph.face import InPlaceFace
 from .passes.manager import dump_dir
 from .planner.plan import Plan
 from .runtime import preemption
@@ -46,23 +49,27 @@ from .runtime.shard import shard_batch
 from .runtime.step import Runtime
 from .runtime.step_stats import StepMeter, StepStats
 from .runtime.zero import build_optimizer, guard_direct_optimizers
+from .world.membership import joining_running_job, membership
 from .world.where import launched_distributed
 
 
 def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                   canonical: dict[str, str], options: RunOptions, *,
-                  device: torch.device | None = None) -> Pipeline:
+                  device: torch.device | None = None, replan: Any = None) -> Pipeline:
     """The distributed runtime under torchrun (world size > 1), else the one-process one, run
     as ``options`` say. A model built under ``vf.deferred_init`` is materialised here: in one
     process all of it on ``device`` (the example inputs'), on a rank only its stage
-    (``distributed.py``)."""
+    (``distributed.py``). ``replan``: in an in-place job, how a morph plans for another world
+    in this process (``api.Replan``); a process joining a running job takes its state from the
+    members here (``morph/controller.py``)."""
     assemble = OutputAssembler(captured)
     # the model's whole state, before a distributed rank empties what it does not hold
     layout = StateLayout.of(model, canonical, stages)
     runtime: Runtime
+    joining = joining_running_job()
     if launched_distributed():
         runtime = make_distributed_runtime(model, captured, stages, plan, canonical, options,
-                                           assemble=assemble, layout=layout)
+                                           assemble=assemble, layout=layout, joining=joining)
     else:
         if is_deferred(model):
             materialize_tensors(model, None, device or torch.device("cpu"),
@@ -82,10 +89,12 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
             "'every' steps of the optimizer pipe.optimizer made",
             "its steps would never reach the outer step, so the replicas would never meet "
             "again", ", or compile with another replica_sync")
+    if replan is not None:
+        pipe._in_place = InPlace.attach(pipe, membership(), replan, joining)
     return pipe
 
 
-class Pipeline:
+class Pipeline(InPlaceFace):
     # checkpoints (checkpoint/): the checkpointer, made at the first save or load (its process
     # group, the save in flight); while set, the refusal a load that failed partway left
     _checkpointer: Checkpointer | None = None
@@ -162,6 +171,12 @@ class Pipeline:
                 f"pipe.step was called under {block}: a step runs forward and backward, which "
                 "needs gradients. Call pipe.step outside that block, or pipe(...) for a "
                 "forward-only evaluation")
+        if self._in_place is not None:  # a morph may run first, or the step run again
+            return self._in_place.step(self, (inputs, kw_inputs, target))
+        return self._step(inputs, kw_inputs, target, (preemption.requested,))
+
+    def _step(self, inputs: tuple, kw_inputs: dict[str, Any], target: Any,
+              flags: tuple) -> torch.Tensor:
         if target is not None and "target" in self.captured.signature.parameters:
             # forward's own `target` (compile refused it alongside a loss_fn): feed the model
             kw_inputs, target = {**kw_inputs, "target": target}, None
@@ -186,7 +201,7 @@ class Pipeline:
         meter.start()
         # this process's preemption signal rides on the step's world all-reduce, read when the
         # step's work is done (a signal during this step stops after this step, not the next)
-        loss = self.runtime.step(tensors, target, flags=(preemption.requested,))
+        loss = self.runtime.step(tensors, target, flags=flags)
         self.last_step = meter.finish(tensors)
         return loss
 
@@ -215,8 +230,9 @@ class Pipeline:
         in an order that depends on (seed, epoch) only; its position is saved with
         ``save_checkpoint(..., data=loader)`` and restored on any layout (data/loader.py).
         Other keyword arguments go to ``torch.utils.data.DataLoader`` (pin_memory, ...)."""
-        return loader_for(self, dataset, shuffle=shuffle, seed=seed, num_workers=num_workers,
-                          collate_fn=collate_fn, **dataloader_kwargs)
+        return self.track(loader_for(self, dataset, shuffle=shuffle, seed=seed,
+                                     num_workers=num_workers, collate_fn=collate_fn,
+                                     **dataloader_kwargs))
 
     def __call__(self, *inputs: Any, **kw_inputs: Any) -> Any:
         self._check_runnable()
@@ -346,8 +362,11 @@ class Pipeline:
         sharded over the D replicas (``shard_optimizer``; runtime/zero.py), over this rank's
         shard of them: an instance of ``cls`` whose state_dict holds this rank's shard only,
         and whose step also gathers the updated parameters."""
-        return build_optimizer(self.runtime, dict(self.named_parameters()), cls, params,
-                               defaults, self._options.shard_optimizer)
+        optimizer = build_optimizer(self.runtime, dict(self.named_parameters()), cls, params,
+                                    defaults, self._options.shard_optimizer)
+        if self._in_place is not None:
+            self._in_place.optimizer_made(self, optimizer)
+        return optimizer
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """``optimizer.step()`` unless the last step overflowed (fp16), then update the loss
@@ -360,7 +379,11 @@ class Pipeline:
         if self._checkpointer is not None:  # an async save still being written completes first
             self._checkpointer.close()
             self._checkpointer = None
-        self.runtime.close()
+        if self.runtime is not None:
+            self.runtime.close()
+        if self._in_place is not None:
+            self._in_place.membership.finished()
+            self._in_place.membership.stop()
         self._closed = True
 
     def train(self, mode: bool = True) -> Pipeline:
@@ -405,9 +428,18 @@ class Pipeline:
         complete. ``data`` (a ``data_loader``), ``scheduler`` and ``stateful`` (names ->
         objects with state_dict/load_state_dict) are saved too (checkpoint/stateful.py).
         See docs/checkpoints.md."""
-        return self._checkpoints().save(
-            str(path), optimizer, extra, async_save=async_save,
-            states={"data": data, "scheduler": scheduler, "stateful": stateful})
+        try:
+            handle = self._checkpoints().save(
+                str(path), optimizer, extra, async_save=async_save,
+                states={"data": data, "scheduler": scheduler, "stateful": stateful})
+        except VarunaFxError as exc:  # in place, a peer lost meanwhile: the next step recovers
+            if self._in_place is None or not self._in_place.save_failed(self, exc):
+                raise
+            warnings.warn(f"{path} was not saved: a process vanished; the next step recovers "
+                          "in place", stacklevel=2)
+            return None
+        self._note_checkpoint(str(path))
+        return handle
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None, *,
                         data: Any = None, scheduler: Any = None,
@@ -415,6 +447,11 @@ class Pipeline:
         """Load a checkpoint saved under any layout (and the states of ``data``,
         ``scheduler`` and ``stateful``, as saved); returns the ``extra`` dict it was saved
         with."""
+        if self.joined:
+            raise VarunaFxError(
+                "this process joined a running in-place job: its state came from the others and "
+                "is newer than any checkpoint; loading one would rewind this process alone. Skip "
+                "the load when pipe.joined is True")
         outcome = self._checkpoints().load(
             str(path), optimizer, states={"data": data, "scheduler": scheduler,
                                           "stateful": stateful})
@@ -422,6 +459,7 @@ class Pipeline:
             self._failed_load = outcome      # succeeds
             raise outcome.error
         self._failed_load = None
+        self._note_checkpoint(str(path))
         return outcome
 
     def _checkpoints(self) -> Checkpointer:
@@ -446,7 +484,10 @@ class Pipeline:
 
     @property
     def preempted(self) -> bool:
-        """True on every rank after the step during which any rank got SIGTERM or SIGUSR1."""
+        """True on every rank after the step during which any rank got SIGTERM or SIGUSR1 (in
+        an in-place job: every process got one; else the others morph in place)."""
+        if self._in_place is not None:
+            return self._in_place.all_leaving
         flags = getattr(self.runtime, "flags", ())
         return bool(flags and flags[0])
 

@@ -155,9 +155,17 @@ def run_pass_list(state: CompileState, dump: Path | None = None) -> None:
     when a fresh capture equals the cached graph (``passes/frontend.py``), then every later
     pass on a copy of it (``ir.copy_graph_module``: pipelines compiled from one cached graph do
     not change each other). ``dump``: a directory for every graph pass's graph."""
+    run_front_end(state, dump)
+    run_after_front_end(state, dump)
+
+
+def run_after_front_end(state: CompileState, dump: Path | None = None) -> None:
+    """The passes after the front end (configure, assign_stages, split_stages, codegen) on a
+    copy of ``state.captured``'s graph, captured and annotated already: what an in-place morph
+    runs to plan for another world in a process that compiled before (``api.Replan``)."""
+    assert state.captured is not None, "the front end ran (or its result was given)"
     state.pass_list = PASS_LIST
     front, rest = PASS_LIST[:len(FRONT_PASSES)], PASS_LIST[len(FRONT_PASSES):]
     assert front == FRONT_PASSES
-    run_front_end(state, dump)
-    state.gm = copy_graph_module(state.gm)
+    state.gm = copy_graph_module(state.captured.gm)
     run_passes(rest, state, dump=dump, done=front)

@@ -65,6 +65,7 @@ class GlobalBatchLoader:
         self.epoch = 0
         self.position = 0  # samples of this epoch's order handed out (a multiple of the batch)
         self._generation = 0  # bumped by load_state_dict: live iterators restart from there
+        self.last_batch: Any = None  # what the last step got (an in-place morph cuts it again)
 
     @property
     def global_batch_size(self) -> int:
@@ -88,6 +89,34 @@ class GlobalBatchLoader:
         if self.position == 0:
             return []
         return self.sampler.global_batch(self.epoch, self.position - self.global_batch_size)
+
+    # -- in-place morphing (varuna_fx.morph.batch.MorphableData) ------------------------------
+
+    def last_share(self, replica: int, replicas: int) -> Any:
+        """Replica ``replica`` of ``replicas``'s share of the global batch handed out last,
+        collated as this loader collates (a morph re-cuts a step whose share vanished)."""
+        indices = self.last_global_batch()
+        share = len(indices) // replicas
+        picked = indices[replica * share:(replica + 1) * share]
+        return self.loader.collate_fn([self.dataset[i] for i in picked])
+
+    def reshard(self, replica: int, replicas: int) -> None:
+        """From the next batch on, hand out replica ``replica`` of ``replicas``'s share (the
+        same global order and position)."""
+        if self.global_batch_size % replicas:
+            raise InputError(f"the global batch of {self.global_batch_size} samples does not "
+                             f"divide into {replicas} data-parallel replicas")
+        self.sampler.replica, self.sampler.replicas = replica, replicas
+        self._generation += 1
+
+    def state_at_last(self) -> dict[str, Any]:
+        """A state from which the next batch handed out is the one handed out last (what a
+        process joining mid-run starts from: the step it runs first)."""
+        state = self.state_dict()
+        if self.position:
+            at = self.position - self.global_batch_size
+            state.update(epoch=self.epoch, samples=at, global_batches=at // self.global_batch_size)
+        return state
 
     def next_global_batch(self) -> list[int]:
         """The dataset indices of the global batch the next step will get."""
@@ -193,6 +222,7 @@ class _Iteration:
                 loader._generation += 1
             raise
         loader.position += loader.global_batch_size
+        loader.last_batch = batch
         return batch
 
 

@@ -138,20 +138,24 @@ def split_at_script(argv: list[str], run: argparse.ArgumentParser
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the script under torchrun (launch/torchrun.py): standalone on one machine,
     multi-node flags pass through; ``--elastic``: torchrun's elastic agent set up for
-    morphing (launch/elastic.py)."""
+    morphing (launch/elastic.py); ``--elastic --in-place``: varuna_fx's in-place launcher
+    (launch/in_place.py)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     if not args.elastic and (args.nnodes or args.rdzv_endpoint or args.local_addr):
         raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for "
                          "a fixed multi-machine job pass torchrun's flags in --torchrun-args")
+    in_place = getattr(args, "in_place", False)  # (a Namespace made by another caller)
+    if in_place and not args.elastic:
+        raise SystemExit("--in-place goes with --elastic")
     elastic = dict(nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                    local_addr=args.local_addr, max_restarts=args.max_restarts,
-                   rdzv_conf=args.rdzv_conf) if args.elastic else {}
+                   rdzv_conf=args.rdzv_conf, in_place=in_place,
+                   store_host=getattr(args, "store_host", None)) if args.elastic else {}
     ranks = Ranks(nproc=args.nproc, flags=tuple(split_flags(args.torchrun_args)),
                   elastic=args.elastic, **elastic)
     try:
-        start_ranks(ranks, args.script, args.script_args)
-        return 0
+        return start_ranks(ranks, args.script, args.script_args)
     except SignalException as stop:
         # what a spot supervisor sends: torchrun passed it on to the workers (which save and
         # exit, see pipe.preempted) and then raised; a traceback and exit code 1 read as a
@@ -322,6 +326,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "machine whose address is the endpoint's)")
     run.add_argument("--max-restarts", type=int, default=100,
                      help="with --elastic: restarts after worker failures (joins are free)")
+    run.add_argument("--in-place", action="store_true",
+                     help="with --elastic: surviving processes keep running when a machine "
+                          "leaves or joins (they re-plan and move only what changed); the "
+                          "script's state must be the pipeline's (pipe.optimizer, "
+                          "pipe.data_loader, pipe.track); see docs/API.md 'Morphing in place'")
+    run.add_argument("--store-host", action="store_true", default=None,
+                     help="with --in-place: this machine hosts the membership store (default: "
+                          "the machine whose --local-addr is the --rdzv-endpoint's host); it "
+                          "must stay up, so it can run --nproc 0 on a machine that is not spot")
     run.add_argument("--rdzv-conf", default=None,
                      help="with --elastic: extra rendezvous settings key=value[,key=value]")
     run.add_argument("script", help="the training script every process runs")

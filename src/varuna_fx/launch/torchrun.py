@@ -2,8 +2,10 @@
 
 On one machine (no ``--nnodes``/``--rdzv``/``--standalone`` among the extra torchrun flags) the
 job is torchrun's ``--standalone`` made reachable from this machine only (``standalone.py``);
-with ``elastic`` it is torchrun's elastic agent set up for morphing (``elastic.py``); otherwise
-the extra flags describe a fixed multi-machine job and pass through. The target (a script, or
+with ``elastic`` it is torchrun's elastic agent set up for morphing (``elastic.py``), and with
+``in_place`` too varuna_fx's own launcher instead (``in_place.py``: survivors keep running
+when a machine leaves or joins); otherwise the extra flags describe a fixed multi-machine job
+and pass through. The target (a script, or
 with ``module`` a module run as ``python -m``) gets its arguments exactly as given: torchrun's
 parser reads only the flags and the target.
 
@@ -20,7 +22,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
+from ..errors import InputError
 from .elastic import elastic_launch
+from .in_place import InPlaceLaunch
 from .standalone import loopback_interfaces, loopback_stores, standalone_args
 
 
@@ -38,6 +42,15 @@ class Ranks:
     local_addr: str | None = None
     max_restarts: int = 100
     rdzv_conf: str | None = None
+    in_place: bool = False  # with elastic: the in-place launcher (launch/in_place.py)
+    store_host: bool | None = None  # in place: this machine hosts the membership store
+
+    def __post_init__(self) -> None:
+        if self.in_place and (not self.elastic or self.flags or self.rdzv_conf):
+            raise InputError(
+                "in-place morphing goes with elastic (--elastic --in-place, or elastic = true "
+                "with in_place = true) and takes no torchrun flags or rendezvous settings: its "
+                "launcher is varuna_fx's, not torchrun")
 
 
 def split_flags(values: Sequence[str]) -> list[str]:
@@ -67,10 +80,19 @@ def torchrun_setup(ranks: Ranks) -> tuple[list[str], dict[str, str]]:
 
 
 def start_ranks(ranks: Ranks, target: str, target_args: Sequence[str], *,
-                module: bool = False) -> None:
+                module: bool = False) -> int:
     """Run ``target`` (a script, or a module) with ``target_args`` on the ranks; returns when
-    they all finished. Raises torchrun's ``SignalException`` (a signal reached this process)
-    or ``ChildFailedError`` (a rank failed; ``record`` has printed its summary)."""
+    they all finished, with 0 (torchrun), or the in-place launcher's exit status (128 + the
+    signal's number when a signal stopped it). Raises torchrun's ``SignalException`` (a signal
+    reached this process) or ``ChildFailedError`` (a rank failed; ``record`` has printed its
+    summary)."""
+    if ranks.in_place:
+        return InPlaceLaunch(
+            nproc=ranks.nproc, nnodes=ranks.nnodes or "1:1", rdzv_endpoint=ranks.rdzv_endpoint,
+            rdzv_id=ranks.rdzv_id, local_addr=ranks.local_addr,
+            max_restarts=ranks.max_restarts,
+            argv=[*(["-m"] if module else []), target, *target_args],
+            store_host=ranks.store_host).run()
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.run import parse_args, run
 
@@ -79,6 +101,7 @@ def start_ranks(ranks: Ranks, target: str, target_args: Sequence[str], *,
     parsed.training_script_args = list(target_args)  # set after parsing: torchrun never reads them
     with loopback_stores() if one_machine(ranks) else nullcontext(), environment(env):
         record(run)(parsed)
+    return 0
 
 
 @contextmanager

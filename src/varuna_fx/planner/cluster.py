@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from ..costs.roofline import DEVICES, DeviceSpec, device_spec
 from ..errors import VarunaFxError
 from ..world import network, where
+from ..world.membership import in_place, membership
 from ..world.network import NetworkProfile
 
 _BYTE_UNITS = {
@@ -146,6 +149,20 @@ class Cluster:
             raise VarunaFxError(f"Cluster(latency={self.latency!r}): must be zero or a positive, "
                                 "finite time, e.g. '5us'")
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON) describing this cluster: an in-place morph hands it from the
+        survivors to a joining process (``world/membership.py``), so both plan alike."""
+        data = dataclasses.asdict(self)
+        data["network"] = None if self.network is None else dataclasses.asdict(self.network)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Cluster:
+        data = dict(data)
+        if data.get("network") is not None:
+            data["network"] = NetworkProfile(**data["network"])
+        return cls(**data)
+
     @property
     def nodes(self) -> int:
         return -(-self.gpus // self.gpus_per_node)
@@ -173,6 +190,11 @@ class Cluster:
         the process group then keeps for its collectives)."""
         import torch
 
+        if in_place():  # an in-place job: joining a running one plans for the survivors' world
+            where.init_process_group(300.0 if timeout is None else timeout)
+            gen = membership().generation
+            if gen is not None and gen.running and gen.cluster is not None:
+                return cls.from_dict(gen.cluster)
         measured = None
         if measure_network and where.launched_distributed():
             where.init_process_group(300.0 if timeout is None else timeout)

@@ -45,6 +45,7 @@ from ..passes.manager import dump_dir
 from ..planner.plan import Plan
 from ..schedule import OpKind, RankOp, validate
 from ..schedule.placement import Placement, check_world_size
+from ..world.membership import in_place
 from ..world.where import comm_device, init_process_group
 from . import preemption
 from .batching import check_batch_shapes
@@ -112,6 +113,8 @@ class DistributedRuntime(StepLoop):
         self._other: tuple[list[Stage], StageExecutor] | None = None  # another mode's stages
         # eval mode's stages, made at compile while this rank held every parameter (codegen/modes.py)
         self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
+
+    flag_counts: tuple[int, ...] = ()  # the last step's flags, summed over every rank
 
     # A wait that timed out or lost its peer leaves the process group unusable: every later
     # step would fail at once with a message about timeouts. It says so instead.
@@ -195,6 +198,8 @@ class DistributedRuntime(StepLoop):
         wait(work, self.timeout, self.who, "the loss all-reduce over all "
              f"{dist.get_world_size()} ranks")
         total = packed.cpu()
+        # how many ranks raised each flag (an in-place job counts the processes leaving)
+        self.flag_counts = tuple(round(float(x)) for x in total[3:])
         self.scaler.found_inf = bool(total[1] > 0)
         loss_dtype = torch.float64 if total[2] > 0 else torch.float32
         return total[0].to(loss_dtype), tuple(bool(x > 0) for x in total[3:])
@@ -247,10 +252,13 @@ class DistributedRuntime(StepLoop):
 def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[Stage],
                              plan: Plan, canonical: dict[str, str], options: RunOptions, *,
                              assemble: Callable[[dict], Any],
-                             layout: StateLayout | None = None) -> DistributedRuntime:
+                             layout: StateLayout | None = None,
+                             joining: bool = False) -> DistributedRuntime:
     """Join the job and build this rank's runtime (collective: every rank calls it), run as
     ``options`` say. ``layout``: the model's state, recorded before this rank empties what it
-    does not hold."""
+    does not hold. ``joining``: this process joins an in-place job that is running
+    (``world/membership.py``): its values come from the members (``morph/``), not from
+    replica 0."""
     layout = layout or StateLayout.of(model, canonical, stages)
     seconds = options.seconds
     refuse_plain_meta(model)  # every rank has the same model: all raise, before any wait
@@ -259,35 +267,61 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     eval_mode = _eval_mode_stages(model, captured, stages, canonical, plan,
                                   dump_dir(options.dump))
     init_process_group(seconds)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # Varuna's run-time rule: on NCCL (receives can be polled) unless the environment says;
-    # every rank must agree, since it changes which message proves a send delivered (acks.py)
-    # (not with virtual stages: the rule's stash bound and send proofs are one stage's)
+    reorder = agree_on_plan(plan, stages, options)
+    local = (plan.placement or Placement(plan.stages, plan.data_parallel)).stages_of(
+        dist.get_rank())
+    eval_roots = [] if eval_mode[1] is None else \
+        [eval_mode[1][0].gm, *(s.module for s in eval_mode[1][1])]
+    hold_only(model, stages, local, rank_device(), layout, canonical,
+              [captured.gm, *eval_roots])
+    runtime = build_runtime(model, captured, stages, plan, canonical, options,
+                            assemble=assemble, layout=layout, reorder=reorder,
+                            eval_stages=eval_mode[1][1] if eval_mode[1] is not None else None)
+    runtime.other_modes[eval_mode[0]] = eval_mode[1]
+    preemption.install_handlers()  # under torchrun: SIGTERM/SIGUSR1 -> pipe.preempted
+    if not joining:
+        held, buffers = held_tensors(model, layout.held_names(canonical, stages, local))
+        broadcast_initial({**held, **buffers}, runtime.groups, runtime.placement,
+                          runtime.stage, seconds, runtime.who)
+    return runtime
+
+
+def rank_device() -> torch.device:
+    return comm_device() if torch.cuda.is_available() else torch.device("cpu")
+
+
+def agree_on_plan(plan: Plan, stages: list[Stage], options: RunOptions) -> bool:
+    """Every rank checks that all planned alike and that the world fits the plan
+    (collective); returns whether Varuna's run-time rule runs."""
+    # on NCCL (receives can be polled) unless the environment says; every rank must agree,
+    # since it changes which message proves a send delivered (acks.py) (not with virtual
+    # stages: the rule's stash bound and send proofs are one stage's)
     reorder = rule_enabled(dist.get_backend()) and plan.stages_per_rank == 1
     runtime_text = f" opportunistic forwards ${RULE_ENV}={'on' if reorder else 'off'}"
     fingerprint = plan_fingerprint(plan, stages, options.precision, runtime_text)
-    verify_same_plan(plan, fingerprint, seconds, runtime_text)
-    check_world_size(world, plan.stages, plan.data_parallel, plan.stages_per_rank)
+    verify_same_plan(plan, fingerprint, options.seconds, runtime_text)
+    check_world_size(dist.get_world_size(), plan.stages, plan.data_parallel,
+                     plan.stages_per_rank)
+    return reorder
+
+
+def build_runtime(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
+                  canonical: dict[str, str], options: RunOptions, *,
+                  assemble: Callable[[dict], Any], layout: StateLayout, reorder: bool,
+                  eval_stages: list[Stage] | None = None) -> DistributedRuntime:
+    """This rank's runtime in the formed process group, once every rank agreed on the plan
+    (:func:`agree_on_plan`) and holds its stages' tensors (:func:`hold_only`; the gradient
+    sync keeps those tensor objects). Collective: every rank makes the same groups. An
+    in-place morph builds its new runtime with this too (``morph/``)."""
+    seconds, rank = options.seconds, dist.get_rank()
     placement = plan.placement or Placement(plan.stages, plan.data_parallel)
     stage, replica = placement.coords(rank)
     local = placement.stages_of(rank)
-    device = comm_device() if torch.cuda.is_available() else torch.device("cpu")
     tied = tied_sets(plan, model, canonical)
-    links = message_links(stages, eval_mode[1][1] if eval_mode[1] is not None else None)
+    links = message_links(stages, eval_stages)
     groups = build_groups(placement, tied, local, replica, seconds, links)
-    if is_deferred(model):  # vf.deferred_init: allocate and initialise only this rank's stages
-        eval_roots = [] if eval_mode[1] is None else \
-            [eval_mode[1][0].gm, *(s.module for s in eval_mode[1][1])]
-        materialize_tensors(model, layout.held_names(canonical, stages, local), device,
-                            roots=[captured.gm, *(s.module for s in stages), *eval_roots])
-    # stage 0 also keeps what forward never reads, so no rank loses those weights
-    keep = unread_tensors(model, layout) if 0 in local else []
-    release_unheld(model, [stages[s] for s in local], device, keep=keep)
-    preemption.install_handlers()  # under torchrun: SIGTERM/SIGUSR1 -> pipe.preempted
-
-    held, buffers = held_tensors(model, layout.held_names(canonical, stages, local))
+    held, _ = held_tensors(model, layout.held_names(canonical, stages, local))
     who = f"{stage_label(local)} (rank {rank})"
-    broadcast_initial({**held, **buffers}, groups, placement, stage, seconds, who)
     trained = {n: p for n, p in held.items() if n not in layout.unread}  # unread: no gradient
     aliases = Counter(canonical.values())  # a weight the model ties: one tensor, several names
     sync = GradSync(trained, groups, plan.tied_parameters, local, plan.data_parallel, seconds, who,
@@ -301,14 +335,27 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
             sync.hook = SyncHook(setting, groups.data_parallel, plan.data_parallel)
     shapes = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
               if n.op == "placeholder" and info(n).outputs}
-    runtime = DistributedRuntime(
+    return DistributedRuntime(
         stages, plan, placement, rank, groups, sync, options, assemble=assemble,
-        device=device, input_shapes=shapes, reorder=reorder,
+        device=rank_device(), input_shapes=shapes, reorder=reorder,
         # (a tied set all on one rank, D = 1, has no group: autograd sums its copies there)
         tied_holders=[h for h in tied if len(placement.holder_ranks(list(h))) > 1],
     )
-    runtime.other_modes[eval_mode[0]] = eval_mode[1]
-    return runtime
+
+
+def hold_only(model: nn.Module, stages: list[Stage], local: list[int], device: torch.device,
+              layout: StateLayout, canonical: dict[str, str], roots: list[nn.Module]) -> None:
+    """Allocate (``vf.deferred_init``: and initialise) the ``local`` stages' tensors and empty
+    every other tensor of the model. ``roots``: modules besides the stages that share the
+    model's tensors (the captured graph). In an in-place job buffers are kept (they are
+    small, and a stage this rank takes over later needs the ones no checkpoint holds)."""
+    if is_deferred(model):  # vf.deferred_init: allocate and initialise only this rank's stages
+        materialize_tensors(model, layout.held_names(canonical, stages, local), device,
+                            roots=[*roots, *(s.module for s in stages)])
+    # stage 0 also keeps what forward never reads, so no rank loses those weights
+    keep = unread_tensors(model, layout) if 0 in local else []
+    release_unheld(model, [stages[s] for s in local], device, keep=keep,
+                   keep_buffers=in_place())
 
 
 def refuse_plain_meta(model: nn.Module) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 import warnings
 from types import FrameType
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 _received: list[int] = []  # signal numbers received by this process
+_received_at: list[float] = []  # time.time() of each
 _installed: dict[int, Any] = {}  # signal -> the handler ours replaced
 
 
@@ -30,13 +32,20 @@ def requested() -> bool:
     return bool(_received)
 
 
+def received_at() -> float | None:
+    """When (``time.time()``) the first preemption signal came, if one did."""
+    return _received_at[0] if _received_at else None
+
+
 def clear() -> None:
     """Forget received signals (a new job in the same process, tests)."""
     _received.clear()
+    _received_at.clear()
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
     _received.append(signum)
+    _received_at.append(time.time())
     previous = _installed.get(signum)
     if callable(previous):
         previous(signum, frame)

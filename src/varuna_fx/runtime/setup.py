@@ -189,14 +189,16 @@ def tied_sets(plan: Plan, model: nn.Module, canonical: dict[str, str]) -> dict[t
 
 
 def release_unheld(model: nn.Module, stage: Stage | list[Stage], device: torch.device,
-                   keep: list[torch.Tensor] | None = None) -> None:
+                   keep: list[torch.Tensor] | None = None, keep_buffers: bool = False) -> None:
     """Keep (and move to ``device``) the tensors this rank's stage modules use; empty every
     other parameter and buffer of the model in place, so the memory is released while the
     module objects stay intact. Decided by identity with what the stage modules hold, which is
-    exactly what their code can reach, plus ``keep``."""
+    exactly what their code can reach, plus ``keep`` (and every buffer: ``keep_buffers``)."""
     held = stage if isinstance(stage, list) else [stage]
     used = {id(t) for s in held for t in [*s.module.parameters(), *s.module.buffers()]}
     used |= {id(t) for t in keep or []}
+    if keep_buffers:
+        used |= {id(t) for t in model.buffers() if not t.is_meta}
     seen: set[int] = set()
     released = False
     for tensor in [*model.parameters(), *model.buffers()]:

@@ -27,6 +27,10 @@ and state are sharded (``ELEMENTWISE``; a class of one's own opts in with
 parameters while sharding is on is refused at its first step (:func:`guard_direct_optimizers`):
 it would hold the whole state on every replica, which the plan may not have room for.
 
+The hooks read the optimizer's record (:class:`Made`), not what they closed over, so an
+in-place morph can re-point the same optimizer object at another layout (``zero_repoint.py``);
+nothing else of a sharding outlives a step, so a morph moves only the shards' state.
+
 Limits: "auto" shards a candidate only when it does not fit unsharded, so a candidate that fits
 unsharded on a memory-bound partition is not tried sharded (where a looser cap might balance it
 better). Loading a checkpoint into a sharded optimizer reads every chunk of the parameters the
@@ -112,6 +116,14 @@ def layout_of(optimizer: Any) -> ZeroLayout | None:
         return None
 
 
+def set_layout(optimizer: torch.optim.Optimizer, layout: ZeroLayout | None) -> None:
+    """``optimizer`` steps ``layout``'s shards now (None: unsharded; an in-place morph)."""
+    if layout is None:
+        _LAYOUTS.pop(optimizer, None)
+    else:
+        _LAYOUTS[optimizer] = layout
+
+
 def check_elementwise(cls: type) -> None:
     if cls in ELEMENTWISE or getattr(cls, OPT_IN, False) is True:
         return
@@ -151,29 +163,59 @@ def user_groups(params: Any, named: dict[str, nn.Parameter]) -> list[dict[str, A
     return groups
 
 
-def build_layout(groups: list[dict[str, Any]], names: dict[int, str], synced: set[str],
-                 replica: int, replicas: int, bucket_bytes: int = BUCKET_BYTES) -> ZeroLayout:
-    """Buckets over ``groups``' parameters. ``synced``: names whose gradients grad_sync
-    averages over the replicas (tied ones included)."""
-    layout = ZeroLayout(replica, replicas, [])
+def bucket_items(groups: list[dict[str, Any]], names: dict[int, str], synced: set[str],
+                 bucket_bytes: int = BUCKET_BYTES
+                 ) -> tuple[list[tuple[int, tuple, list[tuple[str, nn.Parameter]]]],
+                            list[tuple[int, str, nn.Parameter]]]:
+    """Which parameters share a bucket (user group, dtype, device; ~``bucket_bytes`` each) and
+    which are stepped whole: the grouping alone, touching no tensor, so an in-place morph can
+    tell the ranges a new shard will need before it exists (:func:`shard_ranges`)."""
+    buckets: list[tuple[int, tuple, list[tuple[str, nn.Parameter]]]] = []
+    whole: list[tuple[int, str, nn.Parameter]] = []
     for gi, group in enumerate(groups):
         open_: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
         for p in group["params"]:
             name = names[id(p)]
             if name not in synced or p.dim() == 0 or p.numel() == 0:
-                layout.whole.append((gi, name, p))
+                whole.append((gi, name, p))
                 continue
             key = (p.dtype, p.device)
             items = open_.setdefault(key, [])
             size = sum(q.numel() for _, q in items) * p.element_size()
             if items and size + p.numel() * p.element_size() > bucket_bytes:
-                layout.buckets.append(_bucket(gi, key, items, replica, replicas))
+                buckets.append((gi, key, items))
                 items = open_[key] = []
             items.append((name, p))
-        for key, items in open_.items():
-            if items:
-                layout.buckets.append(_bucket(gi, key, items, replica, replicas))
-    return layout
+        buckets += [(gi, key, items) for key, items in open_.items() if items]
+    return buckets, whole
+
+
+def build_layout(groups: list[dict[str, Any]], names: dict[int, str], synced: set[str],
+                 replica: int, replicas: int, bucket_bytes: int = BUCKET_BYTES) -> ZeroLayout:
+    """Buckets over ``groups``' parameters. ``synced``: names whose gradients grad_sync
+    averages over the replicas (tied ones included)."""
+    buckets, whole = bucket_items(groups, names, synced, bucket_bytes)
+    return ZeroLayout(replica, replicas,
+                      [_bucket(gi, key, items, replica, replicas) for gi, key, items in buckets],
+                      whole)
+
+
+def shard_ranges(groups: list[dict[str, Any]], names: dict[int, str], synced: set[str],
+                 replica: int, replicas: int, bucket_bytes: int = BUCKET_BYTES
+                 ) -> dict[str, list[tuple[int, int]]]:
+    """(first element, count) of each parameter whose optimizer state replica ``replica``'s
+    shard holds, as :func:`build_layout` would cut it (whole parameters: all of them)."""
+    buckets, whole = bucket_items(groups, names, synced, bucket_bytes)
+    ranges: dict[str, list[tuple[int, int]]] = {n: [(0, p.numel())] for _, n, p in whole}
+    for _, _, items in buckets:
+        size = math.ceil(sum(p.numel() for _, p in items) / replicas)
+        lo, hi, offset = replica * size, (replica + 1) * size, 0
+        for name, p in items:
+            start, end = max(lo, offset), min(hi, offset + p.numel())
+            if start < end:
+                ranges.setdefault(name, []).append((start - offset, end - start))
+            offset += p.numel()
+    return ranges
 
 
 def _bucket(group: int, key: tuple, items: list[tuple[str, nn.Parameter]], replica: int,
@@ -287,28 +329,98 @@ class ZeroSync:
         return f"the sharded optimizer's parameter all-gather with ranks {self.ranks}"
 
 
-def make_sharded(cls: type, groups: list[dict[str, Any]], layout: ZeroLayout, sync: ZeroSync,
-                 defaults: dict[str, Any], before_step: Any = None) -> torch.optim.Optimizer:
-    """The user's optimizer class over this rank's shards: stepping it first copies the shards'
-    slices of the parameters' gradients, then all-gathers; its ``zero_grad`` also clears the
-    parameters' gradients."""
-    inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
-                     "params": layout.group_members(i)} for i, g in enumerate(groups)]
-    optimizer = cls(inner_groups, **defaults)
-    _LAYOUTS[optimizer] = layout
-    if before_step is not None:
-        optimizer.register_step_pre_hook(before_step)
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: sync.take_grads())
-    optimizer.register_step_post_hook(lambda opt, args, kwargs: sync.gather())
+@dataclass
+class Made:
+    """What ``pipe.optimizer`` made, kept so an in-place morph can point the same optimizer
+    object at another layout's parameters (``repoint_optimizer``): its hooks read the current
+    sharding from here, not from what they closed over."""
+
+    setting: bool | str  # compile's shard_optimizer
+    grad_sync: Any  # the runtime's GradSync it steps with (None in one process)
+    zero: ZeroSync | None  # the sharding now (None: unsharded)
+    group_of: dict[str, int]  # canonical fqn -> its param group (the whole model's, once known)
+    hooked: bool = False  # the step hooks and zero_grad are installed (they read this record)
+
+
+# every optimizer pipe.optimizer made, sharded or not (the direct-optimizer guard lets them by)
+_MADE: weakref.WeakKeyDictionary[torch.optim.Optimizer, Made] = weakref.WeakKeyDictionary()
+
+
+def made_by_pipeline(optimizer: Any) -> Made | None:
+    try:
+        return _MADE.get(optimizer)
+    except TypeError:
+        return None
+
+
+def _before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The newest pipe.optimizer's only; its shards take their slices of ``.grad``."""
+    made = _MADE.get(opt)
+    if made is None or made.zero is None:
+        return
+    if made.grad_sync.zero is not made.zero:
+        raise OptimizerError("this optimizer was replaced by a later pipe.optimizer call: "
+                             "step the newest one")
+    made.zero.take_grads()
+
+
+def _gather_after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    made = _MADE.get(opt)
+    if made is not None and made.zero is not None:
+        made.zero.gather()
+
+
+def install_hooks(optimizer: torch.optim.Optimizer, made: Made) -> None:
+    """Once per optimizer: the step hooks and a ``zero_grad`` that also clears the parameters'
+    gradients while sharded (all read ``made``, so a morph that reshards changes none)."""
+    if made.hooked:
+        return
+    optimizer.register_step_pre_hook(_before_step)
+    optimizer.register_step_post_hook(_gather_after_step)
     inner_zero_grad = optimizer.zero_grad
 
     @functools.wraps(inner_zero_grad)
     def zero_grad(set_to_none: bool = True) -> None:
-        sync.zero_grads(set_to_none)
+        if made.zero is not None:
+            made.zero.zero_grads(set_to_none)
         inner_zero_grad(set_to_none)
 
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    made.hooked = True
+
+
+def make_sharded(cls: type, groups: list[dict[str, Any]], layout: ZeroLayout, sync: ZeroSync,
+                 defaults: dict[str, Any]) -> torch.optim.Optimizer:
+    """The user's optimizer class over this rank's shards (:func:`build_optimizer` installs
+    the hooks: stepping first copies the shards' slices of the parameters' gradients, then
+    all-gathers; ``zero_grad`` also clears the parameters' gradients)."""
+    inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                     "params": layout.group_members(i)} for i, g in enumerate(groups)]
+    optimizer = cls(inner_groups, **defaults)
+    _LAYOUTS[optimizer] = layout
     return optimizer
+
+
+def sharded(runtime: Any, setting: bool | str) -> bool:
+    """Whether ``pipe.optimizer`` shards over ``runtime``'s replicas with compile's
+    ``shard_optimizer`` ``setting``: a distributed run with D > 1, unless told never to, or
+    "auto" where the plan says not to (the replicas' link is slow, DiLoCo) and memory does not
+    need it (``Plan.shards_by_default``)."""
+    sync = getattr(runtime, "grad_sync", None)
+    plan = runtime.plan
+    unsharded = setting is False or (setting == "auto" and not plan.shards_by_default
+                                      and not plan.shard_optimizer)
+    return sync is not None and plan.data_parallel > 1 and not unsharded \
+        and sync.groups.data_parallel is not None
+
+
+def shard_layout(runtime: Any, groups: list[dict[str, Any]],
+                  names: dict[int, str]) -> tuple[ZeroLayout, ZeroSync]:
+    sync = runtime.grad_sync
+    group = sync.groups.data_parallel
+    layout = build_layout(groups, names, set(sync.held), dist.get_rank(group=group),
+                          runtime.plan.data_parallel)
+    return layout, ZeroSync(layout, group, runtime.timeout, sync.who)
 
 
 def build_optimizer(runtime: Any, named: dict[str, nn.Parameter], cls: type, params: Any,
@@ -319,33 +431,20 @@ def build_optimizer(runtime: Any, named: dict[str, nn.Parameter], cls: type, par
         raise OptimizerError(f"pipe.optimizer takes a torch.optim.Optimizer class (e.g. "
                              f"torch.optim.AdamW), not {cls!r}")
     groups = user_groups(params, named)
+    names = {id(p): n for n, p in named.items()}
+    group_of = {names[id(p)]: gi for gi, g in enumerate(groups) for p in g["params"]}
     sync = getattr(runtime, "grad_sync", None)
-    plan = runtime.plan
-    # "auto" shards unless the plan says not to (the replicas' link is slow, DiLoCo) and
-    # memory does not need it (Plan.shards_by_default)
-    unsharded = setting is False or (setting == "auto" and not plan.shards_by_default
-                                      and not plan.shard_optimizer)
-    if sync is None or plan.data_parallel == 1 or unsharded:
+    if not sharded(runtime, setting):
         optimizer = cls(groups, **defaults)
-        _MADE.add(optimizer)
+        _MADE[optimizer] = Made(setting, sync, None, group_of)
         if sync is not None and sync.diloco is not None:  # its steps are DiLoCo's inner ones
             sync.diloco.attach(optimizer)
         return optimizer
     check_elementwise(cls)
-    if sync.groups.data_parallel is None:  # pragma: no cover - D > 1 always has the group
-        return cls(groups, **defaults)
-    names = {id(p): n for n, p in named.items()}
-    group = sync.groups.data_parallel
-    layout = build_layout(groups, names, set(sync.held), dist.get_rank(group=group),
-                          runtime.plan.data_parallel)
-    zero = ZeroSync(layout, group, runtime.timeout, sync.who)
-
-    def current(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if sync.zero is not zero:
-            raise OptimizerError("this optimizer was replaced by a later pipe.optimizer call: "
-                                 "step the newest one")
-
-    optimizer = make_sharded(cls, groups, layout, zero, defaults, before_step=current)
+    layout, zero = shard_layout(runtime, groups, names)
+    optimizer = make_sharded(cls, groups, layout, zero, defaults)
+    made = _MADE[optimizer] = Made(setting, sync, zero, group_of)
+    install_hooks(optimizer, made)
     sync.zero = zero
     guard_direct_optimizers(named.values(), "pipe.optimizer shards their optimizer state "
                             "over the replicas (shard_optimizer)")
@@ -357,7 +456,6 @@ def build_optimizer(runtime: Any, named: dict[str, nn.Parameter], cls: type, par
 # id(parameter) -> (its ref, the reason, what a direct optimizer would get wrong, the other way)
 _GUARDED: dict[int, tuple[weakref.ref, str, str, str]] = {}
 _HOOK: Any = None
-_MADE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # by pipe.optimizer, unsharded
 _SHARDED = "it would hold the whole optimizer state on every replica instead of 1/D of it"
 
 
@@ -375,8 +473,8 @@ def guard_direct_optimizers(params: Iterable[nn.Parameter], reason: str,
 
 
 def _refuse_direct(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _GUARDED or layout_of(optimizer) is not None or optimizer in _MADE:
-        return
+    if not _GUARDED or layout_of(optimizer) is not None or made_by_pipeline(optimizer):
+        return  # (pipe.optimizer's, sharded or not: an in-place morph to D = 1 unshards it)
     for group in optimizer.param_groups:
         for p in group["params"]:
             found = _GUARDED.get(id(p))

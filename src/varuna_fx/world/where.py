@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError, PeerTimeoutError, VarunaFxError, env_int
+from .membership import in_place, membership
 
 DEFAULT_TIMEOUT = 300.0  # seconds; generous: a slow first step (allocator, lazy init) is fine
 TIMEOUT_ENV = "VARUNA_FX_TIMEOUT"
@@ -53,6 +54,8 @@ def launched_distributed() -> bool:
     """True when this process is one rank of several (initialised, or torchrun's env)."""
     if not dist.is_available():
         return False
+    if in_place():  # an in-place job: even one process alone keeps its group (others may join)
+        return True
     if dist.is_initialized():
         return dist.get_world_size() > 1
     return env_int("WORLD_SIZE", 1, minimum=1) > 1
@@ -89,11 +92,19 @@ def local_world_size() -> int:
 
 def init_process_group(timeout: float) -> None:
     """Join the job torchrun described (env://) unless the user already did: gloo on CPU,
-    NCCL on GPU. The rendezvous waits at most ``timeout`` for the other ranks."""
+    NCCL on GPU. The rendezvous waits at most ``timeout`` for the other ranks. In an in-place
+    job (``world/membership.py``) the process registers in the membership store instead and
+    forms the group of the generation that admits it."""
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     local_rank = env_int("LOCAL_RANK", 0)
+    if in_place():
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        joining = membership(timeout)
+        joining.form(joining.join(), backend)
+        return
 
     def join() -> None:
         if backend == "nccl":  # the current device is per thread: set it where NCCL starts too
