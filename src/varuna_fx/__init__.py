@@ -7,6 +7,7 @@ from .api import compile
 from .checkpoint.directory import latest_checkpoint
 from .data.tokens import TokenDataset
 from .errors import (
+    AllocationError,
     CaptureError,
     CheckpointError,
     DistributedError,
@@ -30,6 +31,7 @@ from .planner.cluster import Cluster
 from .planner.plan import Plan, StageCost
 
 __all__ = [
+    "AllocationError",
     "CaptureError",
     "CheckpointError",
     "Cluster",

@@ -26,7 +26,8 @@ from .codegen.modes import Modes, evaluation_stages, module_modes
 from .codegen.stage_module import Stage
 from .data.loader import GlobalBatchLoader, loader_for
 from .errors import InputError, VarunaFxError
-from .init.materialize import is_deferred, materialize_tensors
+from .init.allocation import DeferredAllocation
+from .init.materialize import check_replayable, is_deferred
 from .init.skip import any_marked, loaded, raise_unloaded, unloaded
 from .ir.nodes import info
 from .passes.manager import dump_dir
@@ -52,24 +53,35 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
                   canonical: dict[str, str], options: RunOptions, *,
                   device: torch.device | None = None) -> Pipeline:
     """The distributed runtime under torchrun (world size > 1), else the one-process one, run
-    as ``options`` say. A model built under ``vf.deferred_init`` is materialised here: in one
-    process all of it on ``device`` (the example inputs'), on a rank only its stage
-    (``distributed.py``)."""
+    as ``options`` say. A model built under ``vf.deferred_init`` is materialised on a rank
+    only for its stage, while its runtime is made (``distributed.py``); in one process all of
+    it on ``device`` (the example inputs'), when the pipeline is first used
+    (``init/allocation.py``)."""
     assemble = OutputAssembler(captured)
     # the model's whole state, before a distributed rank empties what it does not hold
     layout = StateLayout.of(model, canonical, stages)
     runtime: Runtime
-    if launched_distributed():
+    allocation = None
+    if launched_distributed():  # each rank allocates its own stages' tensors now
         runtime = make_distributed_runtime(model, captured, stages, plan, canonical, options,
                                            assemble=assemble, layout=layout)
-    else:
-        if is_deferred(model):
-            materialize_tensors(model, None, device or torch.device("cpu"),
-                                roots=[captured.gm, *(s.module for s in stages)])
-        runtime = LocalRuntime(stages, plan, options, assemble=assemble)
-    runtime.mean_loss = find_mean_loss(captured.gm, captured.out_spec, captured.input_names,
-                                       options.loss_fn)
-    pipe = Pipeline(model, captured, stages, plan, canonical, runtime, options, assemble, layout)
+    # (a graph cut from the captured one: made after a rank's allocation retargeted the
+    # captured graph to its device, or retargeted by a one-process pipeline's allocation)
+    mean_loss = find_mean_loss(captured.gm, captured.out_spec, captured.input_names,
+                               options.loss_fn)
+    if not launched_distributed():
+        if is_deferred(model):  # allocated when first used (init/allocation.py)
+            check_replayable(model)  # what could never be allocated is refused now
+            counting = [mean_loss.counting] if mean_loss is not None else []
+            allocation = DeferredAllocation(
+                model, [captured.gm, *(s.module for s in stages), *counting],
+                device or torch.device("cpu"),
+                ranks=plan.stages // plan.stages_per_rank * plan.data_parallel)
+        runtime = LocalRuntime(stages, plan, options, assemble=assemble,
+                               device=allocation.device if allocation else None)
+    runtime.mean_loss = mean_loss
+    pipe = Pipeline(model, captured, stages, plan, canonical, runtime, options, assemble, layout,
+                    allocation)
     shard = options.shard_optimizer
     if pipe.replicas > 1 and (shard is True or (shard == "auto" and plan.shard_optimizer)):
         why = "shard_optimizer=True" if shard is True else \
@@ -91,7 +103,8 @@ class Pipeline:
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                  canonical: dict[str, str], runtime: Runtime, options: RunOptions,
                  assemble: OutputAssembler | None = None,
-                 state_layout: StateLayout | None = None) -> None:
+                 state_layout: StateLayout | None = None,
+                 allocation: DeferredAllocation | None = None) -> None:
         self.model = model
         self.captured = captured
         self.stages = stages
@@ -99,6 +112,9 @@ class Pipeline:
         self.canonical = canonical
         self.runtime = runtime
         self._options = options  # how it runs: compile's running options
+        # a one-process pipeline of a vf.deferred_init model: its tensors, allocated at first
+        # use (None: allocated, or nothing to allocate)
+        self._allocation = allocation
         # the samples each replica must pass to step when compile was given global_batch_size
         # (global / D); None: any batch the micro-batch size divides
         self._replica_batch = options.replica_batch(plan.data_parallel)
@@ -243,10 +259,20 @@ class Pipeline:
                     self.model, bound, self.captured, [], self.canonical, 1, dump)
         return self.other_modes[modes]
 
+    def _allocated(self) -> None:
+        """A deferred model's tensors, allocated and initialised the first time they are needed
+        (or refused with the numbers when this process cannot hold them)."""
+        if self._allocation is not None:
+            self._allocation.allocate()
+            self._edits.allocated(self._allocation.device)
+            self._allocation = None
+
     def _check_runnable(self) -> None:
         if self._closed:
             raise VarunaFxError("the pipeline was closed (pipe.close() released its process "
                                 "groups): call vf.compile again to run the model")
+        self._allocated()
+        self._edits.check()  # (before the meta check: an edit can leave a stage on meta)
         if any(t.is_meta for s in self.local_stages for t in self.stages[s].module.parameters()):
             raise InputError(
                 "the model's parameters are on the meta device: a pipeline compiled from a meta "
@@ -254,7 +280,6 @@ class Pipeline:
                 "on the meta device (vf.compile then allocates and initialises each stage's "
                 "tensors where it runs), or with real parameters, and call vf.compile again"
             )
-        self._edits.check()
         self._check_loaded()
 
     def _check_loaded(self) -> None:
@@ -279,15 +304,17 @@ class Pipeline:
         forward never reads (so they are saved and kept, not lost)."""
         return self.state_layout.held_names(self.canonical, self.stages, self.local_stages)
 
+    # (not generators: a deferred model is allocated, or refused, when they are called)
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        yield from held_tensors(self.model, self._held_names())[0].items()
+        self._allocated()
+        return iter(held_tensors(self.model, self._held_names())[0].items())
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        for _, p in self.named_parameters():
-            yield p
+        return (p for _, p in self.named_parameters())
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from held_tensors(self.model, self._held_names())[1].items()
+        self._allocated()
+        return iter(held_tensors(self.model, self._held_names())[1].items())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.parameters():
@@ -418,6 +445,7 @@ class Pipeline:
         return outcome
 
     def _checkpoints(self) -> Checkpointer:
+        self._allocated()  # (saves and loads read and fill the tensors)
         if self._checkpointer is None:
             self._checkpointer = Checkpointer(self)
         return self._checkpointer

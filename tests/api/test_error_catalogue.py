@@ -343,6 +343,9 @@ CATALOGUE = [
     row("deferred tensor nothing initialised", lambda _: vf.materialize(_deferred_empty()),
         vf.UninitializedError, "left", "torch.empty", "vf.skip_init"),
     row("deferred_init nested", lambda _: _nested_deferred(), Inp, "do not nest"),
+    row("deferred model bigger than this process", lambda mp: _too_big_to_allocate(mp),
+        vf.AllocationError, "would allocate", "bytes)", "can allocate 1.0 KiB",
+        "Nothing was allocated", "distributed"),
     # -- data, stateful checkpoints, watching (tests/data/, tests/monitor/ have the rest) -------
     row("data_loader over fewer samples than a global batch",
         step_after(lambda p: p.data_loader(list(range(3)))), Inp, "fewer than one global batch"),
@@ -395,6 +398,15 @@ def _deferred_empty() -> torch.nn.Module:
         model = torch.nn.Module()
         model.left = torch.nn.Parameter(torch.empty(3))
     return model
+
+
+def _too_big_to_allocate(monkeypatch: pytest.MonkeyPatch) -> None:
+    import varuna_fx.init.allocation as allocation
+
+    monkeypatch.setattr(allocation, "available_memory", lambda _: (1024, "a test's limit"))
+    with vf.deferred_init(seed=0):
+        model = MLP.model.__class__()
+    compile_module(model, MLP.inputs, loss_fn=MLP.loss_fn, stages=1).parameters()
 
 
 def _nested_deferred() -> None:
