@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_checkpoint.py --small    # smoke test
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_checkpoint.py --checksums-only
 
-``--checksums-only`` measures only what the per-entry CRC-32 costs (format 3): saves with and
+``--checksums-only`` measures only what the per-entry CRC-32 costs (format 4): saves with and
 without computing it, loads with and without verifying it (a checkpoint saved without
 checksums loads unverified), interleaved, and zlib.crc32's own throughput over the state's
 bytes in memory.
@@ -119,11 +119,11 @@ def checksum_cost(pipe: vf.Pipeline, opt: torch.optim.Optimizer, root: Path, rep
         order = ("on", "off") if i % 2 == 0 else ("off", "on")
         for mode in order:
             RawWriter.checksums = mode == "on"  # off: what format 2 wrote
-            save_load.FORMAT = 3 if mode == "on" else 2
+            save_load.FORMAT = 4 if mode == "on" else 2
             settle()
             times[f"save_{mode}"].append(timed_cpu(lambda m=mode, i=i: pipe.save_checkpoint(
                 str(root / f"crc_{m}{i}"), optimizer=opt)))
-        RawWriter.checksums, save_load.FORMAT = True, 3
+        RawWriter.checksums, save_load.FORMAT = True, 4
         for mode in order:
             settle()
             times[f"load_{mode}"].append(timed_cpu(lambda m=mode, i=i: pipe.load_checkpoint(

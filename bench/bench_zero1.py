@@ -1,12 +1,12 @@
 """ZeRO-1 (sharded optimizer state) against the plain all-reduce: 2 gloo ranks, P=1, D=2.
 
 Usage: ``python bench/bench_zero1.py [--steps N] [--layers L] [--width W]``. For each mode
-(``shard_optimizer=False``: bucketed all-reduce + a full AdamW per rank; ``True``: reduce-scatter,
-AdamW on this rank's shard, all-gather) it launches 2 ranks (plain subprocesses with torchrun's
+(``shard_optimizer=False``: bucketed all-reduce + a full AdamW per rank; ``True``: the same
+all-reduce, AdamW on this rank's shard, all-gather) it launches 2 ranks (plain subprocesses with torchrun's
 environment) training a float32 GPT, and reports per rank:
 
 * bytes sent per step by NCCL's ring algorithm for the collectives this runtime issues
-  (all-reduce: 2 (D-1)/D n; reduce-scatter (D-1)/D n + all-gather (D-1)/D n), counted from the
+  (all-reduce: 2 (D-1)/D n; sharded adds the all-gather's (D-1)/D n), counted from the
   buffers actually handed to them (padding included);
 * bytes gloo actually wrote to its sockets per step: the process's ``wchar`` (/proc/self/io)
   around each step (it counts every write(2); nothing else writes during a step);
@@ -56,7 +56,7 @@ def model_state(pipe, opt: torch.optim.Optimizer) -> int:  # noqa: ANN001
 
     total = sum(size(p) + size(p.grad) for p in pipe.parameters())
     zero = pipe.runtime.grad_sync.zero
-    total += sum(size(s.grad) for s in zero.shards()) if zero is not None else 0
+    total += sum(size(b.shard.grad) for b in zero.layout.buckets) if zero is not None else 0
     return total + shard_state_bytes(opt)
 
 
@@ -87,8 +87,7 @@ def rank_main(out: Path, mode: str, steps: int, layers: int, width: int) -> None
             times.append(after[0] - before[0])
             optimizer_s.append(after[0] - stepped)
             wire.append(after[1] - before[1])
-            ring.append(after[2] - before[2] if sync.zero else
-                        2 * (WORLD - 1) * grad_bytes // WORLD)
+            ring.append(after[2] - before[2] + 2 * (WORLD - 1) * grad_bytes // WORLD)
     result = {"rank": pipe.replica_index, "mode": mode, "grad_bytes": grad_bytes,
               "step_s": statistics.median(times), "wire": statistics.median(wire),
               "optimizer_s": statistics.median(optimizer_s), "model_state": model_state(pipe, opt),

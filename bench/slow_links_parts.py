@@ -165,22 +165,40 @@ def pipeline_bytes(boundaries: Sequence[float], micro_batches: int, replicas: in
     return 2.0 * micro_batches * replicas * sum(boundaries)
 
 
-def allreduce_bytes(tensor_bytes: float, ranks: int, sharded_on_gloo: bool = False) -> float:
+def allreduce_bytes(tensor_bytes: float, ranks: int) -> float:
     """All ranks' sends of a ring all-reduce of ``tensor_bytes``: each sends 2(n-1)/n of it
-    (reduce-scatter, then all-gather). ZeRO-1 on gloo sends 1.5x that (its reduce-scatter
-    sends the whole buffer; docs/API.md)."""
+    (reduce-scatter, then all-gather)."""
     if ranks <= 1:
         return 0.0
-    return 2.0 * (ranks - 1) * tensor_bytes * (1.5 if sharded_on_gloo else 1.0)
+    return 2.0 * (ranks - 1) * tensor_bytes
+
+
+def allgather_bytes(tensor_bytes: float, ranks: int) -> float:
+    """All ranks' sends of an all-gather of ``tensor_bytes`` from ``ranks`` equal shards:
+    ZeRO-1's parameters after the step, half an all-reduce's bytes (docs/API.md)."""
+    return (ranks - 1) * tensor_bytes if ranks > 1 else 0.0
+
+
+def powersgd_elements(shape: Sequence[int], rank: int, min_rate: float = 2.0) -> int:
+    """Elements torch's PowerSGD hook all-reduces for a gradient of ``shape``: two rank-r
+    factors of the matrix ``shape[0] x rest`` where that sends ``min_rate`` times fewer
+    (torch's ``_should_compress``), else the tensor whole."""
+    total = math.prod(shape)
+    if len(shape) < 2:
+        return total
+    n, m = shape[0], total // shape[0]
+    r = min(n, m, rank)
+    return (n + m) * r if n * m >= min_rate * (n + m) * r else total
 
 
 def sync_bytes(stage_shapes: Sequence[Sequence[Sequence[int]]], replicas: int,
-               sync: str = "exact", sharded_on_gloo: bool = False) -> float | None:
+               sync: str = "exact", sharded: bool = False) -> float | None:
     """Replica agreement per step, all stages, from each stage's parameter shapes:
     ``exact`` all-reduces fp32 gradients; ``bf16`` half of that; ``powersgd:R`` all-reduces
-    P (n x R) and Q (m x R) per matrix and vectors whole; ``diloco:H`` all-reduces fp32
-    parameter deltas once every H steps. None for a setting the formula does not know
-    (``auto``: the plan decides)."""
+    P (n x R) and Q (m x R) per matrix and vectors whole (after its first exact steps);
+    ``diloco:H`` all-reduces fp32 parameter deltas once every H steps. ``sharded`` (ZeRO-1):
+    the parameters' all-gather after the step too. None for a setting the formula does not
+    know (``auto``: the plan decides)."""
     name, _, arg = sync.partition(":")
     total = 0.0
     for shapes in stage_shapes:
@@ -190,15 +208,14 @@ def sync_bytes(stage_shapes: Sequence[Sequence[Sequence[int]]], replicas: int,
         elif name == "bf16":
             payload = full / 2
         elif name == "powersgd":
-            rank = int(arg or 4)
-            payload = sum(4.0 * rank * (s[0] + math.prod(s[1:])) if len(s) >= 2 and
-                          rank * (s[0] + math.prod(s[1:])) < math.prod(s) else 4.0 * math.prod(s)
-                          for s in shapes)
+            payload = sum(4.0 * powersgd_elements(s, int(arg or 4)) for s in shapes)
         elif name == "diloco":
             payload = full / int(arg or 50)
         else:
             return None
-        total += allreduce_bytes(payload, replicas, sharded_on_gloo and name == "exact")
+        total += allreduce_bytes(payload, replicas)
+        if sharded and name != "diloco":
+            total += allgather_bytes(full, replicas)
     return total
 
 

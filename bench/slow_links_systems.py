@@ -115,6 +115,16 @@ def formula_for(cfg: GPTConfig, job: dict, compression: str, sync: str, sharded:
 # -- varuna_fx ----------------------------------------------------------------------------------
 
 
+def sync_label(setting: Any) -> str:
+    """A replica sync as the byte formula names it: "exact", "bf16", "powersgd:R",
+    "diloco:H" (``slow_links_parts.sync_bytes``)."""
+    if isinstance(setting, str):
+        return setting
+    if hasattr(setting, "rank"):
+        return f"powersgd:{setting.rank}"
+    return f"diloco:{getattr(setting, 'every', '')}"
+
+
 def varuna(job: dict, cfg: GPTConfig, example: torch.Tensor) -> Trainer:
     import varuna_fx as vf
 
@@ -139,18 +149,23 @@ def varuna(job: dict, cfg: GPTConfig, example: torch.Tensor) -> Trainer:
     schedule = getattr(plan.schedule, "name", plan.schedule)
     recompute = plan.recompute if isinstance(plan.recompute, bool) else \
         "".join("R" if r else "-" for r in plan.recompute)
-    sharded = bool(getattr(plan, "shard_optimizer", False)) or (
-        settings.get("shard_optimizer", "auto") in ("auto", True) and plan.data_parallel > 1)
-    cuts = [s.boundary_bytes for s in plan.stage_costs[:-1]]
-    compression = str(settings.get("compression", "off"))
-    sync = settings.get("replica_sync", "exact")
-    sync_name = sync if isinstance(sync, str) else (
-        f"{type(sync).__name__.lower()}:{getattr(sync, 'rank', getattr(sync, 'every', ''))}")
-    per = boundary_payload([1, 1], compression)
+    from varuna_fx.runtime.zero import layout_of
+
+    sharded = layout_of(opt) is not None  # ZeRO-1 as it runs
+    # what the plan resolved ("auto" included): per boundary the bytes it sends as its
+    # compression has them (the plan's own per-boundary rows, int8's scales counted), per
+    # stage its replica sync
+    boundaries = getattr(plan, "boundaries", ())
+    compression = ",".join(b.compression for b in boundaries) or \
+        str(settings.get("compression", "off"))
+    syncs = [sync_label(s) for s in getattr(plan, "replica_sync", ())] or \
+        [sync_label(settings.get("replica_sync", "exact"))] * plan.stages
+    sync_name = syncs[0] if len(set(syncs)) == 1 else "/".join(syncs)
+    per = boundary_payload([1, 1], compression) if not boundaries else 4.0
     formula = note = None
     if per is not None and plan.stages == job["stages"] and plan.data_parallel == job["replicas"]:
-        # the plan's fp32 cut bytes, rescaled to the setting's element size
-        scaled = [c * per / 4 for c in cuts]
+        scaled = [b.wire_bytes for b in boundaries] if boundaries else \
+            [s.boundary_bytes * per / 4 for s in plan.stage_costs[:-1]]
         pipe_b = pipeline_bytes(scaled, plan.num_micro_batches, plan.data_parallel)
         if dist.is_initialized():  # each rank holds its own stage's parameters
             mine = [list(p.shape) for _, p in pipe.named_parameters()]
@@ -159,16 +174,20 @@ def varuna(job: dict, cfg: GPTConfig, example: torch.Tensor) -> Trainer:
             per_stage = [s for (_, rep, s) in sorted(gathered, key=lambda g: g[:2]) if rep == 0]
         else:  # one process holds every stage
             per_stage = stage_shapes([s.module for s in pipe.stages])
-        sync_b = sync_bytes(per_stage, plan.data_parallel, sync_name, sharded)
+        parts = [sync_bytes([shapes], plan.data_parallel, name, sharded)
+                 for shapes, name in zip(per_stage, syncs)]
+        sync_b = None if None in parts else sum(p for p in parts if p is not None)
         if sync_b is not None:
             formula = pipe_b + sync_b
             note = (f"pipeline {pipe_b / 2**20:.2f} MiB (2 x m={plan.num_micro_batches} x "
                     f"D={plan.data_parallel} x cuts {[round(c / 2**10) for c in scaled]} KiB) "
                     f"+ sync {sync_b / 2**20:.2f} MiB ({sync_name}"
-                    f"{', ZeRO-1 on gloo' if sharded else ''})")
+                    f"{', ZeRO-1 all-gather' if sharded else ''})")
+    settings_note = f" compression={compression} sync={sync_name}" \
+        if any(c != "off" for c in compression.split(",")) or sync_name != "exact" else ""
     return Trainer(step, f"P={plan.stages} D={plan.data_parallel} b={plan.micro_batch_size} "
                          f"m={plan.num_micro_batches} {schedule} recompute={recompute}"
-                         f"{' ZeRO-1' if sharded else ''}",
+                         f"{' ZeRO-1' if sharded else ''}{settings_note}",
                    pipe.stage_index, pipe.replica_index, formula,
                    note or "the formula does not know this setting",
                    extra={"predicted_step_s": plan.predicted_step_time})

@@ -80,7 +80,7 @@ def test_wire_formula() -> None:
     assert parts.sync_bytes(stages, 1) == 0
     assert parts.sync_bytes(stages, 2) == 2 * full            # each of 2 ranks sends it all
     assert parts.sync_bytes(stages, 4) == 2 * 3 * full
-    assert parts.sync_bytes(stages, 2, sharded_on_gloo=True) == 3 * full
+    assert parts.sync_bytes(stages, 2, sharded=True) == 3 * full  # + the all-gather
     assert parts.sync_bytes(stages, 2, "bf16") == full
     assert parts.sync_bytes(stages, 2, "diloco:10") == 2 * full / 10
     # rank 2: P 10x2 + Q 20x2 for the first matrix, 30x2 + 40x2 for the second; the vector whole
@@ -128,8 +128,10 @@ def test_runs_round_trip_and_report(tmp_path: Path) -> None:
                     link="100mbit", batch=16, seq_len=32, micro_batches=4, layers=8, width=512,
                     vocab=16000, corpus_sha256="ab", first_batch_sum=7, load=1.0,
                     step_median_s=scale, step_spread=0.1, wire_counted=2.1e6,
-                    wire_formula=2e6, peak_rss=[2**30, 2**30], notes=["P=2 D=2"])
-        rows = [dict(step=k, loss=5.0 - k * 0.1, t=(k + 1) * scale) for k in range(10)]
+                    wire_formula=2e6, peak_rss=[2**30, 2**30], notes=["P=2 D=2"], warmup=2,
+                    extra={"predicted_step_s": 1.1 * scale})
+        rows = [dict(step=k, loss=5.0 - k * 0.1, t=(k + 1) * scale, step_s=scale)
+                for k in range(10)]
         path = tmp_path / "n4-P2xD2-100mbit" / f"{system}.{parts.label(setting)}.jsonl"
         parts.write_run(path, head, rows)
         return parts.read_run(path)
@@ -140,6 +142,8 @@ def test_runs_round_trip_and_report(tmp_path: Path) -> None:
     text = report(runs, tmp_path, write=False, smoke=True)
     assert "| varuna_fx [compression=int8,replica_sync=powersgd:4] | 400 |" in text
     assert "time to exact's final loss 0.40x" in text
+    # the simulator against the measured mean step (issue 31 item 4)
+    assert "simulator 440 ms against 400 ms measured (mean), error +10.0% (target within 10%: met)" in text
     assert (tmp_path.parent / f"{tmp_path.name}.png").exists()
     (tmp_path / "bad.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(ValueError, match="no header"):

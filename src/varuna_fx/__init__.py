@@ -5,6 +5,7 @@ Public names only; docs/API.md in the repository is the reference.
 
 from .api import compile
 from .checkpoint.directory import latest_checkpoint
+from .costs.wire import DiLoCo, PowerSGD
 from .data.tokens import TokenDataset
 from .errors import (
     AllocationError,
@@ -35,6 +36,7 @@ __all__ = [
     "CaptureError",
     "CheckpointError",
     "Cluster",
+    "DiLoCo",
     "DistributedError",
     "InputError",
     "Monitor",
@@ -43,6 +45,7 @@ __all__ = [
     "PeerTimeoutError",
     "Pipeline",
     "Plan",
+    "PowerSGD",
     "PlanError",
     "PretrainedError",
     "ScheduleError",

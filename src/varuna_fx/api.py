@@ -18,13 +18,20 @@ from .capture.buffers import warn_micro_batch_state
 from .capture.inputs import bind_inputs
 from .codegen.pass_list import PASS_LIST, PASSES, CompileState, run_pass_list  # noqa: F401 (the list, read here too)
 from .codegen.stage_totals import stage_totals
+from .costs.wire import ReplicaSync
 from .options import CompileOptions, check_compile_arguments, check_devices, check_global_batch
 from .passes.annotate_backward import canonical_names
 from .passes.manager import dump_dir
-from .passes.sample_mixing import graph_findings, warn_sample_mixing
+from .passes.sample_mixing import (
+    graph_findings,
+    refuse_layout_dependent_draws,
+    warn_sample_mixing,
+)
 from .pipeline import Pipeline, make_pipeline
 from .planner.cluster import Cluster
-from .planner.plan import Plan
+from .planner.network import rank_links
+from .planner.plan import Boundary, Plan
+from .runtime.compress import transfer_mode, wire_nbytes
 from .runtime.split_backward import input_grads
 from .schedule import DEFAULT_SCHEDULE
 from .schedule.placement import Placement
@@ -51,6 +58,8 @@ def compile(  # noqa: A001 - the public name in API.md
     timeout: float | None = None,
     profile: Any = False,
     dump: str | None = None,
+    compression: str = "off",
+    replica_sync: ReplicaSync = "exact",
 ) -> Pipeline:
     """Trace ``model``, cut it into balanced stages and return a runnable :class:`Pipeline`.
 
@@ -61,6 +70,8 @@ def compile(  # noqa: A001 - the public name in API.md
     on the stages whose activations would not fit otherwise (``plan.recompute`` says which).
     ``stages_per_rank``: v stages on each rank (virtual stages: ``schedule="interleaved-1f1b"``
     or ``"zbv"``); the world is then (stages / v) x D ranks. None: the schedule's default.
+    ``compression`` / ``replica_sync``: what slow links carry (docs/API.md, "Slow links";
+    anything but "off" / "exact" departs from eager numerics by design, and the plan says so).
     """
     # every keyword but the model and its inputs (CompileOptions' fields are exactly these:
     # tests/api/test_options.py), so a new option is a field of its part and a keyword here
@@ -86,6 +97,8 @@ def compile(  # noqa: A001 - the public name in API.md
     warn_micro_batch_state(model, state.captured.gm, plan.num_micro_batches)
     warn_sample_mixing(f"{type(model).__name__}.forward", graph_findings(state.captured.gm),
                        plan.num_micro_batches)
+    refuse_layout_dependent_draws(state.captured.gm, f"{type(model).__name__}.forward",
+                                  plan.num_micro_batches, plan.data_parallel)
     return make_pipeline(model, state.captured, state.built, plan, state.canonical, o.running,
                          device=next((t.device for t in bound.tensors.values()), None))
 
@@ -116,4 +129,31 @@ def plan_of(state: CompileState) -> Plan:
         model_name=type(state.model).__name__, alternatives=priced.alternatives,
         shard_optimizer=config.shard_optimizer,
         shard_optimizer_setting=state.planning.shard_optimizer,
+        compression=priced.compression, replica_sync=priced.replica_sync,
+        boundaries=boundaries(state), shards_by_default=config.shards_by_default,
     )
+
+
+def boundaries(state: CompileState) -> tuple[Boundary, ...]:
+    """The plan table's row per pipeline boundary: what stage k sends per micro-batch, the
+    link it crosses (the plan's pricing of it), how it travels and what that puts on the
+    wire (``runtime/compress.py``)."""
+    config, priced, built = state.config, state.priced, state.built
+    assert config is not None and priced is not None and built is not None
+    net = config.pricer.links(config.stages, config.data_parallel)
+    if priced.schedule.is_virtual:  # stages of one rank: a boundary never sent
+        net = rank_links(config.pricer.links(priced.schedule.num_ranks, config.data_parallel),
+                         priced.schedule)
+    b = config.micro_batch_size
+    rows = []
+    for k in range(config.stages - 1):
+        sends = built[k].spec.sends
+        nbytes = sum(float(t.nbytes(b)) for t in sends)
+        wire = sum(wire_nbytes(t.tensor.concrete_shape(b), t.tensor.dtype,
+                               transfer_mode(priced.compression, t.src, t.dst)) for t in sends)
+        bw = net.bandwidths[k]
+        link = "same rank" if bw == float("inf") else \
+            "between nodes" if net.is_slow(k) else "within a node"
+        rows.append(Boundary(k, float(nbytes), float(wire), link, float(bw),
+                             priced.compression[k] if k < len(priced.compression) else "off"))
+    return tuple(rows)

@@ -24,6 +24,7 @@ from .checkpoint.pretrained import PretrainedLoad, load_pretrained, save_pretrai
 from .checkpoint.save_load import Checkpointer
 from .codegen.modes import Modes, evaluation_stages, module_modes
 from .codegen.stage_module import Stage
+from .costs.wire import DiLoCo
 from .data.loader import GlobalBatchLoader, loader_for
 from .errors import InputError, VarunaFxError
 from .init.allocation import DeferredAllocation
@@ -87,6 +88,12 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
         why = "shard_optimizer=True" if shard is True else \
             "the plan shards optimizer state to fit in memory"
         guard_direct_optimizers(pipe.parameters(), f"{why} (ZeRO-1)")
+    if pipe.replicas > 1 and any(isinstance(s, DiLoCo) for s in plan.replica_sync):
+        guard_direct_optimizers(
+            pipe.parameters(), "replica_sync=vf.DiLoCo(...) takes its outer step after every "
+            "'every' steps of the optimizer pipe.optimizer made",
+            "its steps would never reach the outer step, so the replicas would never meet "
+            "again", ", or compile with another replica_sync")
     return pipe
 
 

@@ -186,6 +186,25 @@ CATALOGUE = [
         "precision=['fp32']", "string"),
     row("unknown precision", lambda _: compile_mlp(stages=1, precision="fp8"), E,
         "precision='fp8'", "bf16"),
+    # -- what slow links carry (issue 31) -------------------------------------------------
+    row("unknown compression", lambda _: compile_mlp(stages=2, compression="int4"), E,
+        "compression='int4'", "'bf16'", "'int8'"),
+    row("replica_sync by a class's name", lambda _: compile_mlp(
+        stages=2, replica_sync="powersgd"), E, "replica_sync='powersgd'", "vf.PowerSGD(rank=4)"),
+    row("PowerSGD(rank=0)", lambda _: vf.PowerSGD(rank=0), E, "rank=0", "positive integer"),
+    row("PowerSGD(start_iter=1)", lambda _: vf.PowerSGD(start_iter=1), E, "at least 2"),
+    row("DiLoCo(every=0)", lambda _: vf.DiLoCo(every=0), E, "every=0", "local"),
+    row("DiLoCo(outer_momentum=1)", lambda _: vf.DiLoCo(outer_momentum=1.0), E, "[0, 1)"),
+    row("compression with one stage", lambda _: compile_mlp(stages=1, compression="int8"), Plan,
+        "one stage (P=1)", "stages=2"),
+    row("DiLoCo with one replica", lambda _: compile_mlp(stages=2, replica_sync=vf.DiLoCo()),
+        Plan, "one replica (D=1)", "data_parallel=2"),
+    row("DiLoCo with ZeRO-1", lambda _: compile_mlp(
+        vf.Cluster(gpus=2, device="cpu"), stages=1, data_parallel=2, shard_optimizer=True,
+        replica_sync=vf.DiLoCo()), Plan, "cannot be sharded", "shard_optimizer='auto'"),
+    row("PowerSGD rank too large", lambda _: compile_mlp(
+        vf.Cluster(gpus=2, device="cpu"), stages=1, data_parallel=2,
+        replica_sync=vf.PowerSGD(rank=9)), Plan, "compress none", "choose rank <= 8"),
     row("stages=0", lambda _: compile_mlp(stages=0), E, "stages=0", "positive number"),
     row("stages=-2", lambda _: compile_mlp(stages=-2), E, "stages=-2", "positive number"),
     row("stages=True", lambda _: compile_mlp(stages=True), E, "stages=True", "positive number"),
@@ -377,6 +396,21 @@ CATALOGUE = [
     row("save_pretrained onto a file", lambda _: compile_mlp(stages=1).save_pretrained(
         os.path.join(_weights_dir({"weights": b""}), "weights")), vf.PretrainedError,
         "is a file", "pass a directory"),
+    row("deferred_init reading values", lambda _: _deferred_reads_values(), Inp,
+        "test_error_catalogue.py", "reads the values of a tensor", "vf.deferred_init"),
+    # -- issue 30 -------------------------------------------------------------------------
+    row("random draw with the batch last", lambda _: compile_module(
+        DrawsTransposed(), (torch.randn(8, 4),), loss_fn=lambda o, _: o.sum(),
+        micro_batch_size=2), Inp, "shape (4, b)", "test_error_catalogue.py",
+        "Draw with the batch first"),
+    row("tensor default of the batch's rows", lambda _: compile_module(
+        BatchDefault(), (torch.randn(16, 4),), stages=1), Cap, "parameter 'y'",
+        "dim 0 is the batch size (16)", "register_buffer"),
+    # -- varuna-fx train (tests/launch/test_train_config.py has every refusal) -----------------
+    row("train: an unknown key", lambda _: _train_config(["--learning-rate", "1e-3"]), Inp,
+        "unknown key 'learning_rate'", "did you mean", "lr"),
+    row("train: a value of the wrong type", lambda _: _train_config(["--steps", "1e3"]), Inp,
+        "steps takes an integer", "'1e3'"),
 ]
 
 
@@ -391,6 +425,38 @@ def _weights_dir(contents: dict[str, Any]) -> str:
             with open(os.path.join(directory, name), "wb") as f:
                 f.write(value)
     return directory
+
+
+
+class DrawsTransposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.randn(4, x.shape[0]).T
+
+
+class BatchDefault(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor = torch.zeros(16, 4)) -> torch.Tensor:  # noqa: B008
+        return (self.lin(x) + y).sum()
+
+
+def _deferred_reads_values() -> None:
+    with vf.deferred_init(seed=0):
+        lin = nn.Linear(4, 4)
+        if lin.weight.abs().max() > 0.1:
+            pass
+
+
+def _train_config(argv: list[str]) -> Any:
+    from varuna_fx.launch.train_config import resolve
+
+    return resolve(argv)
 
 
 def _deferred_empty() -> torch.nn.Module:

@@ -197,3 +197,35 @@ def test_loss_fn_gets_none_when_step_has_no_target() -> None:
                               loss_fn=lambda out, target: F.cross_entropy(out[0], target))
     with pytest.raises(vf.VarunaFxError, match="got no target"):
         needs_target.step(x)
+
+
+# -- forward's defaults (issue 30): a tensor default not shaped like the batch is a constant,
+# as torch.distributed.pipelining runs it; None defaults forward reads ----------------------
+
+
+class Defaults(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor = torch.full((64,), 0.5),  # noqa: B008
+                z: torch.Tensor = torch.ones(1, 64), mask: torch.Tensor | None = None,  # noqa: B008
+                ) -> torch.Tensor:
+        h = self.a(x) + y
+        if mask is None:
+            mask = torch.ones(64)
+        return self.b(h * mask) * z
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export", "auto"])
+def test_constant_tensor_and_none_defaults_match_eager(tracer: str) -> None:
+    torch.manual_seed(0)
+    model, x = Defaults(), torch.randn(16, 64)
+    reference = copy.deepcopy(model)
+    want = eager_reference(reference, reference(x).pow(2).mean())
+    pipe = vf.compile(model, example_inputs=(x,), loss_fn=lambda out, _: out.pow(2).mean(),
+                      stages=2, micro_batch_size=4, tracer=tracer)
+    loss = pipe.step(x)
+    torch.testing.assert_close(loss, reference(x).pow(2).mean())
+    assert_grads(model, want)
+    torch.testing.assert_close(pipe(x), reference(x))

@@ -22,7 +22,7 @@ import varuna_fx as vf
 from support.payloads import RunsCode, Stealthy
 from support.training import compile_mlp, step, weights
 from varuna_fx.checkpoint import directory, raw_storage
-from varuna_fx.checkpoint.raw_storage import ChecksummedInfo, byte_view
+from varuna_fx.checkpoint.raw_storage import ChecksummedInfo, byte_view, entry_header
 
 # several tests load the optimizer-carrying fixture without an optimizer (the warning is tested
 # in test_checkpoint.py)
@@ -53,16 +53,20 @@ def record(path: Path, key: str) -> tuple[Path, ChecksummedInfo]:
 
 
 def replace_entry(path: Path, key: str, tensor: torch.Tensor) -> None:
-    """Point ``key`` at new bytes (appended to a new file), with a matching checksum."""
+    """Point ``key`` at new bytes (appended to a new file), with a matching checksum bound to
+    the entry (as varuna_fx would have written it)."""
     metadata = metadata_of(path)
     data = bytes(byte_view(tensor.contiguous()))
     (path / "tampered.raw").write_bytes(data)
     index = next(k for k in metadata.storage_data if k.fqn == key)
-    metadata.storage_data[index] = ChecksummedInfo("tampered.raw", 0, len(data),
-                                                   crc32=zlib.crc32(data))
+    header = entry_header(key, index.offset, tensor.size(), tensor.size(), tensor.dtype,
+                          "tampered.raw", 0, len(data))
+    metadata.storage_data[index] = ChecksummedInfo(
+        "tampered.raw", 0, len(data), crc32=zlib.crc32(data, zlib.crc32(header)), bound=True)
     entry = metadata.state_dict_metadata[key]
     entry.size = tensor.size()
     entry.chunks[0].sizes = tensor.size()
+    entry.properties.dtype = tensor.dtype
     write_metadata(path, metadata)
 
 
@@ -145,6 +149,64 @@ def test_a_bit_flip_is_named_and_the_pipeline_refuses_to_step(saved: Path) -> No
     file.write_bytes(bytes(data))
     assert pipe.load_checkpoint(str(saved)) == {"step": 1}
     step(pipe)
+
+
+def test_entries_swapped_with_their_checksums_are_refused(saved: Path) -> None:
+    """Two equal-shaped entries exchanged in the metadata, checksums and all: each checksum
+    holds only for its own key (issue 30), so the load names the entry instead of loading the
+    weights exchanged."""
+    metadata = metadata_of(saved)
+    first, second = (next(k for k in metadata.storage_data if k.fqn == f"model/{n}.bias")
+                     for n in (0, 2))
+    metadata.storage_data[first], metadata.storage_data[second] = \
+        metadata.storage_data[second], metadata.storage_data[first]
+    write_metadata(saved, metadata)
+    with pytest.raises(vf.CheckpointError, match=r"the bytes of model/[02]\.bias .* do not "
+                       r"match the checksum written with them for this entry.*swapped"):
+        compile_mlp(seed=1).load_checkpoint(str(saved))
+
+
+@pytest.mark.parametrize("target", ["data", "metadata"])
+def test_a_file_linked_out_of_the_checkpoint_is_refused(saved: Path, tmp_path: Path,
+                                                        target: str) -> None:
+    """A data file (or the metadata) replaced by a symlink to a copy outside the checkpoint:
+    docs/checkpoints.md promises files outside the directory are refused."""
+    file = record(saved, "model/2.weight")[0] if target == "data" else saved / ".metadata"
+    outside = tmp_path / "elsewhere" / file.name
+    outside.parent.mkdir()
+    shutil.copy(file, outside)
+    file.unlink()
+    file.symlink_to(outside)
+    with pytest.raises(vf.CheckpointError, match=rf"{file.name} resolves to .*elsewhere.*"
+                       "outside the checkpoint"):
+        compile_mlp(seed=1).load_checkpoint(str(saved))
+    file.unlink()  # a link inside the checkpoint to its own file is fine
+    (saved / "moved").mkdir()
+    shutil.move(outside, saved / "moved" / file.name)
+    file.symlink_to(saved / "moved" / file.name)
+    assert compile_mlp(seed=1).load_checkpoint(str(saved)) == {"step": 1}
+
+
+def test_format_3_checksums_of_the_bytes_alone_still_load(saved: Path) -> None:
+    """Checkpoints written before the checksums were bound to their entries load, verified by
+    the bytes; a format-4 marker over such metadata is refused."""
+    metadata = metadata_of(saved)
+    for index, info in metadata.storage_data.items():
+        data = (saved / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+        old = ChecksummedInfo(info.relative_path, info.offset, info.length,
+                              crc32=zlib.crc32(data))
+        del old.__dict__["bound"]  # as format 3 pickled it: no such field
+        metadata.storage_data[index] = old
+    write_metadata(saved, metadata)
+    with pytest.raises(vf.CheckpointError, match="has no checksum bound to its name"):
+        compile_mlp(seed=1).load_checkpoint(str(saved))
+    marker = saved / directory.MARKER
+    marker.write_text(marker.read_text().replace('"format": 4', '"format": 3'))
+    pipe = compile_mlp(seed=1)
+    assert pipe.load_checkpoint(str(saved)) == {"step": 1}
+    original = compile_mlp()  # what the fixture saved: its weights after one step
+    step(original, torch.optim.SGD(original.parameters(), lr=0.1, momentum=0.9))
+    torch.testing.assert_close(weights(pipe), weights(original), rtol=0, atol=0)
 
 
 def test_a_truncated_shard_leaves_a_pipeline_that_refuses_to_step(saved: Path,

@@ -1,6 +1,7 @@
-"""Registry models with long skips, a block shared by every stage and keyword inputs, 4 stages
-on 2 gloo ranks (v = 2) under both virtual schedules: each rank saves its loss and the
-gradients of the parameters it holds to ``<out>/rank<r>.pt``.
+"""Registry models with long skips, a block shared by every stage and keyword inputs, and a
+float64 model (its loss returned in float64 on the rank without the last stage too), 4 stages
+on 2 gloo ranks (v = 2) under both virtual schedules: each rank saves its loss (and its dtype)
+and the gradients of the parameters it holds to ``<out>/rank<r>.pt``.
 Used by tests/test_virtual_distributed.py::test_registry_models_on_two_ranks_match_eager."""
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import varuna_fx as vf  # noqa: E402
 from support.eager import call_args  # noqa: E402
-from support.registry import CASES  # noqa: E402
+from support.registry import CASES, as_float64  # noqa: E402
 
-MODELS = ("unet_skips", "albert_shared", "kwargs_dict")
+MODELS = ("unet_skips", "albert_shared", "kwargs_dict", "mlp64")
+CASES = {**CASES, "mlp64": as_float64(CASES["mlp"])}
 SCHEDULES = ("interleaved-1f1b", "zbv")
 
 out = Path(sys.argv[1])
@@ -32,9 +34,9 @@ for name in MODELS:
                           micro_batch_size=case.batch_size // 4)
         args, kwargs = call_args(case)
         pipe.zero_grad()
-        loss = float(pipe.step(*args, target=case.target, **kwargs))
+        loss = pipe.step(*args, target=case.target, **kwargs)
         results[f"{name}-{schedule}"] = {
-            "loss": loss, "stages": list(pipe.local_stages),
+            "loss": float(loss), "dtype": loss.dtype, "stages": list(pipe.local_stages),
             "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()
                       if p.grad is not None}}
         pipe.close()

@@ -11,6 +11,9 @@ Usage: ``zero_jobs.py OUT_DIR JOBS_JSON``. Each job writes ``OUT_DIR/<name>_rank
   shard_optimizer=True, a replaced optimizer, a tensor that is not a parameter.
 * ``precision``: bf16 and fp16 steps sharded and unsharded (each with clipping): equal.
 * ``accumulate``: gradients of two ``pipe.step`` calls per optimizer step, sharded and not.
+* ``loops``: what training loops do to ``.grad`` (support/zero.py ``LOOPS``: torch's
+  clip_grad_norm_, in-place edits, replaced gradients, ``opt.zero_grad()``), sharded and not;
+  and the refusal of a gradient set to None beside others of its flat slice.
 """
 
 from __future__ import annotations
@@ -26,7 +29,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import varuna_fx as vf  # noqa: E402
 from support.dist import serve_jobs  # noqa: E402
 from support.training import ckpt_model  # noqa: E402
-from support.zero import BATCH, MAX_NORM, SPLIT, STEPS, make_optimizer, schedule, tokens  # noqa: E402
+from support.zero import (  # noqa: E402
+    BATCH,
+    LOOP_STEPS,
+    LOOPS,
+    MAX_NORM,
+    SPLIT,
+    STEPS,
+    loop_step,
+    make_optimizer,
+    schedule,
+    tokens,
+)
 from varuna_fx.examples import lm_loss  # noqa: E402
 from varuna_fx.runtime.zero import layout_of, shard_state_bytes  # noqa: E402
 
@@ -149,6 +163,37 @@ def accumulate(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def loops(job: dict[str, Any]) -> dict[str, Any]:
+    out: dict[Any, Any] = {}
+    data = tokens()
+    for shard in (True, False):
+        pipe = compile_job({**job, "shard": shard})
+        initial = {n: t.detach().clone() for n, t in pipe.state_dict().items()}
+        for loop in LOOPS:
+            pipe.load_state_dict(initial)
+            opt = make_optimizer(pipe.named_parameters(), pipe.optimizer)
+            pipe.zero_grad()
+            for step in range(LOOP_STEPS):
+                x, y = pipe.shard((data[step, :, :-1], data[step, :, 1:]))
+                loop_step(loop, dict(pipe.named_parameters()), opt, pipe.zero_grad,
+                          lambda x=x, y=y, pipe=pipe: pipe.step(x, target=y))
+            out[(loop, shard)] = {n: t.detach().clone() for n, t in pipe.state_dict().items()}
+        if shard:  # one gradient of a flat slice set to None: refused on every rank
+            opt = pipe.optimizer(torch.optim.SGD, lr=0.1)
+            x, y = pipe.shard((data[0, :, :-1], data[0, :, 1:]))
+            pipe.step(x, target=y)
+            named = dict(pipe.named_parameters())
+            dropped = next(n for n in ("h.0.fc.weight", "h.1.fc.weight") if n in named)
+            named[dropped].grad = None
+            try:
+                opt.step()
+                out["none"] = None
+            except vf.OptimizerError as exc:
+                out["none"] = str(exc)
+        pipe.close()
+    return out
+
+
 if __name__ == "__main__":
     serve_jobs({"train": train, "resume": resume, "refusals": refusals, "precision": precision,
-                "accumulate": accumulate})
+                "accumulate": accumulate, "loops": loops})

@@ -10,6 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+# imported before any deferred_init block, as a model file would (issue 30)
+from torch.nn.init import dirac_ as imported_dirac_
+from torch.nn.init import orthogonal_ as imported_orthogonal_
+from torch.nn.init import trunc_normal_ as imported_trunc_normal_
+
 import varuna_fx as vf
 from support.deferred import CFG, SEED, batch, deferred_gpt
 from support.dist import launch_ok
@@ -139,6 +144,58 @@ def test_recorded_initialisers_replay_exactly():
     pipe = vf.compile(Zoo_deferred(), example_inputs=(ids,), stages=2, micro_batch_size=4,
                       loss_fn=lambda out, _: out.sum())
     assert float(pipe.step(ids)) == pytest.approx(float(model(ids).sum().detach()), rel=1e-5)
+
+
+class Imported(nn.Module):
+    """Initialisers called through names imported before the block (issue 30), or through
+    ``nn.init`` (``via_module``): the same calls, so the same values."""
+
+    def __init__(self, via_module: bool = False, check: bool = False) -> None:
+        super().__init__()
+        init = nn.init if via_module else _imported
+        self.lin = nn.Linear(6, 6)
+        init.orthogonal_(self.lin.weight, gain=1.0)
+        self.trunc = nn.Parameter(torch.empty(40))
+        init.trunc_normal_(self.trunc, std=1.0, a=-0.5, b=0.5)
+        self.conv = nn.Conv1d(3, 3, 3)
+        init.dirac_(self.conv.weight)
+        if check and self.lin.weight.abs().max() > 0.1:  # reads values: refused
+            pass
+
+
+class _imported:  # noqa: N801 - stands for the names imported at the top of this file
+    orthogonal_ = staticmethod(imported_orthogonal_)
+    trunc_normal_ = staticmethod(imported_trunc_normal_)
+    dirac_ = staticmethod(imported_dirac_)
+
+
+def test_an_initialiser_imported_before_the_block_is_recorded() -> None:
+    with vf.deferred_init(seed=3):
+        model = Imported()
+    with vf.deferred_init(seed=3):
+        reference = Imported(via_module=True)
+    vf.materialize(model), vf.materialize(reference)
+    w = model.lin.weight.detach()
+    torch.testing.assert_close(w @ w.T, torch.eye(6), atol=1e-5, rtol=0)
+    assert float(model.trunc.detach().abs().max()) <= 0.5 and model.trunc.detach().std() > 0.1
+    assert model.conv.weight[:, :, 1].equal(torch.eye(3)) and not model.conv.weight[:, :, 0].any()
+    for name, value in _state(reference).items():
+        torch.testing.assert_close(_state(model)[name], value, rtol=0, atol=0, msg=name)
+    assert torch.Tensor.is_meta is torch._C.TensorBase.is_meta  # restored after the block
+
+
+def test_reading_values_while_building_names_the_line() -> None:
+    with pytest.raises(vf.InputError, match=r"test_deferred_init\.py:\d+ \(if check and "
+                       r"self\.lin\.weight\.abs\(\)\.max\(\) > 0\.1.*reads the values of a tensor "
+                       r"while the model is built under vf\.deferred_init"):
+        with vf.deferred_init(seed=0):
+            Imported(check=True)
+    with vf.deferred_init(seed=0):  # the block was left cleanly: another one works
+        model = Imported()
+    with pytest.raises(vf.InputError, match=r"tolist of a \(6, 6\) tensor"):
+        with vf.deferred_init(seed=0):
+            nn.Linear(6, 6).weight.tolist()
+    assert vf.materialize(model).lin.weight.abs().sum() > 0
 
 
 def Zoo_deferred() -> Zoo:  # noqa: N802 - a builder, named after what it builds

@@ -21,6 +21,9 @@ CLUSTER = {"gpus": 4, "gpus_per_node": 2, "gpu_memory": "400KiB", "flops": "100G
 BATCH = 8
 FAST_LINKS = {"gpus_per_node": 4, "flops": "10TFLOP/s", "intra_node_bandwidth": "1000GB/s"}
 TIGHT = {"gpu_memory": "300KiB", "flops": "1GFLOP/s"}
+# where only sharded optimizer state fits D=2 (the price of sharding includes the parameters'
+# all-gather since issue 31, so at 300KiB an unsharded configuration that fits is faster)
+TIGHTER = {"gpu_memory": "260KiB", "flops": "1GFLOP/s"}
 
 # (command-line options, the same as compile's keywords, the cluster's differences)
 CASES: dict[str, tuple[list[str], dict[str, Any], dict[str, str]]] = {
@@ -33,7 +36,7 @@ CASES: dict[str, tuple[list[str], dict[str, Any], dict[str, str]]] = {
         ["--stages-per-rank", "auto"], {"stages_per_rank": None}, {}),
     "auto weighs virtual stages, picks zbv": (
         ["--stages-per-rank", "auto"], {"stages_per_rank": None}, FAST_LINKS),
-    "auto shards the optimizer to fit": ([], {}, TIGHT),
+    "auto shards the optimizer to fit": ([], {}, TIGHTER),
     "sharded, recompute, bf16, D=2": (
         ["--shard-optimizer", "true", "--recompute", "true", "--precision", "bf16",
          "--data-parallel", "2", "--schedule", "1f1b"],

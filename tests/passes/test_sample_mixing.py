@@ -15,6 +15,7 @@ from torch import nn
 
 import varuna_fx as vf
 from support.registry import registry
+from tiers import tiered
 from varuna_fx.capture.buffers import MicroBatchStateWarning
 from varuna_fx.passes.sample_mixing import LINEAR, MEAN, OTHER, Op, find_sample_mixing
 
@@ -93,6 +94,66 @@ def test_mixing_samples_warns_once_naming_the_line(cls: type, tracer: str) -> No
     assert "4 micro-batches" in messages[0] and "micro_batch_size" in messages[0]
     _, silent = _compile(cls(), 8, stages=1, tracer=tracer)
     assert silent == []
+
+
+# what the graph computes, not a list of ops (issue 30): each mixes samples along the batch
+# without being a mean, a product or positions
+MEASURED = {
+    "cumsum": lambda h: h.cumsum(0),
+    "cummax": lambda h: h.cummax(0).values,
+    "sort": lambda h: h.sort(0).values,
+    "flip": lambda h: h.flip(0),
+    "roll": lambda h: h.roll(1, 0),
+    "gather": lambda h: h.gather(0, torch.zeros_like(h, dtype=torch.long)),
+    "layer_norm_t": lambda h: F.layer_norm(h.t(), (h.shape[0],)).t(),
+    "softmax_t": lambda h: h.t().softmax(-1).t(),
+    "flat_softmax": lambda h: h.reshape(-1).softmax(0).view_as(h),
+}
+# ... and per-sample computation through the same views: silent
+PER_SAMPLE = {
+    "softmax_t0": lambda h: h.t().softmax(0).t(),
+    "flat_rows": lambda h: h.reshape(-1).view(h.shape[0], -1).softmax(-1),
+    "own_rows": lambda h: h[torch.arange(h.shape[0]), :],
+    "sort_scatter_back": lambda h: torch.empty_like(h).index_copy(
+        0, h[:, 0].argsort(), (h[h[:, 0].argsort()] * 2)),  # rows moved and put back
+}
+
+
+class Applies(nn.Module):
+    def __init__(self, fn) -> None:  # noqa: ANN001
+        super().__init__()
+        self.a, self.b, self.fn = nn.Linear(8, 8), nn.Linear(8, 8), fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)  # (a reordering alone would be undone by the mean: added to h it is not)
+        return self.b(self.fn(h) + h).pow(2).mean()
+
+
+@pytest.mark.parametrize("name", tiered(MEASURED, ["cumsum", "flip", "layer_norm_t"]))
+def test_mixing_found_by_running_the_graph_warns(name: str) -> None:
+    torch.manual_seed(0)
+    _, messages = _compile(Applies(MEASURED[name]), 2, stages=1)
+    assert len(messages) == 1, messages
+    assert "makes one sample's values from other samples'" in messages[0]
+    assert f"test_sample_mixing.py:{_measured_line(name)}" in messages[0]
+    _, silent = _compile(Applies(MEASURED[name]), 8, stages=1)
+    assert silent == []
+
+
+def _measured_line(name: str) -> int:
+    import inspect
+    lines, start = inspect.getsourcelines(inspect.getmodule(Applies))
+    return next(i + 1 for i, line in enumerate(lines) if f'"{name}": lambda' in line)
+
+
+@pytest.mark.parametrize("name", tiered(PER_SAMPLE, ["sort_scatter_back"]))
+def test_per_sample_computation_through_views_and_reorderings_is_silent(name: str) -> None:
+    torch.manual_seed(0)
+    model = Applies(PER_SAMPLE[name])
+    pipe, messages = _compile(model, 2, stages=1)
+    assert messages == []
+    x = torch.randn(8, 8)
+    torch.testing.assert_close(torch.as_tensor(pipe.step(x)), model(x).detach())
 
 
 @pytest.mark.slow

@@ -22,8 +22,11 @@ def test_cluster_local_measures_the_links_and_all_ranks_agree(tmp_path: Path) ->
                    env=env, check=True, timeout=120)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["network"] == ranks[1]["network"]
-    latency, bandwidth, ar_latency, ar_bandwidth, world = ranks[0]["network"]
+    latency, bandwidth, ar_latency, ar_bandwidth, world, link_latencies, links = \
+        ranks[0]["network"]
     assert world == 2
+    # every link r -> r + 1 on its own (one here): what the slowest-link numbers summarise
+    assert links == [pytest.approx(bandwidth)] and link_latencies == [pytest.approx(latency)]
     assert 0 <= latency < 0.05 and 0 <= ar_latency < 0.05
     assert bandwidth > 1e7 and ar_bandwidth > 1e7  # loopback: far above 10 MB/s
     assert max(r["seconds"] for r in ranks) < 5.0  # "about a second" with slack for CI load

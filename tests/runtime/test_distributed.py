@@ -178,10 +178,15 @@ def test_bf16_matches_eager_autocast(two_ranks: dict) -> None:
 
 def test_float64_model_matches_eager(two_ranks: dict) -> None:
     """Only the last stage has a loss: every rank must still all-reduce one dtype (gloo
-    aborted on float32 from stage 0 against float64 from stage 1)."""
+    aborted on float32 from stage 0 against float64 from stage 1), and stage 0 returns it in
+    float64 too, not rounded to float32 (issue 30)."""
     eager = eager_training(model_dtype=torch.float64)
     check_against_eager(two_ranks["float64"], eager, 2, 1, tol={"rtol": 1e-7, "atol": 1e-9})
     assert all(r["params"]["wte.weight"].dtype == torch.float64 for r in two_ranks["float64"])
+    first, last = two_ranks["float64"]
+    assert first["losses"] == last["losses"]  # the same float64 value on both ranks
+    torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(eager["losses"]),
+                               rtol=1e-12, atol=0.0)
 
 
 def test_eval_mode_of_an_exported_model_matches_eager(two_ranks: dict) -> None:

@@ -168,6 +168,67 @@ def test_shared_and_per_sample_draws_match_eager(tracer: str) -> None:
             torch.testing.assert_close(p.grad, grads[n], msg=n)
 
 
+class SizeLast(nn.Module):
+    """Random ops issue 30 found changing with the layout: a factory whose size is not its
+    first argument (``randint(low, high, size)``), and rrelu in training (its noise argument is
+    written in place, its result is a new tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) + torch.randint(0, 3, (x.shape[0], 1), dtype=x.dtype)
+        return self.b(F.rrelu(h, training=True)).sum(-1)
+
+
+def test_factories_sized_later_and_rrelu_draw_per_sample_like_eager() -> None:
+    torch.manual_seed(0)
+    model = SizeLast().double()
+    x, y = torch.randn(BATCH, 6, dtype=torch.float64), torch.randn(BATCH, dtype=torch.float64)
+    torch.manual_seed(5)
+    with vf.per_sample_rng(BATCH):
+        want = mse(model(x), y)
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for stages, micro in ((1, 8), (2, 2)):
+        pipe = vf.compile(model, example_inputs=(x,), loss_fn=mse, stages=stages,
+                          micro_batch_size=micro)
+        pipe.zero_grad()
+        torch.manual_seed(5)
+        torch.testing.assert_close(torch.as_tensor(pipe.step(x, target=y)), want.detach())
+        for n, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, grads[n], msg=n)
+
+
+class Drawn(nn.Module):
+    def __init__(self, draw: str) -> None:
+        super().__init__()
+        self.a, self.draw = nn.Linear(6, 6), draw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.draw == "transposed":
+            return h + torch.randn(6, h.shape[0]).T
+        if self.draw == "flat":
+            return h + torch.rand(h.numel()).view_as(h)
+        return h[torch.randperm(h.shape[0])]
+
+
+@pytest.mark.parametrize("draw,shape", [("transposed", r"\(6, b\)"), ("flat", r"\(6\*b,\)"),
+                                        ("permutation", r"\(b,\)")])
+def test_draws_whose_batch_is_not_dim_0_are_refused_when_the_batch_is_split(
+        draw: str, shape: str) -> None:
+    """Shared, such a draw takes other values at each micro-batch size; keyed per sample it
+    cannot be. One micro-batch on one replica is eager's draw: allowed."""
+    x = torch.randn(BATCH, 6)
+    with pytest.raises(vf.InputError, match=rf"draws random numbers of shape {shape} \(b: the "
+                       r"batch\) at test_dropout_layout\.py:\d+, not one independent row per "
+                       r"sample.*4 micro-batches x 1 replica\).*Draw with the batch first"):
+        vf.compile(Drawn(draw), example_inputs=(x,), loss_fn=mse, micro_batch_size=2)
+    vf.compile(Drawn(draw), example_inputs=(x,), loss_fn=mse, micro_batch_size=BATCH)
+
+
 def test_bad_batch_size_is_refused() -> None:
     with pytest.raises(vf.VarunaFxError, match="batch_size must be a positive int"):
         with vf.per_sample_rng(0):

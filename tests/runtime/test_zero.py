@@ -3,7 +3,9 @@ schedule and clipping under (P, D) = (1, 2), (2, 2), (2, 3) on gloo ranks equals
 whole batch (tied embedding and LM head included); checkpoints move between one process,
 sharded and unsharded layouts and continue exactly; "auto" shards pipe.optimizer's optimizer
 and leaves a direct one unsharded; the refusals; state per rank ~1/D; bf16 and fp16 sharded
-equal unsharded, and so do gradients accumulated over two steps. One launch per world size runs several jobs."""
+equal unsharded, and so do gradients accumulated over two steps; what training loops do to
+`.grad` (torch's clip_grad_norm_, edits, opt.zero_grad()) equals unsharded and eager. One launch
+per world size runs several jobs."""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ import varuna_fx as vf
 from support.dist import run_jobs
 from support.training import ckpt_model
 from support.zero import (
+    LOOPS,
     MAX_NORM,
     SPLIT,
     STEPS,
     TOL,
+    eager_loop,
     eager_training,
     make_optimizer,
     schedule,
@@ -109,6 +113,7 @@ def test_sharded_training_and_checkpoints_equal_eager(tmp_path: Path) -> None:
         {"name": "r12", "kind": "resume", "P": 1, "D": 2, "path": str(ck / "one")},
         {"name": "refuse", "kind": "refusals", "P": 1, "D": 2},
         {"name": "precision", "kind": "precision", "P": 1, "D": 2},
+        {"name": "loops", "kind": "loops", "P": 1, "D": 2},
     ])
     four = run(tmp_path / "w4", 4, [
         {"name": "t22", "kind": "train", "P": 2, "D": 2, "path": str(ck / "s22")},
@@ -116,6 +121,7 @@ def test_sharded_training_and_checkpoints_equal_eager(tmp_path: Path) -> None:
         {"name": "r22off", "kind": "resume", "P": 2, "D": 2, "shard": False,
          "path": str(ck / "s12")},
         {"name": "accumulate", "kind": "accumulate", "P": 2, "D": 2},
+        {"name": "loops", "kind": "loops", "P": 2, "D": 2},
     ])
     six = run(tmp_path / "w6", 6, [
         {"name": "t23", "kind": "train", "P": 2, "D": 3, "shard": "auto"},  # D > 1: shards
@@ -127,7 +133,7 @@ def test_sharded_training_and_checkpoints_equal_eager(tmp_path: Path) -> None:
     check(one_process(1, load=ck / "s22"), eager, "one process P=1 from sharded (2, 2)")
 
     for name, results in [*two.items(), *four.items(), *six.items()]:
-        if name in ("refuse", "precision", "accumulate"):
+        if name in ("refuse", "precision", "accumulate", "loops"):
             continue
         for r, result in enumerate(results):
             check(result["state"], eager, f"{name} rank {r}")
@@ -152,12 +158,30 @@ def test_sharded_training_and_checkpoints_equal_eager(tmp_path: Path) -> None:
             torch.testing.assert_close(found[True][n], plain, **TOL,
                                        msg=lambda m, n=n, r=r: f"accumulated {n} rank {r}: {m}")
 
+    check_loops(two["loops"], four["loops"])
+
     found = two["precision"][0]
     for prec in ("bf16", "fp16"):
         sharded, plain = found[(prec, True)], found[(prec, False)]
         for n in plain:
             torch.testing.assert_close(sharded[n], plain[n], rtol=1e-12, atol=1e-14)
         assert found[(prec, True, "scale")] == found[(prec, False, "scale")]
+
+
+def check_loops(p1: list[dict], p2: list[dict]) -> None:
+    """What training loops do to ``.grad`` under ZeRO-1 (issue 30): the same as unsharded on
+    every rank, and at P = 1 (every rank holds the whole model) the same as eager."""
+    for loop in LOOPS:
+        eager = eager_loop(loop)
+        for r, found in enumerate(p1):
+            check(found[(loop, True)], eager, f"{loop} sharded P=1 rank {r}")
+            check(found[(loop, False)], eager, f"{loop} unsharded P=1 rank {r}")
+        for r, found in enumerate(p2):
+            check(found[(loop, True)], found[(loop, False)], f"{loop} P=2 rank {r}")
+    for r, found in enumerate([*p1, *p2]):
+        assert found["none"] and "h.0.fc.weight.grad is None" in found["none"] or \
+            "h.1.fc.weight.grad is None" in found["none"], (r, found["none"])
+        assert "shard_optimizer=False" in found["none"]
 
 
 def test_planner_shards_where_it_lets_a_shallower_pipeline_fit() -> None:

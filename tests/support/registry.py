@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -180,3 +182,11 @@ def registry() -> list[Case]:
 
 
 CASES = {c.name: c for c in registry()}
+
+
+def as_float64(case: Case) -> Case:
+    """``case`` in float64 (a copy: model and floating inputs), named ``<name>64``."""
+    inputs = tuple(v.double() if v.is_floating_point() else v for v in case.inputs) \
+        if isinstance(case.inputs, tuple) else case.inputs
+    return dataclasses.replace(case, name=f"{case.name}64",
+                               model=copy.deepcopy(case.model).double(), inputs=inputs)

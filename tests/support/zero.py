@@ -57,3 +57,44 @@ def eager_training(steps: int = STEPS) -> dict[str, torch.Tensor]:
         opt.step()
         sched.step()
     return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+# -- what ordinary training loops do to .grad (issue 30): each must mean what it means in eager
+LOOPS = ("torch_clip", "edit", "replace", "opt_zero", "opt_zero_keep")
+LOOP_STEPS = 3
+EDITED = ("h.0.fc.weight", "h.1.ln1.bias", "ln_f.weight")  # one per stage at P = 2, and a vector
+
+
+def loop_step(loop: str, named: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer,
+              zero_grad: Any, backward: Any) -> None:
+    """One step of a user's loop: ``zero_grad`` is the model's (or pipeline's) own, ``named``
+    what this process holds (a pipeline rank edits the gradients it has)."""
+    if loop == "opt_zero":
+        opt.zero_grad()  # torch's default, set_to_none=True
+    elif loop == "opt_zero_keep":
+        opt.zero_grad(set_to_none=False)
+    else:
+        zero_grad()
+    backward()
+    if loop == "torch_clip":  # torch's own function over what this process holds
+        torch.nn.utils.clip_grad_norm_(named.values(), 0.01)
+    if loop == "edit":
+        for name in EDITED:
+            if name in named:
+                grad = named[name].grad
+                grad.zero_() if name == EDITED[0] else grad.mul_(0.5)
+    if loop == "replace":  # a new tensor, not an in-place edit
+        for name in EDITED:
+            if name in named:
+                named[name].grad = named[name].grad * 3.0
+    opt.step()
+
+
+def eager_loop(loop: str) -> dict[str, torch.Tensor]:
+    """LOOP_STEPS of ``loop`` with AdamW on the whole batch (no clipping of our own)."""
+    model, data = ckpt_model(), tokens()
+    opt = make_optimizer(model.named_parameters())
+    for step in range(LOOP_STEPS):
+        loop_step(loop, dict(model.named_parameters()), opt, model.zero_grad,
+                  lambda s=step: lm_loss(model(data[s, :, :-1]), data[s, :, 1:]).backward())
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}

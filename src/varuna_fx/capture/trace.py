@@ -95,18 +95,24 @@ def capture(model: nn.Module, bound: BoundInputs, tracer: str = "auto") -> Captu
 
 
 def refuse_tensor_defaults(model: nn.Module, bound: BoundInputs) -> None:
-    """A forward parameter left at a tensor default (``y=torch.zeros(16, 64)``): fx cannot
-    bake a tensor into the graph's code (a raw NameError) and torch.export, which keeps it, fixes
-    the batch to its rows. Neither is what the user meant, so say what to do instead."""
+    """A forward parameter left at a tensor default is a constant of the graph, as
+    torch.distributed.pipelining runs it (``y=torch.ones(64)``), unless its dim 0 is the
+    example's batch size (``y=torch.zeros(16, 64)`` with a batch of 16): added to a smaller
+    micro-batch it would not broadcast (or broadcast wrongly), and whether it is per sample is
+    not for us to guess, so say what to do instead."""
+    batch = bound.batch_size
     for name, param in inspect.signature(model.forward).parameters.items():
-        if isinstance(param.default, torch.Tensor) and name not in bound.tensors:
+        default = param.default
+        if isinstance(default, torch.Tensor) and name not in bound.tensors and \
+                default.dim() > 0 and default.shape[0] == batch:
             raise CaptureError(
                 f"{type(model).__name__}.forward's parameter '{name}' defaults to a tensor "
-                f"(shape {tuple(param.default.shape)}){defined_at(model)}, and the example "
-                "inputs leave it out: a pipeline cannot keep a tensor default (it is neither a "
-                f"batch input nor model state). Pass '{name}' in example_inputs and at every "
-                "step (with the batch on dim 0), or make it a buffer (self.register_buffer("
-                f"'{name}', ...)) that forward reads")
+                f"(shape {tuple(default.shape)}){defined_at(model)} whose dim 0 is the batch "
+                f"size ({batch}), and the example inputs leave it out: a pipeline splits the "
+                "batch into micro-batches, which a constant of the whole batch's rows does not "
+                f"fit. Pass '{name}' in example_inputs and at every step (with the batch on dim "
+                f"0), or make it a buffer (self.register_buffer('{name}', ...)) that forward "
+                "reads (a default whose dim 0 is not the batch is kept as a constant)")
 
 
 def _capture(model: nn.Module, bound: BoundInputs, tracer: str) -> Captured:

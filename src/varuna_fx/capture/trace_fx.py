@@ -6,6 +6,7 @@ import inspect
 import os
 import sys
 import traceback
+import warnings
 from typing import Any
 
 import torch
@@ -106,15 +107,18 @@ def capture_fx(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Capt
     try:
         # grad mode as in training (compile may be called under no_grad); forward's own
         # no_grad blocks show in tracer.no_grad_nodes
-        with torch.enable_grad():
+        with torch.enable_grad(), warnings.catch_warnings():
+            # a tensor default (a constant of the graph) cannot be guarded: fx says so
+            warnings.filterwarnings("ignore", "Was not able to add assertion")
             graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as exc:  # fx raises many kinds: TraceError, TypeError, AttributeError...
         raise CaptureError(describe_failure("torch.fx", exc, model, alone)) from None
     finally:
         assigned = _restore_proxy_attributes(model, before)
     _write_assigned_buffers(model, graph, assigned, alone)
+    # before the code is made: a tensor default's placeholder names its constant as default
+    _drop_concrete_placeholders(graph, bound)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    _drop_concrete_placeholders(gm, bound)
     keep_mutations(gm)  # dead-code elimination that keeps `y.relu_()` statements
     check_no_grad_blocks(gm, tracer.no_grad_nodes, alone)
     if tracer.autocast_node is not None:
@@ -199,9 +203,9 @@ def _write_assigned_buffers(model: nn.Module, graph: fx.Graph,
             "it as a buffer (register_buffer) and update it in place, or return it")
 
 
-def _drop_concrete_placeholders(gm: fx.GraphModule, bound: BoundInputs) -> None:
-    """fx keeps a placeholder for each concrete arg, feeding only a guard: remove both."""
-    graph = gm.graph
+def _drop_concrete_placeholders(graph: fx.Graph, bound: BoundInputs) -> None:
+    """fx keeps a placeholder for each concrete arg, feeding only a guard: remove both (and
+    the constant a tensor default's placeholder names as its default)."""
     for node in list(graph.nodes):
         if node.op != "placeholder" or node.target in bound.tensors:
             continue
@@ -210,8 +214,10 @@ def _drop_concrete_placeholders(gm: fx.GraphModule, bound: BoundInputs) -> None:
             raise CaptureError(f"constant input '{node.target}' flows into the model's output")
         for dead in reversed([n for n in graph.nodes if n in reached]):
             graph.erase_node(dead)
+        default = node.args[0] if node.args else None
         graph.erase_node(node)
-    gm.recompile()
+        if isinstance(default, fx.Node) and default.op == "get_attr" and not default.users:
+            graph.erase_node(default)
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:

@@ -34,10 +34,10 @@ from typing import Any
 
 from ..errors import CheckpointError
 
-# 3: raw bytes with a CRC-32 per entry; 2: raw bytes (raw_storage.py); 1: DCP's torch.save
-# records (2 and 1 still read)
-FORMAT = 3
-READABLE = (1, 2, 3)
+# 4: raw bytes with a CRC-32 per entry bound to its name, shape, dtype and place; 3: a CRC-32
+# of the bytes alone; 2: raw bytes (raw_storage.py); 1: DCP's torch.save records (all read)
+FORMAT = 4
+READABLE = (1, 2, 3, 4)
 MARKER = "varuna_fx_checkpoint.json"
 PARTIAL = ".partial"
 LOCK = ".lock"

@@ -17,11 +17,16 @@ staging, re-sharding by the load planner); only the bytes differ:
 The bytes are in the tensor's native byte order; a checkpoint records ``sys.byteorder`` in its
 marker and refuses to load on a machine of the other order.
 
-Checksums (format 3): each entry's CRC-32 is computed as it is written and recorded beside its
-(file, offset, length) in the metadata (:class:`ChecksummedInfo`); a load verifies every entry
-it reads -- a bit flip inside a tensor's bytes raises :class:`CheckpointError` naming the file
-and the entry. A format-2 checkpoint (no checksums) still loads, unverified. The reader's
-metadata is read without running code (``safe_metadata.py``).
+Checksums (format 4): each entry's CRC-32 is computed as it is written, over what names the
+entry (its key, the chunk's offsets in the tensor, the tensor's and the chunk's shapes, the
+dtype, the file, the byte offset and length: :func:`entry_header`) followed by its bytes, and
+recorded beside its (file, offset, length) in the metadata (:class:`ChecksummedInfo`). A load
+verifies every entry it reads against what the metadata says it is, so a bit flip inside a
+tensor's bytes, or two equal-shaped entries swapped in the metadata together with their
+checksums, raises :class:`CheckpointError` naming the file and the entry. Format 3 (checksums
+of the bytes alone) loads verified by those; format 2 (no checksums) loads unverified. The
+reader's metadata is read without running code (``safe_metadata.py``), and every file it opens
+must resolve inside the checkpoint (no symlink out of it).
 """
 
 from __future__ import annotations
@@ -58,12 +63,26 @@ CHUNK = 1 << 30  # one syscall moves at most ~2 GiB on Linux: write/read in piec
 
 @dataclass
 class ChecksummedInfo(_StorageInfo):
-    """Where an entry's bytes are, and their CRC-32 (None: written without checksums)."""
+    """Where an entry's bytes are, and their CRC-32 (None: written without checksums);
+    ``bound``: the CRC covers :func:`entry_header` before the bytes (format 4)."""
 
     crc32: int | None = None
+    bound: bool = False  # (a format-3 record unpickles without it: the class default)
 
 
 allow(__name__, "ChecksummedInfo", ChecksummedInfo)
+
+
+def entry_header(fqn: str, chunk_offsets: Any, size: Any, chunk_sizes: Any, dtype: Any,
+                 file: str, offset: int, length: int) -> bytes:
+    """What names an entry, as the bytes its checksum starts from: a checksum then holds
+    only for these bytes under this key, at this place in this tensor, in this file."""
+    def ints(values: Any) -> str:
+        return ",".join(str(int(v)) for v in values)
+
+    return "\0".join(["varuna_fx entry", fqn, ints(chunk_offsets), ints(size),
+                       ints(chunk_sizes), str(dtype), file, str(int(offset)),
+                       str(int(length))]).encode() + b"\0"
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -113,9 +132,10 @@ class RawWriter(FileSystemWriter):
 
 class RawReader(SafeMetadataReader, FileSystemReader):
     """``FileSystemReader`` for what :class:`RawWriter` wrote (``verify``: every entry must
-    carry a checksum, format 3)."""
+    carry a checksum, format 3; ``bound``: one bound to its entry, format 4)."""
 
     verify = False
+    bound = False
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -133,7 +153,7 @@ class RawReader(SafeMetadataReader, FileSystemReader):
             try:
                 # in file order: the disk reads forwards
                 items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
-                with open(os.path.join(self.path, relative), "rb", buffering=0) as f:
+                with open(self.inside(relative), "rb", buffering=0) as f:
                     for item in items:
                         self._read_item(f, item, planner)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
@@ -172,11 +192,11 @@ class RawReader(SafeMetadataReader, FileSystemReader):
         if whole and target.device.type == "cpu" and target.dtype == dtype \
                 and target.is_contiguous() and tuple(target.shape) == tuple(sizes):
             _read_into(f, info.offset, info.length, target)
-            self._check(info, target, item)
+            self._check(info, target, item, meta, sizes)
         else:  # a slice, another dtype or device: via a temporary, as DCP's reader does
             stored = torch.empty(sizes, dtype=dtype)
             _read_into(f, info.offset, info.length, stored)
-            self._check(info, stored, item)
+            self._check(info, stored, item, meta, sizes)
             for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                 stored = stored.narrow(dim, start, length)
             if tuple(target.shape) != tuple(stored.shape):
@@ -185,21 +205,31 @@ class RawReader(SafeMetadataReader, FileSystemReader):
             target.copy_(stored)
         planner.commit_tensor(item, target)
 
-    def _check(self, info: _StorageInfo, tensor: torch.Tensor, item: Any) -> None:
+    def _check(self, info: _StorageInfo, tensor: torch.Tensor, item: Any,
+               meta: TensorStorageMetadata, sizes: tuple[int, ...]) -> None:
         crc = getattr(info, "crc32", None)
-        if crc is None:
+        bound = getattr(info, "bound", False)
+        where = os.path.join(self.path, info.relative_path)
+        fqn = item.storage_index.fqn
+        if crc is None or (self.bound and bound is not True):
             if self.verify:
                 raise CheckpointError(
-                    f"{os.path.join(self.path, info.relative_path)}: entry "
-                    f"{item.storage_index.fqn} has no checksum, which every entry of this "
-                    "checkpoint format has: its metadata was tampered with")
+                    f"{where}: entry {fqn} has no checksum{' bound to its name' * self.bound}, "
+                    "which every entry of this checkpoint format has: its metadata was "
+                    "tampered with")
             return
-        if zlib.crc32(byte_view(tensor)) != crc:
+        start = 0
+        if bound:
+            start = zlib.crc32(entry_header(fqn, item.storage_index.offset, meta.size, sizes,
+                                            meta.properties.dtype, info.relative_path,
+                                            info.offset, info.length))
+        if zlib.crc32(byte_view(tensor), start) != crc:
             raise CheckpointError(
-                f"{os.path.join(self.path, info.relative_path)}: the bytes of "
-                f"{item.storage_index.fqn} (offset {info.offset}, {info.length} bytes) do not "
-                "match the checksum written with them: the file is damaged (a bit flip, a "
-                "partial copy): load an earlier checkpoint, or copy this one again")
+                f"{where}: the bytes of {fqn} (offset {info.offset}, {info.length} bytes) do "
+                "not match the checksum written with them for this entry: the file is damaged "
+                "(a bit flip, a partial copy) or the metadata names another entry's bytes (its "
+                "entries were swapped or edited): load an earlier checkpoint, or copy this one "
+                "again")
 
 
 def _balance(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -238,14 +268,25 @@ def _write_file(path: str, name: str, items: Iterable[WriteItem], planner: SaveP
                     tensor = tensor.cpu()
                 buffer = byte_view(tensor.contiguous())
             _write_all(f, buffer)
-            crc = zlib.crc32(buffer) if checksums else None  # zlib releases the GIL
+            crc = None
+            if checksums:  # zlib releases the GIL
+                crc = zlib.crc32(buffer, zlib.crc32(_header(item, name, offset, len(buffer))))
             results.append(WriteResult(index=item.index, size_in_bytes=len(buffer),
                                        storage_data=ChecksummedInfo(name, offset, len(buffer),
-                                                                    crc32=crc)))
+                                                                    crc32=crc,
+                                                                    bound=checksums)))
             offset += len(buffer)
         if sync:
             os.fsync(f.fileno())
     return results
+
+
+def _header(item: WriteItem, name: str, offset: int, length: int) -> bytes:
+    data = item.tensor_data
+    if data is None:  # (varuna_fx writes only tensors; a load refuses anything else unread)
+        return entry_header(item.index.fqn, (), (), (), "bytes", name, offset, length)
+    return entry_header(item.index.fqn, item.index.offset, data.size, data.chunk.sizes,
+                        data.properties.dtype, name, offset, length)
 
 
 def _write_all(f: Any, buffer: memoryview) -> None:

@@ -18,6 +18,7 @@ only tensors, objects as uint8 tensors decoded with ``weights_only=True``.
 from __future__ import annotations
 
 import io
+import os
 import pathlib
 import pickle
 from typing import Any
@@ -111,7 +112,9 @@ def check_metadata(metadata: Any, where: str) -> None:
         if not isinstance(index, dcp_metadata.MetadataIndex) or \
                 not isinstance(info, _StorageInfo) or \
                 not isinstance(info.relative_path, str) or \
-                not _ints((info.offset, info.length)) or info.offset < 0 or info.length < 0:
+                not _ints((info.offset, info.length)) or info.offset < 0 or info.length < 0 or \
+                type(getattr(info, "crc32", None)) not in (int, type(None)) or \
+                type(getattr(info, "bound", False)) is not bool:
             raise bad(f"storage entry {index!r} -> {info!r}")
         parts = pathlib.PurePosixPath(info.relative_path).parts
         if not parts or ".." in parts or parts[0] == "/":  # only files inside the checkpoint
@@ -126,10 +129,25 @@ def _ints(values: Any) -> bool:
 
 
 class SafeMetadataReader:
-    """Mixin for a ``FileSystemReader``: ``read_metadata`` through :func:`load_metadata`."""
+    """Mixin for a ``FileSystemReader``: ``read_metadata`` through :func:`load_metadata`, and
+    only files that resolve inside the checkpoint directory (:meth:`inside`)."""
+
+    def inside(self, relative: str) -> str:
+        """The path of the checkpoint's file ``relative``; refused when it resolves outside
+        the checkpoint (a symlink replacing a file: varuna_fx never writes one)."""
+        root = os.path.realpath(str(self.path))  # type: ignore[attr-defined]
+        full = os.path.join(str(self.path), relative)  # type: ignore[attr-defined]
+        real = os.path.realpath(full)
+        if os.path.commonpath([root, real]) != root:
+            raise CheckpointError(
+                f"{full} resolves to {real}, outside the checkpoint: a file replaced by a "
+                "link out of the directory, which varuna_fx never writes; the checkpoint was "
+                "tampered with or not written by varuna_fx (copy the real file in instead)")
+        return full
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
+        self.inside(os.path.relpath(str(path), str(self.path)))  # type: ignore[attr-defined]
         try:
             with self.fs.create_stream(path, "rb") as f:  # type: ignore[attr-defined]
                 data = f.read()
@@ -144,6 +162,11 @@ class SafeMetadataReader:
 
 class LegacyReader(SafeMetadataReader, FileSystemReader):
     """Format 1 (DCP's own ``torch.save`` records, read ``weights_only``), metadata read safely."""
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        for item in plan.items:
+            self.inside(self.storage_data[item.storage_index].relative_path)
+        return super().read_data(plan, planner)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -11,10 +11,11 @@ model's FQNs, never by stage or rank, so it loads under any (P, D, micro-batch s
   ``extra`` dict (``contents.py``).
 
 Storage: DCP plans, deduplicates and records metadata; the bytes are written raw, one file per
-writer thread and rank, with a CRC-32 per entry, and read straight into the destination tensors,
-verified (``raw_storage.py``, format 3; formats 2 and 1 still load). The metadata is read
-without running code and pickled entries are refused (``safe_metadata.py``). In one process
-DCP's steps run without ``torch.distributed`` (``dcp_local.py``).
+writer thread and rank, with a CRC-32 per entry bound to its name, and read straight into the
+destination tensors, verified (``raw_storage.py``, format 4; formats 3, 2 and 1 still load).
+The metadata is read without running code and pickled entries are refused
+(``safe_metadata.py``). In one process DCP's steps run without ``torch.distributed``
+(``dcp_local.py``).
 
 Before anything is written or read the ranks agree (``agreement.py``): the same path and
 optimizer class on every rank, then every rank's checks passed -- else every rank raises. A
@@ -49,7 +50,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..errors import CheckpointError
 from ..init.skip import loaded
 from ..world.where import launched_distributed, resolve_timeout
-from . import dcp_local, stateful
+from . import dcp_local, stateful, sync_state
 from .agreement import Agreement
 from .background import SaveHandle, in_thread
 from .checkpointable import Checkpointable
@@ -185,8 +186,13 @@ class Checkpointer:
     def _state(self, optimizer: torch.optim.Optimizer | None,
                extra: dict[str, Any] | None) -> dict[str, torch.Tensor]:
         state = {MODEL + n: t.detach() for n, t in self.pipe.state_dict().items()}
+        sync = sync_state.of(self.pipe)  # replica sync other than exact (sync_state.py)
+        if sync is not None:
+            state.update(sync.model())
+            state.update(sync.entries())
         if optimizer is not None:
-            state.update(optimizer_entries(optimizer, self._names()))
+            entries = optimizer_entries(optimizer, self._names())
+            state.update(entries if sync is None else sync.optimizer(entries))
         if extra is not None and not isinstance(extra, dict):
             raise CheckpointError(f"extra must be a dict, got {type(extra).__name__}")
         if self.rank == 0:
@@ -267,8 +273,12 @@ class Checkpointer:
                 dcp.load(dest, storage_reader=reader, planner=planner, process_group=self.group)
             else:
                 dcp_local.load(dest, reader, planner, metadata)
+            sync = sync_state.of(self.pipe)
             if optimizer is not None:
-                restore_optimizer(optimizer, self._names(), dest)
+                prefix = sync.optimizer_prefix(list(dest)) if sync is not None else ""
+                restore_optimizer(optimizer, self._names(), sync_state.strip(prefix, dest))
+            if sync is not None:
+                sync.restore(dest)
             meta = decode(dest[META])
             scaler = self.pipe.runtime.scaler
             if scaler.enabled and meta["loss_scale"] is not None:  # fp16 saved and fp16 now
@@ -299,6 +309,7 @@ class Checkpointer:
         if marker["format"] >= 2:
             reader = RawReader(path)
             reader.verify = marker["format"] >= 3
+            reader.bound = marker["format"] >= 4
         else:
             reader = LegacyReader(path)
         full = reader.read_metadata()  # no code runs (safe_metadata.py)
@@ -307,6 +318,9 @@ class Checkpointer:
         held = self.pipe.state_dict()
         keys = [MODEL + n for n in held] + [META] + \
             stateful.wanted(objects or {}, list(metadata), path)
+        sync = sync_state.of(self.pipe)
+        if sync is not None:
+            keys += sync.wanted(list(metadata))
         if optimizer is not None:
             if marker.get("optimizer") is None:
                 raise CheckpointError(
@@ -318,7 +332,11 @@ class Checkpointer:
                     f"{path} holds state of a {marker['optimizer']}, not of the "
                     f"{class_name(optimizer)} passed: use the same optimizer class"
                 )
-            keys += wanted_keys(parameter_fqns(optimizer, self._names()), list(metadata))
+            prefix = sync.optimizer_prefix(list(metadata)) if sync is not None else ""
+            available = [k[len(prefix):] for k in metadata if k.startswith(prefix)] \
+                if prefix else list(metadata)
+            keys += [prefix + k for k in wanted_keys(parameter_fqns(optimizer, self._names()),
+                                                      available)]
         elif marker.get("optimizer") is not None:
             warnings.warn(f"{path} holds {marker['optimizer']} state but no optimizer was "
                           "passed to load_checkpoint: the optimizer starts fresh", stacklevel=4)

@@ -94,6 +94,7 @@ def _configure(state: CompileState) -> None:
         stash_counts=config.stash_counts, recompute=o.recompute,
         node_times=config.node_times,
         optimizer_shards=config.data_parallel if config.shard_optimizer else 1,
+        bandwidths=config.link_bandwidths,
     )
 
 

@@ -32,6 +32,7 @@ an operation other than the largest activation's gradient, and communication buf
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -209,12 +210,34 @@ class MemoryModel:
         return hi if fits.all() else lo + int(np.argmin(fits))
 
 
-def format_bytes(nbytes: float) -> str:
+def format_bytes(nbytes: float, up: bool = False) -> str:
     """Bytes for people, readable at every scale ("0.00 GiB" would hide a tiny memory, a typo
     in ``gpu_memory``): GiB and TiB with two decimals, MiB and KiB with one, else whole bytes.
-    Every message and table that prints a size uses this one."""
+    Every message and table that prints a size uses this one. ``up``: rounded up, for a size
+    that must be enough ("devices with at least ...")."""
+    return _format(nbytes, 0, up)
+
+
+def _format(nbytes: float, more: int, up: bool = False) -> str:
     for unit, size, digits in (("TiB", 2**40, 2), ("GiB", 2**30, 2), ("MiB", 2**20, 1),
-                               ("KiB", 2**10, 1)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.{digits}f} {unit}"
-    return f"{nbytes:.0f} bytes"
+                               ("KiB", 2**10, 1), ("bytes", 1, 0)):
+        if abs(nbytes) >= size or unit == "bytes":
+            scale = 10 ** (digits + more)
+            # (less a hair: 3.0 MiB exactly must not round up to 3.1)
+            value = math.ceil(nbytes / size * scale - 1e-9) / scale if up else nbytes / size
+            return f"{value:.{digits + more}f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def format_bytes_apart(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` as :func:`format_bytes` writes them, and where that reads the same for
+    two different sizes (a memory, and what is needed beyond it: "fits in 2.0 MiB ... needs
+    2.0 MiB"), with more digits and the bytes themselves."""
+    shown = format_bytes(a), format_bytes(b)
+    if shown[0] != shown[1] or a == b:
+        return shown
+    for more in (1, 2, 3):
+        if _format(a, more) != _format(b, more):
+            break
+    exact = 0 if round(a) != round(b) else 1 if round(a, 1) != round(b, 1) else 3
+    return (f"{_format(a, more)} ({a:,.{exact}f} bytes)", f"{_format(b, more)} ({b:,.{exact}f} bytes)")

@@ -13,6 +13,16 @@ masks ``tril(ones)`` and ``arange(n).expand(1, -1)`` replay from their own input
 the aten level covers ``torch.nn.init``, ``reset_parameters``, Hugging Face's ``_init_weights``
 and anything else written with torch ops, with no patching of the user's code.
 
+``torch.nn.init``'s ``trunc_normal_``, ``orthogonal_``, ``sparse_`` and ``dirac_`` return at
+once for a meta tensor, after reading its ``is_meta``: while a block runs that read is
+intercepted (a property on ``torch.Tensor`` shadowing the C one) and, when it comes from one of
+those functions' code, the call is recorded with the arguments in its frame. So the function is
+caught however the model's code reached it (``from torch.nn.init import orthogonal_`` at import
+time included), not only through the module attribute.
+
+Code that reads a meta tensor's values while the model is built (``if w.abs().max() > 0.1:``,
+``.item()``, ``.tolist()``) is refused with an :class:`InputError` naming its source line.
+
 What the recorder did not see is kept exactly when small: a CPU tensor copied into the meta
 world (``torch.tensor(list)``, ``from_numpy``, ``torch.load``) of at most :data:`CARRY_LIMIT`
 bytes is stored (:class:`Const`); a bigger one is recorded as a problem, and materialising the
@@ -24,7 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
+import linecache
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -133,6 +147,10 @@ class Recording:
 # module's namespace only, and recorded as one step that calls the original on real storage
 _PYTHON_INITS = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
 TRUE_INITS = {name: getattr(nn_init, name) for name in _PYTHON_INITS}
+# the code whose ``tensor.is_meta`` read is the init function returning early for meta
+_INIT_CODES = {TRUE_INITS[n].__code__: n for n in ("orthogonal_", "sparse_", "dirac_")}
+_INIT_CODES[nn_init._no_grad_trunc_normal_.__code__] = "trunc_normal_"  # trunc_normal_'s check
+_IS_META = torch._C.TensorBase.is_meta
 _patch_lock = threading.Lock()
 _patched: list[dict[str, Any]] = []  # the attributes replaced, one dict per open block
 
@@ -227,12 +245,38 @@ class _Recorder(TorchDispatchMode):
 
 # Python data becomes a CPU tensor first, so the recorder sees (and keeps) its values.
 _DATA_FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
+# what reads a tensor's values into Python: a meta tensor has none
+_VALUE_READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist,
+                torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__,
+                torch.Tensor.__complex__, torch.Tensor.numpy}
+_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib, sys.modules[
+    __name__.rsplit(".", 2)[0]]) if m.__file__)
+
+
+def _user_line() -> str:
+    """``file:line: code`` of the innermost frame outside torch and varuna_fx."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame = frame.f_back
+    if frame is None:
+        return "the model's code"
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" + (f" ({code})" if code else "")
 
 
 class _DataToCpu(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in _VALUE_READS and args and isinstance(args[0], torch.Tensor) and \
+                _IS_META.__get__(args[0]):
+            raise InputError(
+                f"{_user_line()} reads the values of a tensor while the model is built under "
+                "vf.deferred_init, where tensors live on the meta device and have none yet "
+                f"({getattr(func, '__name__', func)} of a {tuple(args[0].shape)} tensor). Make "
+                "that code not depend on values (decide from shapes or configuration), or "
+                "build this model without vf.deferred_init (for a model that fits, a normal "
+                "build; vf.skip_init when a checkpoint is loaded next)")
         if func in _DATA_FACTORIES:
             device = kwargs.get("device")
             if device is None or torch.device(device).type == "meta":
@@ -281,6 +325,8 @@ def _patch() -> None:
         _patched.append(previous)
         for name in _PYTHON_INITS:
             setattr(nn_init, name, _recording_init(name, previous[name]))
+        if len(_patched) == 1:  # (blocks of other threads share it)
+            torch.Tensor.is_meta = property(_is_meta)  # type: ignore[method-assign,assignment]
 
 
 def _unpatch() -> None:
@@ -288,6 +334,22 @@ def _unpatch() -> None:
         previous = _patched.pop()
         for name, fn in previous.items():
             setattr(nn_init, name, fn)
+        if not _patched:
+            del torch.Tensor.is_meta  # the C property again
+
+
+def _is_meta(self: torch.Tensor) -> bool:
+    """``Tensor.is_meta`` while a block runs: an init function of ``_INIT_CODES`` asking is
+    about to skip a meta tensor, so its call is recorded here, from its frame's arguments."""
+    value = _IS_META.__get__(self)
+    if value and active() is not None and not getattr(_state, "in_init", False):
+        frame = sys._getframe(1)
+        name = _INIT_CODES.get(frame.f_code)
+        if name is not None:
+            code = frame.f_code
+            args = [frame.f_locals[n] for n in code.co_varnames[:code.co_argcount]]
+            _record_init(active(), name, tuple(args), {})  # type: ignore[arg-type]
+    return value
 
 
 def _recording_init(name: str, previous: Any) -> Any:
@@ -300,16 +362,32 @@ def _recording_init(name: str, previous: Any) -> Any:
         if recording is None or not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
             return previous(*args, **kwargs)
         if previous is not true:  # vf.skip_init entered first: let it mark the tensor
-            previous(*args, **kwargs)
-        kwargs.pop("generator", None)  # replay draws from the tensor's own stream
-        flat, spec = tree_flatten((args, kwargs))
-        refs = [recording.ref(x) if isinstance(x, torch.Tensor) else x for x in flat]
-        target = recording.record_of(tensor, create=True)
-        assert target is not None
-        target.steps.append(Step(true, refs, spec, random=name != "dirac_", python=True))
-        return tensor
+            _state.in_init = True  # (recorded below, not again by its is_meta read)
+            try:
+                previous(*args, **kwargs)
+            finally:
+                _state.in_init = False
+        return _record_init(recording, name, args, kwargs)
 
     return init
+
+
+def _record_init(recording: Recording, name: str, args: tuple, kwargs: dict) -> Any:
+    """One call of the init function ``name`` on a meta tensor, as a step of its storage that
+    calls the true function on the real one."""
+    tensor = args[0] if args else kwargs["tensor"]
+    # replay draws from the tensor's own stream, not the generator
+    kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
+    params = list(inspect.signature(TRUE_INITS[name]).parameters)
+    if params[-1] == "generator" and len(args) == len(params):
+        args = args[:-1]
+    flat, spec = tree_flatten((args, kwargs))
+    refs = [recording.ref(x) if isinstance(x, torch.Tensor) else x for x in flat]
+    target = recording.record_of(tensor, create=True)
+    assert target is not None
+    target.steps.append(Step(TRUE_INITS[name], refs, spec, random=name != "dirac_",
+                             python=True))
+    return tensor
 
 
 def mark_skipped(t: torch.Tensor) -> None:

@@ -87,6 +87,8 @@ class NodeInfo:
     random: bool = False  # dropout & co: the RNG state must be replayed on recompute
     # per random op the node runs (inactive ones too): whether it draws per sample (ir/rng.py)
     random_draws: tuple[bool, ...] = ()
+    # a draw whose values change with the layout (its batch is not dim 0): its shape, or ""
+    random_layout: str = ""
     mutates: bool = False  # writes into an input or module state (capture/mutations.py)
     # capture: the buffer this write stores the tensor forward rebinds it to (`self.ema = ...`)
     rebinds: str = ""

@@ -1,4 +1,5 @@
-"""varuna-fx: inspect a model's partition and stage code, plan for a cluster, launch, demo.
+"""varuna-fx: train, inspect a model's partition and stage code, plan for a cluster, launch,
+demo. (``train`` parses its own flags: launch/train.py.)
 
 Output is for people on a terminal and for logs elsewhere: when stdout is not a terminal nothing
 is wrapped or coloured, so table headers stay whole and stage code copied from a log is valid
@@ -10,12 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shlex
 import signal
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -23,10 +21,10 @@ from rich.syntax import Syntax
 
 import varuna_fx as vf
 from varuna_fx.examples import demo_gpt, lm_loss
-from varuna_fx.launch.elastic import elastic_launch
 from varuna_fx.launch.factory import load_factory
 from varuna_fx.launch.plan_command import plan_as_dict, plan_command
-from varuna_fx.launch.standalone import loopback_interfaces, loopback_stores, standalone_args
+from varuna_fx.launch.torchrun import Ranks, split_flags, start_ranks
+from varuna_fx.launch.train import train_command
 from varuna_fx.schedule import DEFAULT_SCHEDULE, schedule_choices
 
 _load_factory = load_factory  # its home is launch/factory.py (launch/plan_command.py uses it too)
@@ -105,12 +103,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return plan_command(args, output_console())
 
 
-def torchrun_flags(values: Sequence[str]) -> list[str]:
-    """The torchrun flags of every ``--torchrun-args`` value, each split as a shell would
-    (``--torchrun-args="--nnodes=2 --node-rank=0"`` gives two flags)."""
-    return [flag for value in values for flag in shlex.split(value)]
-
-
 def split_at_script(argv: list[str], run: argparse.ArgumentParser
                     ) -> tuple[list[str], list[str]]:
     """``run``'s own words (up to and including the script) and the script's arguments.
@@ -143,46 +135,22 @@ def split_at_script(argv: list[str], run: argparse.ArgumentParser
     return out, []
 
 
-def torchrun(flags: list[str], script: str, script_args: list[str]) -> None:
-    """torch.distributed.run with ``flags``, running ``script`` with ``script_args`` exactly as
-    given: torchrun's parser reads the flags and the script only (see :func:`split_at_script`),
-    the arguments are set on what it parsed. ``record`` as torchrun's own ``main``: a worker's
-    failure is summarised with its traceback."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-    from torch.distributed.run import parse_args, run
-
-    parsed = parse_args([*flags, script])
-    parsed.training_script_args = list(script_args)
-    record(run)(parsed)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    """Wrap torch.distributed.run: standalone on one machine, multi-node flags pass through;
-    ``--elastic``: torchrun's elastic agent set up for morphing (varuna_fx.launch.elastic)."""
+    """Run the script under torchrun (launch/torchrun.py): standalone on one machine,
+    multi-node flags pass through; ``--elastic``: torchrun's elastic agent set up for
+    morphing (launch/elastic.py)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    argv = torchrun_flags(args.torchrun_args)
+    if not args.elastic and (args.nnodes or args.rdzv_endpoint or args.local_addr):
+        raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for "
+                         "a fixed multi-machine job pass torchrun's flags in --torchrun-args")
+    elastic = dict(nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                   local_addr=args.local_addr, max_restarts=args.max_restarts,
+                   rdzv_conf=args.rdzv_conf) if args.elastic else {}
+    ranks = Ranks(nproc=args.nproc, flags=tuple(split_flags(args.torchrun_args)),
+                  elastic=args.elastic, **elastic)
     try:
-        if args.elastic:
-            launch = elastic_launch(
-                nproc=args.nproc, nnodes=args.nnodes or "1:1",
-                rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                local_addr=args.local_addr, max_restarts=args.max_restarts,
-                rdzv_conf=args.rdzv_conf)
-            # read by torchrun's rendezvous, inherited by workers
-            with _environment(launch.env):
-                torchrun([*launch.argv, *argv], args.script, args.script_args)
-            return 0
-        if args.nnodes or args.rdzv_endpoint or args.local_addr:
-            raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for "
-                             "a fixed multi-machine job pass torchrun's flags in --torchrun-args")
-        one_machine = not any(a.startswith(("--nnodes", "--rdzv", "--standalone")) for a in argv)
-        env = {}
-        if one_machine:  # as --standalone, but reachable from this machine only
-            argv = [*standalone_args(), *argv]
-            env = loopback_interfaces()  # the workers' gloo/NCCL sockets too
-        with loopback_stores() if one_machine else nullcontext(), _environment(env):
-            torchrun([f"--nproc-per-node={args.nproc}", *argv], args.script, args.script_args)
+        start_ranks(ranks, args.script, args.script_args)
         return 0
     except SignalException as stop:
         # what a spot supervisor sends: torchrun passed it on to the workers (which save and
@@ -192,23 +160,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"varuna-fx run: stopped by {name}; the workers were sent {name} too (a "
               "preemption-safe loop saves a checkpoint and exits)", file=sys.stderr)
         return 128 + int(stop.sigval)
-
-
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in this process's environment (the workers inherit them) while the body runs,
-    then the environment as it was: ``main`` may run inside a longer-lived process (a test, a
-    notebook), whose later launches must not inherit them."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _setting(text: str) -> bool | str:
@@ -241,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="varuna-fx", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    # listed here for --help; main() hands its arguments to launch/train.py unparsed
+    sub.add_parser("train", add_help=False,
+                   help="train a model from a TOML config and --key value flags (no arguments: "
+                        "the built-in GPT on the standard library's sources, 2 processes, "
+                        "about a minute); varuna-fx train --help lists every key")
 
     demo = sub.add_parser(
         "demo", help="compile the built-in GPT, print its plan and a stage, run one step",
@@ -381,9 +338,11 @@ def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.Argument
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # every key of its config is a flag: launch/train.py parses them
+        return train_command(argv[1:])
     parser = build_parser()
-    argv, script_args = split_at_script(sys.argv[1:] if argv is None else list(argv),
-                                        _subcommand(parser, "run"))
+    argv, script_args = split_at_script(argv, _subcommand(parser, "run"))
     args, unknown = parser.parse_known_args(argv)
     if getattr(args, "func", None) is cmd_run:
         args.script_args = script_args  # (argparse never saw them)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -48,6 +49,7 @@ class _Observed:
     elementwise_flops: int
     random: bool
     draws: list[int]  # each random op's leading dimension (ir/rng.leading_dim; -1: none)
+    draw_shapes: list[list[int]]  # each random op's result's shape (its first tensor's)
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -62,6 +64,7 @@ class _OpRecorder(TorchDispatchMode):
         self.elementwise = 0
         self.random = False
         self.draws: list[int] = []
+        self.draw_shapes: list[list[int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -69,8 +72,11 @@ class _OpRecorder(TorchDispatchMode):
         packet = func._overloadpacket
         if is_random_op(func):
             self.random = True
-            lead = leading_dim(args, kwargs)
+            lead = leading_dim(func, args, kwargs)
             self.draws.append(-1 if lead is None else lead)
+            first = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)),
+                         None)
+            self.draw_shapes.append([] if first is None else [int(d) for d in first.shape])
         if packet in flop_registry:
             self.matmul += int(flop_registry[packet](*args, **kwargs, out_val=out))
         elif not func.is_view:
@@ -114,6 +120,7 @@ class _FakeRun(fx.Interpreter):
             elementwise_flops=self.recorder.elementwise,
             random=random,
             draws=list(self.recorder.draws),
+            draw_shapes=list(self.recorder.draw_shapes),
         )
         return value
 
@@ -231,8 +238,10 @@ def _decode(nodes: list[fx.Node], stored: list[Any]
             for o in (o1, o2):
                 o.shapes = [tuple(int(d) for d in shape) for shape in o.shapes]
                 o.dtypes = [_dtype(d) for d in o.dtypes]
+                o.draw_shapes = [[int(d) for d in shape] for shape in o.draw_shapes]
                 if not all(isinstance(v, bool) for v in (o.is_tensor, o.random)) or \
                         not all(isinstance(v, int) for v in o.draws) or \
+                        len(o.draw_shapes) != len(o.draws) or \
                         not all(isinstance(v, int) for v in (o.out_bytes, o.matmul_flops,
                                                              o.elementwise_flops)):
                     raise TypeError("a field of the wrong type")
@@ -273,6 +282,7 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
         # every random op, active or not (eager counts them all): drawn per sample where its
         # leading dimension is the batch in both runs (ir/rng.py)
         meta.random_draws = tuple(d1 == b1 and d2 == b2 for d1, d2 in zip(o1.draws, o2.draws))
+        meta.random_layout = _layout_dependent_draw(o1, o2, b1, b2) if o1.random else ""
         meta.outputs = [
             TensorInfo(_fit_shape(s1, s2, b1, b2), dtype)
             for s1, s2, dtype in zip(o1.shapes, o2.shapes, o1.dtypes)
@@ -287,6 +297,18 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
         meta = info(node)
         meta.in_bytes = sum((info(i).out_bytes for i in node.all_input_nodes
                              if i.op != "get_attr"), Affine())
+
+
+def _layout_dependent_draw(o1: _Observed, o2: _Observed, b1: int, b2: int) -> str:
+    """The shape of the first random draw of a node that grows with the batch but is not one
+    row per sample on dim 0 (``torch.randn(d, b)``, ``torch.rand(h.numel())``): keyed per
+    sample it cannot be, shared its values change with the micro-batch size ("" if none)."""
+    for d1, d2, s1, s2 in zip(o1.draws, o2.draws, o1.draw_shapes, o2.draw_shapes):
+        if (d1 == b1 and d2 == b2) or math.prod(s1) == math.prod(s2):
+            continue  # per sample, or one draw without the batch in it (as eager's)
+        dims = _fit_shape(tuple(s1), tuple(s2), b1, b2)
+        return "(" + ", ".join(str(d) for d in dims) + ("," if len(dims) == 1 else "") + ")"
+    return ""
 
 
 def _fit_count(b1: int, v1: float, b2: int, v2: float) -> Affine:

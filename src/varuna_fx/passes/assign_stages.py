@@ -38,6 +38,9 @@ class CostSetting:
     node_times: NodeTimes | None = None
     # replicas the optimizer state is split over (ZeRO-1): 1 = unsharded
     optimizer_shards: int = 1
+    # per boundary (P - 1), the bandwidth each stage's send is priced at, where the links
+    # differ (a slow link between nodes; planner/slow_links.py); None: ``bandwidth``
+    bandwidths: tuple[float, ...] | None = None
 
 
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -148,7 +151,8 @@ def partition_problem(gm: fx.GraphModule, setting: CostSetting) -> PartitionProb
     cut[0] = cut[n] = 0.0
     return PartitionProblem(
         compute=compute, weight_bytes=weights, activation_bytes=activations, cut_bytes=cut,
-        bandwidth=setting.bandwidth, memory_cap=setting.memory_cap,
+        bandwidth=setting.bandwidth, bandwidths=setting.bandwidths,
+        memory_cap=setting.memory_cap,
         stash_counts=setting.stash_counts, recompute=setting.recompute,
         last_stage_compute=last_compute, workspace_bytes=workspace,
         shared=shared_weights(nodes, trainable, copies), written_spans=spans, grad_bytes=grads,

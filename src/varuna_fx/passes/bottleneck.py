@@ -6,7 +6,7 @@ where it may not be); a partition's bottleneck is its costliest stage.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -26,9 +26,10 @@ def smallest_bottleneck(cost: Callable[[int], np.ndarray], num_stages: int, unit
 
 
 def fewest_bytes(cost: Callable[[int], np.ndarray], cut: np.ndarray, num_stages: int,
-                 bottleneck: float) -> list[int]:
+                 bottleneck: float, weights: Sequence[float] | None = None) -> list[int]:
     """Among partitions whose every stage costs <= bottleneck, the one sending fewest bytes
-    (``cost(k)``: the matrix of stage costs as the k-th stage)."""
+    (``cost(k)``: the matrix of stage costs as the k-th stage). ``weights``: per boundary
+    (P - 1), what a byte across it counts for (a slow link's more); None: all alike."""
     n = len(cut) - 1
     limit = bottleneck * (1 + _REL_TOL) + 1e-300
     crossing = np.where(np.isfinite(cut), cut, np.inf)
@@ -36,8 +37,9 @@ def fewest_bytes(cost: Callable[[int], np.ndarray], cut: np.ndarray, num_stages:
     parent = np.zeros((num_stages, n + 1), dtype=np.int64)
     total[0] = np.where(cost(0)[0] <= limit, 0.0, np.inf)
     for k in range(1, num_stages):
-        # entering stage k at cut i costs the bytes crossing cut i
-        candidates = np.where(cost(k) <= limit, (total[k - 1] + crossing)[:, None], np.inf)
+        # entering stage k at cut i costs the bytes crossing cut i (over boundary k - 1)
+        entering = crossing if weights is None else crossing * float(weights[k - 1])
+        candidates = np.where(cost(k) <= limit, (total[k - 1] + entering)[:, None], np.inf)
         parent[k] = np.argmin(candidates, axis=0)
         total[k] = candidates[parent[k], np.arange(n + 1)]
     bounds = [n]

@@ -72,7 +72,7 @@ FRONT_PASSES: tuple[Pass[FrontState], ...] = (
     Pass("mark_replicable", "cheap input/constant-derived nodes are copied into every stage "
          "that needs them, never sent", lambda s: mark_replicable(s.gm)),
     Pass("mark_sample_mixing", "nodes whose result micro-batching changes (statistics over the "
-         "batch, batch x batch products) say why", lambda s: mark_sample_mixing(s.gm, s.model)),
+         "batch, batch x batch products) say why", lambda s: mark_sample_mixing(s.gm, s.model, s.bound)),
 )
 
 # The model is captured afresh on every compile and the cache key is what that capture produced

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..costs.memory import MemoryModel, SharedWeight, format_bytes
+from ..costs.memory import MemoryModel, SharedWeight, format_bytes_apart
 from ..errors import PartitionError
 from .bottleneck import fewest_bytes, smallest_bottleneck
 from .weigh_allreduce import allreduce_matrix, weigh_allreduce
@@ -51,6 +51,10 @@ class PartitionProblem:
     activation_bytes: np.ndarray  # [N] bytes of activations one micro-batch leaves at the node
     cut_bytes: np.ndarray  # [N+1] bytes crossing a cut before position j; inf: cut forbidden
     bandwidth: float = float("inf")  # bytes/s between neighbouring stages
+    # per boundary k (between stage k and k + 1; P - 1 of them), where the links differ (fast
+    # within a node, slow between nodes): stage k's send is priced at its own link's; None:
+    # ``bandwidth`` for every boundary
+    bandwidths: tuple[float, ...] | None = None
     memory_cap: float = float("inf")  # bytes per stage
     # micro-batches whose stash each stage holds at once: one count for every stage, or one per
     # stage (the schedule's ``peak_stash_counts``)
@@ -142,10 +146,11 @@ class _Stages:
         self.stash = costs.counts(num_stages)
         self.model = costs.memory_model()
         cut = np.asarray(costs.cut_bytes, dtype=np.float64)
-        send = cut / costs.bandwidth if np.isfinite(costs.bandwidth) else np.where(
-            np.isfinite(cut), 0.0, np.inf)
-        send = send.copy()
-        send[n] = 0.0  # the last stage sends nothing on
+        self.cut = cut
+        self.bandwidths = costs.bandwidths
+        if self.bandwidths is not None and len(self.bandwidths) != num_stages - 1:
+            raise ValueError(f"bandwidths has {len(self.bandwidths)} entries for "
+                             f"{num_stages - 1} boundaries")
         idx = np.arange(n + 1)
         valid = idx[:, None] < idx[None, :]
         forbidden = ~np.isfinite(cut)
@@ -153,20 +158,50 @@ class _Stages:
         # a stage may not start at a forbidden cut, nor end at one
         self.allowed = valid & ~forbidden[:, None] & ~forbidden[None, :]
 
-        def stage_times(times: np.ndarray) -> np.ndarray:
-            prefix = np.concatenate([[0.0], np.cumsum(times, dtype=np.float64)])
-            return np.where(self.allowed, prefix[None, :] - prefix[:, None] + send[None, :],
-                            np.inf)
-
-        self.time = stage_times(costs.compute)  # with recompute when it is on (or "auto")
-        plain = costs.last_stage_compute
-        self.plain_time = self.time if plain is None else stage_times(plain)
+        self._compute, self._plain = costs.compute, costs.last_stage_compute
+        self.default_bandwidth = costs.bandwidth
+        self._times: dict[float, tuple[np.ndarray, np.ndarray]] = {}
         # the memory cap binds only if the largest stage, kept without recompute at the
         # largest count, could exceed it; else every k sees the same costs
         self.binding = bool(np.isfinite(self.cap)) and bool(np.any(
             np.where(self.allowed, self.model.matrix(max(self.stash), False), 0.0) > self.cap))
         self._cache: dict[tuple[int, bool], np.ndarray] = {}
         self._cache_size = max(1, 2**28 // (8 * (n + 1) ** 2))
+
+    def bandwidth(self, k: int, default: float = float("inf")) -> float:
+        """The bandwidth stage k sends over (the last stage sends nothing)."""
+        if self.bandwidths is None or k >= self.num_stages - 1:
+            return default
+        return float(self.bandwidths[k])
+
+    def times(self, bandwidth: float) -> tuple[np.ndarray, np.ndarray]:
+        """(time, plain_time)[i, j] of stage [i, j) sending what crosses j at ``bandwidth``:
+        with recompute when it is on (or "auto"), and without (the last stage's)."""
+        if bandwidth not in self._times:
+            n, cut = self.n, self.cut
+            send = cut / bandwidth if np.isfinite(bandwidth) else np.where(
+                np.isfinite(cut), 0.0, np.inf)
+            send = send.copy()
+            send[n] = 0.0  # the last stage sends nothing on
+
+            def stage_times(times: np.ndarray) -> np.ndarray:
+                prefix = np.concatenate([[0.0], np.cumsum(times, dtype=np.float64)])
+                return np.where(self.allowed, prefix[None, :] - prefix[:, None]
+                                + send[None, :], np.inf)
+
+            time = stage_times(self._compute)
+            self._times[bandwidth] = (time, time if self._plain is None
+                                      else stage_times(self._plain))
+        return self._times[bandwidth]
+
+    def weights(self) -> np.ndarray | None:
+        """Per boundary, seconds per byte relative to the fastest (the partition's "fewest
+        bytes" counts a byte over a slow link for more); None where every link is alike."""
+        if self.bandwidths is None or len(set(self.bandwidths)) < 2:
+            return None
+        fastest = max(self.bandwidths)
+        return np.asarray([fastest / b if np.isfinite(fastest) else 1.0
+                           for b in self.bandwidths], dtype=np.float64)
 
     def recomputes(self, i: int, j: int, k: int) -> bool:
         """Whether stage [i, j) recomputes as the k-th stage."""
@@ -184,7 +219,7 @@ class _Stages:
         """cost[i, j] of stage [i, j) as the k-th stage; inf where it may not be, or does not
         fit."""
         last = k == self.num_stages - 1
-        key = (self.stash[k] if self.binding else 0, last)
+        key = (self.stash[k] if self.binding else 0, last, self.bandwidth(k))
         if key not in self._cache:
             if len(self._cache) >= self._cache_size:
                 self._cache.pop(next(iter(self._cache)))
@@ -194,23 +229,24 @@ class _Stages:
     def _cost(self, k: int, last: bool) -> np.ndarray:
         n, stash = self.n, self.stash[k]
         cost = np.full((n + 1, n + 1), np.inf)
+        time, plain_time = self.times(self.bandwidth(k, self.default_bandwidth))
         if last:  # only column N: without recompute, at the last stage's own count
-            cost[:, n] = self.plain_time[:, n]
+            cost[:, n] = plain_time[:, n]
             if self.binding:
                 fits = self.model.peak(np.arange(n + 1), n, stash, False) <= self.cap
                 cost[:, n] = np.where(fits, cost[:, n], np.inf)
             return cost
         if not self.binding:  # everything fits: "auto" recomputes nowhere
-            cost[:, :n] = (self.plain_time if self.mode == "auto" else self.time)[:, :n]
+            cost[:, :n] = (plain_time if self.mode == "auto" else time)[:, :n]
             return cost
         if self.mode == "auto":
             # each stage recomputes only if it does not fit otherwise, priced by its choice
             plain_memory = self.model.matrix(stash, False)
             recomputes = plain_memory > self.cap
-            time = np.where(recomputes, self.time, self.plain_time)
+            time = np.where(recomputes, time, plain_time)
             memory = np.where(recomputes, self.model.matrix(stash, True), plain_memory)
         else:
-            time, memory = self.time, self.model.matrix(stash, bool(self.mode))
+            memory = self.model.matrix(stash, bool(self.mode))
         cost[:, :n] = np.where(memory <= self.cap, time, np.inf)[:, :n]
         return cost
 
@@ -237,17 +273,22 @@ def partition(costs: PartitionProblem, num_stages: int) -> Partition:
     bottleneck = smallest_bottleneck(stages.cost, num_stages, len(positions) - 1)
     if not np.isfinite(bottleneck):
         _explain_infeasible(costs, num_stages)
-    unit_bounds = fewest_bytes(stages.cost, cut, num_stages, bottleneck)
+    weights = stages.weights()  # a byte over a slow link counts for more
+    unit_bounds = fewest_bytes(stages.cost, cut, num_stages, bottleneck, weights)
     # an infinite bandwidth says the links are free (or the caller prices only compute)
-    if costs.byte_tolerance > 0 and num_stages > 1 and np.isfinite(costs.bandwidth):
-        loose = fewest_bytes(stages.cost, cut, num_stages,
-                             bottleneck * (1 + costs.byte_tolerance))
-        if _bytes_sent(cut, loose) <= _FEWER_BYTES * _bytes_sent(cut, unit_bounds):
+    finite = np.isfinite(costs.bandwidth) if costs.bandwidths is None else \
+        bool(np.all(np.isfinite(costs.bandwidths)))
+    tolerance = costs.byte_tolerance if finite else 0.0
+    if tolerance > 0 and num_stages > 1:
+        loose = fewest_bytes(stages.cost, cut, num_stages, bottleneck * (1 + tolerance),
+                             weights)
+        if _bytes_sent(cut, loose, weights) <= \
+                _FEWER_BYTES * _bytes_sent(cut, unit_bounds, weights):
             unit_bounds = loose
     allreduce = _allreduce(reduced)
     if allreduce is not None and num_stages > 1:
         unit_bounds = weigh_allreduce(stages.cost, cut, allreduce, num_stages, unit_bounds,
-                                      reduced.micro_batches)
+                                      reduced.micro_batches, tolerance, weights)
     return _made(stages, allreduce, positions, unit_bounds)
 
 
@@ -282,8 +323,13 @@ def _made(stages: _Stages, allreduce: np.ndarray | None, positions: list[int],
                      reduces)
 
 
-def _bytes_sent(cut: np.ndarray, unit_bounds: list[int]) -> float:
-    return float(sum(cut[j] for j in unit_bounds[1:-1]))
+def _bytes_sent(cut: np.ndarray, unit_bounds: list[int],
+                weights: np.ndarray | None = None) -> float:
+    """Bytes crossing the cuts (each weighed by its link's ``weights``, where given)."""
+    inner = unit_bounds[1:-1]
+    if weights is None:
+        return float(sum(cut[j] for j in inner))
+    return float(sum(cut[j] * w for j, w in zip(inner, weights)))
 
 
 def _candidate_cuts(costs: PartitionProblem) -> list[int]:
@@ -371,9 +417,10 @@ def _explain_infeasible(costs: PartitionProblem, num_stages: int) -> None:
     unconstrained = dataclasses.replace(costs, memory_cap=float("inf"))
     loose = partition(unconstrained, num_stages)
     worst = int(np.argmax(loose.stage_memory))
+    have, need = format_bytes_apart(costs.memory_cap, float(loose.stage_memory[worst]))
     raise PartitionError(
-        f"no partition into {num_stages} stages fits in {format_bytes(costs.memory_cap)} per device: "
-        f"the best balanced one needs {format_bytes(loose.stage_memory[worst])} on stage {worst}. "
+        f"no partition into {num_stages} stages fits in {have} per device: "
+        f"the best balanced one needs {need} on stage {worst}. "
         "Use more stages, a smaller micro-batch, "
         + ("" if costs.recompute else "recomputation, ")  # only what is not on already
         + "or devices with more memory"

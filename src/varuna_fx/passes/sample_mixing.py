@@ -34,7 +34,11 @@ import torch.fx as fx
 from torch import nn
 
 from ..capture.buffers import MicroBatchStateWarning
+from ..capture.inputs import BoundInputs
+from ..errors import InputError
 from ..ir.nodes import b, info
+from .sample_probe import REASON as PROBE_REASON
+from .sample_probe import probe_sample_mixing
 
 _aten = torch.ops.aten
 
@@ -325,6 +329,14 @@ def ops_of_graph(gm: fx.GraphModule, model: nn.Module | None = None,
     return ops, outputs
 
 
+def _batch_norm(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A batch norm in training mode, as a module call or an aten/functional call."""
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(str(node.target)), nn.modules.batchnorm._BatchNorm)
+    return node.op == "call_function" and \
+        kind_of_call(node.target, node.args, node.kwargs) == BATCH_STATS
+
+
 def _is_batch_norm_module(root: nn.Module, path: str) -> bool:
     try:
         return bool(path) and isinstance(root.get_submodule(path),
@@ -333,15 +345,24 @@ def _is_batch_norm_module(root: nn.Module, path: str) -> bool:
         return False
 
 
-def mark_sample_mixing(gm: fx.GraphModule, model: nn.Module | None = None) -> None:
+def mark_sample_mixing(gm: fx.GraphModule, model: nn.Module | None = None,
+                       bound: BoundInputs | None = None) -> None:
     """Write why each node mixes samples into ``NodeInfo.mixes_samples`` ("" where it does
-    not)."""
+    not): the rules over the ops, then, with the example inputs (``bound``), what the graph
+    computes on a few of them (``sample_probe.py``)."""
     for node in gm.graph.nodes:
         info(node).mixes_samples = ""
     ops, outputs = ops_of_graph(gm, model)
     nodes = {node.name: node for node in gm.graph.nodes}
     for finding in find_sample_mixing(ops, outputs):
         info(nodes[finding.op]).mixes_samples = finding.reason
+    if bound is not None:
+        # (a draw whose layout is refused when the batch is split is not warned about too,
+        # nor BatchNorm, which capture/buffers.py warns about by its module's name)
+        found = {n.name for n in gm.graph.nodes if info(n).mixes_samples or
+                 info(n).random_layout or _batch_norm(gm, n)}
+        for node in probe_sample_mixing(gm, bound, found):
+            info(node).mixes_samples = PROBE_REASON
 
 
 def warn_sample_mixing(what: str, findings: Sequence[Finding], num_micro_batches: int,
@@ -357,6 +378,30 @@ def warn_sample_mixing(what: str, findings: Sequence[Finding], num_micro_batches
         "micro-batch, so the loss and gradients differ from eager on the whole batch. Compile "
         "with micro_batch_size equal to the batch for eager's numbers, or compute it per "
         "sample", MicroBatchStateWarning, stacklevel=stacklevel)
+
+
+def refuse_layout_dependent_draws(gm: fx.GraphModule, what: str, num_micro_batches: int,
+                                  data_parallel: int) -> None:
+    """A random draw whose batch is not its dim 0 (``annotate_shapes``: ``random_layout``)
+    cannot be keyed per sample, and shared it draws other numbers for each micro-batch size
+    and replica's batch: refused when the plan splits the batch."""
+    if num_micro_batches <= 1 and data_parallel <= 1:
+        return
+    node = next((n for n in gm.graph.nodes if info(n).random_layout), None)
+    if node is None:
+        return
+    where = f" at {info(node).source}" if info(node).source else ""
+    raise InputError(
+        f"{what} draws random numbers of shape {info(node).random_layout} (b: the batch)"
+        f"{where}, not one independent row per sample on dim 0 (torch.randn(d, b), "
+        "torch.rand(h.numel()), torch.randperm(b) are such draws), and the plan "
+        f"splits each batch ({num_micro_batches} micro-batches x {data_parallel} "
+        f"replica{'' if data_parallel == 1 else 's'}): a "
+        "pipeline keys random numbers per sample on dim 0 so that no micro-batch size, stage "
+        "count or replica count changes them, which this draw's layout does not allow. Draw "
+        "with the batch first (torch.randn(b, d).T instead of torch.randn(d, b), "
+        "torch.rand_like(h) instead of torch.rand(h.numel()).view_as(h)), or compile with "
+        "micro_batch_size equal to the batch on one replica")
 
 
 def graph_findings(gm: fx.GraphModule) -> list[Finding]:

@@ -42,7 +42,7 @@ from torch import nn
 from ..capture.inputs import BoundInputs
 from ..world.files import cache_dir, sealed, unsealed, write_atomically
 
-FORMAT = 2  # 2: sealed with a digest of the content (world/files.sealed)
+FORMAT = 3  # 2: sealed with a digest of the content (world/files.sealed); 3: draw shapes
 MAX_ENTRIES = 64
 # what happened in this process (tests and benchmarks read it): hit, miss, write, uncacheable,
 # ignored (a file that could not be used)

@@ -15,7 +15,13 @@ import torch
 import torch.fx as fx
 
 from ..ir.nodes import NodeInfo, StageSpec, TensorInfo, Transfer, copied_meta, copy_info, info
-from ..ir.rng import random_begin, random_end
+from ..ir.rng import (
+    direct_dropout,
+    keyed_module_dropout,
+    plain_dropout,
+    random_begin,
+    random_end,
+)
 
 
 @dataclass
@@ -100,7 +106,9 @@ def split_stages(gm: fx.GraphModule, num_stages: int, trainable: set[str],
         for n in sorted(consumers, key=order.__getitem__) for dst in sorted(consumers[n])
     ]
     first_ops = random_op_numbers(nodes)
-    return [_stage_graph(s, nodes, owned[s], transfers, last, first_ops)
+    direct = {n for n in nodes if info(n).random and len(info(n).random_draws) == 1
+              and plain_dropout(gm, n)}
+    return [_stage_graph(s, nodes, owned[s], transfers, last, first_ops, direct)
             for s in range(num_stages)]
 
 
@@ -117,8 +125,9 @@ def random_op_numbers(nodes: list[fx.Node]) -> dict[fx.Node, int]:
 
 def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
                  transfers: list[Transfer], last: int,
-                 first_ops: dict[fx.Node, int]) -> StageGraph:
-    """Copy stage ``s``'s nodes (and the replicable ones they need) into a graph of its own."""
+                 first_ops: dict[fx.Node, int], direct: set[fx.Node]) -> StageGraph:
+    """Copy stage ``s``'s nodes (and the replicable ones they need) into a graph of its own.
+    ``direct``: the plain dropouts, called through ``keyed_*_dropout`` (ir/rng.py)."""
     by_name = {n.name: n for n in nodes}
     output = nodes[-1]
     body = owned + ([output] if s == last else [])
@@ -153,12 +162,15 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
     for n in nodes:
         if n in members:
             random = info(n).random  # dropout & co: keyed by (step seed, op, sample)
-            if random:
-                _marker(graph, random_begin, (first_ops[n], info(n).random_draws))
-            env[n] = graph.node_copy(n, env.__getitem__)
-            env[n].meta = copied_meta(n.meta)
-            if random:
-                _marker(graph, random_end, ())
+            if n in direct:
+                env[n] = _keyed_dropout(graph, n, env, first_ops[n])
+            else:
+                if random:
+                    _marker(graph, random_begin, (first_ops[n], info(n).random_draws))
+                env[n] = graph.node_copy(n, env.__getitem__)
+                env[n].meta = copied_meta(n.meta)
+                if random:
+                    _marker(graph, random_end, ())
             if n.name in sent:
                 results[n.name] = _copy(graph, env[n]) if writes else env[n]
     results = {name: results[name] for name in dict.fromkeys(t.name for t in sends)}
@@ -181,6 +193,24 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
 def _marker(graph: fx.Graph, fn: object, args: tuple) -> None:
     marker = graph.call_function(fn, args)  # type: ignore[arg-type]
     marker.meta["varuna"] = NodeInfo(is_tensor=False, replicable=True)
+
+
+def _keyed_dropout(graph: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node],
+                   first_op: int) -> fx.Node:
+    """``n`` (a plain dropout) as a call of its keyed version, with ``n``'s annotations."""
+    args = fx.map_arg(n.args, env.__getitem__)
+    kwargs = fx.map_arg(n.kwargs, env.__getitem__)
+    head = (first_op, info(n).random_draws)
+    if n.op == "call_module":
+        module = graph.create_node("get_attr", str(n.target), name=f"{n.name}_module")
+        module.meta["varuna"] = NodeInfo(is_tensor=False, replicable=True)
+        call = graph.create_node("call_function", keyed_module_dropout,
+                                 (*head, module, *args), kwargs, name=n.name)
+    else:
+        call = graph.create_node("call_function", direct_dropout(n.target), (*head, *args),
+                                 kwargs, name=n.name)
+    call.meta = copied_meta(n.meta)
+    return call
 
 
 def _copy(graph: fx.Graph, node: fx.Node) -> fx.Node:

@@ -18,6 +18,7 @@ from .bottleneck import fewest_bytes, smallest_bottleneck
 
 _AR_GRID = 12  # all-reduce caps tried between the unweighed partition's and the lower bound
 _AR_REFINE = 4  # then this many between the best cap and the one above it
+_FEWER_BYTES = 0.5  # "several times fewer": as partition.py's rule
 
 
 def allreduce_matrix(grad_bytes: np.ndarray | None, shared: Sequence[SharedWeight],
@@ -36,7 +37,8 @@ def allreduce_matrix(grad_bytes: np.ndarray | None, shared: Sequence[SharedWeigh
 
 def weigh_allreduce(stage_cost: Callable[[int], np.ndarray], cut: np.ndarray,
                     allreduce: np.ndarray, num_stages: int, plain: list[int],
-                    micro_batches: int) -> list[int]:
+                    micro_batches: int, byte_tolerance: float = 0.0,
+                    weights: Sequence[float] | None = None) -> list[int]:
     """Bounds minimising ``(m + P - 1) x bottleneck + the largest stage all-reduce``.
 
     The smallest bottleneck under a cap A on every stage's all-reduce, B(A), only grows as A
@@ -65,12 +67,18 @@ def weigh_allreduce(stage_cost: Callable[[int], np.ndarray], cut: np.ndarray,
             return made[id(matrix)]
         return cost
 
+    def sent(bounds: list[int]) -> float:  # bytes crossing the cuts, weighed by link
+        inner = bounds[1:-1]
+        w = [1.0] * len(inner) if weights is None else weights
+        return float(sum(cut[j] * x for j, x in zip(inner, w)))
+
     plain_score = score(plain)
     top = max(float(allreduce[i, j]) for i, j in zip(plain, plain[1:]))
     singles = allreduce[np.arange(units), np.arange(1, units + 1)]
     floor = max(float(singles.max(initial=0.0)), float(allreduce[0, units]) / num_stages)
     if not top > floor > 0:
         return plain
+    loose_ok = byte_tolerance > 0
     best: tuple[float, float, float] | None = None  # (estimate, cap, bottleneck)
     tried = [top]
 
@@ -97,5 +105,13 @@ def weigh_allreduce(stage_cost: Callable[[int], np.ndarray], cut: np.ndarray,
     for step in range(1, _AR_REFINE + 1):  # finer between the best cap and the one above
         attempt(above * fine**step)
     _, cap, found = best
-    bounds = fewest_bytes(masked(cap), cut, num_stages, found)
-    return bounds if score(bounds) < plain_score * (1 - 1e-12) else plain
+    bounds = fewest_bytes(masked(cap), cut, num_stages, found, weights)
+    chosen = bounds if score(bounds) < plain_score * (1 - 1e-12) else plain
+    if loose_ok and chosen is bounds:
+        slack = 1 + byte_tolerance
+        loose = fewest_bytes(masked(cap * slack), cut, num_stages, found * slack, weights)
+        for other in (plain, loose):  # fewer bytes, nearly as good
+            if score(other) <= score(chosen) * slack and \
+                    sent(other) <= _FEWER_BYTES * sent(chosen):
+                chosen = other
+    return chosen

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..capture.inputs import BoundInputs, bind_inputs
 from ..costs.memory import format_bytes
+from ..costs.wire import ReplicaSync
 from ..errors import PartitionError, PlanError
 from ..passes.annotate_backward import canonical_names
 from ..passes.frontend import captured_and_annotated
@@ -90,7 +91,9 @@ class Analyzed:
         def search(recompute: bool) -> SearchResult:
             planner = Planner(self.table(use), cluster, schedule=choice,
                               recompute=recompute, network=use.network if use else None,
-                              shard_optimizer=options.shard_optimizer)
+                              shard_optimizer=options.shard_optimizer,
+                              compression=options.compression,
+                              replica_sync=options.replica_sync)
             if virtual:  # v stages per rank, as compile plans them
                 result = _plan_virtual(planner.pricer, space, dataclasses.replace(
                     planner.pricer.schedules[0], stages_per_rank=v))
@@ -126,7 +129,8 @@ def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None
              micro_batch_size: int | None = None,
              schedule: str | ScheduleSpec = DEFAULT_SCHEDULE, recompute: bool | str = True,
              profile: Profile | None = None, top: int = 5, stages_per_rank: int | None = 1,
-             shard_optimizer: bool | str = False) -> SearchResult:
+             shard_optimizer: bool | str = False, compression: str = "off",
+             replica_sync: ReplicaSync = "exact") -> SearchResult:
     """The best configurations for ``cluster``; raises PlanError when none fits.
     ``schedule``: a name, or "auto" (each candidate with the fastest schedule that fits:
     ``result.best.schedule``). The keywords of :meth:`Analyzed.plan`'s options, meaning what
@@ -135,8 +139,8 @@ def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None
         cluster=cluster, global_batch_size=global_batch_size, stages=stages,
         data_parallel=data_parallel, micro_batch_size=micro_batch_size,
         schedule=schedule if isinstance(schedule, str) else schedule.name, recompute=recompute,
-        profile=profile, stages_per_rank=stages_per_rank, shard_optimizer=shard_optimizer),
-        top=top)
+        profile=profile, stages_per_rank=stages_per_rank, shard_optimizer=shard_optimizer,
+        compression=compression, replica_sync=replica_sync), top=top)
 
 
 def _with_virtual(pricer: Pricer, result: SearchResult) -> SearchResult:

@@ -91,11 +91,10 @@ class Balancer:
             else units.recompute + units.backward
         self.count = len(compute)
         self.prefix = np.concatenate([[0.0], np.cumsum(compute)])
-        send = units.cut / bandwidth if np.isfinite(bandwidth) else np.zeros_like(units.cut)
-        send[-1] = 0.0
-        self.value = (self.prefix + send).tolist()  # cost of a stage ending at j: value[j] - C[i]
-        # suffix minimum: the largest j with value[j] <= x is the largest j with suffix[j] <= x
-        self.suffix = np.minimum.accumulate(np.asarray(self.value)[::-1])[::-1].tolist()
+        self.bandwidth = bandwidth
+        # per bandwidth a stage may send over: (value, suffix, their arrays), see _sending
+        self._sends: dict[float, tuple[list[float], list[float], np.ndarray, np.ndarray]] = {}
+        self.value, self.suffix, self._values, self._suffix = self._sending(bandwidth)
         self.cut = units.cut.tolist()
         # the last stage never recomputes: it costs forward-with-autograd + backward
         last = units.recompute + units.backward
@@ -104,8 +103,6 @@ class Balancer:
         self.total = float(self.prefix[-1])
         self.last_total = float(self.last_prefix[-1])
         self._prefix = self.prefix.tolist()  # (list indexing: the greedy's inner loop)
-        self._suffix = np.asarray(self.suffix)
-        self._values = np.asarray(self.value)
         # Where a stage starting at i stops fitting does not depend on the threshold the
         # bisection tries, so it is found once per (stash count, memory cap) for every start
         # instead of once per greedy step (10^5 calls per search). Exact when the peak grows
@@ -115,6 +112,27 @@ class Balancer:
         self._monotone = all(bool(np.all(np.asarray(a) >= 0)) for a in (
             units.weights, units.activations, units.workspace, units.cut))
         self._fitting: dict[tuple[int, float], list[int]] = {}
+
+    def _sending(self, bandwidth: float
+                 ) -> tuple[list[float], list[float], np.ndarray, np.ndarray]:
+        """For stages sending over ``bandwidth``: ``value[j]``, the cost of a stage ending at
+        j less the compute before its start (``value[j] - prefix[i]``), and its suffix
+        minimum (the largest j with value[j] <= x is the largest j with suffix[j] <= x), as
+        lists (the greedy's inner loop indexes them) and arrays."""
+        if bandwidth not in self._sends:
+            cut = self.units.cut
+            send = cut / bandwidth if np.isfinite(bandwidth) else np.zeros_like(cut)
+            send[-1] = 0.0
+            values = self.prefix + send
+            suffix = np.minimum.accumulate(values[::-1])[::-1]
+            self._sends[bandwidth] = (values.tolist(), suffix.tolist(), values, suffix)
+        return self._sends[bandwidth]
+
+    def _link(self, bandwidths: Sequence[float] | None, k: int) -> float:
+        """The bandwidth stage k sends over (``bandwidths``: per boundary, or None: one)."""
+        if bandwidths is None or k >= len(bandwidths):
+            return self.bandwidth
+        return float(bandwidths[k])
 
     def lower_bound(self, stages: int) -> float:
         """No partition into ``stages`` has a smaller bottleneck (compute only; every unit
@@ -175,31 +193,38 @@ class Balancer:
         return found.tolist()
 
     def _end(self, i: int, threshold: float, memory_cap: float, stash: int,
-             latest: int) -> int:
+             latest: int, bandwidth: float | None = None) -> int:
         """The farthest end (<= latest) of a stage starting at i that costs <= threshold and
-        fits holding ``stash`` micro-batches (i if none)."""
+        fits holding ``stash`` micro-batches (i if none), sending over ``bandwidth``
+        (default: the balancer's one)."""
+        value, suffix, _, _ = self._sending(self.bandwidth if bandwidth is None else bandwidth)
         limit = self._prefix[i] + threshold
-        j = min(bisect_right(self.suffix, limit) - 1, latest)
+        j = min(bisect_right(suffix, limit) - 1, latest)
         fitting = self._fitting_ends(memory_cap, stash)
         if fitting is None:
             j = self.model.reach(i, stash, self.recompute, memory_cap, j)
         else:  # what reach(i, ..., j) answers: the peak grows with j
             j = min(j, fitting[i]) if j > i else i
-        while j > i and self.value[j] > limit:  # a costly send just before: end earlier
+        while j > i and value[j] > limit:  # a costly send just before: end earlier
             j -= 1
         return j
 
     def greedy(self, threshold: float, stages: int, memory_cap: float,
-               stash_counts: Sequence[int]) -> list[int] | None:
-        """Bounds of ``stages`` stages each costing <= threshold and fitting, or None."""
+               stash_counts: Sequence[int],
+               bandwidths: Sequence[float] | None = None) -> list[int] | None:
+        """Bounds of ``stages`` stages each costing <= threshold and fitting, or None.
+        ``bandwidths``: per boundary, the link stage k sends over (None: the balancer's)."""
         n = self.count
         bounds = [0]
         i = 0
         prefix, suffix, value = self._prefix, self.suffix, self.value
         for k in range(stages - 1):
+            if bandwidths is not None:
+                value, suffix, _, _ = self._sending(self._link(bandwidths, k))
             fitting = self._fitting_ends(memory_cap, stash_counts[k])
             if fitting is None:
-                j = self._end(i, threshold, memory_cap, stash_counts[k], n - (stages - k - 1))
+                j = self._end(i, threshold, memory_cap, stash_counts[k], n - (stages - k - 1),
+                              self._link(bandwidths, k))
             else:  # ``_end``, inlined: the bisection's inner loop (10^5 steps per search)
                 limit = prefix[i] + threshold
                 j = min(bisect_right(suffix, limit) - 1, n - (stages - k - 1), fitting[i])
@@ -216,26 +241,36 @@ class Balancer:
         return [*bounds, n]
 
     def partition(self, stages: int, memory_cap: float,
-                  stash_counts: int | Sequence[int]) -> PartitionCosts | None:
+                  stash_counts: int | Sequence[int],
+                  bandwidths: Sequence[float] | None = None) -> PartitionCosts | None:
         """Smallest-bottleneck partition (to 1e-4) that fits, or None if none fits.
-        ``stash_counts``: micro-batches each stage holds at once (one for all, or per stage)."""
+        ``stash_counts``: micro-batches each stage holds at once (one for all, or per stage).
+        ``bandwidths``: per boundary (P - 1), the link each stage sends over, where links
+        differ (None: the balancer's one bandwidth)."""
         if stages > self.count:
             return None
         if isinstance(stash_counts, int):
             stash_counts = (stash_counts,) * stages
-        hi = self.total + max(self.value[j] - self.prefix[j] for j in range(self.count + 1))
-        best = self.greedy(hi, stages, memory_cap, stash_counts)
+        if bandwidths is not None and len(set(bandwidths)) < 2:  # one link: as before
+            bandwidths, slowest = None, (bandwidths[0] if bandwidths else self.bandwidth)
+            if slowest != self.bandwidth:
+                bandwidths = [slowest] * (stages - 1)
+        slow = min(bandwidths) if bandwidths else self.bandwidth
+        value = self._sending(slow)[0]
+        hi = self.total + max(value[j] - self.prefix[j] for j in range(self.count + 1))
+        best = self.greedy(hi, stages, memory_cap, stash_counts, bandwidths)
         if best is None:
             return None
         lo = self.lower_bound(stages)
         while hi - lo > _TOLERANCE * hi:
             mid = 0.5 * (lo + hi)
-            found = self.greedy(mid, stages, memory_cap, stash_counts)
+            found = self.greedy(mid, stages, memory_cap, stash_counts, bandwidths)
             if found is None:
                 lo = mid
             else:
                 hi, best = mid, found
-        return self.partition_costs(self.balanced(hi, stages, memory_cap, stash_counts) or best)
+        return self.partition_costs(
+            self.balanced(hi, stages, memory_cap, stash_counts, bandwidths) or best)
 
     def _reach(self, threshold: float, memory_cap: float, stash: int) -> list[int]:
         """For every start i, the farthest end of a stage costing <= threshold that fits as a
@@ -258,14 +293,17 @@ class Balancer:
         return [*found, 0]
 
     def balanced(self, threshold: float, stages: int, memory_cap: float,
-                 stash_counts: Sequence[int]) -> list[int] | None:
+                 stash_counts: Sequence[int],
+                 bandwidths: Sequence[float] | None = None) -> list[int] | None:
         """Bounds with the same bottleneck as the greedy's, but every stage near an equal
         share of the remaining work (the greedy packs the front and leaves the last stages
         nearly empty, which a simulation rightly charges as pipeline fill), each cut where
         the fewest bytes cross within half a share of its target (as the partition pass
         prefers cuts sending little). Whether the rest still fits is judged at the largest
         stash count of the stages before the last (memory grows with it); every stage is
-        then checked at its own."""
+        then checked at its own. ``bandwidths`` (per boundary): each stage's own end is found
+        at its link's send time; whether the rest still fits is judged at the balancer's one
+        bandwidth (an optimistic judgement falls back to the greedy's bounds)."""
         n, prefix = self.count, self.prefix.tolist()
         most = max(stash_counts[:-1], default=stash_counts[-1])
         reach = self._reach(threshold, memory_cap, most)
@@ -278,8 +316,9 @@ class Balancer:
         for k in range(stages - 1):
             left = stages - k - 1  # stages after this one
             lowest = max(i + 1, bisect_left(negated, -left))  # the rest still fits in `left`
-            own = reach[i] if stash_counts[k] == most else \
-                self._end(i, threshold, memory_cap, stash_counts[k], n)
+            link = self._link(bandwidths, k)
+            own = reach[i] if stash_counts[k] == most and link == self.bandwidth else \
+                self._end(i, threshold, memory_cap, stash_counts[k], n, link)
             highest = min(own, n - left)
             if lowest > highest or need[lowest] > left:
                 return None

@@ -36,6 +36,10 @@ class Candidate:
     floor: float = 0.0  # seconds: the lower bound of its step it was last pushed with
     estimated: bool = False  # step_time is a cheaper order's (see Planner.search)
     shard: bool = False  # its memory counts the optimizer state sharded over D (ZeRO-1)
+    # as it was simulated (``slow_links.py``): per boundary how it travels, per stage its
+    # replica sync
+    compression: tuple[str, ...] = ()
+    sync: tuple = ()
 
     @property
     def samples(self) -> int:

@@ -49,6 +49,7 @@ from .plan import Alternative
 from .pricing import Pricer
 from .profile import Profile
 from .search import Planner
+from .slow_links import byte_ratio, check_settings, shards_by_default
 from .virtual import weigh as weigh_virtual
 
 
@@ -70,6 +71,12 @@ class Configuration:
     # the search's own partition of the chosen row (node positions): what its step was priced
     # with, so the compiled partition is never slower than the row (None: nothing searched)
     searched_bounds: tuple[int, ...] | None = None
+    # per boundary, the bandwidth the partition prices its cut at (slow_links.py; None: the
+    # one pipeline_bandwidth), and the share of gradient bytes the replica sync sends (what
+    # the partition weighs each stage's all-reduce by)
+    link_bandwidths: tuple[float, ...] | None = None
+    sync_ratio: float = 1.0
+    shards_by_default: bool = True  # Plan.shards_by_default
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,8 @@ class Priced:
     alternatives: tuple[Alternative, ...]
     schedule: Schedule  # generated from this partition's costs: what the runtimes run
     stash_counts: tuple[int, ...]  # that schedule's micro-batches held at once, per stage
+    compression: tuple[str, ...] = ()  # per boundary, as simulated (slow_links.py)
+    replica_sync: tuple = ()  # per stage, as priced
 
 
 def replica_batch(example_batch: int, global_batch_size: int | None, data_parallel: int) -> int:
@@ -127,7 +136,7 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
             raise PartitionError(f"stages={stages} is more than the {operations} operations of "
                                  f"the model: use at most {operations} stages")
     # a rank holds v stages, each checked at its share of the memory
-    planner = _planner(gm, cluster, schedule, recompute, profile, options.shard_optimizer, v)
+    planner = _planner(gm, cluster, schedule, recompute, profile, options, v)
     pricer = planner.pricer
     alternatives: list[Alternative] = []
     searched: tuple[int, ...] | None = None
@@ -168,6 +177,8 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
             searched = tuple(int(pricer.table.units[u]) for u in best.plan.bounds)
     m = replica_batch(example_batch, global_batch_size, d) // b
     net = pricer.links(p, d)
+    chosen = Candidate(p, d, b, m, shard=shard)
+    check_settings(options, chosen, pricer.table.parameter_shapes)
     sched, counts = pricer.built(p, m, name)  # the chosen schedule (schedule="auto")
     if best is not None and best.run_counts is not None and (p, name) == \
             (best.stages, best.schedule) and len(best.run_counts) == p:
@@ -180,6 +191,11 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
         stash_counts=tuple(counts), schedule=sched, pricer=pricer, alternatives=alternatives,
         device=pricer.spec, node_times=pricer.table.measured, searched_bounds=searched,
         shard_optimizer=shard,
+        link_bandwidths=pricer.link_bandwidths(chosen),
+        sync_ratio=byte_ratio(best.sync if best is not None and best.sync else
+                              [options.replica_sync if options.replica_sync != "auto"
+                               else "exact"], pricer.table.parameter_shapes),
+        shards_by_default=shards_by_default(options, net, shard),
     )
 
 
@@ -219,7 +235,7 @@ def check_stages_per_rank(schedule: ScheduleChoice, stages_per_rank: int | None)
 
 
 def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, recompute: bool,
-             profile: Profile | None, shard_optimizer: bool | str,
+             profile: Profile | None, options: PlanOptions,
              stages_per_rank: int) -> Planner:
     """Costs measured by ``profile`` when it was made on this kind of device, else estimated
     from FLOPs for the cluster's devices."""
@@ -234,7 +250,8 @@ def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, rec
                           f"{cluster.kind!r} devices: planning with FLOP estimates instead",
                           stacklevel=4)
     return Planner(table, cluster, schedule=schedule, recompute=recompute, network=network,
-                   shard_optimizer=shard_optimizer, stages_per_rank=stages_per_rank)
+                   shard_optimizer=options.shard_optimizer, stages_per_rank=stages_per_rank,
+                   compression=options.compression, replica_sync=options.replica_sync)
 
 
 def price(config: Configuration, bounds: tuple[int, ...],
@@ -260,7 +277,7 @@ def price(config: Configuration, bounds: tuple[int, ...],
     step = pricer.simulated(c, sched, rc)
     c.memory = tuple(float(x) for x in c.plan.memory(counts, rc))
     rows = tuple(c.alternative(True) if a.chosen else a for a in config.alternatives)
-    return Priced(step, c.memory, rows, sched, tuple(counts))
+    return Priced(step, c.memory, rows, sched, tuple(counts), c.compression, c.sync)
 
 
 def assign_and_price(gm: fx.GraphModule, config: Configuration,
@@ -324,7 +341,7 @@ def allreduce_terms(config: Configuration) -> dict[str, float | int]:
     """The partition's all-reduce weights (``PartitionProblem``) for the configuration's D."""
     per_byte, latency = config.pricer.links(config.stages, config.data_parallel) \
         .allreduce_terms(config.data_parallel)
-    return {"allreduce_per_byte": per_byte, "allreduce_latency": latency,
+    return {"allreduce_per_byte": per_byte * config.sync_ratio, "allreduce_latency": latency,
             "micro_batches": config.num_micro_batches}
 
 

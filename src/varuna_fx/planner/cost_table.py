@@ -171,6 +171,8 @@ class CostTable:
     # buffers forward writes: (first, last) node using each (PartitionProblem.written_spans),
     # named when the cuts they forbid leave too few units for the stages asked for
     written_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # the trainable parameters' shapes, each once: what PowerSGD's price reads (costs/wire.py)
+    parameter_shapes: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def build(cls, gm: fx.GraphModule) -> CostTable:
@@ -200,6 +202,7 @@ class CostTable:
             grads=_gradient_bytes(nodes, trainable_names(gm)),
             shared=pc[0].shared,
             written_spans=dict(pc[0].written_spans),
+            parameter_shapes=tuple(tuple(p.shape) for p in gm.parameters() if p.requires_grad),
         )
         table.units = table._candidate_cuts()
         return table

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..costs.memory import format_bytes
+from ..costs.memory import format_bytes, format_bytes_apart
 from ..errors import PlanError
 from .candidates import Candidate, Space
 from .search import Planner
@@ -53,16 +53,18 @@ def explain_nothing_fits(planner: Planner, space: Space) -> PlanError:
         c = min(group, key=lambda x: (x.micro_batch_size, x.num_micro_batches))
         tried.append((smallest_memory(planner, c), c))
     need, c = min(tried, key=lambda t: t[0])
-    have = format_bytes(planner.pricer.memory_cap)
     if not math.isfinite(need):
+        have = format_bytes(planner.pricer.memory_cap)
         return PlanError(f"no configuration of P, D and micro-batch size fits in {have} per "
                          "device; use devices with more memory or a smaller model")
-    options = [f"devices with at least {format_bytes(need)}", "more devices", "a smaller global batch"]
+    have, needed = format_bytes_apart(planner.pricer.memory_cap, need)
+    options = [f"devices with at least {format_bytes(need, up=True)}", "more devices",
+               "a smaller global batch"]
     if not planner.pricer.recompute:  # only suggest what is not already on
         options.append("recompute=True")
     return PlanError(
         f"no configuration of P, D and micro-batch size fits in {have} per device: the "
-        f"smallest needs {format_bytes(need)} per device (P={c.stages}, D={c.data_parallel}, "
+        f"smallest needs {needed} per device (P={c.stages}, D={c.data_parallel}, "
         f"micro-batch {c.micro_batch_size}). Use {', '.join(options[:-1])} or {options[-1]}"
     )
 

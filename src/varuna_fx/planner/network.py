@@ -42,6 +42,13 @@ class Links:
     partition_bandwidth: float  # one number for the partitioner's send-time term
     allreduce_bandwidth: float
     allreduce_latency: float
+    # per pipeline link: whether it joins two nodes (a slow link: ``compression="auto"``
+    # considers compressing only those); whether a stage's replicas span nodes
+    slow: tuple[bool, ...] = ()
+    allreduce_slow: bool = False
+
+    def is_slow(self, link: int) -> bool:
+        return bool(self.slow[link]) if link < len(self.slow) else False
 
     @cached_property  # the planner asks once per candidate (10^4 at 1024 devices)
     def inverse_bandwidth(self) -> float:
@@ -67,24 +74,37 @@ class Links:
 
 def links(cluster: Cluster, stages: int, replicas: int,
           network: NetworkProfile | None = None) -> Links:
+    """The links of ``stages`` x ``replicas`` ranks placed replica-major (rank r*P + s) on
+    ``cluster``'s nodes (``gpus_per_node`` consecutive ranks each). A link is slow when it
+    joins two nodes. ``network`` (measured): its per-link bandwidths where it measured every
+    link this placement uses (the slowest replica's per boundary), else its slowest link's."""
     intra, inter = float(cluster.intra_node_bandwidth), float(cluster.inter_node_bandwidth)
-    if network is not None:
-        per_message = network.allreduce_latency / max(1, 2 * (network.world_size - 1))
-        return Links([network.bandwidth] * (stages - 1), network.latency, network.bandwidth,
-                     network.allreduce_bandwidth, per_message)
     per_node = cluster.gpus_per_node
     # link s of replica r joins ranks r*P + s and r*P + s + 1: it crosses a node boundary when
     # r*P + s + 1 is a multiple of per_node; r*P mod per_node repeats within per_node replicas
     starts = {(r * stages) % per_node for r in range(min(replicas, per_node))}
-    bandwidths = [inter if per_node == 1 or (-(s + 1)) % per_node in starts else intra
-                  for s in range(stages - 1)]
+    slow = tuple(per_node == 1 or (-(s + 1)) % per_node in starts for s in range(stages - 1))
     one_node = replicas > 1 and stages * replicas <= per_node
+    replica_slow = replicas > 1 and not one_node
+    if network is not None:
+        per_message = network.allreduce_latency / max(1, 2 * (network.world_size - 1))
+        bandwidths = [network.bandwidth] * (stages - 1)
+        latency = network.latency
+        measured = network.link_bandwidths
+        if measured and stages * replicas <= len(measured) + 1:
+            bandwidths = [min(measured[r * stages + s] for r in range(replicas))
+                          for s in range(stages - 1)]
+            latency = max(network.link_latencies[r * stages + s] for r in range(replicas)
+                          for s in range(stages - 1)) if stages > 1 else latency
+        return Links(bandwidths, latency, min(bandwidths, default=network.bandwidth),
+                     network.allreduce_bandwidth, per_message, slow, replica_slow)
     return Links(
-        bandwidths=bandwidths,
+        bandwidths=[inter if is_slow else intra for is_slow in slow],
         latency=float(cluster.latency),
         partition_bandwidth=intra if per_node > 1 else inter,
         allreduce_bandwidth=intra if one_node else inter,
         allreduce_latency=float(cluster.latency),
+        slow=slow, allreduce_slow=replica_slow,
     )
 
 
@@ -96,7 +116,9 @@ def rank_links(net: Links, schedule: Schedule) -> Links:
     for a, b in zip(ranks, ranks[1:]):
         lo, hi = sorted((a, b))
         bandwidths.append(min(net.bandwidths[lo:hi]) if lo != hi else math.inf)
-    return dataclasses.replace(net, bandwidths=bandwidths)
+    slow = [any(net.slow[lo:hi]) if lo != hi else False
+            for lo, hi in (sorted((a, b)) for a, b in zip(ranks, ranks[1:]))]
+    return dataclasses.replace(net, bandwidths=bandwidths, slow=tuple(slow))
 
 
 def rank_allreduce(net: Links, plan: PartitionCosts, schedule: Schedule, replicas: int) -> float:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from ..costs.wire import ReplicaSync, check_compression, check_replica_sync
 from ..errors import VarunaFxError
 from ..schedule import DEFAULT_SCHEDULE, ScheduleChoice, resolve_schedule
 from ..world.where import resolve_timeout
@@ -38,6 +39,10 @@ class PlanOptions:
     shard_optimizer: bool | str = "auto"  # ZeRO-1 over each stage's D replicas
     profile: Any = False  # False | True | a varuna_fx.planner.Profile (resolve_profile checks)
     timeout: float | None = None  # None: $VARUNA_FX_TIMEOUT or the default, when waited on
+    # what slow links carry (costs/wire.py): the plan resolves both per boundary / per stage,
+    # and the runtimes read the plan
+    compression: str = "off"
+    replica_sync: ReplicaSync = "exact"
 
     def __post_init__(self) -> None:
         if self.cluster is not None and not isinstance(self.cluster, Cluster):
@@ -53,6 +58,8 @@ class PlanOptions:
         check_flag("recompute", self.recompute, (True, False, "auto"))
         check_flag("shard_optimizer", self.shard_optimizer, (True, False, "auto"))
         resolve_timeout(self.timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
+        check_compression(self.compression)
+        check_replica_sync(self.replica_sync)
         _ = self.schedule_choice  # the name resolved once, now: an unknown one is refused
 
     @cached_property

@@ -15,6 +15,7 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from ..costs.memory import format_bytes
+from ..costs.wire import ReplicaSync, departs, sync_name
 from ..schedule import Schedule
 from ..schedule.placement import Placement
 
@@ -33,6 +34,19 @@ class StageCost:
     forward_time: float = 0.0  # estimated seconds of one micro-batch's forward
     backward_time: float = 0.0
     optimizer_bytes: float = 0.0  # optimizer state on each of its ranks (1/D when sharded)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One pipeline boundary (stage ``index`` to ``index + 1``) as the plan sends it."""
+
+    index: int
+    nbytes: float  # what stage ``index`` sends per micro-batch (its activations; their
+    # gradients come back the same size)
+    wire_bytes: float  # that, as the wire carries it under ``compression``
+    link: str  # "same rank" | "within a node" | "between nodes" (a slow link)
+    bandwidth: float  # bytes/s the plan priced it at (inf: never sent)
+    compression: str = "off"  # "off" | "bf16" | "int8"
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,26 @@ class Plan:
     # compile's shard_optimizer (True | False | "auto"): what a launched run does with the
     # optimizer (``optimizer_note``)
     shard_optimizer_setting: bool | str = "auto"
+    # what slow links carry (docs/API.md, "Slow links"): per boundary how it travels (the
+    # runtimes read it: runtime/compress.py), per stage how its replicas agree
+    # (runtime/replica_sync.py); empty: all "off" / "exact"
+    compression: tuple[str, ...] = ()
+    replica_sync: tuple[ReplicaSync, ...] = ()
+    boundaries: tuple[Boundary, ...] = ()  # the table's rows per boundary
+    # whether shard_optimizer="auto" shards an optimizer made by pipe.optimizer over D > 1
+    # replicas: not where its all-gather would add half an all-reduce over a slow link and
+    # memory does not need it, nor under DiLoCo (each replica keeps its own optimizer state)
+    shards_by_default: bool = True
+
+    def sync_of(self, stage: int) -> ReplicaSync:
+        """Stage ``stage``'s replica sync ("exact" where the plan names none)."""
+        return self.replica_sync[stage] if stage < len(self.replica_sync) else "exact"
+
+    @property
+    def departs_from_eager(self) -> bool:
+        """Whether a setting of the plan departs from eager numerics by design (a compressed
+        boundary, a replica sync other than exact)."""
+        return departs(self.compression, self.replica_sync)
 
     @property
     def global_batch_size(self) -> int:
@@ -113,20 +147,38 @@ class Plan:
             f"{_recompute_note(self.recompute)}{step}"
             f"{', optimizer state sharded over D (ZeRO-1)' if self.shard_optimizer else ''}"
         ))
+        replicas = self.data_parallel > 1  # then each stage's replica sync has a column
         for name in ("stage", "nodes", "parameters", "FLOPs/mb", "activations/mb",
-                     "boundary/mb", "time/mb", "optimizer", "recompute", "memory"):
+                     "boundary/mb", "time/mb", "optimizer", "recompute", "memory",
+                     *(("sync",) if replicas else ())):
             table.add_column(name, justify="right")
         for s in self.stage_costs:
             rc = self.recompute[s.index] if s.index < len(self.recompute) else False
             table.add_row(str(s.index), str(s.nodes), _count(s.parameters), _count(s.flops),
                           format_bytes(s.activation_bytes), format_bytes(s.boundary_bytes),
                           f"{s.time * 1e3:.3f} ms", format_bytes(s.optimizer_bytes),
-                          "yes" if rc else "no", format_bytes(s.memory))
+                          "yes" if rc else "no", format_bytes(s.memory),
+                          *((sync_name(self.sync_of(s.index)),) if replicas else ()))
         tied = ", ".join(f"{k} (stages {v})" for k, v in self.tied_parameters.items())
         note = optimizer_note(self.shard_optimizer_setting, self.data_parallel,
-                              self.shard_optimizer)
+                              self.shard_optimizer, self.shards_by_default)
         table.caption = f"balance max/mean {self.balance:.3f}" + (f"; tied: {tied}" if tied else "") \
-            + (f"\n{note}" if note else "")
+            + (f"\n{note}" if note else "") + (f"\n{DEPARTS}" if self.departs_from_eager else "") \
+            + ("\nsync: how the stage's replicas agree (replica_sync)" if replicas else "")
+        return table
+
+    def boundaries_table(self) -> Table | None:
+        """Per boundary: bytes per micro-batch, the link it crosses, the compression."""
+        if not self.boundaries:
+            return None
+        table = Table(title="pipeline boundaries")
+        for name in ("boundary", "bytes/mb", "link", "bandwidth", "compression", "sent/mb"):
+            table.add_column(name, justify="right")
+        for b in self.boundaries:
+            table.add_row(f"{b.index} -> {b.index + 1}", format_bytes(b.nbytes), b.link,
+                          _rate(b.bandwidth), b.compression, format_bytes(b.wire_bytes))
+        table.caption = ("bytes/mb: activations per micro-batch forward (their gradients come "
+                         "back the same size); sent/mb: on the wire under the compression")
         return table
 
     def alternatives_table(self) -> Table | None:
@@ -136,6 +188,9 @@ class Plan:
 
     def __rich__(self) -> Group:
         tables = [self.table()]
+        links = self.boundaries_table()
+        if links is not None:
+            tables.append(links)
         other = self.alternatives_table()
         if other is not None:
             tables.append(other)
@@ -150,10 +205,13 @@ class Plan:
         return buffer.getvalue().rstrip() + "\n"
 
 
-def optimizer_note(setting: bool | str, data_parallel: int, priced_sharded: bool) -> str | None:
+def optimizer_note(setting: bool | str, data_parallel: int, priced_sharded: bool,
+                   by_default: bool = True) -> str | None:
     """What a launched run with D = ``data_parallel`` replicas does with the optimizer state
     under compile's ``shard_optimizer=setting`` (``runtime/zero.py``, ``pipeline.py``), and how
-    the memory column counted it (``priced_sharded``); None for one replica (nothing to shard)."""
+    the memory column counted it (``priced_sharded``); None for one replica (nothing to shard).
+    ``by_default``: whether "auto" shards an optimizer made by pipe.optimizer where memory does
+    not need it (``Plan.shards_by_default``)."""
     if data_parallel <= 1:
         return None
     d = f"D={data_parallel}"
@@ -164,12 +222,31 @@ def optimizer_note(setting: bool | str, data_parallel: int, priced_sharded: bool
             "shard_optimizer='auto', and the plan needs it to fit"
         return (f"optimizer state: sharded over the {d} replicas (ZeRO-1; {why}): {refused}; "
                 "memory counts 1/D of it per rank")
+    if setting == "auto" and not by_default:
+        return (f"optimizer state: not sharded (shard_optimizer='auto': the replicas' link is "
+                f"slow and sharding would send more bytes over it, or DiLoCo keeps each "
+                f"replica's own state; memory does not need it): each of the {d} replicas "
+                "holds all of it")
     if setting == "auto":
         return (f"optimizer state: shard_optimizer='auto' shards an optimizer built with "
                 f"pipe.optimizer over the {d} replicas (ZeRO-1, 1/D of its state per rank); "
                 "one built over pipe.parameters() runs unsharded, as memory counts it")
     return (f"optimizer state: not sharded (shard_optimizer=False): each of the {d} replicas "
             "holds all of it")
+
+
+DEPARTS = ("departs from eager numerics by design: compressed boundaries and/or a replica sync "
+           "other than exact (docs/API.md, \"Slow links\")")
+
+
+def _rate(bandwidth: float) -> str:
+    if bandwidth == float("inf"):
+        return "-"
+    bits = bandwidth * 8
+    for scale, suffix in ((1e9, "Gbit/s"), (1e6, "Mbit/s"), (1e3, "kbit/s")):
+        if bits >= scale:
+            return f"{bits / scale:.3g} {suffix}"
+    return f"{bits:.3g} bit/s"
 
 
 def _recompute_note(flags: tuple[bool, ...]) -> str:

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..costs.memory import sharded_held
 from ..costs.roofline import DeviceSpec
+from ..costs.wire import LOSSIER_MARGIN, ReplicaSync
 from ..schedule import (
     Schedule,
     ScheduleCosts,
@@ -40,6 +41,14 @@ from .candidates import Candidate, weight_grads
 from .cluster import Cluster
 from .cost_table import CostTable, UnitArrays
 from .network import Links, links, rank_allreduce, rank_links
+from .slow_links import (
+    boundary_modes,
+    codec_per_stage,
+    compressed,
+    partition_bandwidths,
+    stage_syncs,
+    sync_seconds,
+)
 
 
 @dataclass
@@ -49,9 +58,9 @@ class Memo:
 
     # (b, shards) -> the partitioner at micro-batch size b
     balancers: dict[tuple[int, int], Balancer] = field(default_factory=dict)
-    # (b, P, stash counts, budget, shards) -> the fastest fitting partition, or None
-    plans: dict[tuple[int, int, tuple[int, ...], float, int], PartitionCosts | None] = \
-        field(default_factory=dict)
+    # (b, P, stash counts, budget, shards, per-boundary bandwidths) -> the fastest fitting
+    # partition, or None
+    plans: dict[tuple, PartitionCosts | None] = field(default_factory=dict)
     # (schedule, P, m) -> the unit-cost schedule and its per-stage stash counts
     schedules: dict[tuple[str, int, int], tuple[Schedule, list[int]]] = \
         field(default_factory=dict)
@@ -81,6 +90,9 @@ class Pricer:
     # optimizer state over the D replicas (ZeRO-1): True counts it sharded wherever D > 1,
     # "auto" only for a candidate that does not fit otherwise, False never
     shard_optimizer: bool | str = False
+    # what slow links carry (``slow_links.py``): compile's compression= and replica_sync=
+    compression: str = "off"
+    replica_sync: ReplicaSync = "exact"
     memo: Memo = field(default_factory=Memo, init=False, repr=False)
 
     @classmethod
@@ -88,14 +100,15 @@ class Pricer:
               recompute: bool,
               spec: DeviceSpec | None = None, network: NetworkProfile | None = None,
               shard_optimizer: bool | str = False,
-              stages_per_rank: int | None = None) -> Pricer:
+              stages_per_rank: int | None = None, compression: str = "off",
+              replica_sync: ReplicaSync = "exact") -> Pricer:
         """``schedule``: an entry or its name, or "auto" (each candidate weighs them all:
         ``schedule.weighed_schedules``). A rank running ``stages_per_rank`` stages checks
         each against that share of its memory."""
         return cls(table, cluster, spec or cluster.spec, network,
                    weighed_schedules(schedule), recompute,
                    float(cluster.gpu_memory) / (stages_per_rank or 1), stages_per_rank,
-                   shard_optimizer)
+                   shard_optimizer, compression, replica_sync)
 
     def per_rank(self, v: int) -> Pricer:
         """This setting with ``v`` stages per rank (each stage checked at 1/v of the device
@@ -128,17 +141,30 @@ class Pricer:
         return Balancer(units, shared, bandwidth, self.recompute)
 
     def partition(self, b: int, stages: int, stash_counts: int | tuple[int, ...] | None,
-                  budget: float | None = None, shards: int = 1) -> PartitionCosts | None:
+                  budget: float | None = None, shards: int = 1,
+                  bandwidths: tuple[float, ...] | None = None) -> PartitionCosts | None:
         """Fastest partition whose stages fit ``budget`` (default: the device memory) by the
         memory model, each stage holding its ``stash_counts`` micro-batches (one count for
-        all, or per stage; None: one), the optimizer state split over ``shards`` replicas."""
+        all, or per stage; None: one), the optimizer state split over ``shards`` replicas.
+        ``bandwidths``: per boundary, the link each stage's send is priced at (None: one)."""
         budget = self.memory_cap if budget is None else budget
         counts = (stash_counts or 1,) * stages if not isinstance(stash_counts, tuple) \
             else stash_counts
-        key = (b, stages, counts, budget, shards)
+        key = (b, stages, counts, budget, shards, bandwidths)
         if key not in self.memo.plans:
-            self.memo.plans[key] = self.balancer(b, shards).partition(stages, budget, counts)
+            self.memo.plans[key] = self.balancer(b, shards).partition(stages, budget, counts,
+                                                                      bandwidths)
         return self.memo.plans[key]
+
+    def link_bandwidths(self, c: Candidate) -> tuple[float, ...] | None:
+        """Per boundary, what the partition prices ``c``'s cuts at: each link's bandwidth
+        (widened by an explicit compression), where the links of ``c``'s placement differ
+        from the balancer's one bandwidth or are compressed; None: that one bandwidth."""
+        if c.stages < 2 or (self.stages_per_rank or 1) > 1:
+            return None
+        widths = partition_bandwidths(self.links(c.stages, c.data_parallel), self.compression)
+        one = self.balancer(c.micro_batch_size).bandwidth
+        return None if all(w == one for w in widths) else tuple(widths)
 
     def plan_candidate(self, c: Candidate, stash_counts: int | tuple[int, ...] | None = None,
                        budget: float | None = None) -> PartitionCosts | None:
@@ -147,9 +173,10 @@ class Pricer:
         partition fits without (``c.shard`` records which)."""
         d = c.data_parallel
         shards = d if self.shard_optimizer is True and d > 1 else 1
-        plan = self.partition(c.micro_batch_size, c.stages, stash_counts, budget, shards)
+        bws = self.link_bandwidths(c)
+        plan = self.partition(c.micro_batch_size, c.stages, stash_counts, budget, shards, bws)
         if plan is None and self.shard_optimizer == "auto" and d > 1:
-            plan = self.partition(c.micro_batch_size, c.stages, stash_counts, budget, d)
+            plan = self.partition(c.micro_batch_size, c.stages, stash_counts, budget, d, bws)
             shards = d
         c.shard = plan is not None and shards > 1
         return plan
@@ -179,27 +206,60 @@ class Pricer:
         return self.memo.links[key]
 
     def allreduce(self, c: Candidate) -> float:
-        """Gradient all-reduce of the largest stage across replicas, plus summing the
-        gradients of weights that several stages hold (tied embeddings)."""
+        """The replicas' sync of the slowest stage (each stage's under its ``replica_sync``,
+        noted on ``c.sync``), plus summing the gradients of weights that several stages
+        hold (tied embeddings)."""
         assert c.plan is not None
         net = self.links(c.stages, c.data_parallel)
-        replicas = net.allreduce(float(c.plan.grads.max()), c.data_parallel)
+        grads = [float(g) for g in c.plan.grads]
+        c.sync = self.syncs(c, grads, net)
+        sharded = self.sharded(c)
+        shapes = self.table.parameter_shapes
+        replicas = max(sync_seconds(s, g, net, c.data_parallel, self.spec, shapes, sharded)
+                       for s, g in zip(c.sync, grads))
         tied = net.allreduce(c.plan.shared_grads, 2) if c.stages > 1 else 0.0
         return replicas + tied
+
+    def syncs(self, c: Candidate, grads: Sequence[float], net: Links) -> tuple:
+        """Per stage, its replica sync (``slow_links.stage_syncs``)."""
+        return stage_syncs(self.replica_sync, grads, net, c.data_parallel, self.spec,
+                           self.table.parameter_shapes, self.sharded(c))
+
+    def sharded(self, c: Candidate) -> bool:
+        """Whether ``c``'s optimizer state is sharded (ZeRO-1: its step all-gathers the
+        parameters, half an all-reduce's bytes more): with ``shard_optimizer=True``, or where
+        memory needs it. (Where "auto" shards only because ``pipe.optimizer`` does by
+        default, on a fast link, the price leaves the all-gather out.)"""
+        return c.data_parallel > 1 and (self.shard_optimizer is True or c.shard)
+
+    def modes(self, c: Candidate, net: Links | None = None) -> tuple[str, ...]:
+        """Per boundary of ``c``, how it travels (``slow_links.boundary_modes``)."""
+        assert c.plan is not None
+        net = net or self.links(c.stages, c.data_parallel)
+        return boundary_modes(self.compression, net, [float(b) for b in c.plan.send_bytes],
+                              self.spec)
 
     def schedule_costs(self, c: Candidate, recompute: bool | Sequence[bool] | None = None,
                        schedule: ScheduleSpec | None = None) -> ScheduleCosts:
         """The candidate's per-stage F, R, B and link times, which cost-aware schedules (Varuna's
         order, split backward's W placement) are generated from. ``recompute``: per-stage flags
-        (default: the pricer's one setting)."""
+        (default: the pricer's one setting). Compressed boundaries send their wire bytes and
+        add their (de)quantisation to both stages they join."""
         rc = self.recompute if recompute is None else recompute
         plan = c.plan
         assert plan is not None
         net = self.links(c.stages, c.data_parallel)
-        links = [net.latency + nb / bw for nb, bw in zip(plan.send_bytes, net.bandwidths)] \
+        modes = self.modes(c, net) if c.stages > 1 else ()
+        sent = compressed(plan.send_bytes, modes)
+        links = [net.latency + nb / bw for nb, bw in zip(sent, net.bandwidths)] \
             if c.stages > 1 else []
         backward, weight = self.backward_costs(plan, schedule or self.kind(c.schedule))
-        return ScheduleCosts.of(plan.sim_forward(rc), backward,
+        forward = plan.sim_forward(rc)
+        if any(m != "off" for m in modes):
+            extra = codec_per_stage(plan.send_bytes, modes, self.spec)
+            forward = forward + extra
+            backward = [b + e for b, e in zip(backward, extra)]
+        return ScheduleCosts.of(forward, backward,
                                 recompute=plan.recompute, links=links, weight_grad=weight)
 
     def backward_costs(self, plan: PartitionCosts,
@@ -313,16 +373,49 @@ class Pricer:
         # an order made for this candidate is timed once: no compiled simulation (the cached
         # cost-free ones, timed for many candidates, keep theirs); the same floats either way
         made = c.stages > 1 and sched.spec.cost_aware
-        sim = (simulate_step if made else simulate)(
-            sched, forward=plan.sim_forward(rc), backward=backward,
-            recompute=plan.recompute, send_bytes=plan.send_bytes, latency=net.latency,
-            bandwidth=net.bandwidths if c.stages > 1 else math.inf, weight_grad=weight,
-        )
-        c.allreduce_time = self.allreduce(c) if not sched.is_virtual else \
-            rank_allreduce(net, plan, sched, c.data_parallel)
-        c.bubble = sim.bubble_fraction
-        c.step_time = sim.step_time + c.allreduce_time
+
+        def run(modes: tuple[str, ...]) -> object:
+            forward, back = plan.sim_forward(rc), backward
+            if any(m != "off" for m in modes):  # wire bytes, and the codec on both sides
+                extra = codec_per_stage(plan.send_bytes, modes, self.spec)
+                forward, back = forward + extra, [b + e for b, e in zip(backward, extra)]
+            return (simulate_step if made else simulate)(
+                sched, forward=forward, backward=back,
+                recompute=plan.recompute, send_bytes=compressed(plan.send_bytes, modes)
+                if modes else plan.send_bytes, latency=net.latency,
+                bandwidth=net.bandwidths if c.stages > 1 else math.inf, weight_grad=weight,
+            )
+
+        modes = self.modes(c, net) if c.stages > 1 else ()
+        sim = run(modes)
+        if self.compression == "auto" and any(m != "off" for m in modes):
+            exact_modes = ("off",) * len(modes)
+            exact = run(exact_modes)  # the simulator's word: compress only where it pays,
+            # by more than the margin a lossy choice must earn (costs/wire.py)
+            if sim.step_time >= exact.step_time * (1 - LOSSIER_MARGIN):  # type: ignore[attr-defined]
+                sim, modes = exact, exact_modes
+        c.compression = tuple(modes)
+        if sched.is_virtual:
+            c.allreduce_time = self.virtual_sync(c, net, sched)
+        else:
+            c.allreduce_time = self.allreduce(c)
+        c.bubble = sim.bubble_fraction  # type: ignore[attr-defined]
+        c.step_time = sim.step_time + c.allreduce_time  # type: ignore[attr-defined]
         return c.step_time
+
+    def virtual_sync(self, c: Candidate, net: Links, sched: Schedule) -> float:
+        """The reductions of a virtual schedule (per rank: ``network.rank_allreduce``), under
+        one replica sync for every rank (its ratio of the bytes, where not exact)."""
+        assert c.plan is not None
+        base = rank_allreduce(net, c.plan, sched, c.data_parallel)
+        grads = [float(g) for g in c.plan.grads]
+        c.sync = self.syncs(c, grads, self.links(c.stages, c.data_parallel))
+        if all(s == "exact" for s in c.sync):
+            return base
+        exact = max(sync_seconds("exact", g, net, c.data_parallel, self.spec) for g in grads)
+        ours = max(sync_seconds(s, g, net, c.data_parallel, self.spec,
+                                self.table.parameter_shapes) for s, g in zip(c.sync, grads))
+        return base * (ours / exact) if exact > 0 else base
 
     def fits(self, c: Candidate, counts: Sequence[int], cap: float | None = None) -> bool:
         """Whether ``c``'s partition fits ``cap`` (default: the memory cap) holding ``counts``
@@ -342,6 +435,6 @@ class Pricer:
                 self.shard_optimizer == "auto" and c.data_parallel > 1:
             # fits at these counts only with the optimizer state sharded
             c.plan = self.partition(c.micro_batch_size, c.stages, c.stash_counts, cap,
-                                    c.data_parallel)
+                                    c.data_parallel, self.link_bandwidths(c))
             c.shard = c.plan is not None
         return c.plan is not None and self.fits(c, counts, cap)

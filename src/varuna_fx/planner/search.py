@@ -54,6 +54,7 @@ import itertools
 import time
 
 from ..costs.roofline import DeviceSpec
+from ..costs.wire import ReplicaSync
 from ..errors import PartitionError
 from ..passes.partition import held_together
 from ..schedule import ScheduleSpec
@@ -73,10 +74,12 @@ class Planner:
                  recompute: bool,
                  spec: DeviceSpec | None = None, network: NetworkProfile | None = None,
                  shard_optimizer: bool | str = False,
-                 stages_per_rank: int | None = None) -> None:
+                 stages_per_rank: int | None = None, compression: str = "off",
+                 replica_sync: ReplicaSync = "exact") -> None:
         self.pricer = Pricer.build(table, cluster, schedule=schedule, recompute=recompute,
                                    spec=spec, network=network, shard_optimizer=shard_optimizer,
-                                   stages_per_rank=stages_per_rank)
+                                   stages_per_rank=stages_per_rank, compression=compression,
+                                   replica_sync=replica_sync)
         # ties go to the schedule weighed first (see _key)
         self._rank = {kind.name: k for k, kind in enumerate(self.pricer.schedules)}
 

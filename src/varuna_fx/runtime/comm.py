@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..errors import PeerTimeoutError
 from ..world.where import TIMEOUT_ENV
+from .compress import decode, wire_spec
 from .traffic import SENT
 
 BUCKET_BYTES = 25 * 2**20  # all-reduce bucket size, as DDP
@@ -83,6 +84,9 @@ class Message:
     # the stage on this rank that sends or receives it (a rank may run several stages, and two
     # of them may receive one value from one peer)
     stage: int = -1
+    # how it travels (``compress.py``): "off", "bf16" or "int8"; shape and dtype stay the
+    # value's own, the wire's are ``wire_spec``'s
+    mode: str = "off"
 
     @property
     def key(self) -> tuple[str, str, int, int, int]:
@@ -114,7 +118,8 @@ class Inbox:
 
     def post(self, msg: Message) -> None:
         """Post the receive of ``msg`` now (the lowered program says when: its RECV op)."""
-        buffer = torch.empty(msg.shape, dtype=msg.dtype, device=self.device)
+        shape, dtype = wire_spec(msg.shape, msg.dtype, msg.mode)
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
         work = launch(
             lambda b=buffer, m=msg: dist.irecv(b, src=m.peer_rank, tag=m.tag, group=m.group),
             self.who, msg.describe)
@@ -129,9 +134,10 @@ class Inbox:
         return bool(self._posted[key][0].is_completed())
 
     def take(self, key: tuple) -> torch.Tensor:
+        """The received value (decoded from its wire form)."""
         work, buffer, msg = self._posted.pop(key)
         wait(work, self.timeout, self.who, msg.describe)
-        return buffer
+        return decode(buffer, msg.shape, msg.dtype, msg.mode)
 
     @property
     def pending(self) -> int:

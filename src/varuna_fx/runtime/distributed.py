@@ -23,6 +23,7 @@ dtype, autocast and loss scaling, so both give the same numbers.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from ..capture.captured import Captured
 from ..capture.inputs import BoundInputs
 from ..codegen.modes import Modes, evaluation_stages, modes_set, module_modes
 from ..codegen.stage_module import Stage
+from ..costs.wire import DiLoCo
 from ..errors import DistributedError, InputError, PeerTimeoutError
 from ..init.materialize import is_deferred, materialize_tensors, meta_without_record
 from ..ir.nodes import info
@@ -47,6 +49,7 @@ from ..world.where import comm_device, init_process_group
 from . import preemption
 from .batching import check_batch_shapes
 from .comm import launch, peer_error, wait
+from .diloco import DiLoCoSync
 from .executor import StageExecutor
 from .grad_sync import GradSync
 from .model_state import StateLayout, unread_tensors
@@ -54,6 +57,7 @@ from .opportunistic import ENV as RULE_ENV
 from .opportunistic import rule_enabled
 from .options import RunOptions
 from .precision import LossScaler, autocast_factory
+from .replica_sync import SyncHook
 from .setup import (
     Groups,
     broadcast_initial,
@@ -94,6 +98,7 @@ class DistributedRuntime(StepLoop):
         self.executor = StageExecutor(self.workers, stages, placement, self.replica,
                                       plan.micro_batch_size, device, self.timeout, self.who,
                                       links=groups.links)
+        self.executor.compression = plan.compression  # before its first message is made
         validate(plan.schedule)
         self.executor.split = plan.schedule.split_backward
         self.executor.reorder = reorder  # Varuna's run-time rule (opportunistic.py)
@@ -180,16 +185,19 @@ class DistributedRuntime(StepLoop):
         loss = torch.stack(losses).mean() / self.plan.data_parallel if losses else \
             torch.zeros(())
         # Every rank must all-reduce the same dtype (gloo aborts on a mix): float64 on all,
-        # whatever the model's dtype (ranks without a loss would pack float32 otherwise).
-        packed = torch.tensor([float(loss), float(local_inf), *(float(f) for f in flags)],
+        # whatever the model's dtype; the ranks holding a last stage also say whether the loss
+        # is float64, so that ranks without one return it in its own dtype, not rounded.
+        wide = bool(losses) and torch.promote_types(loss.dtype, torch.float32) == torch.float64
+        packed = torch.tensor([float(loss), float(local_inf), float(wide),
+                               *(float(f) for f in flags)],
                               dtype=torch.float64, device=comm_device())
         work = launch(lambda: dist.all_reduce(packed, async_op=True), self.who, "the loss")
         wait(work, self.timeout, self.who, "the loss all-reduce over all "
              f"{dist.get_world_size()} ranks")
         total = packed.cpu()
         self.scaler.found_inf = bool(total[1] > 0)
-        loss_dtype = torch.promote_types(loss.dtype, torch.float32)
-        return total[0].to(loss_dtype), tuple(bool(x > 0) for x in total[2:])
+        loss_dtype = torch.float64 if total[2] > 0 else torch.float32
+        return total[0].to(loss_dtype), tuple(bool(x > 0) for x in total[3:])
 
     def clip_grad_norm_(self, params: Iterable[nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
@@ -281,7 +289,16 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
     who = f"{stage_label(local)} (rank {rank})"
     broadcast_initial({**held, **buffers}, groups, placement, stage, seconds, who)
     trained = {n: p for n, p in held.items() if n not in layout.unread}  # unread: no gradient
-    sync = GradSync(trained, groups, plan.tied_parameters, local, plan.data_parallel, seconds, who)
+    aliases = Counter(canonical.values())  # a weight the model ties: one tensor, several names
+    sync = GradSync(trained, groups, plan.tied_parameters, local, plan.data_parallel, seconds, who,
+                    model_tied={n for n, k in aliases.items() if k > 1})
+    setting = plan.sync_of(local[0])  # (a rank's stages share their replicas' link)
+    if plan.data_parallel > 1 and groups.data_parallel is not None and setting != "exact":
+        if isinstance(setting, DiLoCo):
+            sync.diloco = DiLoCoSync(setting, sync.held, groups.data_parallel,
+                                     plan.data_parallel, seconds, who)
+        else:
+            sync.hook = SyncHook(setting, groups.data_parallel, plan.data_parallel)
     shapes = {str(n.target): info(n).outputs[0] for n in captured.gm.graph.nodes
               if n.op == "placeholder" and info(n).outputs}
     runtime = DistributedRuntime(

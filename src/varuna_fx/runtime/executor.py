@@ -55,6 +55,7 @@ from ..schedule.nccl_check import check_comms
 from ..schedule.placement import Placement
 from .acks import release_keys
 from .comm import Inbox, Message, Outbox
+from .compress import encode, transfer_mode
 from .worker import StageWorker
 
 __all__ = ["LOOKAHEAD", "StageExecutor"]
@@ -90,6 +91,8 @@ class StageExecutor:
         # (sending stage, receiving stage) -> its direction's process group (setup.build_groups);
         # a direction not listed uses the default group
         self.links = links or {}
+        # per stage boundary, how a training step's messages across it travel (compress.py)
+        self.compression: tuple[str, ...] = ()
         self.spec = self.worker.spec
         self.placement, self.replica = placement, replica
         self.micro_batch_size = micro_batch_size
@@ -150,11 +153,12 @@ class StageExecutor:
         mine, peer = (t.dst, t.src) if t.dst in self.local else (t.src, t.dst)
         tag = (mb * len(self._tid) + self._tid[(t.name, t.src, t.dst)]) * 3 + kind
         direction = (t.dst, t.src) if kind == GRADIENT else (t.src, t.dst)  # sending stage first
+        mode = "off" if kind == EVALUATION else transfer_mode(self.compression, t.src, t.dst)
         return Message(
             kind="gradient" if kind == GRADIENT else "activation", name=t.name,
             peer_stage=peer, peer_rank=self.placement.rank(peer, self.replica), mb=mb, tag=tag,
             shape=t.tensor.concrete_shape(batch or self.micro_batch_size), dtype=t.tensor.dtype,
-            group=self.links.get(direction), stage=mine,
+            group=self.links.get(direction), stage=mine, mode=mode,
         )
 
     def remote(self, t: Transfer) -> bool:
@@ -220,7 +224,7 @@ class StageExecutor:
         wire = value.detach()
         if wire.dtype != msg.dtype:  # autocast: keep the planned dtype on the wire
             wire = wire.to(msg.dtype)
-        self.outbox.send(wire.contiguous(), msg, proof)
+        self.outbox.send(encode(wire, msg.mode), msg, proof)
         if self.on_send is not None:
             self.on_send(msg)
 

@@ -10,9 +10,13 @@
 * **Gradient clipping** needs the norm of the whole model: each stage adds its squares (a tied
   parameter only on its lowest holder), one all-reduce over the replica's P stages sums them
   (the replicas already agree), and every stage scales by the same factor.
-* **Sharded optimizer state** (``zero.py``, set by ``pipe.optimizer``): the parameters it
-  shards are reduce-scattered instead (tied ones still all-reduced first); the norm is then the
-  shards' squares summed over every rank, and the fp16 unscale acts on the shards' gradients.
+* **Sharded optimizer state** (``zero.py``, set by ``pipe.optimizer``) changes none of this:
+  every ``.grad`` is averaged as without it (what the user's loop reads and edits), and the
+  optimizer's step copies its shards' slices of them.
+* **Replica sync** (``plan.replica_sync``, docs/API.md "Slow links"): ``bf16`` and PowerSGD
+  average the same buckets through torch's hooks instead (``replica_sync.py``); DiLoCo
+  averages nothing per step (``diloco.py``: each replica's optimizer steps on its own
+  gradients). Weights the model ties keep the exact all-reduce under every setting.
 """
 
 from __future__ import annotations
@@ -24,14 +28,16 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import AllReduce, wait
+from .diloco import DiLoCoSync
+from .replica_sync import HookedReduction, Piece, SyncHook, hook_layout
 from .setup import Groups
-from .zero import ZeroReduce, ZeroSync
+from .zero import ZeroSync
 
 
 class GradSync:
     def __init__(self, held: dict[str, nn.Parameter], groups: Groups,
                  tied_holders: dict[str, list[int]], stage: int | list[int], replicas: int,
-                 timeout: float, who: str) -> None:
+                 timeout: float, who: str, model_tied: set[str] | None = None) -> None:
         # ``stage``: this rank's stage, or all it runs (virtual stages: copies of a tied
         # parameter on two of them are one tensor here, summed by autograd)
         local = {stage} if isinstance(stage, int) else set(stage)
@@ -39,6 +45,7 @@ class GradSync:
         self.held = {n: p for n, p in held.items() if p.requires_grad}
         tied_here = {n for names, _ in groups.tied for n in names}
         self.plain = [p for n, p in self.held.items() if n not in tied_here]
+        self.plain_named = [(n, p) for n, p in self.held.items() if n not in tied_here]
         self.tied = [([self.held[n] for n in names if n in self.held], g)
                      for names, g in groups.tied]
         # tied copies whose accumulated gradient another (lower) holder stage keeps
@@ -47,21 +54,19 @@ class GradSync:
         # what this stage contributes to the global norm: tied parameters once, at the lowest
         self.norm_params = [p for n, p in self.held.items()
                             if n not in tied_holders or min(tied_holders[n]) in local]
-        self.zero: ZeroSync | None = None  # set by pipe.optimizer when it shards
-        self.replica = 0
-
-    def shard(self, zero: ZeroSync, replica: int) -> None:
-        """Reduce the parameters ``zero`` holds by reduce-scatter from now on."""
-        self.zero, self.replica = zero, replica
-        sharded = {id(pc.param) for b in zero.layout.buckets for pc in b.pieces}
-        self.plain = [p for p in self.plain if id(p) not in sharded]
+        # the newest pipe.optimizer's sharding (an older sharded optimizer refuses to step)
+        self.zero: ZeroSync | None = None
+        # the plan's replica sync for this rank's stage(s), where not exact: a hook of torch's
+        # (bf16, PowerSGD) or DiLoCo's outer loop (the runtime sets them: distributed.py)
+        self.hook: SyncHook | None = None
+        self.diloco: DiLoCoSync | None = None
+        # weights the model ties (several names, one tensor): reduced exactly every step
+        # under every replica sync, so every layout computes the same (replica_sync.py)
+        self.model_tied = set(model_tied or ())
 
     def reduced(self) -> list[nn.Parameter]:
         """Whose ``.grad`` holds the averaged gradient after a step (what fp16 unscales)."""
-        if self.zero is None:
-            return list(self.held.values())
-        sharded = {id(pc.param) for b in self.zero.layout.buckets for pc in b.pieces}
-        return [*self.zero.shards(), *(p for p in self.held.values() if id(p) not in sharded)]
+        return list(self.held.values())
 
     def before_step(self) -> None:
         for p in self.not_lowest:
@@ -80,32 +85,38 @@ class GradSync:
         return AllReduce(_grads(params), group, divide=self.replicas, timeout=self.timeout,
                          who=self.who, what=f"the tied-parameter gradient sum {_ranks(group)}")
 
-    def start_data_parallel(self) -> list[AllReduce | ZeroReduce]:
+    def start_data_parallel(self) -> list[AllReduce | HookedReduction]:
         """Launch the data-parallel average (``ALLREDUCE(dp:<stage>)``), if there is one: the
-        all-reduce of what is not sharded, and the sharded reduce-scatters. The lowered tail
-        starts (and its wait finishes) the tied sums first, which sharded tied buckets read."""
-        pending: list[AllReduce | ZeroReduce] = []
-        if self.groups.data_parallel is not None and self.plain:
-            pending.append(AllReduce(_grads(self.plain), self.groups.data_parallel,
+        exact all-reduce, the plan's hook (bf16, PowerSGD), or under DiLoCo only the model's
+        tied weights' (each replica keeps its own gradients of the rest)."""
+        pending: list[AllReduce | HookedReduction] = []
+        group = self.groups.data_parallel
+        if group is None:
+            return pending
+        if self.hook is not None:
+            pending.append(HookedReduction(
+                self.hook, self.plain_named, self.model_tied, self.timeout, self.who,
+                f"the data-parallel {self.hook.name} reduction {_ranks(group)}"))
+            return pending
+        exact = self.plain if self.diloco is None else \
+            [p for n, p in self.plain_named if n in self.model_tied]
+        if exact:
+            pending.append(AllReduce(_grads(exact), group,
                                      divide=self.replicas, timeout=self.timeout, who=self.who,
                                      what="the data-parallel gradient all-reduce "
-                                     f"{_ranks(self.groups.data_parallel)}"))
-        if self.zero is not None:
-            pending.append(self.zero.start())
+                                     f"{_ranks(group)}"))
         return pending
+
+    def hook_buckets(self) -> list[tuple[list[Piece], int]]:
+        """The buckets the hook reduces (``replica_sync.hook_layout``): what checkpoints
+        reshard its state over."""
+        return hook_layout(self.plain_named, self.model_tied)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model, on every rank."""
         norm_type = float(norm_type)
         grads = [p.grad for p in self.norm_params if p.grad is not None]
         group = self.groups.pipeline
-        if self.zero is not None:  # shards differ per replica: sum over every rank
-            sharded = {id(pc.param) for b in self.zero.layout.buckets for pc in b.pieces}
-            # an unsharded parameter is the same on every replica: counted on replica 0
-            grads = [p.grad for p in self.norm_params
-                     if id(p) not in sharded and p.grad is not None and self.replica == 0]
-            grads += [s.grad for s in self.zero.norm_shards() if s.grad is not None]
-            group = dist.group.WORLD
         device = grads[0].device if grads else torch.device("cpu")
         if dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())

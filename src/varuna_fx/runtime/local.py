@@ -23,6 +23,7 @@ from ..ir.rng import RandomKey
 from ..planner.plan import Plan
 from ..schedule import Action, Kind, execution_order, validate, with_micro_batches
 from . import preemption
+from .compress import roundtrip, transfer_mode
 from .options import RunOptions
 from .precision import LossScaler, autocast_factory
 from .step import LossOf, StepLoop
@@ -48,6 +49,9 @@ class LocalRuntime(StepLoop):
                                     autocast=self.autocast)
                         for s in stages]
         self._orders: dict[int, list[Action]] = {}
+        # (src, dst) -> how a transfer between those stages would travel between their ranks
+        # (compress.py): the distributed runtime's codec, applied here in memory
+        self._modes: dict[tuple[int, int], str] = {}
         if "TORCHELASTIC_RUN_ID" in os.environ:
             # one rank under torchrun (an elastic job shrunk to one machine): its agent stops
             # workers with SIGTERM on a membership change, which must save, not kill
@@ -79,7 +83,8 @@ class LocalRuntime(StepLoop):
             if action.kind is Kind.F:
                 outputs = worker.forward(i, micro[i], inbox.pop((s, i), {}))
                 for t in worker.spec.sends:  # in the planned dtype, as the network carries it
-                    inbox[(t.dst, i)][t.name] = outputs[t.name].to(t.tensor.dtype)
+                    inbox[(t.dst, i)][t.name] = roundtrip(outputs[t.name].to(t.tensor.dtype),
+                                                          self.mode(t.src, t.dst))
             elif action.kind is Kind.R:
                 worker.recompute_mb(i)
             elif action.kind is Kind.W:
@@ -91,10 +96,22 @@ class LocalRuntime(StepLoop):
                 for t in worker.spec.recvs:
                     if t.requires_grad:
                         box = grad_box[(t.src, i)]
-                        box[t.name] = box[t.name] + grads[t.name] if t.name in box \
-                            else grads[t.name]
+                        grad = roundtrip(grads[t.name], self.mode(t.src, t.dst))
+                        box[t.name] = box[t.name] + grad if t.name in box else grad
             if timeline is not None:
                 timeline.append((s, action.kind.value, i, began, clock()))
+
+    def mode(self, src: int, dst: int) -> str:
+        """How a transfer from stage ``src`` to ``dst`` travels: as the plan compresses the
+        boundaries it crosses, when their ranks differ (``compress.py``)."""
+        found = self._modes.get((src, dst))
+        if found is None:
+            placement = self.plan.placement
+            same = placement is not None and \
+                placement.pipeline_rank(src) == placement.pipeline_rank(dst)
+            found = self._modes[(src, dst)] = "off" if same else \
+                transfer_mode(self.plan.compression, src, dst)
+        return found
 
     def finish(self, losses: list[torch.Tensor], flags: Sequence[bool]
                ) -> tuple[torch.Tensor, tuple[bool, ...]]:

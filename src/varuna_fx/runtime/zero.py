@@ -1,7 +1,7 @@
 """ZeRO-1: optimizer state sharded over a stage's D data-parallel replicas.
 
 ``pipe.optimizer(cls, params, **defaults)`` with sharding on flattens this rank's trainable
-parameters into buckets: per (param group, dtype, kind), ~25 MB each, padded to a multiple of D.
+parameters into buckets: per (param group, dtype), ~25 MB each, padded to a multiple of D.
 The parameters' ``.data`` become views of the bucket's flat buffer, so replica ``r``'s shard
 (elements ``[r*s, (r+1)*s)``) is one ``nn.Parameter`` viewing that same memory; the user's
 optimizer class is built over those shards (one list per param group, so groups, their
@@ -9,32 +9,33 @@ hyperparameters and LR schedulers stay as the user made them) and updates them i
 
 Per step:
 
-* after the stage's last backward, each plain bucket's gradients are copied into a flat buffer
-  and ``reduce_scatter_tensor``-ed (asynchronous, bucketed) over the replica group; the shard's
-  ``.grad`` is this replica's slice of the average. ``p.grad`` keeps this rank's own
-  contribution (so gradient accumulation over several ``pipe.step`` calls works unchanged).
-* tied parameters keep today's all-reduce over every holder of every replica (``grad_sync``);
-  their buckets take this replica's slice of the already-averaged gradient.
-* ``opt.step()`` updates the shards; a step post-hook then ``all_gather_into_tensor``-s every
-  bucket in place over the replica group, so every replica's parameters are whole again.
+* the gradients are averaged over the replicas by grad_sync's all-reduce, as without sharding,
+  so ``p.grad`` is what it is in eager data parallelism (the replica-averaged gradient) for
+  everything a training loop does with it: ``torch.nn.utils.clip_grad_norm_``, reading or
+  editing it, accumulating over several ``pipe.step`` calls;
+* ``opt.step()`` first copies each shard's slice of the parameters' gradients as they are then
+  into the shard's ``.grad`` (a step pre-hook), updates the shards, and a step post-hook
+  all-gathers every bucket in place over the replica group, so every replica's parameters are
+  whole again. ``opt.zero_grad()`` clears the parameters' gradients too.
 
-On the wire that is a reduce-scatter plus an all-gather, what NCCL's ring all-reduce is made of:
-no more bytes than the all-reduce (gloo implements the reduce-scatter as a full all-reduce, so
-there it moves 1.5x; see bench/RESULTS.md). Only optimizers whose update of an element reads that
-element's own gradient and state are sharded (``ELEMENTWISE``; a class of one's own opts in with
+On the wire that is the all-reduce plus an all-gather of the parameters ((D-1)/D of them, half
+the all-reduce's bytes): the layout of torch's ``ZeroRedundancyOptimizer`` under DDP. A
+reduce-scatter would save that half, but then no rank would hold the averaged gradient the
+user's code reads. Only optimizers whose update of an element reads that element's own gradient
+and state are sharded (``ELEMENTWISE``; a class of one's own opts in with
 ``varuna_fx_elementwise = True``); others are refused. An optimizer built directly over the
 parameters while sharding is on is refused at its first step (:func:`guard_direct_optimizers`):
-its parameters would see unaveraged gradients.
+it would hold the whole state on every replica, which the plan may not have room for.
 
 Limits: "auto" shards a candidate only when it does not fit unsharded, so a candidate that fits
 unsharded on a memory-bound partition is not tried sharded (where a looser cap might balance it
 better). Loading a checkpoint into a sharded optimizer reads every chunk of the parameters the
-rank holds (the other replicas' too), transiently the stage's whole state. The gradients are
-copied into a flat buffer per bucket for the reduction (as the all-reduce's buckets are).
+rank holds (the other replicas' too), transiently the stage's whole state.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Iterable
@@ -55,8 +56,7 @@ ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop",
     "Rprop", "ASGD") if hasattr(torch.optim, n))
 OPT_IN = "varuna_fx_elementwise"
-# torch 2.13 renamed the flat collectives (the old names warn); older torch has only those
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed the flat collective (the old name warns); older torch has only that
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -73,8 +73,6 @@ class Piece:
 @dataclass
 class Bucket:
     group: int  # the user's param group
-    tied: bool  # gradient already averaged in place by the tied all-reduce
-    counts_in_norm: bool  # False: a tied copy whose lowest holder is another stage
     pieces: list[Piece]
     flat: torch.Tensor  # padded; the parameters' data view it
     shard_size: int
@@ -154,10 +152,9 @@ def user_groups(params: Any, named: dict[str, nn.Parameter]) -> list[dict[str, A
 
 
 def build_layout(groups: list[dict[str, Any]], names: dict[int, str], synced: set[str],
-                 tied_here: dict[str, bool], replica: int, replicas: int,
-                 bucket_bytes: int = BUCKET_BYTES) -> ZeroLayout:
+                 replica: int, replicas: int, bucket_bytes: int = BUCKET_BYTES) -> ZeroLayout:
     """Buckets over ``groups``' parameters. ``synced``: names whose gradients grad_sync
-    reduces; ``tied_here``: tied name -> whether this stage is its lowest holder."""
+    averages over the replicas (tied ones included)."""
     layout = ZeroLayout(replica, replicas, [])
     for gi, group in enumerate(groups):
         open_: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
@@ -166,8 +163,7 @@ def build_layout(groups: list[dict[str, Any]], names: dict[int, str], synced: se
             if name not in synced or p.dim() == 0 or p.numel() == 0:
                 layout.whole.append((gi, name, p))
                 continue
-            kind = ("tied", tied_here[name]) if name in tied_here else ("plain", True)
-            key = (p.dtype, p.device, *kind)
+            key = (p.dtype, p.device)
             items = open_.setdefault(key, [])
             size = sum(q.numel() for _, q in items) * p.element_size()
             if items and size + p.numel() * p.element_size() > bucket_bytes:
@@ -182,7 +178,7 @@ def build_layout(groups: list[dict[str, Any]], names: dict[int, str], synced: se
 
 def _bucket(group: int, key: tuple, items: list[tuple[str, nn.Parameter]], replica: int,
             replicas: int) -> Bucket:
-    dtype, device, kind, counts = key
+    dtype, device = key
     total = sum(p.numel() for _, p in items)
     shard_size = math.ceil(total / replicas)
     flat = torch.zeros(shard_size * replicas, dtype=dtype, device=device)
@@ -195,8 +191,7 @@ def _bucket(group: int, key: tuple, items: list[tuple[str, nn.Parameter]], repli
             pieces.append(Piece(name, p, offset, p.numel()))
             offset += p.numel()
     shard = nn.Parameter(flat[replica * shard_size:(replica + 1) * shard_size])
-    return Bucket(group, kind == "tied", counts, pieces, flat, shard_size, shard,
-                  replica * shard_size)
+    return Bucket(group, pieces, flat, shard_size, shard, replica * shard_size)
 
 
 def shard_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -206,25 +201,67 @@ def shard_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class ZeroSync:
-    """The sharded half of gradient synchronisation and the parameter all-gather.
+    """The shards' gradients before each optimizer step, and the parameter all-gather after.
 
-    NCCL runs ``reduce_scatter_single`` and ``all_gather_single`` (its ring: (D-1)/D of the
-    buffer each, as the two halves of its all-reduce). gloo has both, but sends the whole
-    buffer for a reduce-scatter and runs both several times slower than its ring all-reduce
-    (bench/RESULTS.md, "Sharded optimizer state (ZeRO-1)" and "Figures the code cites"), so on
-    gloo the reduce-scatter is its all-reduce (of a copy; this replica keeps its slice) and the
-    all-gather one broadcast per replica from its shard, (D-1) shards per rank."""
+    The gradients are averaged by grad_sync's ordinary all-reduce, so every rank's ``p.grad``
+    is the replica-averaged gradient as in eager data parallelism; just before ``opt.step()``
+    each bucket's shard takes a copy of its slice of them (:meth:`take_grads`), so whatever the
+    user did to ``.grad`` in between (clipping, edits, replacing it) is what the shard steps on.
+    NCCL runs ``all_gather_single``; gloo's ran slower than one broadcast per replica from its
+    shard (bench/RESULTS.md, "Figures the code cites"), which it uses instead."""
 
     def __init__(self, layout: ZeroLayout, group: Any, timeout: float, who: str) -> None:
         self.layout, self.group, self.timeout, self.who = layout, group, timeout, who
         self.gloo = dist.get_backend(group) == "gloo"
         self.ranks = dist.get_process_group_ranks(group)  # by group rank = shard index
-        # bytes this rank sends per NCCL's ring algorithm: (D-1)/D of each reduce-scattered
-        # buffer and (D-1) shards per all-gather (gloo's all-reduce sends twice the first)
+        # bytes this rank sends in the all-gathers per NCCL's ring algorithm: (D-1) shards
+        # each (the gradient all-reduce is grad_sync's, as without sharding)
         self.ring_bytes = 0
 
-    def start(self) -> ZeroReduce:
-        return ZeroReduce(self)
+    def take_grads(self) -> None:
+        """Each shard's ``.grad``: its slice of the parameters' gradients as they are now;
+        None for a bucket none of whose parameters has a gradient (skipped, as torch's
+        optimizers skip such parameters)."""
+        for b in self.layout.buckets:
+            missing = [pc.name for pc in b.pieces if pc.param.grad is None]
+            if len(missing) == len(b.pieces):
+                b.shard.grad = None
+                continue
+            if missing:  # the same on every replica (grads are): all raise
+                have = next(pc.name for pc in b.pieces if pc.param.grad is not None)
+                raise OptimizerError(
+                    f"{missing[0]}.grad is None at the optimizer step, but {have}.grad, sharded "
+                    "in the same flat slices (ZeRO-1), is not: a sharded optimizer cannot skip "
+                    "one parameter of a slice as torch's optimizers skip a parameter without a "
+                    "gradient. Give it a gradient (zeros, if a zero gradient is what you mean), "
+                    "or compile with shard_optimizer=False")
+            grad = b.shard.grad
+            if grad is None or grad.shape != b.shard.shape or grad.dtype != b.shard.dtype:
+                grad = torch.zeros_like(b.shard)
+            lo, hi = b.lo, b.lo + b.shard_size
+            with torch.no_grad():
+                for pc in b.pieces:
+                    start, end = max(lo, pc.offset), min(hi, pc.offset + pc.numel)
+                    if start < end:
+                        src = pc.param.grad.reshape(-1)[start - pc.offset:end - pc.offset]
+                        grad[start - lo:end - lo].copy_(src)
+            b.shard.grad = grad
+
+    def zero_grads(self, set_to_none: bool) -> None:
+        """``opt.zero_grad()``: the parameters' gradients too (pipe.step accumulates into
+        them, so zeroing only the shards' would let them pile up)."""
+        for b in self.layout.buckets:
+            for pc in b.pieces:
+                if pc.param.grad is None:
+                    continue
+                if set_to_none:
+                    pc.param.grad = None
+                else:  # as torch's Optimizer.zero_grad
+                    if pc.param.grad.grad_fn is not None:
+                        pc.param.grad.detach_()
+                    else:
+                        pc.param.grad.requires_grad_(False)
+                    pc.param.grad.zero_()
 
     def gather(self) -> None:
         """After the shards were updated: every replica's parameters whole again."""
@@ -249,74 +286,28 @@ class ZeroSync:
     def _gathering(self) -> str:
         return f"the sharded optimizer's parameter all-gather with ranks {self.ranks}"
 
-    def shards(self) -> list[nn.Parameter]:
-        return [b.shard for b in self.layout.buckets]
-
-    def norm_shards(self) -> list[nn.Parameter]:
-        return [b.shard for b in self.layout.buckets if b.counts_in_norm]
-
-
-class ZeroReduce:
-    """The reduce-scatters of one step in flight; :meth:`finish` sets the shards' grads.
-    Launched after the tied all-reduces and finished after them (grad_sync's order), so a
-    tied bucket reads averaged gradients."""
-
-    def __init__(self, sync: ZeroSync) -> None:
-        self.sync = sync
-        self.pending: list[tuple[Bucket, Any, torch.Tensor]] = []
-        d = sync.layout.replicas
-        for b in sync.layout.buckets:
-            if b.tied:
-                continue
-            flat = _flat_grads(b)
-            if sync.gloo:  # (see ZeroSync) the whole buffer, in place
-                out = flat
-                work = launch(lambda f=flat: dist.all_reduce(f, group=sync.group,
-                                                             async_op=True),
-                              sync.who, self._what)
-                SENT.all_reduce(flat, sync.group)
-            else:
-                out = torch.empty(b.shard_size, dtype=flat.dtype, device=flat.device)
-                work = launch(lambda f=flat, o=out: _REDUCE_SCATTER(
-                    o, f, group=sync.group, async_op=True), sync.who, self._what)
-                SENT.scatter_or_gather(flat, sync.group)
-            sync.ring_bytes += flat.numel() * flat.element_size() * (d - 1) // d
-            self.pending.append((b, work, out))
-
-    def _what(self) -> str:
-        return f"the sharded gradient reduce-scatter with ranks {self.sync.ranks}"
-
-    def finish(self) -> None:
-        sync = self.sync
-        d = sync.layout.replicas
-        for b, work, out in self.pending:
-            wait(work, sync.timeout, sync.who, self._what)
-            if out.numel() != b.shard_size:  # gloo's all-reduce: this replica's slice
-                out = out[b.lo:b.lo + b.shard_size].clone()
-            b.shard.grad = out.div_(d)
-        self.pending.clear()
-        for b in sync.layout.buckets:
-            if b.tied:  # averaged in place already: this replica's slice
-                lo = b.lo
-                b.shard.grad = _flat_grads(b)[lo:lo + b.shard_size].clone()
-
-
-def _flat_grads(b: Bucket) -> torch.Tensor:
-    flat = torch.zeros_like(b.flat)
-    for pc in b.pieces:
-        if pc.param.grad is not None:
-            flat[pc.offset:pc.offset + pc.numel].copy_(pc.param.grad.reshape(-1))
-    return flat
-
 
 def make_sharded(cls: type, groups: list[dict[str, Any]], layout: ZeroLayout, sync: ZeroSync,
-                 defaults: dict[str, Any]) -> torch.optim.Optimizer:
-    """The user's optimizer class over this rank's shards; stepping it all-gathers."""
+                 defaults: dict[str, Any], before_step: Any = None) -> torch.optim.Optimizer:
+    """The user's optimizer class over this rank's shards: stepping it first copies the shards'
+    slices of the parameters' gradients, then all-gathers; its ``zero_grad`` also clears the
+    parameters' gradients."""
     inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
                      "params": layout.group_members(i)} for i, g in enumerate(groups)]
     optimizer = cls(inner_groups, **defaults)
     _LAYOUTS[optimizer] = layout
+    if before_step is not None:
+        optimizer.register_step_pre_hook(before_step)
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: sync.take_grads())
     optimizer.register_step_post_hook(lambda opt, args, kwargs: sync.gather())
+    inner_zero_grad = optimizer.zero_grad
+
+    @functools.wraps(inner_zero_grad)
+    def zero_grad(set_to_none: bool = True) -> None:
+        sync.zero_grads(set_to_none)
+        inner_zero_grad(set_to_none)
+
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
     return optimizer
 
 
@@ -329,28 +320,33 @@ def build_optimizer(runtime: Any, named: dict[str, nn.Parameter], cls: type, par
                              f"torch.optim.AdamW), not {cls!r}")
     groups = user_groups(params, named)
     sync = getattr(runtime, "grad_sync", None)
-    if sync is None or runtime.plan.data_parallel == 1 or setting is False:
-        return cls(groups, **defaults)
+    plan = runtime.plan
+    # "auto" shards unless the plan says not to (the replicas' link is slow, DiLoCo) and
+    # memory does not need it (Plan.shards_by_default)
+    unsharded = setting is False or (setting == "auto" and not plan.shards_by_default
+                                      and not plan.shard_optimizer)
+    if sync is None or plan.data_parallel == 1 or unsharded:
+        optimizer = cls(groups, **defaults)
+        _MADE.add(optimizer)
+        if sync is not None and sync.diloco is not None:  # its steps are DiLoCo's inner ones
+            sync.diloco.attach(optimizer)
+        return optimizer
     check_elementwise(cls)
     if sync.groups.data_parallel is None:  # pragma: no cover - D > 1 always has the group
         return cls(groups, **defaults)
     names = {id(p): n for n, p in named.items()}
-    tied = {n for names_, _ in sync.groups.tied for n in names_}
-    local = set(runtime.local_stages)  # (virtual stages: several)
-    lowest = {n for n in tied if min(runtime.plan.tied_parameters[n]) in local}
     group = sync.groups.data_parallel
-    layout = build_layout(groups, names, set(sync.held), {n: n in lowest for n in tied},
-                          dist.get_rank(group=group), runtime.plan.data_parallel)
+    layout = build_layout(groups, names, set(sync.held), dist.get_rank(group=group),
+                          runtime.plan.data_parallel)
     zero = ZeroSync(layout, group, runtime.timeout, sync.who)
-    optimizer = make_sharded(cls, groups, layout, zero, defaults)
 
     def current(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if sync.zero is not zero:
             raise OptimizerError("this optimizer was replaced by a later pipe.optimizer call: "
                                  "step the newest one")
 
-    optimizer.register_step_pre_hook(current)
-    sync.shard(zero, runtime.replica_index)
+    optimizer = make_sharded(cls, groups, layout, zero, defaults, before_step=current)
+    sync.zero = zero
     guard_direct_optimizers(named.values(), "pipe.optimizer shards their optimizer state "
                             "over the replicas (shard_optimizer)")
     return optimizer
@@ -358,21 +354,28 @@ def build_optimizer(runtime: Any, named: dict[str, nn.Parameter], cls: type, par
 
 # -- refusing optimizers that bypass the shards ---------------------------------------------------
 
-_GUARDED: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (its ref, the reason)
+# id(parameter) -> (its ref, the reason, what a direct optimizer would get wrong, the other way)
+_GUARDED: dict[int, tuple[weakref.ref, str, str, str]] = {}
 _HOOK: Any = None
+_MADE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # by pipe.optimizer, unsharded
+_SHARDED = "it would hold the whole optimizer state on every replica instead of 1/D of it"
 
 
-def guard_direct_optimizers(params: Iterable[nn.Parameter], reason: str) -> None:
-    """Refuse, at their first step, optimizers over ``params`` not made by pipe.optimizer."""
+def guard_direct_optimizers(params: Iterable[nn.Parameter], reason: str,
+                            consequence: str = _SHARDED,
+                            fix: str = ", or compile with shard_optimizer=False") -> None:
+    """Refuse, at their first step, optimizers over ``params`` not made by pipe.optimizer
+    (``reason``: why they must be; ``consequence``: what a direct one would get wrong;
+    ``fix``: the other way out)."""
     global _HOOK
     for p in params:
-        _GUARDED[id(p)] = (weakref.ref(p), reason)
+        _GUARDED[id(p)] = (weakref.ref(p), reason, consequence, fix)
     if _HOOK is None:
         _HOOK = register_optimizer_step_pre_hook(_refuse_direct)
 
 
 def _refuse_direct(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _GUARDED or layout_of(optimizer) is not None:
+    if not _GUARDED or layout_of(optimizer) is not None or optimizer in _MADE:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -380,8 +383,7 @@ def _refuse_direct(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
             if found is not None and found[0]() is p:
                 raise OptimizerError(
                     f"this {type(optimizer).__name__} was built over the pipeline's parameters "
-                    f"directly, but {found[1]}: its step would apply gradients that are not "
-                    "averaged over the data-parallel replicas. Build it with "
+                    f"directly, but {found[1]}: {found[2]}. Build it with "
                     f"pipe.optimizer(torch.optim.{type(optimizer).__name__}, ...) (same "
-                    "arguments), or compile with shard_optimizer=False"
+                    f"arguments){found[3]}"
                 )

@@ -27,13 +27,23 @@ class NetworkProfile:
     allreduce_latency: float
     allreduce_bandwidth: float
     world_size: int = 2
+    # per link r -> r + 1 (world - 1 of them; empty when not measured per pair): what the
+    # slowest-link numbers above summarise, so a plan prices each pipeline boundary by the
+    # link it crosses (``planner/network.py``)
+    link_latencies: tuple[float, ...] = ()
+    link_bandwidths: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:  # (a profile read back from JSON holds lists)
+        object.__setattr__(self, "link_latencies", tuple(float(x) for x in self.link_latencies))
+        object.__setattr__(self, "link_bandwidths",
+                           tuple(float(x) for x in self.link_bandwidths))
 
 
 def measure_network(target: float = 0.03, largest: int = 2**24,
                     smallest: int = 2**10) -> NetworkProfile | None:
     """The links this job will use, measured in about a second: neighbouring ranks ping-pong
     (pairs (0, 1), (2, 3), ... then (1, 2), (3, 4), ...: every link r -> r + 1 a pipeline
-    uses), first a tiny message (the latency), then messages growing 64x then 4x until one
+    uses, each timed on its own and kept: ``link_bandwidths``), first a tiny message (the latency), then messages growing 64x then 4x until one
     way takes ``target`` seconds (a slow link is timed with about a MiB, a fast one with up to
     ``largest`` bytes); then an all-reduce of the small and a large size. One direction at a
     time, as a pipeline mostly sends: on a shaped link, traffic both ways at once also queues
@@ -52,24 +62,34 @@ def measure_network(target: float = 0.03, largest: int = 2**24,
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         return float(slowest.item())
 
-    def one_way(nbytes: int, repeats: int) -> float:
+    def one_way(nbytes: int, repeats: int) -> tuple[float, list[float]]:
+        """(the slowest link's time, every link r -> r + 1's time), agreed by all ranks."""
         offsets = (0, 1) if world > 2 else (0,)
-        return agreed(max(_pair_ping_pong(nbytes, rank, world, k, device, repeats)
-                          for k in offsets))
+        per_link = torch.zeros(world - 1, dtype=torch.float64, device=device)
+        for k in offsets:
+            seconds = _pair_ping_pong(nbytes, rank, world, k, device, repeats)
+            leader = (rank - k) % world % 2 == 0
+            if leader and rank + 1 < world and seconds > 0:  # this rank's link to rank + 1
+                per_link[rank] = seconds
+        dist.all_reduce(per_link, op=dist.ReduceOp.MAX)
+        times = [float(x) for x in per_link.cpu()]
+        return max(times), times
 
-    small = one_way(smallest, 5)
-    size, big = smallest, small
+    small, small_links = one_way(smallest, 5)
+    size, big, big_links = smallest, small, small_links
     while size < largest and big < target:
         size = min(largest, size * 64 if size == smallest else size * 4)
-        big = one_way(size, 2)
+        big, big_links = one_way(size, 2)
     latency, bandwidth = _two_point(smallest, small, size, big)
+    fitted = [_two_point(smallest, s, size, b) for s, b in zip(small_links, big_links)]
     factor = 2 * (world - 1) / world
     reduce_size = max(smallest * 4, size // 4)
     ar_small = agreed(timed_allreduce([torch.zeros(smallest // 4, device=device)], world, 3))
     ar_big = agreed(timed_allreduce([torch.zeros(reduce_size // 4, device=device)], world, 2))
     ar_latency, ar_bandwidth = _two_point(factor * smallest, ar_small,
                                           factor * reduce_size, ar_big)
-    return NetworkProfile(latency, bandwidth, ar_latency, ar_bandwidth, world)
+    return NetworkProfile(latency, bandwidth, ar_latency, ar_bandwidth, world,
+                          tuple(f[0] for f in fitted), tuple(f[1] for f in fitted))
 
 
 def _pair_ping_pong(nbytes: int, rank: int, world: int, offset: int, device: object,

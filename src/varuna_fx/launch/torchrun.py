@@ -1,0 +1,98 @@
+"""Starting ranks under torchrun, the one way ``varuna-fx run`` and ``varuna-fx train`` do it.
+
+On one machine (no ``--nnodes``/``--rdzv``/``--standalone`` among the extra torchrun flags) the
+job is torchrun's ``--standalone`` made reachable from this machine only (``standalone.py``);
+with ``elastic`` it is torchrun's elastic agent set up for morphing (``elastic.py``); otherwise
+the extra flags describe a fixed multi-machine job and pass through. The target (a script, or
+with ``module`` a module run as ``python -m``) gets its arguments exactly as given: torchrun's
+parser reads only the flags and the target.
+
+A signal to the launching process (a spot supervisor's SIGTERM, Ctrl-C) is passed on to the
+ranks by torchrun, which then raises ``SignalException``: the callers say what happened and
+exit with 128 + the signal's number.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+from .elastic import elastic_launch
+from .standalone import loopback_interfaces, loopback_stores, standalone_args
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where the ranks run: ``nproc`` on this machine, torchrun's own ``flags`` (a fixed
+    multi-machine job), or an elastic job's settings."""
+
+    nproc: int
+    flags: tuple[str, ...] = ()
+    elastic: bool = False
+    nnodes: str | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "varuna-fx"
+    local_addr: str | None = None
+    max_restarts: int = 100
+    rdzv_conf: str | None = None
+
+
+def split_flags(values: Sequence[str]) -> list[str]:
+    """torchrun flags from strings each split as a shell would ("--nnodes=2 --node-rank=0"
+    gives two flags)."""
+    return [flag for value in values for flag in shlex.split(value)]
+
+
+def one_machine(ranks: Ranks) -> bool:
+    return not ranks.elastic and not any(
+        a.startswith(("--nnodes", "--rdzv", "--standalone")) for a in ranks.flags)
+
+
+def torchrun_setup(ranks: Ranks) -> tuple[list[str], dict[str, str]]:
+    """torchrun's flags (before the target) and the environment the ranks need."""
+    if ranks.elastic:
+        launch = elastic_launch(
+            nproc=ranks.nproc, nnodes=ranks.nnodes or "1:1", rdzv_endpoint=ranks.rdzv_endpoint,
+            rdzv_id=ranks.rdzv_id, local_addr=ranks.local_addr,
+            max_restarts=ranks.max_restarts, rdzv_conf=ranks.rdzv_conf)
+        # the environment is read by torchrun's rendezvous and inherited by the ranks
+        return [*launch.argv, *ranks.flags], launch.env
+    if one_machine(ranks):  # as --standalone, but reachable from this machine only
+        return ([f"--nproc-per-node={ranks.nproc}", *standalone_args(), *ranks.flags],
+                loopback_interfaces())  # the ranks' gloo/NCCL sockets too
+    return [f"--nproc-per-node={ranks.nproc}", *ranks.flags], {}
+
+
+def start_ranks(ranks: Ranks, target: str, target_args: Sequence[str], *,
+                module: bool = False) -> None:
+    """Run ``target`` (a script, or a module) with ``target_args`` on the ranks; returns when
+    they all finished. Raises torchrun's ``SignalException`` (a signal reached this process)
+    or ``ChildFailedError`` (a rank failed; ``record`` has printed its summary)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.run import parse_args, run
+
+    flags, env = torchrun_setup(ranks)
+    parsed = parse_args([*flags, *(["--module"] if module else []), target])
+    parsed.training_script_args = list(target_args)  # set after parsing: torchrun never reads them
+    with loopback_stores() if one_machine(ranks) else nullcontext(), environment(env):
+        record(run)(parsed)
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment (the ranks inherit them) while the body runs,
+    then the environment as it was: a command may run inside a longer-lived process (a test, a
+    notebook), whose later launches must not inherit them."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

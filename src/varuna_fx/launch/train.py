@@ -1,0 +1,95 @@
+"""``varuna-fx train [CONFIG.toml] [--key value ...]``: a whole training job, one command.
+
+The command checks the configuration (``train_config.py``), then trains: in this process when
+``nproc = 1`` (and not elastic), else under torchrun with ``nproc`` ranks running the module
+``varuna_fx.launch.train_worker`` -- started as ``varuna-fx run`` starts a script
+(launch/torchrun.py: standalone on 127.0.0.1, or torchrun's elastic agent with ``elastic =
+true``), so the user writes no script. The ranks get the checked configuration as JSON.
+
+Exit status: 0 when the run reached ``steps`` (or ``stop_at``); 128 + the signal's number when
+a signal stopped it (143 for SIGTERM, 130 for Ctrl-C) -- the ranks saved a checkpoint first and
+the same command resumes; 1 when a rank failed; 2 for a configuration refused before anything
+ran.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import VarunaFxError
+from .torchrun import Ranks, split_flags, start_ranks
+from .train_config import TrainConfig, help_text, resolve, to_toml
+from .train_worker import SUMMARY, encode, run_training
+
+WORKER = "varuna_fx.launch.train_worker"
+PREEMPTED = 128 + signal.SIGTERM
+
+
+def train_command(argv: Sequence[str]) -> int:
+    """``varuna-fx train``'s whole life; returns the exit status."""
+    launched_at = time.time()
+    argv = list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
+    show = "--print-config" in argv
+    argv = [a for a in argv if a != "--print-config"]
+    try:
+        cfg, source = resolve(argv)
+    except VarunaFxError as exc:
+        print(f"varuna-fx train: error: {exc}", file=sys.stderr)
+        return 2
+    if show:
+        print(to_toml(cfg, source), end="")
+        return 0
+    if cfg.nproc == 1 and not cfg.elastic and not cfg.torchrun_args:
+        try:
+            return run_training(cfg, launched_at, source)
+        except VarunaFxError as exc:
+            print(f"varuna-fx train: error: {exc}", file=sys.stderr)
+            return 1
+    return launch_ranks(cfg, encode(cfg, launched_at, source), launched_at)
+
+
+def ranks_of(cfg: TrainConfig) -> Ranks:
+    return Ranks(nproc=cfg.nproc, flags=tuple(split_flags([cfg.torchrun_args])),
+                 elastic=cfg.elastic, nnodes=cfg.nnodes or None,
+                 rdzv_endpoint=cfg.rdzv_endpoint or None, rdzv_id=cfg.rdzv_id,
+                 local_addr=cfg.local_addr or None, max_restarts=cfg.max_restarts)
+
+
+def launch_ranks(cfg: TrainConfig, payload: str, launched_at: float) -> int:
+    """The ranks under torchrun, as ``varuna-fx run`` starts a script (launch/torchrun.py)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        start_ranks(ranks_of(cfg), WORKER, [payload], module=True)
+    except SignalException as stop:
+        # torchrun passed the signal on to the ranks, which saved a checkpoint and exited
+        name = signal.Signals(stop.sigval).name
+        print(f"varuna-fx train: stopped by {name}; the ranks saved a checkpoint in "
+              f"{cfg.out}/checkpoints; the same command resumes", file=sys.stderr)
+        return 128 + int(stop.sigval)
+    except ChildFailedError as failed:
+        print(f"varuna-fx train: a rank failed ({len(failed.failures)} of {cfg.nproc}; its "
+              "error is above)", file=sys.stderr)
+        return 1
+    return PREEMPTED if _ranks_were_preempted(cfg, launched_at) else 0
+
+
+def _ranks_were_preempted(cfg: TrainConfig, launched_at: float) -> bool:
+    """Whether this launch's ranks stopped on a signal sent to them (not to the command):
+    rank 0's summary, when it ran on this machine, says so."""
+    path = Path(cfg.out) / SUMMARY
+    try:
+        if path.stat().st_mtime < launched_at:
+            return False
+        return bool(json.loads(path.read_text()).get("preempted"))
+    except (OSError, ValueError):
+        return False

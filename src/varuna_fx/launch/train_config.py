@@ -1,0 +1,436 @@
+"""``varuna-fx train``'s configuration: every key, its default and meaning, in one dataclass.
+
+A run is configured by a TOML file (as torchtitan's) and ``--key value`` flags on top of it,
+flags winning. Every key of :class:`TrainConfig` is both: ``global_batch_size = 64`` in the file
+(at the top level or under its group's table, ``[training]``), ``--global-batch-size 64`` (or
+``--global_batch_size=64``) on the command line. The metadata of each field (group, help, what
+values it takes) is the one source of the parser, ``--help``, ``--print-config`` and the key
+table of docs/API.md (a test compares them).
+
+Values that let the planner or the data decide are written ``"auto"`` (TOML has no null);
+optional paths are ``""`` when unset. Everything is checked here, before a process is
+launched: a wrong key names the close ones, a wrong value says what the key takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..capture.trace import TRACERS
+from ..errors import InputError
+from ..runtime.precision import PRECISIONS
+from ..schedule import DEFAULT_SCHEDULE, schedule_choices
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # python 3.10: the same parser, as a package (a dependency there, pyproject.toml)
+    import tomli as tomllib
+
+AUTO = "auto"
+GROUPS = ("model", "data", "training", "optimizer", "compile", "checkpoint", "monitor",
+          "launch")
+BUILTIN_GPT = "gpt"
+STDLIB_CORPUS = "stdlib"
+# keys that size the built-in GPT: refused with another model, which brings its own sizes
+_HELP_WIDTH = 100
+GPT_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "dropout")
+
+
+def key(default: Any, group: str, help: str, kind: str | None = None, *,
+        choices: tuple[Any, ...] = (), low: float | None = None,
+        high: float | None = None) -> Any:
+    """A config field: ``kind`` is int, float, str, bool, or one of those with "|auto"
+    (inferred from the default when not given); ``choices`` limits the values."""
+    if kind is None:
+        kind = {bool: "bool", int: "int", float: "float", str: "str"}[type(default)]
+    return field(default=default, metadata={"group": group, "help": help, "kind": kind,
+                                            "choices": choices, "low": low, "high": high})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run (docs/API.md, "The train command", documents every key)."""
+
+    # -- model
+    model: str = key(BUILTIN_GPT, "model", "gpt (the built-in GPT, sized by the keys below), a "
+                     "Hugging Face config.json (or its directory), or module:factory (returns "
+                     "an nn.Module taking token ids, or a tuple whose first item is one)")
+    n_layer: int = key(4, "model", "built-in GPT: transformer blocks", low=1)
+    n_head: int = key(4, "model", "built-in GPT: attention heads (divides n_embd)", low=1)
+    n_embd: int = key(128, "model", "built-in GPT: embedding width", low=1)
+    vocab_size: Any = key(AUTO, "model", "built-in GPT: vocabulary; auto: the data's (256 for "
+                          "text read as bytes; a .bin token file needs it given)", "int|auto",
+                          low=2)
+    dropout: float = key(0.0, "model", "built-in GPT: dropout probability", low=0.0, high=1.0)
+    init_from: str = key("", "model", "a Hugging Face checkpoint directory (safetensors) to "
+                         "start from; ignored when --out holds a checkpoint to resume", "path")
+    # -- data
+    data: str = key(STDLIB_CORPUS, "data", "stdlib (the Python standard library's sources, "
+                    "read as bytes: no download), a token file (.bin of uint16/uint32), or any "
+                    "other file read as bytes")
+    corpus_bytes: int = key(4_000_000, "data", "stdlib: bytes of the corpus (the first files "
+                            "in sorted order, cut at this size)", low=1024)
+    data_dtype: str = key(AUTO, "data", ".bin token files: uint16 / uint32 / auto (inferred)",
+                          choices=(AUTO, "uint16", "uint32"))
+    seq_len: int = key(64, "data", "tokens per sample (the built-in GPT's context)", low=1)
+    shuffle: bool = key(True, "data", "shuffle the samples each epoch (order of seed, epoch)")
+    num_workers: int = key(0, "data", "data loader worker processes", low=0)
+    log_samples: bool = key(False, "data", "write each step's global batch (dataset indices) "
+                            "to samples.jsonl in --out")
+    # -- training
+    steps: int = key(600, "training", "optimizer steps of the whole run (the LR schedule's "
+                     "length)", low=1)
+    global_batch_size: int = key(16, "training", "samples per step over all replicas", low=1)
+    seed: int = key(0, "training", "initial weights and the data order", low=0)
+    stop_at: int = key(0, "training", "save and stop after this step (0: run to the end); the "
+                       "same command without it resumes", low=0)
+    # -- optimizer (AdamW) and LR schedule
+    lr: float = key(3e-3, "optimizer", "peak learning rate", low=0.0)
+    beta1: float = key(0.9, "optimizer", "AdamW beta1", low=0.0, high=1.0)
+    beta2: float = key(0.95, "optimizer", "AdamW beta2", low=0.0, high=1.0)
+    eps: float = key(1e-8, "optimizer", "AdamW epsilon", low=0.0)
+    weight_decay: float = key(0.1, "optimizer", "AdamW weight decay, on weights of 2 or more "
+                              "dimensions (not biases or norms)", low=0.0)
+    grad_clip: float = key(1.0, "optimizer", "clip the gradients' global norm to this (0: off)",
+                           low=0.0)
+    lr_schedule: str = key("cosine", "optimizer", "after the warmup: cosine / linear (down to "
+                           "min_lr_ratio x lr) / constant", choices=("cosine", "linear",
+                                                                     "constant"))
+    warmup_steps: Any = key(AUTO, "optimizer", "linear warmup steps; auto: 5% of steps",
+                            "int|auto", low=0)
+    min_lr_ratio: float = key(0.1, "optimizer", "the schedule's final LR over lr", low=0.0,
+                              high=1.0)
+    # -- compile's options
+    stages: Any = key(AUTO, "compile", "pipeline stages P (auto: the planner's)", "int|auto",
+                      low=1)
+    data_parallel: Any = key(AUTO, "compile", "data-parallel replicas D (auto: the planner's)",
+                             "int|auto", low=1)
+    # 4, not auto, by default: on the 2-core CPU the no-argument run is sized for, the planner
+    # picks micro-batches of 1 on two stages, 2-3x slower than it predicts there
+    # (bench/RESULTS.md, "The train command"); 4 keeps that run near a minute on any layout
+    micro_batch_size: Any = key(4, "compile", "samples per micro-batch (auto: the planner's); "
+                                "divides the global batch", "int|auto", low=1)
+    stages_per_rank: Any = key(1, "compile", "virtual stages per rank (auto: the schedule's)",
+                               "int|auto", low=1)
+    schedule: str = key(DEFAULT_SCHEDULE, "compile", "micro-batch schedule: "
+                        + ", ".join(schedule_choices()), choices=tuple(schedule_choices()))
+    recompute: Any = key(AUTO, "compile", "recompute activations: true / false / auto",
+                         "bool|auto")
+    shard_optimizer: Any = key(AUTO, "compile", "ZeRO-1 over the replicas: true / false / auto "
+                               "(auto: when D > 1)", "bool|auto")
+    precision: str = key("fp32", "compile", "fp32 / bf16 / fp16", choices=tuple(PRECISIONS))
+    tracer: str = key(AUTO, "compile", "fx / export / auto", choices=TRACERS)
+    offload_stash: bool = key(False, "compile", "keep stashed activations in host memory")
+    timeout: Any = key(AUTO, "compile", "seconds a rank waits for a peer (auto: "
+                       "$VARUNA_FX_TIMEOUT or the default)", "float|auto", low=0.0)
+    profile: bool = key(False, "compile", "measure this device for planning (cached) instead "
+                        "of FLOP estimates")
+    # -- checkpoints and output
+    out: str = key("runs/train", "checkpoint", "the run's folder: checkpoints/, metrics.jsonl, "
+                   "charts/*.png, config.toml; a checkpoint there is resumed", "path")
+    checkpoint_every: int = key(100, "checkpoint", "save every this many steps (0: only at the "
+                                "end and when stopped)", low=0)
+    keep_checkpoints: int = key(2, "checkpoint", "newest checkpoints kept (0: all)", low=0)
+    export: str = key("", "checkpoint", "at the end, write the model to this directory as "
+                      "Hugging Face safetensors", "path")
+    # -- watching
+    print_every: int = key(10, "monitor", "plain progress lines every this many steps (when "
+                           "not on a terminal)", low=1)
+    live: Any = key(AUTO, "monitor", "the live progress line: true / false / auto (on a "
+                    "terminal)", "bool|auto")
+    tensorboard: Any = key(AUTO, "monitor", "TensorBoard under --out: true / false / auto "
+                           "(when installed)", "bool|auto")
+    charts: bool = key(True, "monitor", "draw charts/training.png and charts/timeline.png at "
+                       "the end")
+    peak_flops: Any = key(AUTO, "monitor", "a device's peak FLOP/s for MFU (auto: the "
+                          "monitor's table)", "float|auto", low=0.0)
+    # -- launching (as `varuna-fx run`)
+    nproc: int = key(2, "launch", "processes on this machine (1: this process, no torchrun)",
+                     low=1)
+    elastic: bool = key(False, "launch", "machines may leave and join (torchrun's elastic "
+                        "agent); every restart resumes from the latest checkpoint")
+    nnodes: str = key("", "launch", "with elastic: MIN:MAX machines")
+    rdzv_endpoint: str = key("", "launch", "with elastic: HOST:PORT of the rendezvous host")
+    rdzv_id: str = key("varuna-fx", "launch", "with elastic: the job's name")
+    local_addr: str = key("", "launch", "with elastic: this machine's address")
+    max_restarts: int = key(100, "launch", "with elastic: restarts after worker failures",
+                            low=0)
+    torchrun_args: str = key("", "launch", "extra torchrun flags in one string (a fixed "
+                             "multi-machine job: \"--nnodes=2 --node-rank=0 "
+                             "--rdzv-endpoint=host:29400\")")
+
+    def compile_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``vf.compile`` these keys set (besides the model's)."""
+        auto = {k: (None if getattr(self, k) == AUTO else getattr(self, k))
+                for k in ("stages", "data_parallel", "micro_batch_size", "stages_per_rank",
+                          "timeout")}
+        return dict(auto, global_batch_size=self.global_batch_size, schedule=self.schedule,
+                    recompute=self.recompute, shard_optimizer=self.shard_optimizer,
+                    precision=self.precision, tracer=self.tracer,
+                    offload_stash=self.offload_stash, profile=self.profile)
+
+    @property
+    def warmup(self) -> int:
+        return max(1, self.steps // 20) if self.warmup_steps == AUTO else self.warmup_steps
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def defaults() -> TrainConfig:
+    return TrainConfig()
+
+
+# -- values ----------------------------------------------------------------------------------
+
+
+# what torchtitan, HF Trainer and nanoGPT call some keys: suggested, never accepted silently
+_OTHER_NAMES = {"learning_rate": "lr", "max_steps": "steps", "training_steps": "steps",
+                "batch_size": "global_batch_size", "output_dir": "out", "dump_folder": "out",
+                "num_layers": "n_layer", "warmup": "warmup_steps", "max_norm": "grad_clip",
+                "max_grad_norm": "grad_clip", "seq_length": "seq_len", "block_size": "seq_len",
+                "interval": "checkpoint_every", "save_steps": "checkpoint_every",
+                "dataset": "data", "pipeline_parallel_degree": "stages",
+                "data_parallel_degree": "data_parallel", "microbatch_size": "micro_batch_size"}
+
+
+def _close(name: str, among: Any) -> str:
+    near = [_OTHER_NAMES[name]] if name in _OTHER_NAMES and among is FIELDS else []
+    near += difflib.get_close_matches(name, list(among), n=3 - len(near), cutoff=0.6)
+    near += [k for k in among if name and name in k and k not in near][:3 - len(near)]
+    return f" (did you mean {', '.join(near)}?)" if near else ""
+
+
+def unknown_key(name: str, where: str) -> InputError:
+    return InputError(f"{where}: unknown key {name!r}{_close(name, FIELDS)}; "
+                      "`varuna-fx train --help` lists every key")
+
+
+def convert(name: str, value: Any, where: str) -> Any:
+    """``value`` (a string from a flag, or a TOML value) as key ``name`` takes it, checked."""
+    meta = FIELDS[name].metadata
+    kind: str = meta["kind"]
+    base, _, auto = kind.partition("|")
+    text = value if isinstance(value, str) else None
+    takes = {"int": "an integer", "float": "a number", "bool": "true or false",
+             "str": "a string", "path": "a path"}[base] + (" or auto" if auto else "")
+    if auto and text is not None and text.strip().lower() == AUTO:
+        return AUTO
+    out: Any = None
+    if base == "bool":
+        if isinstance(value, bool):
+            out = value
+        elif text is not None and text.strip().lower() in ("true", "false", "1", "0", "yes",
+                                                          "no", "on", "off"):
+            out = text.strip().lower() in ("true", "1", "yes", "on")
+    elif base == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            out = value
+        elif text is not None:
+            try:
+                out = int(text.replace("_", ""))
+            except ValueError:
+                out = None
+    elif base == "float":
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out = float(value)
+        elif text is not None:
+            try:
+                out = float(text)
+            except ValueError:
+                out = None
+    elif text is not None:  # str, path
+        out = text
+    if out is None:
+        raise InputError(f"{where}: {name} takes {takes}, got {value!r} ({meta['help']})")
+    if meta["choices"] and out not in meta["choices"]:
+        raise InputError(f"{where}: {name} = {out!r} is not one of "
+                         f"{', '.join(map(str, meta['choices']))}{_close(str(out), meta['choices'])}")
+    low, high = meta["low"], meta["high"]
+    if base in ("int", "float") and ((low is not None and out < low) or
+                                     (high is not None and out > high)):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise InputError(f"{where}: {name} must be {bounds}, got {out!r}")
+    return out
+
+
+# -- the file and the flags --------------------------------------------------------------------
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A config file's keys (flat), each checked: tables are the groups, nothing deeper."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"config file {path} does not exist (the first argument of "
+                         "`varuna-fx train` is a .toml file; every other is a --key value)")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path} is not valid TOML: {exc}") from None
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        if isinstance(value, dict):
+            if name not in GROUPS:
+                raise InputError(f"{path}: unknown table [{name}]{_close(name, GROUPS)}; the "
+                                 f"tables are {', '.join(GROUPS)} (or write keys at the top)")
+            for inner, item in value.items():
+                where = f"{path} [{name}]"
+                if inner not in FIELDS:
+                    raise unknown_key(inner, where)
+                if FIELDS[inner].metadata["group"] != name:
+                    raise InputError(f"{where}: {inner} belongs in "
+                                     f"[{FIELDS[inner].metadata['group']}], not [{name}]")
+                _put(values, inner, convert(inner, item, where), where)
+        else:
+            if name not in FIELDS:
+                raise unknown_key(name, str(path))
+            _put(values, name, convert(name, value, str(path)), str(path))
+    return values
+
+
+def _put(values: dict[str, Any], name: str, value: Any, where: str) -> None:
+    if name in values:
+        raise InputError(f"{where}: {name} is set twice")
+    values[name] = value
+
+
+def split_argv(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """``[CONFIG.toml] --key value ...`` -> (the config file or None, the flags' values)."""
+    config: str | None = None
+    values: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if not token.startswith("--"):
+            if i == 1 and not token.startswith("-"):
+                config = token
+                continue
+            raise InputError(f"unexpected argument {token!r}: a config file comes first, then "
+                             "--key value pairs")
+        name, eq, value = token[2:].partition("=")
+        name = name.replace("-", "_")
+        where = f"--{name.replace('_', '-')}"
+        if name not in FIELDS:
+            raise unknown_key(name, "command line")
+        if not eq:
+            nxt = argv[i] if i < len(argv) else None
+            if FIELDS[name].metadata["kind"].startswith("bool") and \
+                    (nxt is None or nxt.startswith("--")):
+                value = "true"  # --elastic alone
+            elif nxt is None:
+                raise InputError(f"{where} needs a value ({FIELDS[name].metadata['help']})")
+            else:
+                value, i = nxt, i + 1
+        if name in values:
+            raise InputError(f"{where} is given twice")
+        values[name] = convert(name, value, where)
+    return config, values
+
+
+def resolve(argv: list[str]) -> tuple[TrainConfig, dict[str, str]]:
+    """The run's configuration from the command line, and where each key set came from
+    ("config file" or "command line"; keys left at their default are absent)."""
+    config, flags = split_argv(list(argv))
+    from_file = read_toml(config) if config is not None else {}
+    source = {k: "config file" for k in from_file} | {k: "command line" for k in flags}
+    cfg = TrainConfig(**(from_file | flags))
+    check(cfg, set(source))
+    return cfg, source
+
+
+def check(cfg: TrainConfig, given: set[str]) -> None:
+    """What no single value shows: keys that go together, paths that must exist."""
+    if cfg.model != BUILTIN_GPT:
+        stray = [k for k in GPT_KEYS if k in given]
+        if stray:
+            raise InputError(f"{', '.join(stray)} size the built-in GPT, but model = "
+                             f"{cfg.model!r} brings its own sizes: remove them")
+        is_factory = ":" in cfg.model and not Path(cfg.model).exists()
+        if not is_factory and not hf_config_path(cfg.model).is_file():
+            raise InputError(f"model = {cfg.model!r}: neither gpt, a Hugging Face config.json "
+                             "(or a directory holding one), nor module:factory")
+    elif cfg.n_embd % cfg.n_head:
+        raise InputError(f"n_embd = {cfg.n_embd} is not a multiple of n_head = {cfg.n_head}")
+    if cfg.data != STDLIB_CORPUS and not Path(cfg.data).is_file():
+        raise InputError(f"data = {cfg.data!r} is not a file (give a token .bin file, a text "
+                         "file, or stdlib for the built-in corpus)")
+    if cfg.init_from and not Path(cfg.init_from).exists():
+        raise InputError(f"init_from = {cfg.init_from!r} does not exist")
+    if cfg.warmup_steps != AUTO and cfg.warmup_steps > cfg.steps:
+        raise InputError(f"warmup_steps = {cfg.warmup_steps} is longer than the run (steps = "
+                         f"{cfg.steps})")
+    if cfg.stop_at and cfg.stop_at >= cfg.steps:
+        raise InputError(f"stop_at = {cfg.stop_at} is not before the last step (steps = "
+                         f"{cfg.steps}): leave it out to run to the end")
+    if cfg.micro_batch_size != AUTO and cfg.global_batch_size % cfg.micro_batch_size:
+        raise InputError(f"micro_batch_size = {cfg.micro_batch_size} does not divide "
+                         f"global_batch_size = {cfg.global_batch_size}: change one, or let "
+                         "the planner choose (micro_batch_size = \"auto\")")
+    if cfg.global_batch_size == 1:
+        raise InputError("global_batch_size = 1: a pipeline needs at least 2 samples per step")
+    elastic_only = [k for k in ("nnodes", "rdzv_endpoint", "local_addr") if getattr(cfg, k)]
+    if elastic_only and not cfg.elastic:
+        raise InputError(f"{', '.join(elastic_only)} belong to elastic = true; for a fixed "
+                         "multi-machine job pass torchrun's flags in torchrun_args")
+
+
+def hf_config_path(model: str) -> Path:
+    """A Hugging Face model's config.json: the path given, or the file in the folder given."""
+    path = Path(model)
+    return path / "config.json" if path.is_dir() else path
+
+
+# -- writing it back ---------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
+def to_toml(cfg: TrainConfig, source: dict[str, str] | None = None) -> str:
+    """The whole configuration as a TOML file ``read_toml`` reads back to ``cfg``, grouped in
+    tables, each key with its meaning (and where it was set, when ``source`` says)."""
+    lines: list[str] = []
+    for group in GROUPS:
+        lines += [""] * bool(lines) + [f"[{group}]"]
+        for f in FIELDS.values():
+            if f.metadata["group"] != group:
+                continue
+            note = f"  # {f.metadata['help']}"
+            if source and f.name in source:
+                note += f" [{source[f.name]}]"
+            lines.append(f"{f.name} = {_toml_value(getattr(cfg, f.name))}{note}")
+    return "\n".join(lines) + "\n"
+
+
+def help_text() -> str:
+    """``varuna-fx train --help``: usage and every key by group, with its default."""
+    out = ["usage: varuna-fx train [CONFIG.toml] [--key value ...] [--print-config]",
+           "",
+           "Train a model from one command: every key below is a TOML key of CONFIG.toml (at",
+           "the top level or under its [group]) and a flag (--global-batch-size 64); flags",
+           "win. With no arguments: the built-in GPT on the Python standard library's sources,",
+           "2 processes, about a minute. SIGTERM (or Ctrl-C) saves and exits 143 (130); the",
+           "same command resumes from the newest checkpoint in --out, on any --nproc.",
+           "--print-config shows the resolved configuration as TOML and exits."]
+    for group in GROUPS:
+        out += ["", f"[{group}]"]
+        for f in FIELDS.values():
+            if f.metadata["group"] == group:
+                flag = f"--{f.name.replace('_', '-')} {_toml_value(f.default)}"
+                out += textwrap.wrap(f.metadata["help"], width=_HELP_WIDTH,
+                                     initial_indent=f"  {flag:<30}  ",
+                                     subsequent_indent=" " * 34)
+    return "\n".join(out)

@@ -1,0 +1,287 @@
+"""The rank side of ``varuna-fx train``: ``python -m varuna_fx.launch.train_worker PAYLOAD``.
+
+``varuna-fx train`` runs :func:`run_training` in its own process (``nproc = 1``) or starts this
+module under torchrun on every rank, with the resolved configuration as JSON (``PAYLOAD``), so
+every rank trains on exactly the configuration the command checked. The loop is the
+preemption-safe one of docs/checkpoints.md, with the pipeline owning what it can:
+
+- the model built deferred (each rank allocates its stage), initialised, or left for the load
+  when resuming or starting from pretrained weights (``train_model.py``);
+- ``pipe.optimizer`` (AdamW; ZeRO-1 when D > 1), gradient clipping with
+  ``pipe.clip_grad_norm_``, warmup + cosine (or linear, constant) as a ``LambdaLR``;
+- ``pipe.data_loader`` over the data (``train_data.py``): the global sample order is a
+  function of (seed, epoch), so the run continues on the same samples on any layout;
+- ``vf.Monitor``: the live line, ``metrics.jsonl``, TensorBoard, the charts;
+- checkpoints in ``OUT/checkpoints/stepNNNNNNNN`` every ``checkpoint_every`` steps, at the end,
+  at ``stop_at`` and when preempted (SIGTERM / SIGUSR1 on any rank: every rank saves the same
+  step); the newest is resumed by the same command, on any number of processes.
+
+Rank 0 also writes ``OUT/config.toml`` (the configuration of the latest launch) and
+``OUT/summary.json`` (where this launch stopped, and why), which the command reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..api import compile as vf_compile
+from ..checkpoint.directory import MARKER, latest_checkpoint
+from ..errors import CheckpointError, VarunaFxError
+from ..monitor.monitor import Monitor
+from ..pipeline import Pipeline
+from ..world.where import launched_distributed, rank
+from .train_config import AUTO, TrainConfig, to_toml
+from .train_data import open_data
+from .train_model import build_model, next_token_loss
+
+CHECKPOINTS = "checkpoints"
+SUMMARY = "summary.json"
+SAMPLES = "samples.jsonl"
+EXAMPLE_BATCH = 8  # the example batch compile traces with (at most the global batch)
+
+
+def lr_factor(cfg: TrainConfig) -> Any:
+    """The LR multiplier of step s (0-based; ``LambdaLR``): a linear warmup to 1, then down
+    to ``min_lr_ratio`` at the last step (cosine or linear) or constant."""
+    warmup, steps, floor = cfg.warmup, cfg.steps, cfg.min_lr_ratio
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (s - warmup) / max(1, steps - warmup))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" \
+            else 1 - progress
+        return floor + (1 - floor) * shape
+
+    return factor
+
+
+def adamw(pipe: Pipeline, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over this rank's parameters (sharded over the replicas when compile shards):
+    weight decay on weights of two or more dimensions only, as nanoGPT and Megatron do."""
+    decay = [p for _, p in pipe.named_parameters() if p.dim() >= 2]
+    rest = [p for _, p in pipe.named_parameters() if p.dim() < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                          {"params": rest, "weight_decay": 0.0}) if g["params"]]
+    return pipe.optimizer(torch.optim.AdamW, groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                          eps=cfg.eps)
+
+
+def prune(folder: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints (rank 0, after a save)."""
+    done = sorted(p for p in folder.glob("step*") if (p / MARKER).is_file())
+    for old in done[:-keep] if keep else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class Run:
+    """One launch of a training run on this rank."""
+
+    def __init__(self, cfg: TrainConfig, launched_at: float | None,
+                 source: dict[str, str] | None = None) -> None:
+        self.cfg, self.launched_at = cfg, launched_at
+        self.out = Path(cfg.out)
+        self.folder = self.out / CHECKPOINTS
+        self.rank = rank() if launched_distributed() else 0
+        self.source = source or {}
+
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(f"varuna-fx train: {text}", flush=True)
+
+    def build(self) -> tuple[Pipeline, Any, Any, Any, int]:
+        cfg = self.cfg
+        start = latest_checkpoint(self.folder) if self.folder.is_dir() else None
+        data = open_data(cfg)
+        made = build_model(cfg, data.vocab_size, data.largest_token,
+                           initialise=start is None and not cfg.init_from)
+        example = torch.zeros(min(cfg.global_batch_size, EXAMPLE_BATCH), cfg.seq_len,
+                              dtype=torch.long)
+        pipe = vf_compile(made.model, example_inputs=(example,), loss_fn=next_token_loss,
+                          **cfg.compile_options())
+        opt = adamw(pipe, cfg)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
+        loader = pipe.data_loader(data.dataset, shuffle=cfg.shuffle, seed=cfg.seed,
+                                  num_workers=cfg.num_workers)
+        plan = pipe.plan
+        sharded = pipe.replicas > 1 and cfg.shard_optimizer is not False
+        self.say(f"model: {made.description}")
+        self.say(f"data: {data.description}")
+        self.say(f"plan: P={plan.stages} x D={plan.data_parallel}, {plan.num_micro_batches} "
+                 f"micro-batch(es) of {plan.micro_batch_size}, schedule {plan.schedule.name}, "
+                 f"optimizer state {'sharded (ZeRO-1)' if sharded else 'not sharded'}, global "
+                 f"batch {loader.global_batch_size}")
+        step = 0
+        if start is not None:
+            try:
+                step = int(pipe.load_checkpoint(start, opt, data=loader, scheduler=sched)["step"])
+            except CheckpointError as exc:
+                raise CheckpointError(f"{self.out} holds {start}, which this configuration "
+                                      f"cannot resume ({exc}); give another --out, or the "
+                                      "configuration the run was saved with") from None
+            self.say(f"resumed from {start} (step {step})")
+        elif cfg.init_from:
+            pipe.load_pretrained(cfg.init_from)
+            self.say(f"initialised from {cfg.init_from}")
+        return pipe, opt, sched, loader, step
+
+    def save(self, pipe: Pipeline, opt: Any, sched: Any, loader: Any, step: int) -> str:
+        path = str(self.folder / f"step{step:08d}")
+        pipe.save_checkpoint(path, opt, data=loader, scheduler=sched, extra={"step": step})
+        if self.rank == 0:
+            prune(self.folder, self.cfg.keep_checkpoints)
+        return path
+
+    def write(self, name: str, text: str, mode: str = "w") -> None:
+        if self.rank == 0:
+            with open(self.out / name, mode) as f:
+                f.write(text)
+
+    def train(self) -> int:
+        """Train to ``stop_at`` or the end; returns 128 + the signal when one stopped it
+        (143, or 130 for Ctrl-C), else 0."""
+        cfg = self.cfg
+        pipe, opt, sched, loader, step = self.build()
+        pipe.install_preemption_handlers()  # (torchrun's ranks have them already)
+        save_on_ctrl_c()
+        stop = cfg.stop_at or cfg.steps
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.write("config.toml", to_toml(cfg, self.source))
+        if step >= stop:
+            self.say(f"nothing to do: {self.out} holds step {step} and the run stops at "
+                     f"{stop} (raise --steps, or give another --out)")
+            pipe.close()
+            return 0
+        first = step
+        monitor = Monitor(pipe, self.out, total_steps=cfg.steps, start_step=step,
+                          print_every=cfg.print_every, live=_auto(cfg.live),
+                          tensorboard=_auto(cfg.tensorboard), charts=cfg.charts,
+                          peak_flops=None if cfg.peak_flops == AUTO else cfg.peak_flops)
+        batches = loader.forever()
+        loss, saved, last_step_at = None, None, time.time()
+        while step < stop:
+            x, y = next(batches)
+            pipe.zero_grad()
+            loss = pipe.step(x, target=y)
+            scalars = {"lr": sched.get_last_lr()[0]}
+            if cfg.grad_clip:
+                scalars["grad_norm"] = float(pipe.clip_grad_norm_(cfg.grad_clip))
+            pipe.optimizer_step(opt)
+            sched.step()
+            step += 1
+            last_step_at = time.time()
+            monitor.log(loss, **scalars)
+            if cfg.log_samples:
+                self.write(SAMPLES, json.dumps({"step": step,
+                                                "ids": loader.last_global_batch()}) + "\n", "a")
+            if pipe.preempted or step == stop or \
+                    (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                saved = self.save(pipe, opt, sched, loader, step)
+            if pipe.preempted:
+                break
+        preempted = pipe.preempted
+        monitor.close()
+        if cfg.export and step == cfg.steps:
+            pipe.save_pretrained(cfg.export)
+            self.say(f"exported the model to {cfg.export} (Hugging Face safetensors)")
+        pipe.close()
+        self.finish(first, step, loss, saved, preempted, last_step_at)
+        if not preempted:
+            return 0
+        return 128 + (signal.SIGINT if _INTERRUPTED else signal.SIGTERM)
+
+    def finish(self, first: int, step: int, loss: Any, saved: str | None, preempted: bool,
+               last_step_at: float) -> None:
+        if self.rank != 0:
+            return
+        summary = {"first_step": first, "last_step": step, "steps": self.cfg.steps,
+                   "final_loss": float(loss) if loss is not None else None,
+                   "preempted": preempted, "checkpoint": saved,
+                   "seconds_from_command_to_last_step":
+                       last_step_at - self.launched_at if self.launched_at else None}
+        self.write(SUMMARY, json.dumps(summary, indent=1) + "\n")
+        when = summary["seconds_from_command_to_last_step"]
+        timing = f" ({when:.1f} s from the command to the last step)" if when else ""
+        self.say(f"steps {first + 1}-{step} of {self.cfg.steps} done{timing}, final loss "
+                 f"{summary['final_loss']:.4f}; charts and metrics.jsonl in {self.out}")
+        if preempted:
+            self.say(f"preempted: saved {saved}; the same command resumes from it (on any "
+                     "--nproc)")
+        elif step < self.cfg.steps:
+            self.say(f"stopped at step {step} (stop_at): saved {saved}; the same command "
+                     "without stop_at resumes")
+
+
+_INTERRUPTED: list[int] = []  # Ctrl-C seen (the exit status says so: 130, not 143)
+
+
+def save_on_ctrl_c() -> None:
+    """Ctrl-C (SIGINT: the terminal sends it to the command and every rank) stops as SIGTERM
+    does -- every rank saves after the step -- instead of a KeyboardInterrupt that loses the
+    steps since the last checkpoint; a second Ctrl-C interrupts at once."""
+    def first(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _INTERRUPTED.append(signum)
+        os.kill(os.getpid(), signal.SIGTERM)  # the preemption handler takes it from here
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, first)
+
+
+def _auto(value: Any) -> bool | None:
+    return None if value == AUTO else value
+
+
+def run_training(cfg: TrainConfig, launched_at: float | None = None,
+                 source: dict[str, str] | None = None) -> int:
+    """Train as configured on this process (every rank calls it); the exit status."""
+    return Run(cfg, launched_at, source).train()
+
+
+def decode(payload: str) -> tuple[TrainConfig, float | None, dict[str, str]]:
+    """The command's JSON payload (config, launch time, sources) back into objects."""
+    data = json.loads(payload)
+    return TrainConfig(**data["config"]), data.get("launched_at"), data.get("source", {})
+
+
+def encode(cfg: TrainConfig, launched_at: float, source: dict[str, str]) -> str:
+    return json.dumps({"config": dataclasses.asdict(cfg), "launched_at": launched_at,
+                       "source": source})
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m varuna_fx.launch.train_worker PAYLOAD (started by "
+              "`varuna-fx train`)", file=sys.stderr)
+        return 2
+    cfg, launched_at, source = decode(argv[0])
+    try:
+        code = run_training(cfg, launched_at, source)
+    except VarunaFxError as exc:
+        print(f"error (rank {rank()}): {exc}", file=sys.stderr, flush=True)
+        return 1
+    # preempted or done, the checkpoint is complete: a rank that exits 0 tells torchrun's agent
+    # it finished (the command reads summary.json to say whether it was preempted)
+    return 0 if launched_distributed() else code
+
+
+if __name__ == "__main__":
+    status = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # skip torch's slow interpreter teardown (the agent waits on it)
