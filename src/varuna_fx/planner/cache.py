@@ -12,8 +12,8 @@ shapes, other operations or other measured times has another table), the cluster
 every planning option (``PlanOptions``: the cluster, batch, the given P / D / micro-batch size,
 the schedule, recompute, sharding, compression, replica sync), the example batch, the recompute
 setting planned for, the running world (``P x D`` must use exactly its ranks), and the code:
-the source of ``planner/``, ``schedule/`` and ``costs/`` and the varuna_fx, torch and Python
-versions. Anything in them this module cannot write down exactly (an object whose ``repr``
+the source of ``planner/``, ``schedule/``, ``costs/``, ``passes/`` and ``world/``, the
+varuna_fx, torch and Python versions. Anything in them this module cannot write down exactly (an object whose ``repr``
 names its address, a replica sync that is not a plain name) makes the search uncacheable: it
 then simply runs. What the search does not read is not in the key: the graph's code beyond its
 costs (a re-plan partitions and generates code from the graph afresh: only the search is
@@ -58,7 +58,7 @@ MAX_ENTRIES = 64
 stats: Counter[str] = Counter()
 _MEMORY: OrderedDict[str, Searched] = OrderedDict()
 _PACKAGE = Path(__file__).resolve().parent.parent
-_CODE = ("planner", "schedule", "costs")
+_CODE = ("planner", "schedule", "costs", "passes", "world")
 
 
 class PlanCacheWarning(UserWarning):
