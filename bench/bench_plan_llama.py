@@ -59,12 +59,12 @@ def child(name: str, layers: int | None, profile: str | None, worlds: list[int])
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     tokens = torch.zeros(2, SEQ, dtype=torch.long)  # 1 would fix the batch for export
-    states = []
+    seconds_of = []  # each compile's CPU seconds per pass (not its state: that holds graphs)
     real = api.run_pass_list
 
     def keep(state, dump=None):  # noqa: ANN001, ANN202 - the pass list's own signature
         real(state, dump)
-        states.append(state)
+        seconds_of.append(dict(state.seconds))
 
     api.run_pass_list = keep  # (to read each pass's CPU seconds off the compile's state)
     rows = []
@@ -87,7 +87,7 @@ def child(name: str, layers: int | None, profile: str | None, worlds: list[int])
         else:
             pipe = compile_()
         cpu = time.process_time() - cpu
-        plan, seconds = pipe.plan, states[-1].seconds
+        plan, seconds = pipe.plan, seconds_of[-1]
         rows.append({
             "config": name, "gpus": gpus, "params": sum(p.numel() for p in model.parameters()),
             "layers": shape["num_hidden_layers"], "cpu": cpu,
@@ -98,6 +98,7 @@ def child(name: str, layers: int | None, profile: str | None, worlds: list[int])
             "plan": f"P={plan.stages} D={plan.data_parallel} m={plan.micro_batch_size}"
                     f"x{plan.num_micro_batches} {plan.schedule.name} "
                     f"{plan.predicted_step_time:.3f} s/step"})
+        del pipe  # (the next compile's peak RSS without this one's pipeline)
     return rows
 
 
