@@ -129,3 +129,18 @@ def test_the_key_refuses_what_it_cannot_write_down_exactly() -> None:
     assert plan_cache.search_key(1, "a", (2.5,)) != plan_cache.search_key(1, "a", (2.5000001,))
     assert plan_cache.search_key(Opaque()) is None
     assert plan_cache.stats["uncacheable"] == 1
+
+
+def test_a_refused_search_is_kept_word_for_word() -> None:
+    # compile's recompute="auto" plans without recomputation first: where nothing fits that
+    # way, a re-plan would pay the refused search every time
+    model = _model()
+    with pytest.raises(vf.PlanError) as first:
+        _plan(model, _cluster(memory="64KiB"))
+    assert plan_cache.stats["miss"] >= 1 and plan_cache.stats["hit"] == 0
+    misses = plan_cache.stats["miss"]
+    plan_cache.clear()  # from the file, as a restarted process
+    with pytest.raises(vf.PlanError) as again:
+        _plan(model, _cluster(memory="64KiB"))
+    assert str(again.value) == str(first.value) and "fits" in str(first.value)
+    assert plan_cache.stats["miss"] == misses and plan_cache.stats["hit"] >= 1

@@ -28,6 +28,9 @@ never an error. ``VARUNA_FX_PLAN_CACHE=0`` turns both off; ``=memory`` keeps onl
 
 Use (``configure.choose_configuration`` does this around ``Planner.search``):
 ``key = search_key(...)``; ``found = load(key)``; on a miss search, then ``store(key, found)``.
+A search that finds nothing that fits is kept too (:class:`Refused`, its ``PlanError``'s
+message), so that compile's ``recompute="auto"``, which plans without recomputation first,
+does not pay that refused search again on every re-plan.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ MAX_ENTRIES = 64
 # what happened in this process (tests and benchmarks read it): hit (memory or disk), miss,
 # write, uncacheable, ignored (a file that could not be used)
 stats: Counter[str] = Counter()
-_MEMORY: OrderedDict[str, Searched] = OrderedDict()
+_MEMORY: OrderedDict[str, Searched | Refused] = OrderedDict()
 _PACKAGE = Path(__file__).resolve().parent.parent
 _CODE = ("planner", "schedule", "costs", "passes", "world")
 
@@ -96,6 +99,15 @@ class Searched:
                    int(entry["micro_batch_size"]), str(entry["schedule"]), bool(entry["shard"]),
                    int(entry["stages_per_rank"]), rows, ints(entry["searched"]),
                    ints(entry["run_counts"]), tuple(str(s) for s in entry["sync"]))
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A search that found nothing that fits: its ``PlanError``'s message. Compile's
+    ``recompute="auto"`` plans without recomputation first and, where that is refused, with
+    it: a re-plan keeps paying that first search unless its refusal is kept too."""
+
+    message: str
 
 
 def mode() -> str:
@@ -181,7 +193,7 @@ def _code_digest() -> str:
     return digest.hexdigest()
 
 
-def load(key: str | None) -> Searched | None:
+def load(key: str | None) -> Searched | Refused | None:
     """The search stored under ``key``: from the process, else from disk; None on a miss."""
     if key is None:
         return None
@@ -200,7 +212,7 @@ def load(key: str | None) -> Searched | None:
     return None
 
 
-def _load_file(path: Path, key: str) -> Searched | None:
+def _load_file(path: Path, key: str) -> Searched | Refused | None:
     try:
         text = path.read_text()
     except OSError:
@@ -209,6 +221,8 @@ def _load_file(path: Path, key: str) -> Searched | None:
         entry = unsealed(text)
         if entry.get("format") != FORMAT or entry.get("key") != key:
             raise ValueError("written for another key or by another format")
+        if "refused" in entry:
+            return Refused(str(entry["refused"]))
         found = Searched.from_json(entry["searched"])
         if min(found.stages, found.data_parallel, found.micro_batch_size,
                found.stages_per_rank) < 1 or not found.alternatives:
@@ -221,7 +235,7 @@ def _load_file(path: Path, key: str) -> Searched | None:
         return None
 
 
-def store(key: str | None, found: Searched) -> None:
+def store(key: str | None, found: Searched | Refused) -> None:
     """Keep ``found`` under ``key`` in the process and, unless the cache is memory-only, on
     disk (atomically; a cache that cannot be written is skipped silently: it only saves
     time)."""
@@ -232,8 +246,10 @@ def store(key: str | None, found: Searched) -> None:
         return
     directory = cache_dir("plans")
     try:
-        write_atomically(directory, f"{key}.json", sealed(
-            {"format": FORMAT, "key": key, "searched": found.to_json()}))
+        answer = {"refused": found.message} if isinstance(found, Refused) else \
+            {"searched": found.to_json()}
+        write_atomically(directory, f"{key}.json", sealed({"format": FORMAT, "key": key,
+                                                           **answer}))
         stats["write"] += 1
         _prune(directory)
     except OSError:
@@ -245,7 +261,7 @@ def clear() -> None:
     _MEMORY.clear()
 
 
-def _remember(key: str, found: Searched) -> None:
+def _remember(key: str, found: Searched | Refused) -> None:
     _MEMORY[key] = found
     _MEMORY.move_to_end(key)
     while len(_MEMORY) > MAX_ENTRIES:

@@ -169,9 +169,16 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
         # before (a restart, a world size seen before) takes its answer from the cache
         key = plan_cache.search_key(pricer, options, space, example_batch, recompute)
         found = plan_cache.load(key)
+        if isinstance(found, plan_cache.Refused):
+            raise PlanError(found.message)  # what the search said last time, word for word
         if found is None:
-            found = _search_once(planner, space,
-                                  virtual=stages_per_rank is None and schedule == AUTO)
+            try:
+                found = _search_once(planner, space,
+                                     virtual=stages_per_rank is None and schedule == AUTO)
+            except PlanError as refused:
+                if type(refused) is PlanError:  # (nothing but the message to keep)
+                    plan_cache.store(key, plan_cache.Refused(str(refused)))
+                raise
             if all(isinstance(s, str) for s in found.sync):  # (a PowerSGD object: not kept)
                 plan_cache.store(key, found)
         p, d, b, name = found.stages, found.data_parallel, found.micro_batch_size, found.schedule
