@@ -1,22 +1,34 @@
 """Planning a 7B- and a 70B-parameter Llama (issue 24 item 7b): seconds and peak RSS.
 
 Run: ``python bench/bench_plan_llama.py`` (``--configs 7b,70b``, ``--layers N`` to override the
-layer count, ``--profile PATH`` for a cProfile of the child's compile). Each config is planned
-in a fresh child process (its peak RSS is the process's ``ru_maxrss``): transformers'
-``LlamaConfig`` (``use_cache=False``), the model built under ``torch.device("meta")``, then
-``vf.compile`` for 64 A100-class GPUs (8 per node, 80 GiB, 100 Gbit/s between nodes), global
-batch 512 x sequence 2048, bf16. A meta model only plans (no rank holds weights), so the time
-is capture + annotation + the planner's search. "seconds" is build + compile (wall); the
-compile's CPU seconds (``time.process_time``) are steadier on a shared machine.
+layer count, ``--profile PATH`` for a cProfile of the child's first compile, ``--worlds``
+the GPU counts compiled one after another in the first child). Each config is planned in fresh
+child processes (peak RSS is each process's ``ru_maxrss``): transformers' ``LlamaConfig``
+(``use_cache=False``), the model built under ``torch.device("meta")``, then ``vf.compile`` for
+64 A100-class GPUs (8 per node, 80 GiB, 100 Gbit/s between nodes), global batch 512 x sequence
+2048, bf16. A meta model only plans (no rank holds weights), so the time is capture +
+annotation + the planner's search + partition and code generation.
+
+Issue 32 item 2 (re-plan in seconds), in a fresh cache directory (``$VARUNA_FX_CACHE_DIR``):
+the first child compiles at each of ``--worlds`` (default 64, 64, 56): "cold" (nothing cached),
+"again" (same world in the same process: the search's answer from the process's plan cache,
+``planner/cache.py``), then 56 GPUs (a node lost: a new search, as ``Replan`` would run it; its
+"re-plan" column leaves out capture and the annotation passes, which a re-plan on a graph
+already captured does not run). A second child then compiles at 56 GPUs as a restarted process
+would, with the files the first left (shape and plan caches). Every figure is CPU seconds
+(``time.process_time``: a shared machine moves wall time far more), per pass from
+``GraphState.seconds``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 CONFIGS = {  # the published shapes (vocabulary 32000)
@@ -28,46 +40,66 @@ CONFIGS = {  # the published shapes (vocabulary 32000)
 SEQ, GLOBAL_BATCH = 2048, 512
 
 
-def child(name: str, layers: int | None, profile: str | None) -> dict:
+FRONT = ("capture", "annotate_shapes", "specialize_sizes", "annotate_backward",
+         "mark_replicable", "mark_sample_mixing")
+
+
+def child(name: str, layers: int | None, profile: str | None, worlds: list[int]) -> list[dict]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import varuna_fx as vf
+    from varuna_fx import api
+    from varuna_fx.planner import cache as plan_cache
 
     shape = dict(CONFIGS[name])
     if layers is not None:
         shape["num_hidden_layers"] = layers
     cfg = LlamaConfig(**shape, vocab_size=32000, max_position_embeddings=SEQ, use_cache=False)
-    start = time.perf_counter()
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    built = time.perf_counter() - start
-    cluster = vf.Cluster(gpus=64, gpus_per_node=8, gpu_memory="80GiB",
-                         inter_node_bandwidth="100Gbit/s", device_type="a100")
     tokens = torch.zeros(2, SEQ, dtype=torch.long)  # 1 would fix the batch for export
+    seconds_of = []  # each compile's CPU seconds per pass (not its state: that holds graphs)
+    real = api.run_pass_list
 
-    def compile_() -> vf.Pipeline:
-        return vf.compile(model, cluster=cluster, example_inputs={"input_ids": tokens,
-                                                                  "labels": tokens},
-                          global_batch_size=GLOBAL_BATCH, precision="bf16")
+    def keep(state, dump=None):  # noqa: ANN001, ANN202 - the pass list's own signature
+        real(state, dump)
+        seconds_of.append(dict(state.seconds))
 
-    start, cpu = time.perf_counter(), time.process_time()
-    if profile:
-        import cProfile
-        profiler = cProfile.Profile()
-        pipe = profiler.runcall(compile_)
-        profiler.dump_stats(profile)
-    else:
-        pipe = compile_()
-    compiled = time.perf_counter() - start
-    cpu = time.process_time() - cpu
-    plan = pipe.plan
-    return {"config": name, "params": sum(p.numel() for p in model.parameters()),
-            "layers": shape["num_hidden_layers"], "build": built, "compile": compiled, "cpu": cpu,
+    api.run_pass_list = keep  # (to read each pass's CPU seconds off the compile's state)
+    rows = []
+    for k, gpus in enumerate(worlds):
+        cluster = vf.Cluster(gpus=gpus, gpus_per_node=8, gpu_memory="80GiB",
+                             inter_node_bandwidth="100Gbit/s", device_type="a100")
+
+        def compile_(cluster: vf.Cluster = cluster) -> vf.Pipeline:
+            return vf.compile(model, cluster=cluster, example_inputs={"input_ids": tokens,
+                                                                      "labels": tokens},
+                              global_batch_size=GLOBAL_BATCH, precision="bf16")
+
+        hits = plan_cache.stats["hit"]
+        cpu = time.process_time()
+        if profile and k == 0:
+            import cProfile
+            profiler = cProfile.Profile()
+            pipe = profiler.runcall(compile_)
+            profiler.dump_stats(profile)
+        else:
+            pipe = compile_()
+        cpu = time.process_time() - cpu
+        plan, seconds = pipe.plan, seconds_of[-1]
+        rows.append({
+            "config": name, "gpus": gpus, "params": sum(p.numel() for p in model.parameters()),
+            "layers": shape["num_hidden_layers"], "cpu": cpu,
+            "front": sum(v for p, v in seconds.items() if p in FRONT),
+            "replan": sum(v for p, v in seconds.items() if p not in FRONT),
+            "passes": seconds, "search_cached": plan_cache.stats["hit"] > hits,
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "plan": f"P={plan.stages} D={plan.data_parallel} m={plan.micro_batch_size}"
                     f"x{plan.num_micro_batches} {plan.schedule.name} "
-                    f"{plan.predicted_step_time:.3f} s/step"}
+                    f"{plan.predicted_step_time:.3f} s/step"})
+        del pipe  # (the next compile's peak RSS without this one's pipeline)
+    return rows
 
 
 def main() -> None:
@@ -75,26 +107,39 @@ def main() -> None:
     parser.add_argument("--configs", default="7b,70b")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--profile", default=None)
+    parser.add_argument("--worlds", default="64,64,56")
+    parser.add_argument("--restart", default="56", help="GPUs of the restarted child ('': none)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.layers, args.profile)))
+        worlds = [int(w) for w in args.worlds.split(",")]
+        print(json.dumps(child(args.child, args.layers, args.profile, worlds)))
         return
-    print("| config | params | layers | seconds (build + compile) | compile CPU s | peak RSS "
-          "| plan |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"load average {os.getloadavg()}")
+    print("| config | params | layers | process | GPUs | compile CPU s | front end CPU s "
+          "| re-plan CPU s (configure ... codegen) | search | peak RSS | plan |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.configs.split(","):
-        cmd = [sys.executable, __file__, "--child", name]
-        if args.layers is not None:
-            cmd += ["--layers", str(args.layers)]
-        if args.profile:
-            cmd += ["--profile", f"{args.profile}.{name}"]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        r = json.loads(out.strip().splitlines()[-1])
-        print(f"| {r['config']} | {r['params'] / 1e9:.2f} B | {r['layers']} | "
-              f"{r['build'] + r['compile']:.1f} ({r['build']:.1f} + {r['compile']:.1f}) | "
-              f"{r['cpu']:.1f} | "
-              f"{r['rss'] / 2**20:.0f} MiB | {r['plan']} |", flush=True)
+        env = {**os.environ, "VARUNA_FX_CACHE_DIR": tempfile.mkdtemp(prefix="bench_plan_")}
+        runs = [("first", args.worlds, args.profile)]
+        if args.restart:
+            runs.append(("restarted", args.restart, None))
+        for process, worlds, profile in runs:
+            cmd = [sys.executable, __file__, "--child", name, "--worlds", worlds]
+            if args.layers is not None:
+                cmd += ["--layers", str(args.layers)]
+            if profile:
+                cmd += ["--profile", f"{profile}.{name}"]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                 env=env).stdout
+            for r in json.loads(out.strip().splitlines()[-1]):
+                passes = ", ".join(f"{p} {v:.1f}" for p, v in r["passes"].items() if v >= 0.05)
+                print(f"| {r['config']} | {r['params'] / 1e9:.2f} B | {r['layers']} | "
+                      f"{process} | {r['gpus']} | {r['cpu']:.1f} | {r['front']:.1f} | "
+                      f"{r['replan']:.1f} | {'cached' if r['search_cached'] else 'searched'} | "
+                      f"{r['rss'] / 2**20:.0f} MiB | {r['plan']} |", flush=True)
+                print(f"<!-- {r['config']} {process} {r['gpus']}: {passes} -->", flush=True)
+    print(f"load average {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from .checkpoint.directory import latest_checkpoint
 from .costs.wire import DiLoCo, PowerSGD
 from .data.tokens import TokenDataset
 from .errors import (
+    AllocationError,
     CaptureError,
     CheckpointError,
     DistributedError,
@@ -31,6 +32,7 @@ from .planner.cluster import Cluster
 from .planner.plan import Plan, StageCost
 
 __all__ = [
+    "AllocationError",
     "CaptureError",
     "CheckpointError",
     "Cluster",

@@ -26,7 +26,10 @@ from .codegen.pass_list import (  # noqa: F401 (the list, read here too)
 )
 from .codegen.stage_module import Stage
 from .codegen.stage_totals import stage_totals
-from .costs.wire import ReplicaSync
+from .costs.wire import DiLoCo, ReplicaSync
+from .init.allocation import DeferredAllocation
+from .init.materialize import check_replayable, is_deferred
+from .morph.controller import InPlace
 from .options import (
     CompileOptions,
     check_compile_arguments,
@@ -42,16 +45,24 @@ from .passes.sample_mixing import (
     refuse_layout_dependent_draws,
     warn_sample_mixing,
 )
-from .pipeline import Pipeline, make_pipeline
+from .pipeline import Pipeline
 from .planner.cluster import Cluster
 from .planner.network import rank_links
 from .planner.plan import Boundary, Plan
 from .runtime.compress import transfer_mode, wire_nbytes
+from .runtime.distributed import make_distributed_runtime
+from .runtime.local import LocalRuntime
+from .runtime.loss_weights import find_mean_loss
+from .runtime.model_state import StateLayout
+from .runtime.options import RunOptions
+from .runtime.outputs import OutputAssembler
 from .runtime.split_backward import input_grads
+from .runtime.step import Runtime
+from .runtime.zero import guard_direct_optimizers
 from .schedule import DEFAULT_SCHEDULE
 from .schedule.placement import Placement
-from .world.membership import in_place, joined_settings
-from .world.where import resolve_timeout, world_size
+from .world.membership import in_place, joined_settings, joining_running_job, membership
+from .world.where import launched_distributed, resolve_timeout, world_size
 
 
 def compile(  # noqa: A001 - the public name in API.md
@@ -208,3 +219,55 @@ def boundaries(state: CompileState) -> tuple[Boundary, ...]:
         rows.append(Boundary(k, float(nbytes), float(wire), link, float(bw),
                              priced.compression[k] if k < len(priced.compression) else "off"))
     return tuple(rows)
+
+
+def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
+                  canonical: dict[str, str], options: RunOptions, *,
+                  device: torch.device | None = None, replan: Any = None) -> Pipeline:
+    """The distributed runtime under torchrun (world size > 1), else the one-process one, run
+    as ``options`` say. A model built under ``vf.deferred_init`` is materialised on a rank
+    only for its stage, while its runtime is made (``distributed.py``); in one process all of
+    it on ``device`` (the example inputs'), when the pipeline is first used
+    (``init/allocation.py``). ``replan``: in an in-place job, how a morph plans for another
+    world in this process (``api.Replan``); a process joining a running job takes its state
+    from the members here (``morph/controller.py``)."""
+    assemble = OutputAssembler(captured)
+    # the model's whole state, before a distributed rank empties what it does not hold
+    layout = StateLayout.of(model, canonical, stages)
+    runtime: Runtime
+    allocation = None
+    joining = joining_running_job()
+    if launched_distributed():  # each rank allocates its own stages' tensors now
+        runtime = make_distributed_runtime(model, captured, stages, plan, canonical, options,
+                                           assemble=assemble, layout=layout, joining=joining)
+    # (a graph cut from the captured one: made after a rank's allocation retargeted the
+    # captured graph to its device, or retargeted by a one-process pipeline's allocation)
+    mean_loss = find_mean_loss(captured.gm, captured.out_spec, captured.input_names,
+                               options.loss_fn)
+    if not launched_distributed():
+        if is_deferred(model):  # allocated when first used (init/allocation.py)
+            check_replayable(model)  # what could never be allocated is refused now
+            counting = [mean_loss.counting] if mean_loss is not None else []
+            allocation = DeferredAllocation(
+                model, [captured.gm, *(s.module for s in stages), *counting],
+                device or torch.device("cpu"),
+                ranks=plan.stages // plan.stages_per_rank * plan.data_parallel)
+        runtime = LocalRuntime(stages, plan, options, assemble=assemble,
+                               device=allocation.device if allocation else None)
+    runtime.mean_loss = mean_loss
+    pipe = Pipeline(model, captured, stages, plan, canonical, runtime, options, assemble, layout,
+                    allocation)
+    shard = options.shard_optimizer
+    if pipe.replicas > 1 and (shard is True or (shard == "auto" and plan.shard_optimizer)):
+        why = "shard_optimizer=True" if shard is True else \
+            "the plan shards optimizer state to fit in memory"
+        guard_direct_optimizers(pipe.parameters(), f"{why} (ZeRO-1)")
+    if pipe.replicas > 1 and any(isinstance(s, DiLoCo) for s in plan.replica_sync):
+        guard_direct_optimizers(
+            pipe.parameters(), "replica_sync=vf.DiLoCo(...) takes its outer step after every "
+            "'every' steps of the optimizer pipe.optimizer made",
+            "its steps would never reach the outer step, so the replicas would never meet "
+            "again", ", or compile with another replica_sync")
+    if replan is not None:
+        pipe._in_place = InPlace.attach(pipe, membership(), replan, joining)
+    return pipe

@@ -62,6 +62,15 @@ class OptimizerError(VarunaFxError):
     """An optimizer the pipeline cannot step correctly (sharded optimizer state, ZeRO-1)."""
 
 
+class AllocationError(VarunaFxError):
+    """A pipeline cannot allocate its tensors in this process: ``needed`` bytes, ``available``
+    bytes (a one-process pipeline of a ``vf.deferred_init`` model bigger than this machine)."""
+
+    def __init__(self, message: str, *, needed: int = 0, available: int = 0) -> None:
+        super().__init__(message)
+        self.needed, self.available = needed, available
+
+
 class UninitializedError(VarunaFxError):
     """A tensor ``vf.skip_init()`` left uninitialised was never loaded before a step."""
 

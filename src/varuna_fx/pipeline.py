@@ -1,9 +1,9 @@
 """Pipeline: what ``vf.compile`` returns -- the stages, the plan and a runtime to drive them.
 
-Layer: above the runtimes. :func:`make_pipeline` picks the runtime for where this process runs
-(``world/where.py``): all stages here, or this rank's stage of a distributed job. The pipeline,
-like the runtime, takes compile's running options whole (``runtime/options.RunOptions``) in
-its constructor.
+Layer: above the runtimes. ``api.make_pipeline`` picks the runtime for where this process runs
+(``world/where.py``): all stages here, or this rank's stage of a distributed job, and hands it
+here. The pipeline, like the runtime, takes compile's running options whole
+(``runtime/options.RunOptions``) in its constructor.
 """
 
 from __future__ import annotations
@@ -25,21 +25,17 @@ from .checkpoint.pretrained import PretrainedLoad, load_pretrained, save_pretrai
 from .checkpoint.save_load import Checkpointer
 from .codegen.modes import Modes, evaluation_stages, module_modes
 from .codegen.stage_module import Stage
-from .costs.wire import DiLoCo
 from .data.loader import GlobalBatchLoader, loader_for
 from .errors import InputError, VarunaFxError
-from .init.materialize import is_deferred, materialize_tensors
+from .init.allocation import DeferredAllocation
 from .init.skip import any_marked, loaded, raise_unloaded, unloaded
 from .ir.nodes import info
-from .morph.controller import InPlace
 from .morph.face import InPlaceFace
 from .passes.manager import dump_dir
 from .planner.plan import Plan
 from .runtime import preemption
 from .runtime.batching import check_sample_shapes
-from .runtime.distributed import make_distributed_runtime
 from .runtime.local import LocalRuntime
-from .runtime.loss_weights import find_mean_loss
 from .runtime.model_state import StateLayout, check_state_dict
 from .runtime.options import RunOptions
 from .runtime.outputs import OutputAssembler
@@ -48,50 +44,7 @@ from .runtime.setup import held_tensors
 from .runtime.shard import shard_batch
 from .runtime.step import Runtime
 from .runtime.step_stats import StepMeter, StepStats
-from .runtime.zero import build_optimizer, guard_direct_optimizers
-from .world.membership import joining_running_job, membership
-from .world.where import launched_distributed
-
-
-def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
-                  canonical: dict[str, str], options: RunOptions, *,
-                  device: torch.device | None = None, replan: Any = None) -> Pipeline:
-    """The distributed runtime under torchrun (world size > 1), else the one-process one, run
-    as ``options`` say. A model built under ``vf.deferred_init`` is materialised here: in one
-    process all of it on ``device`` (the example inputs'), on a rank only its stage
-    (``distributed.py``). ``replan``: in an in-place job, how a morph plans for another world
-    in this process (``api.Replan``); a process joining a running job takes its state from the
-    members here (``morph/controller.py``)."""
-    assemble = OutputAssembler(captured)
-    # the model's whole state, before a distributed rank empties what it does not hold
-    layout = StateLayout.of(model, canonical, stages)
-    runtime: Runtime
-    joining = joining_running_job()
-    if launched_distributed():
-        runtime = make_distributed_runtime(model, captured, stages, plan, canonical, options,
-                                           assemble=assemble, layout=layout, joining=joining)
-    else:
-        if is_deferred(model):
-            materialize_tensors(model, None, device or torch.device("cpu"),
-                                roots=[captured.gm, *(s.module for s in stages)])
-        runtime = LocalRuntime(stages, plan, options, assemble=assemble)
-    runtime.mean_loss = find_mean_loss(captured.gm, captured.out_spec, captured.input_names,
-                                       options.loss_fn)
-    pipe = Pipeline(model, captured, stages, plan, canonical, runtime, options, assemble, layout)
-    shard = options.shard_optimizer
-    if pipe.replicas > 1 and (shard is True or (shard == "auto" and plan.shard_optimizer)):
-        why = "shard_optimizer=True" if shard is True else \
-            "the plan shards optimizer state to fit in memory"
-        guard_direct_optimizers(pipe.parameters(), f"{why} (ZeRO-1)")
-    if pipe.replicas > 1 and any(isinstance(s, DiLoCo) for s in plan.replica_sync):
-        guard_direct_optimizers(
-            pipe.parameters(), "replica_sync=vf.DiLoCo(...) takes its outer step after every "
-            "'every' steps of the optimizer pipe.optimizer made",
-            "its steps would never reach the outer step, so the replicas would never meet "
-            "again", ", or compile with another replica_sync")
-    if replan is not None:
-        pipe._in_place = InPlace.attach(pipe, membership(), replan, joining)
-    return pipe
+from .runtime.zero import build_optimizer
 
 
 class Pipeline(InPlaceFace):
@@ -107,7 +60,8 @@ class Pipeline(InPlaceFace):
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                  canonical: dict[str, str], runtime: Runtime, options: RunOptions,
                  assemble: OutputAssembler | None = None,
-                 state_layout: StateLayout | None = None) -> None:
+                 state_layout: StateLayout | None = None,
+                 allocation: DeferredAllocation | None = None) -> None:
         self.model = model
         self.captured = captured
         self.stages = stages
@@ -115,6 +69,9 @@ class Pipeline(InPlaceFace):
         self.canonical = canonical
         self.runtime = runtime
         self._options = options  # how it runs: compile's running options
+        # a one-process pipeline of a vf.deferred_init model: its tensors, allocated at first
+        # use (None: allocated, or nothing to allocate)
+        self._allocation = allocation
         # the samples each replica must pass to step when compile was given global_batch_size
         # (global / D); None: any batch the micro-batch size divides
         self._replica_batch = options.replica_batch(plan.data_parallel)
@@ -266,10 +223,20 @@ class Pipeline(InPlaceFace):
                     self.model, bound, self.captured, [], self.canonical, 1, dump)
         return self.other_modes[modes]
 
+    def _allocated(self) -> None:
+        """A deferred model's tensors, allocated and initialised the first time they are needed
+        (or refused with the numbers when this process cannot hold them)."""
+        if self._allocation is not None:
+            self._allocation.allocate()
+            self._edits.allocated(self._allocation.device)
+            self._allocation = None
+
     def _check_runnable(self) -> None:
         if self._closed:
             raise VarunaFxError("the pipeline was closed (pipe.close() released its process "
                                 "groups): call vf.compile again to run the model")
+        self._allocated()
+        self._edits.check()  # (before the meta check: an edit can leave a stage on meta)
         if any(t.is_meta for s in self.local_stages for t in self.stages[s].module.parameters()):
             raise InputError(
                 "the model's parameters are on the meta device: a pipeline compiled from a meta "
@@ -277,7 +244,6 @@ class Pipeline(InPlaceFace):
                 "on the meta device (vf.compile then allocates and initialises each stage's "
                 "tensors where it runs), or with real parameters, and call vf.compile again"
             )
-        self._edits.check()
         self._check_loaded()
 
     def _check_loaded(self) -> None:
@@ -302,15 +268,17 @@ class Pipeline(InPlaceFace):
         forward never reads (so they are saved and kept, not lost)."""
         return self.state_layout.held_names(self.canonical, self.stages, self.local_stages)
 
+    # (not generators: a deferred model is allocated, or refused, when they are called)
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        yield from held_tensors(self.model, self._held_names())[0].items()
+        self._allocated()
+        return iter(held_tensors(self.model, self._held_names())[0].items())
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        for _, p in self.named_parameters():
-            yield p
+        return (p for _, p in self.named_parameters())
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from held_tensors(self.model, self._held_names())[1].items()
+        self._allocated()
+        return iter(held_tensors(self.model, self._held_names())[1].items())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.parameters():
@@ -463,6 +431,7 @@ class Pipeline(InPlaceFace):
         return outcome
 
     def _checkpoints(self) -> Checkpointer:
+        self._allocated()  # (saves and loads read and fill the tensors)
         if self._checkpointer is None:
             self._checkpointer = Checkpointer(self)
         return self._checkpointer

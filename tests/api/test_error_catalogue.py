@@ -377,6 +377,9 @@ CATALOGUE = [
     row("deferred model whose forward makes a meta constant (Falcon)",
         lambda _: _deferred_falcon(), Inp, "tensor constant", "lifted_tensor_0", "meta",
         "without vf.deferred_init"),
+    row("deferred model bigger than this process", lambda mp: _too_big_to_allocate(mp),
+        vf.AllocationError, "would allocate", "bytes)", "can allocate 1.0 KiB",
+        "Nothing was allocated", "distributed"),
     # -- data, stateful checkpoints, watching (tests/data/, tests/monitor/ have the rest) -------
     row("data_loader over fewer samples than a global batch",
         step_after(lambda p: p.data_loader(list(range(3)))), Inp, "fewer than one global batch"),
@@ -476,6 +479,15 @@ def _deferred_empty() -> torch.nn.Module:
         model = torch.nn.Module()
         model.left = torch.nn.Parameter(torch.empty(3))
     return model
+
+
+def _too_big_to_allocate(monkeypatch: pytest.MonkeyPatch) -> None:
+    import varuna_fx.init.allocation as allocation
+
+    monkeypatch.setattr(allocation, "available_memory", lambda _: (1024, "a test's limit"))
+    with vf.deferred_init(seed=0):
+        model = MLP.model.__class__()
+    compile_module(model, MLP.inputs, loss_fn=MLP.loss_fn, stages=1).parameters()
 
 
 def _nested_deferred() -> None:

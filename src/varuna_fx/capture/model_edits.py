@@ -96,6 +96,12 @@ class ModelEdits:
                     form = _form(obj) if isinstance(obj, torch.Tensor) else None
                     self.held.append((module, path, kind, form))
 
+    def allocated(self, device: torch.device) -> None:
+        """The stages' meta tensors were allocated on ``device`` (a ``vf.deferred_init`` model
+        at its pipeline's first use, ``init/allocation.py``): that is their device now."""
+        self.held = [(m, path, kind, (f[0], f[1], device, f[3]) if f is not None and
+                      f[2].type == "meta" else f) for m, path, kind, f in self.held]
+
     def check(self) -> None:
         """Raise InputError naming the first edit, if the model was edited since compile."""
         if global_hooks() != self.global_hooks:

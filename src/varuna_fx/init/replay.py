@@ -127,19 +127,34 @@ class Replayer:
         self._done = {k: v for k, v in self._done.items() if k[0] in keep}
         self._outputs.clear()
 
+    def check(self, key: int, version: int, seen: set[tuple[int, int]] | None = None) -> None:
+        """Raise the :class:`UninitializedError` that :meth:`storage` would raise for a storage
+        whose records say it cannot be replayed (a recorded problem, made outside the block,
+        data too big to carry), walking the steps ``storage`` would run, without running
+        them: a pipeline that allocates later (``vf.compile`` of a deferred model) refuses at
+        compile what it could never allocate."""
+        seen = set() if seen is None else seen
+        if (key, version) in seen or (key, version) in self._done:
+            return
+        seen.add((key, version))
+        rec = self.recording.records[key]
+        name = self.names.get(key, "a temporary")
+        _refuse_unrecorded(rec, name)
+        start = _last_overwrite(rec, version)
+        for step in [rec.steps[0], *rec.steps[start:version]]:
+            for v in step.flat:
+                if isinstance(v, Const) and v.value is None:
+                    _refuse_too_big(name, v)
+                if isinstance(v, Ref) and v.storage != key:
+                    self.check(v.storage, v.version, seen)
+
     def storage(self, key: int, version: int) -> torch.Tensor:
         done = self._done.get((key, version))
         if done is not None:
             return done
         rec = self.recording.records[key]
         name = self.names.get(key, "a temporary")
-        if rec.problem is not None:
-            raise UninitializedError(f"{name}: {rec.problem}")
-        if not rec.created:
-            raise UninitializedError(
-                f"{name} is on the meta device but was not created inside vf.deferred_init "
-                "(made before the block, or by code the recorder did not see): build the "
-                "whole model inside the block, or load this tensor from a checkpoint")
+        _refuse_unrecorded(rec, name)
         gen: list[torch.Generator] = []
 
         def generator() -> torch.Generator:
@@ -185,10 +200,7 @@ class Replayer:
             return self.device
         if isinstance(v, Const):
             if v.value is None:
-                raise UninitializedError(
-                    f"{self.names.get(key, 'a temporary')} is computed from {v.what}: too big "
-                    "to carry exactly (over varuna_fx.init.record.CARRY_LIMIT bytes). Build "
-                    "it inside the block from torch operations, or load it from a checkpoint")
+                _refuse_too_big(self.names.get(key, "a temporary"), v)
             return v.value.to(self.device, copy=True)
         if not isinstance(v, Ref):
             return v
@@ -197,6 +209,23 @@ class Replayer:
                 raise UninitializedError(f"{self.names.get(key)}: reads itself out of order")
             return _view(base, v.view)
         return _view(self.storage(v.storage, v.version), v.view)
+
+
+def _refuse_unrecorded(rec: StorageRecord, name: str) -> None:
+    if rec.problem is not None:
+        raise UninitializedError(f"{name}: {rec.problem}")
+    if not rec.created:
+        raise UninitializedError(
+            f"{name} is on the meta device but was not created inside vf.deferred_init "
+            "(made before the block, or by code the recorder did not see): build the "
+            "whole model inside the block, or load this tensor from a checkpoint")
+
+
+def _refuse_too_big(name: str, value: Const) -> None:
+    raise UninitializedError(
+        f"{name} is computed from {value.what}: too big to carry exactly (over "
+        "varuna_fx.init.record.CARRY_LIMIT bytes). Build it inside the block from torch "
+        "operations, or load it from a checkpoint")
 
 
 def _view(base: torch.Tensor, view: View) -> torch.Tensor:

@@ -16,8 +16,9 @@ The generic check after every pass is ``check_graph`` (fx's lint, and no two nod
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -34,6 +35,9 @@ class GraphState:
 
     gm: fx.GraphModule | None = None  # the graph the passes annotate
     stage_graphs: list[StageGraph] | None = None  # split_stages: one graph per stage
+    # CPU seconds of each pass run over this state, checks included (bench_plan_llama.py
+    # shows them; CPU time, which a loaded machine moves less than wall time)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 State = TypeVar("State", bound=GraphState, contravariant=True)
@@ -76,11 +80,13 @@ def run_passes(passes: Sequence[Pass[State]], state: State, *, dump: Path | None
     applied to ``state.gm`` (the cached front end), for the provenance of the dumps."""
     history = [p for p in done if p.graph]
     for p in passes:
+        start = time.process_time()
         p.run(state)
         if state.gm is not None:
             check_graph(state.gm)
         if p.check is not None:
             p.check(state)
+        state.seconds[p.name] = state.seconds.get(p.name, 0.0) + time.process_time() - start
         if p.graph:
             history.append(p)
             if dump is not None:

@@ -40,6 +40,7 @@ from ..schedule import (
     peak_stash_counts,
 )
 from ..world.where import running_world
+from . import cache as plan_cache
 from .candidates import Candidate, Space
 from .cluster import Cluster
 from .cost_table import CostTable
@@ -141,7 +142,8 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
     alternatives: list[Alternative] = []
     searched: tuple[int, ...] | None = None
     world = running_world()
-    best: Candidate | None = None
+    run_counts: tuple[int, ...] | None = None  # the stash counts the search checked (below)
+    sync: tuple = ()  # the pick's replica sync per stage, as the search priced it
     if v > 1:  # virtual stages: P given (or v per rank), D from the ranks
         ranks = (world or cluster.gpus) // (data_parallel or 1)
         stages = stages or v * max(1, ranks)
@@ -163,28 +165,37 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
     else:
         space = Space(cluster.gpus, example_batch, global_batch_size, stages, data_parallel,
                       micro_batch_size, world=world)
-        result = planner.search(space)
-        if not result.top:
-            raise explain_nothing_fits(planner, space)
-        best = result.best
-        p, d, b, name = best.stages, best.data_parallel, best.micro_batch_size, best.schedule
-        shard = best.shard
-        alternatives = result.alternatives
-        if stages_per_rank is None and schedule == AUTO:  # the planner chooses v too
-            p, name, v, alternatives = _weigh_virtual(pricer, best, alternatives)
+        # the search is a function of these alone (plan_cache.py): a re-plan that saw them
+        # before (a restart, a world size seen before) takes its answer from the cache
+        key = plan_cache.search_key(pricer, options, space, example_batch, recompute)
+        found = plan_cache.load(key)
+        if isinstance(found, plan_cache.Refused):
+            raise PlanError(found.message)  # what the search said last time, word for word
+        if found is None:
+            try:
+                found = _search_once(planner, space,
+                                     virtual=stages_per_rank is None and schedule == AUTO)
+            except PlanError as refused:
+                if type(refused) is PlanError:  # (nothing but the message to keep)
+                    plan_cache.store(key, plan_cache.Refused(str(refused)))
+                raise
+            if all(isinstance(s, str) for s in found.sync):  # (a PowerSGD object: not kept)
+                plan_cache.store(key, found)
+        p, d, b, name = found.stages, found.data_parallel, found.micro_batch_size, found.schedule
+        shard, alternatives, searched = found.shard, list(found.alternatives), found.searched
+        run_counts, sync = found.run_counts, found.sync
+        if stages_per_rank is None and schedule == AUTO:
+            v = found.stages_per_rank
             pricer = pricer.per_rank(v)
-        if best.plan is not None and v == 1 and p == best.stages:  # unit -> node positions
-            searched = tuple(int(pricer.table.units[u]) for u in best.plan.bounds)
     m = replica_batch(example_batch, global_batch_size, d) // b
     net = pricer.links(p, d)
     chosen = Candidate(p, d, b, m, shard=shard)
     check_settings(options, chosen, pricer.table.parameter_shapes)
     sched, counts = pricer.built(p, m, name)  # the chosen schedule (schedule="auto")
-    if best is not None and best.run_counts is not None and (p, name) == \
-            (best.stages, best.schedule) and len(best.run_counts) == p:
+    if run_counts is not None:
         # the cost-aware order the search checked memory with (a split backward's unit-cost
         # order may hold more: compile then re-cut for counts the search never needed)
-        counts = list(best.run_counts)
+        counts = list(run_counts)
     return Configuration(
         stages=p, data_parallel=d, micro_batch_size=b, num_micro_batches=m,
         pipeline_bandwidth=net.partition_bandwidth, allreduce_bandwidth=net.allreduce_bandwidth,
@@ -192,11 +203,33 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
         device=pricer.spec, node_times=pricer.table.measured, searched_bounds=searched,
         shard_optimizer=shard,
         link_bandwidths=pricer.link_bandwidths(chosen),
-        sync_ratio=byte_ratio(best.sync if best is not None and best.sync else
+        sync_ratio=byte_ratio(sync if sync else
                               [options.replica_sync if options.replica_sync != "auto"
                                else "exact"], pricer.table.parameter_shapes),
         shards_by_default=shards_by_default(options, net, shard),
     )
+
+
+def _search_once(planner: Planner, space: Space, *, virtual: bool) -> plan_cache.Searched:
+    """The search's pick (with virtual stages weighed on it where the planner chooses v too),
+    as the plan cache keeps it."""
+    result = planner.search(space)
+    if not result.top:
+        raise explain_nothing_fits(planner, space)
+    best, pricer = result.best, planner.pricer
+    p, name, v, alternatives = best.stages, best.schedule, 1, result.alternatives
+    if virtual:
+        p, name, v, alternatives = _weigh_virtual(pricer, best, alternatives)
+        pricer = pricer.per_rank(v)
+    searched = None
+    if best.plan is not None and v == 1 and p == best.stages:  # unit -> node positions
+        searched = tuple(int(pricer.table.units[u]) for u in best.plan.bounds)
+    run_counts = None
+    if best.run_counts is not None and (p, name) == (best.stages, best.schedule) and \
+            len(best.run_counts) == p:
+        run_counts = tuple(int(k) for k in best.run_counts)
+    return plan_cache.Searched(p, best.data_parallel, best.micro_batch_size, name, best.shard,
+                               v, tuple(alternatives), searched, run_counts, tuple(best.sync))
 
 
 def _weigh_virtual(pricer: Pricer, best: Candidate, rows: list[Alternative]

@@ -32,14 +32,16 @@ from .worker import StageWorker
 
 class LocalRuntime(StepLoop):
     def __init__(self, stages: list[Stage], plan: Plan, options: RunOptions, *,
-                 assemble: Callable[[dict], Any]) -> None:
+                 assemble: Callable[[dict], Any], device: torch.device | None = None) -> None:
+        """``device``: where the stages' tensors will be (a deferred model allocates them at
+        first use); None: where they are."""
         self.stages = stages
         self.plan = plan
         self.assemble = assemble
         self.loss_fn = options.loss_fn
         self.local_stages = list(range(len(stages)))
-        self.autocast = autocast_factory(options.precision,
-                                         "cuda" if _on_cuda(stages) else "cpu")
+        on_cuda = device.type == "cuda" if device is not None else _on_cuda(stages)
+        self.autocast = autocast_factory(options.precision, "cuda" if on_cuda else "cpu")
         self.scaler = LossScaler(enabled=options.precision == "fp16")
         last = len(stages) - 1
         self.workers = [StageWorker(s, recompute=plan.recompute[s.index],

@@ -1,6 +1,6 @@
 """The running part of ``vf.compile``'s options: what the pipeline and its runtimes read.
 
-:class:`RunOptions` is taken whole by ``pipeline.make_pipeline``, the ``Pipeline`` constructor
+:class:`RunOptions` is taken whole by ``api.make_pipeline``, the ``Pipeline`` constructor
 and both runtimes (``local.py``, ``distributed.py``), which read the fields they use; nothing
 between them passes an option by name. ``vf.compile`` makes it from its keywords
 (``options.py: CompileOptions`` is this part and the planning part, ``planner/options.py``).
