@@ -159,6 +159,30 @@ def test_a_tensor_default_in_forward_is_refused_saying_what_to_do(tracer: str) -
                    tracer=tracer)
 
 
+class OptionalMask(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.a(x)
+        if mask is not None:
+            h = h * mask
+        return self.b(h)
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx", "export"])
+def test_a_none_default_keyword_left_out_runs_as_eager(tracer: str) -> None:
+    """Issue 30 item 7: ``forward(self, x, mask=None)`` called without the mask once raised a
+    raw NameError ('_tensor_constant0') from fx's code; it must run as eager does."""
+    torch.manual_seed(0)
+    model, x = OptionalMask(), torch.randn(4, 8)
+    pipe = vf.compile(model, example_inputs=(x,), stages=2, tracer=tracer,
+                      loss_fn=lambda o, t: (o - t).pow(2).mean())
+    loss = pipe.step(x, target=torch.zeros(4, 8))
+    torch.testing.assert_close(loss, model(x).pow(2).mean().detach())
+
+
 @pytest.mark.parametrize("block", [torch.no_grad, torch.inference_mode])
 def test_step_under_no_grad_says_a_step_needs_gradients(block) -> None:  # noqa: ANN001
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
