@@ -150,10 +150,17 @@ def rows_of(job: dict) -> list[dict]:
     return rows
 
 
+def loaded(load: float) -> str:
+    """The caveat for a run that shared the machine: above one job per CPU at the start (the
+    1-minute average also remembers what ran just before), the wall times are not the result."""
+    return "**loaded: wall times are not the result**; " if load > (os.cpu_count() or 1) \
+        else "nothing else running; "
+
+
 def table(results: list[dict], params: int, load: tuple) -> str:
     lines = [f"GPT {params / 1e6:.0f}M parameters, AdamW, global batch 4 x 64 tokens; "
-             f"load average at start {load[0]:.1f} on {os.cpu_count()} CPUs (**loaded: wall "
-             "times are not the result**; the CPU columns are this process's CPU seconds)", "",
+             f"load average at start {load[0]:.1f} on {os.cpu_count()} CPUs "
+             f"({loaded(load[0])}the CPU columns are this process's CPU seconds)", "",
              "| morph | layouts | signal -> ready / -> first step done (s) | stall (s) | agree | "
              "regroup | replan | runtime | transfer | adopt | first step | CPU: replan / "
              "runtime / transfer / adopt | MB moved |",

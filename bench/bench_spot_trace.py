@@ -291,7 +291,8 @@ def report(res: dict, args: argparse.Namespace) -> str:
         if res["baseline_steps"] is not None else "the steady step time (no failure-free run)"
     lines = [f"trace `{res['trace']}` at scale 1/{res['scale']:g} ({res['span_s']:.0f} s of "
              f"wall time), {res['nodes']} worker machines + the store's, model {args.model}; "
-             f"load average {load[0]:.1f} on {os.cpu_count()} CPUs (**loaded: not the result**)",
+             f"load average {load[0]:.1f} on {os.cpu_count()} CPUs"
+             + (" (**loaded: not the result**)" if load[0] > (os.cpu_count() or 1) else ""),
              "",
              f"* goodput {res['goodput']:.1%}: {res['steps']} steps against {base}",
              f"* the morphs' downtime {res['downtime_s']:.1f} s (stalls, first steps beyond the "
