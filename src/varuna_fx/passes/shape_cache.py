@@ -40,7 +40,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..capture.inputs import BoundInputs
-from ..world.files import cache_dir, sealed, unsealed, write_atomically
+from ..world.files import cache_dir, keep_newest, sealed, unsealed, write_atomically
 
 FORMAT = 3  # 2: sealed with a digest of the content (world/files.sealed); 3: draw shapes
 MAX_ENTRIES = 64
@@ -118,20 +118,9 @@ def store(key: str, names: list[str], observed: list[Any]) -> None:
         write_atomically(directory, f"{key}.json", sealed(
             {"format": FORMAT, "key": key, "nodes": names, "observed": observed}))
         stats["write"] += 1
-        _prune(directory)
+        keep_newest(directory, MAX_ENTRIES)
     except OSError:
         return
-
-
-def _prune(directory: Path) -> None:
-    entries = []
-    for path in directory.glob("*.json"):
-        try:
-            entries.append((path.stat().st_mtime, path))
-        except OSError:  # removed meanwhile by another process
-            continue
-    for _, path in sorted(entries, reverse=True)[MAX_ENTRIES:]:
-        path.unlink(missing_ok=True)
 
 
 # -- what the key is made of ---------------------------------------------------------------------

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..world.files import cache_dir, sealed, unsealed, write_atomically
+from ..world.files import cache_dir, keep_newest, sealed, unsealed, write_atomically
 from .plan import Alternative
 
 FORMAT = 1
@@ -251,7 +251,7 @@ def store(key: str | None, found: Searched | Refused) -> None:
         write_atomically(directory, f"{key}.json", sealed({"format": FORMAT, "key": key,
                                                            **answer}))
         stats["write"] += 1
-        _prune(directory)
+        keep_newest(directory, MAX_ENTRIES)
     except OSError:
         return
 
@@ -266,14 +266,3 @@ def _remember(key: str, found: Searched | Refused) -> None:
     _MEMORY.move_to_end(key)
     while len(_MEMORY) > MAX_ENTRIES:
         _MEMORY.popitem(last=False)
-
-
-def _prune(directory: Path) -> None:
-    entries = []
-    for path in directory.glob("*.json"):
-        try:
-            entries.append((path.stat().st_mtime, path))
-        except OSError:  # removed meanwhile by another process
-            continue
-    for _, path in sorted(entries, reverse=True)[MAX_ENTRIES:]:
-        path.unlink(missing_ok=True)

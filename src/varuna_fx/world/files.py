@@ -41,6 +41,19 @@ def write_atomically(directory: Path, name: str, text: str) -> None:
         raise
 
 
+def keep_newest(directory: Path, keep: int) -> None:
+    """Delete all but the ``keep`` newest ``*.json`` entries of a cache folder (by mtime; a
+    file another process removed meanwhile is skipped)."""
+    entries = []
+    for path in directory.glob("*.json"):
+        try:
+            entries.append((path.stat().st_mtime, path))
+        except OSError:
+            continue
+    for _, path in sorted(entries, reverse=True)[keep:]:
+        path.unlink(missing_ok=True)
+
+
 def sealed(entry: dict[str, Any]) -> str:
     """``entry`` as JSON with a digest of its content, so that a file edited or corrupted
     after it was written is noticed by :func:`unsealed` (a cache must never serve something
