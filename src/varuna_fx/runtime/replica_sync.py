@@ -41,7 +41,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from ..costs.wire import PowerSGD, ReplicaSync
-from ..errors import PeerTimeoutError
 from . import comm
 from .comm import _buckets, launch, peer_error
 from .traffic import SENT
@@ -101,6 +100,7 @@ class HookReduce:
         self.who, self.what, self.timeout = who, what, timeout
         self.pending: list[tuple[Hook, HookBucket, Callable[[torch.Tensor], None]]] = []
         self.job: concurrent.futures.Future[None] | None = None
+        self.collectives = 0  # at most, in the submitted job: bounds its wait
 
     def launch(self, hook: Hook, bucket: HookBucket,
                done: Callable[[torch.Tensor], None]) -> None:
@@ -119,7 +119,7 @@ class HookReduce:
                                 self.what)
                 done(future.wait())
 
-        self.collectives = 2 + 3 * len(jobs)  # at most: first, and three per PowerSGD bucket
+        self.collectives = 2 + 3 * len(jobs)  # first, and three per PowerSGD bucket
         self.job = _worker().submit(run)
 
     def finish(self) -> None:
@@ -133,9 +133,7 @@ class HookReduce:
             job.result(timeout=limit)
         except concurrent.futures.TimeoutError as exc:
             raise peer_error(exc, limit, self.who, self.what) from exc
-        except RuntimeError as exc:
-            if isinstance(exc, PeerTimeoutError):
-                raise
+        except RuntimeError as exc:  # (a PeerTimeoutError from launch() passes as it is)
             raise peer_error(exc, self.timeout, self.who, self.what) from exc
 
 
