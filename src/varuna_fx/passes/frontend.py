@@ -62,7 +62,8 @@ def _capture(state: FrontState) -> None:
 
 FRONT_PASSES: tuple[Pass[FrontState], ...] = (
     Pass("capture", "one flat GraphModule over tensor inputs; original FQNs and parameter "
-         "objects; output = flat tuple + out_spec", _capture),
+         "objects; output = flat tuple + out_spec", _capture,
+         check=lambda s: refuse_meta_constants(s.model, s.captured)),
     Pass("annotate_shapes", "every node has shapes, dtypes, bytes and FLOPs affine in the "
          "micro-batch size b", lambda s: annotate_shapes(s.gm, s.bound)),
     Pass("specialize_sizes", "size()/.shape of activations are constants or arithmetic on the "
@@ -151,12 +152,10 @@ def run_front_end(state: FrontState, dump: Path | None = None) -> None:
     if dump is not None:
         run_passes(FRONT_PASSES, state, dump=dump)
         assert state.captured is not None
-        refuse_meta_constants(model, state.captured)
         _CAPTURES[model] = (_fingerprint(model, state.captured, bound), state.captured)
         return
     run_passes(FRONT_PASSES[:1], state)  # capture: cheap, and what the key is made of
     assert state.captured is not None
-    refuse_meta_constants(model, state.captured)
     key = _fingerprint(model, state.captured, bound)
     cached = _CAPTURES.get(model)
     if cached is not None and cached[0] == key:
