@@ -30,7 +30,7 @@ from varuna_fx.examples import GPT, GPTConfig
 from varuna_fx.planner import Analyzed, CostTable, Planner, Space, analyze
 from varuna_fx.planner.balance import Balancer
 from varuna_fx.planner.cost_table import UnitArrays
-from varuna_fx.planner.pricing import Pricer
+from varuna_fx.planner.pricing import Pricer, order_stash_floor
 from varuna_fx.schedule import (
     Action,
     Kind,
@@ -40,6 +40,7 @@ from varuna_fx.schedule import (
     clear_caches,
     peak_stash_counts,
     schedule_names,
+    schedule_spec,
     simulate,
     simulate_costs,
     simulate_costs_step,
@@ -323,3 +324,25 @@ def test_search_with_every_fast_path_chooses_what_the_plain_paths_choose(
     plain = _search(gpt, CLUSTERS[cluster], schedule, recompute)
     assert [dataclasses.astuple(a) for a in fast[0]] == [dataclasses.astuple(a) for a in plain[0]]
     assert fast[1] == plain[1]
+
+
+@pytest.mark.parametrize("name", ["1f1b-zb", "gpipe-zb", "varuna-zb"])
+def test_split_backward_holds_at_least_its_floor(name: str) -> None:
+    """The planner drops a split-backward candidate without making its order when even
+    ``order_stash_floor``'s counts do not fit; so no order it could make (any effort) may
+    hold fewer on any stage. Random costs, links, P, m and recompute."""
+    rng = random.Random(9)
+    kind = schedule_spec(name)
+    binding = 0
+    for _ in range(40):
+        p, m = rng.randint(2, 7), rng.randint(1, 16)
+        costs = _random_costs(rng, p)
+        rc = [rng.random() < 0.5 and s < p - 1 for s in range(p)] if name != "varuna-zb" \
+            else [False] * p
+        floor = order_stash_floor(kind, p, m, rc, costs)
+        assert floor is not None and len(floor) == p
+        for effort in ("full", "quick", "rough"):
+            peaks = peak_stash_counts(build_schedule(kind, p, m, rc, costs, effort=effort))
+            assert all(f <= k for f, k in zip(floor, peaks)), (p, m, floor, peaks, effort)
+            binding += sum(f == k > 1 for f, k in zip(floor, peaks))
+    assert binding > 20  # a real floor, not ones

@@ -1,49 +1,105 @@
-"""The dynamic programme over cut positions that both partition searches share.
+"""The dynamic programme over cut positions that both partition searches share, on a band.
 
-``cost(k)`` is the [U + 1, U + 1] matrix of stage ``[i, j)``'s cost as the k-th stage (inf
-where it may not be); a partition's bottleneck is its costliest stage.
+A stage ``[i, j)`` of the U units is priced as the k-th stage by ``cost(k)``. Only stages that
+could matter are priced: those not certain to cost more than ``covers`` (their compute alone
+exceeds it), which for P balanced stages are the ones at most about 2U/P units long. So
+``cost(k)`` is a *band*, [U + 1, width], whose row j holds the stages ending at j and starting
+at ``j - width .. j - 1`` (inf where a stage may not be, or starts before 0). Every stage
+outside the band costs more than ``covers``; a programme whose answer is below ``covers`` is
+therefore the answer over all stages, bit for bit (its stages are all in the band, and the
+minima and maxima taken are the same numbers), and one whose answer is not widens the band and
+runs again (up to the whole [U + 1, U + 1] matrix, where nothing is left out). For a 70B Llama
+cut in 64 stages this priced ~30x fewer stages than the whole matrix, in memory and time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 _REL_TOL = 1e-9
 
 
-def smallest_bottleneck(cost: Callable[[int], np.ndarray], num_stages: int, units: int) -> float:
+class Banded(Protocol):
+    """Stage costs on a band (see the module doc)."""
+
+    @property
+    def width(self) -> int:
+        """Starts per end held: row j of ``cost(k)`` is stages [j - width + t, j), t < width."""
+        ...
+
+    @property
+    def covers(self) -> float:
+        """Every stage outside the band costs more than this (inf: the band is everything)."""
+        ...
+
+    def cost(self, k: int) -> np.ndarray:
+        """[U + 1, width]: the cost of each stage in the band as the k-th stage."""
+        ...
+
+    def widen(self, limit: float) -> None:
+        """Widen the band until ``covers`` exceeds ``limit`` (or the band holds every stage)."""
+        ...
+
+
+def windows(values: np.ndarray, width: int) -> np.ndarray:
+    """[len(values), width] (a view): row j holds ``values[j - width .. j - 1]``, inf before 0:
+    the value at each band entry's start."""
+    padded = np.concatenate([np.full(width, np.inf), values])
+    return sliding_window_view(padded, width)[: len(values)]
+
+
+def smallest_bottleneck(stages: Banded, num_stages: int, units: int) -> float:
     """The smallest bottleneck of any partition of ``units`` into ``num_stages`` stages (inf
     if none is possible)."""
     if num_stages > units:
         return float("inf")
-    # best[j]: smallest bottleneck of splitting units [0, j) into k + 1 stages
-    best = cost(0)[0]
-    for k in range(1, num_stages):
-        best = np.min(np.maximum(best[:, None], cost(k)), axis=0)
+    while True:
+        found = _bottleneck_in_band(stages, num_stages, units)
+        if found < stages.covers or not np.isfinite(stages.covers):
+            return found  # every stage of the optimum is in the band: it is the optimum
+        # the band left out stages that may do better: widen past what was found (the
+        # optimum is at most that), or, where nothing was found, by a factor
+        stages.widen(found if np.isfinite(found) else 4 * stages.covers)
+
+
+def _bottleneck_in_band(stages: Banded, num_stages: int, units: int) -> float:
+    # best[j]: smallest bottleneck of splitting units [0, j) into the stages so far
+    best = np.full(units + 1, np.inf)
+    best[0] = 0.0
+    for k in range(num_stages):
+        best = np.min(np.maximum(windows(best, stages.width), stages.cost(k)), axis=1)
     return float(best[units])
 
 
-def fewest_bytes(cost: Callable[[int], np.ndarray], cut: np.ndarray, num_stages: int,
-                 bottleneck: float, weights: Sequence[float] | None = None) -> list[int]:
+def fewest_bytes(stages: Banded, cut: np.ndarray, num_stages: int, bottleneck: float,
+                 weights: Sequence[float] | None = None) -> list[int]:
     """Among partitions whose every stage costs <= bottleneck, the one sending fewest bytes
-    (``cost(k)``: the matrix of stage costs as the k-th stage). ``weights``: per boundary
-    (P - 1), what a byte across it counts for (a slow link's more); None: all alike."""
+    (the lowest cut positions on ties). ``weights``: per boundary (P - 1), what a byte
+    across it counts for (a slow link's more); None: all alike."""
     n = len(cut) - 1
     limit = bottleneck * (1 + _REL_TOL) + 1e-300
+    stages.widen(limit)  # every stage that fits under the limit is in the band
+    width = stages.width
     crossing = np.where(np.isfinite(cut), cut, np.inf)
-    total = np.full((num_stages, n + 1), np.inf)
-    parent = np.zeros((num_stages, n + 1), dtype=np.int64)
-    total[0] = np.where(cost(0)[0] <= limit, 0.0, np.inf)
-    for k in range(1, num_stages):
+    ends = np.arange(n + 1)
+    total = np.full(n + 1, np.inf)  # fewest bytes sent splitting [0, j) so far
+    total[0] = 0.0
+    parents = []
+    for k in range(num_stages):
         # entering stage k at cut i costs the bytes crossing cut i (over boundary k - 1)
-        entering = crossing if weights is None else crossing * float(weights[k - 1])
-        candidates = np.where(cost(k) <= limit, (total[k - 1] + entering)[:, None], np.inf)
-        parent[k] = np.argmin(candidates, axis=0)
-        total[k] = candidates[parent[k], np.arange(n + 1)]
+        entering = 0.0 if k == 0 else \
+            crossing if weights is None else crossing * float(weights[k - 1])
+        candidates = np.where(stages.cost(k) <= limit, windows(total + entering, width),
+                              np.inf)
+        pick = np.argmin(candidates, axis=1)  # the first of equals: the lowest start
+        parents.append(ends - width + pick)
+        total = candidates[ends, pick]
     bounds = [n]
     for k in range(num_stages - 1, 0, -1):
-        bounds.append(int(parent[k][bounds[-1]]))
+        bounds.append(int(parents[k][bounds[-1]]))
     bounds.append(0)
     return bounds[::-1]

@@ -9,35 +9,86 @@ simulated pipeline plus the largest stage's all-reduce).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from ..costs.memory import MemoryModel, SharedWeight
-from .bottleneck import fewest_bytes, smallest_bottleneck
+from .bottleneck import Banded, fewest_bytes, smallest_bottleneck
 
 _AR_GRID = 12  # all-reduce caps tried between the unweighed partition's and the lower bound
 _AR_REFINE = 4  # then this many between the best cap and the one above it
 _FEWER_BYTES = 0.5  # "several times fewer": as partition.py's rule
 
 
-def allreduce_matrix(grad_bytes: np.ndarray | None, shared: Sequence[SharedWeight],
-                     per_byte: float, latency: float, n: int) -> np.ndarray | None:
-    """[U + 1, U + 1]: seconds of stage [i, j)'s all-reduce over its replicas (the gradients
-    of the parameters it holds, tied copies included), or None with nothing to weigh."""
-    if per_byte <= 0 or grad_bytes is None:
-        return None
-    grads = MemoryModel(np.asarray(grad_bytes, dtype=np.float64), np.zeros(n),
-                        np.zeros(n + 1), np.zeros(n),
-                        [SharedWeight(s.grad, s.grad, s.nodes) for s in shared])
-    idx = np.arange(n + 1)
-    held = np.maximum(grads.held(idx[:, None], idx[None, :]), 0.0)
-    return np.where(held > 0, held * per_byte + latency, 0.0)
+class AllReduce:
+    """Seconds of stage [i, j)'s all-reduce over its replicas (the gradients of the parameters
+    it holds, tied copies included); ``i`` and ``j`` broadcast."""
+
+    def __init__(self, grads: MemoryModel, per_byte: float, latency: float) -> None:
+        self.grads, self.per_byte, self.latency = grads, per_byte, latency
+
+    @classmethod
+    def of(cls, grad_bytes: np.ndarray | None, shared: Sequence[SharedWeight],
+           per_byte: float, latency: float, n: int) -> AllReduce | None:
+        """None with nothing to weigh (one replica, or no gradients)."""
+        if per_byte <= 0 or grad_bytes is None:
+            return None
+        grads = MemoryModel(np.asarray(grad_bytes, dtype=np.float64), np.zeros(n),
+                            np.zeros(n + 1), np.zeros(n),
+                            [SharedWeight(s.grad, s.grad, s.nodes) for s in shared])
+        return cls(grads, per_byte, latency)
+
+    def __call__(self, i: np.ndarray | int, j: np.ndarray | int) -> np.ndarray:
+        held = np.maximum(self.grads.held(i, j), 0.0)
+        return np.where(held > 0, held * self.per_byte + self.latency, 0.0)
 
 
-def weigh_allreduce(stage_cost: Callable[[int], np.ndarray], cut: np.ndarray,
-                    allreduce: np.ndarray, num_stages: int, plain: list[int],
-                    micro_batches: int, byte_tolerance: float = 0.0,
+class WithAllReduce(Banded, Protocol):
+    """The partition's stages (``partition._Stages``) as this search uses them."""
+
+    def allreduce(self) -> np.ndarray:
+        """[U + 1, width]: each band stage's all-reduce seconds."""
+        ...
+
+    def at(self, k: int, i: int, j: int) -> float:
+        """Stage [i, j)'s cost as the k-th stage."""
+        ...
+
+    @property
+    def reduces(self) -> AllReduce | None: ...
+
+
+class _Capped:
+    """``stages`` with every stage whose all-reduce exceeds ``cap`` forbidden."""
+
+    def __init__(self, stages: WithAllReduce, cap: float) -> None:
+        self.stages, self.cap = stages, cap
+        self._made: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    @property
+    def width(self) -> int:
+        return self.stages.width
+
+    @property
+    def covers(self) -> float:
+        return self.stages.covers
+
+    def widen(self, limit: float) -> None:
+        self.stages.widen(limit)
+
+    def cost(self, k: int) -> np.ndarray:
+        matrix = self.stages.cost(k)  # one cached matrix per kind of stage
+        key = (id(matrix), self.width)
+        if key not in self._made or self._made[key][0] is not matrix:
+            self._made[key] = (matrix, np.where(self.stages.allreduce() <= self.cap, matrix,
+                                                np.inf))
+        return self._made[key][1]
+
+
+def weigh_allreduce(stages: WithAllReduce, cut: np.ndarray, num_stages: int,
+                    plain: list[int], micro_batches: int, byte_tolerance: float = 0.0,
                     weights: Sequence[float] | None = None) -> list[int]:
     """Bounds minimising ``(m + P - 1) x bottleneck + the largest stage all-reduce``.
 
@@ -51,21 +102,13 @@ def weigh_allreduce(stage_cost: Callable[[int], np.ndarray], cut: np.ndarray,
     best score (lower caps cannot help)."""
     fill = micro_batches + num_stages - 1
     units = len(cut) - 1
+    reduces = stages.reduces
+    assert reduces is not None
 
     def score(bounds: list[int]) -> float:
         pairs = list(zip(bounds, bounds[1:]))
-        slowest = max(float(stage_cost(k)[i, j]) for k, (i, j) in enumerate(pairs))
-        return fill * slowest + max(float(allreduce[i, j]) for i, j in pairs)
-
-    def masked(cap: float) -> Callable[[int], np.ndarray]:
-        made: dict[int, np.ndarray] = {}  # stage_cost returns one cached matrix per kind
-
-        def cost(k: int) -> np.ndarray:
-            matrix = stage_cost(k)
-            if id(matrix) not in made:
-                made[id(matrix)] = np.where(allreduce <= cap, matrix, np.inf)
-            return made[id(matrix)]
-        return cost
+        slowest = max(stages.at(k, i, j) for k, (i, j) in enumerate(pairs))
+        return fill * slowest + max(float(reduces(i, j)) for i, j in pairs)
 
     def sent(bounds: list[int]) -> float:  # bytes crossing the cuts, weighed by link
         inner = bounds[1:-1]
@@ -73,9 +116,9 @@ def weigh_allreduce(stage_cost: Callable[[int], np.ndarray], cut: np.ndarray,
         return float(sum(cut[j] * x for j, x in zip(inner, w)))
 
     plain_score = score(plain)
-    top = max(float(allreduce[i, j]) for i, j in zip(plain, plain[1:]))
-    singles = allreduce[np.arange(units), np.arange(1, units + 1)]
-    floor = max(float(singles.max(initial=0.0)), float(allreduce[0, units]) / num_stages)
+    top = max(float(reduces(i, j)) for i, j in zip(plain, plain[1:]))
+    singles = reduces(np.arange(units), np.arange(1, units + 1))
+    floor = max(float(singles.max(initial=0.0)), float(reduces(0, units)) / num_stages)
     if not top > floor > 0:
         return plain
     loose_ok = byte_tolerance > 0
@@ -86,7 +129,7 @@ def weigh_allreduce(stage_cost: Callable[[int], np.ndarray], cut: np.ndarray,
         """Try ``cap``; False when every lower cap is hopeless (or none is possible)."""
         nonlocal best
         tried.append(cap)
-        found = smallest_bottleneck(masked(cap), num_stages, units)
+        found = smallest_bottleneck(_Capped(stages, cap), num_stages, units)
         limit = plain_score if best is None else best[0]
         if not np.isfinite(found) or fill * found >= limit:
             return False
@@ -105,11 +148,12 @@ def weigh_allreduce(stage_cost: Callable[[int], np.ndarray], cut: np.ndarray,
     for step in range(1, _AR_REFINE + 1):  # finer between the best cap and the one above
         attempt(above * fine**step)
     _, cap, found = best
-    bounds = fewest_bytes(masked(cap), cut, num_stages, found, weights)
+    bounds = fewest_bytes(_Capped(stages, cap), cut, num_stages, found, weights)
     chosen = bounds if score(bounds) < plain_score * (1 - 1e-12) else plain
     if loose_ok and chosen is bounds:
         slack = 1 + byte_tolerance
-        loose = fewest_bytes(masked(cap * slack), cut, num_stages, found * slack, weights)
+        loose = fewest_bytes(_Capped(stages, cap * slack), cut, num_stages, found * slack,
+                             weights)
         for other in (plain, loose):  # fewer bytes, nearly as good
             if score(other) <= score(chosen) * slack and \
                     sent(other) <= _FEWER_BYTES * sent(chosen):

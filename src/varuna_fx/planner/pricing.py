@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +32,7 @@ from ..schedule import (
     schedule_spec,
     simulate,
     simulate_step,
+    split_base,
     weighed_schedules,
 )
 from ..schedule.varuna import QUICK_VARIANTS, ROUGH_VARIANTS, overflows, stash_floor
@@ -325,13 +326,12 @@ class Pricer:
 
     def _cannot_fit(self, c: Candidate) -> bool:
         """Whether ``finish`` would certainly return None: with counts no larger than any
-        Varuna order's (``stash_floor``), neither the candidate's partition nor any other fits
-        (memory grows with the counts). Most deep candidates of a big model end so: at 24
-        Llama-70B layers on 64 devices, 123 of 132 (the orders were 90% of planning)."""
-        if c.stages < 2 or not self.kind(c.schedule).varuna_stash or c.plan is None:
-            return False
-        rc = [bool(self.recompute) and s < c.stages - 1 for s in range(c.stages)]
-        floor = stash_floor(c.stages, c.num_micro_batches, rc, self.schedule_costs(c))
+        order of ``c``'s schedule holds (``stash_floor``), neither the candidate's partition
+        nor any other fits (memory grows with the counts). Most deep candidates of a big
+        model end so: at 24 Llama-70B layers on 64 devices, 123 of 132 Varuna candidates (the
+        orders were 90% of planning); at 40 layers, 284 of the 296 orders made were split
+        backward's that did not fit, before it had a floor too."""
+        floor = self.stash_floor(c)
         if floor is None:
             return False
         assert c.plan is not None
@@ -340,6 +340,17 @@ class Pricer:
         checked = c.stash_counts or (1,) * c.stages
         grown = tuple(max(a, b) for a, b in zip(floor, checked))
         return self.partition(c.micro_batch_size, c.stages, grown) is None
+
+    def stash_floor(self, c: Candidate) -> tuple[int, ...] | None:
+        """Per stage, micro-batches every order ``ordered(c, ...)`` may make holds at least
+        at its peak (``order_stash_floor``); None where none is derived."""
+        kind = self.kind(c.schedule)
+        if c.stages < 2 or c.plan is None or not kind.cost_aware:
+            return None
+        p, m = c.stages, c.num_micro_batches
+        rc = [bool(self.recompute) and s < p - 1 for s in range(p)]
+        return order_stash_floor(kind, p, m, rc, self.schedule_costs(c),
+                                 lambda base: self.built(p, m, base)[1])
 
     def _overflows(self, c: Candidate, effort: str) -> bool:
         """Whether the order ``ordered(c, effort)`` would make holds more micro-batches on some
@@ -438,3 +449,31 @@ class Pricer:
                                     c.data_parallel, self.link_bandwidths(c))
             c.shard = c.plan is not None
         return c.plan is not None and self.fits(c, counts, cap)
+
+
+def order_stash_floor(kind: ScheduleSpec, p: int, m: int, rc: Sequence[bool],
+                      costs: ScheduleCosts,
+                      base_counts: Callable[[ScheduleSpec], Sequence[int]] | None = None
+                      ) -> tuple[int, ...] | None:
+    """Per stage, micro-batches every order of ``kind`` made from ``costs`` (any effort)
+    holds at least at its peak; None where none is derived. Varuna's: ``varuna.stash_floor``.
+    A split backward keeps its base order's F, R and B and holds each micro-batch until its
+    ``W``, which comes after its ``B``: at least as long as the base holds it, so its counts
+    are at least the base order's (a cost-free base: its own counts, ``base_counts`` or made
+    here; Varuna's, made from the whole backward and from its input-gradient part: the
+    smaller of the two floors)."""
+    if kind.varuna_stash:
+        return stash_floor(p, m, rc, costs)
+    if not kind.places_weights:
+        return None
+    base = split_base(kind)
+    if not base.order_reads_costs:
+        if base_counts is not None:
+            return tuple(base_counts(base))
+        return tuple(peak_stash_counts(build_schedule(base, p, m, list(rc))))
+    if not base.varuna_stash:
+        return None
+    whole, part = (stash_floor(p, m, rc, x) for x in (costs, costs.input_grad_only()))
+    if whole is None or part is None:
+        return None
+    return tuple(min(a, b) for a, b in zip(whole, part))

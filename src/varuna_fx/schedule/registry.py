@@ -114,6 +114,13 @@ def _split(base: ScheduleSpec) -> ScheduleSpec:
                                varuna_stash=False)
 
 
+def split_base(spec: ScheduleSpec) -> ScheduleSpec:
+    """The entry whose order ``spec`` splits the backward of (``1f1b`` for ``1f1b-zb``)."""
+    if not spec.places_weights or not spec.name.endswith(SPLIT_SUFFIX):
+        raise ScheduleError(f"{spec.name} is not a split backward placed on a base order")
+    return schedule_spec(spec.name[: -len(SPLIT_SUFFIX)])
+
+
 _VARUNA = ScheduleSpec("varuna", order=varuna, order_reads_costs=True, varuna_stash=True,
                        cheaper_orders={"quick": quick_varuna, "rough": rough_varuna})
 _ONE_F_ONE_B = ScheduleSpec("1f1b", order=one_f_one_b)
