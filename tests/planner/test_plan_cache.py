@@ -144,3 +144,32 @@ def test_a_refused_search_is_kept_word_for_word() -> None:
         _plan(model, _cluster(memory="64KiB"))
     assert str(again.value) == str(first.value) and "fits" in str(first.value)
     assert plan_cache.stats["miss"] == misses and plan_cache.stats["hit"] >= 1
+
+
+def test_a_new_world_reuses_the_prices_of_the_last_and_plans_as_a_fresh_search(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-plan for another number of GPUs (a node lost, then back) shares the process's
+    memo of priced candidates (``cache.shared_memo``): the same plans, alternatives rows
+    included, as searches with nothing shared, and fewer orders made."""
+    from varuna_fx.planner import pricing
+
+    model = _model()
+    made = [0]
+    real = pricing.Pricer._finish
+
+    def counted(self: pricing.Pricer, *args: object, **kw: object) -> float | None:
+        made[0] += 1
+        return real(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pricing.Pricer, "_finish", counted)
+    worlds = (8, 3, 6)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VARUNA_FX_PLAN_CACHE", "0")
+        plain = [_plan(model, _cluster(g)) for g in worlds]
+    alone = made[0]
+    made[0] = 0
+    shared = [_plan(model, _cluster(g)) for g in worlds]
+    assert shared == plain
+    assert plan_cache.stats["memo shared"] == 2
+    assert made[0] < alone, (made[0], alone)
+    assert {p[:2] for p in plain} != {plain[0][:2]}  # the worlds plan differently

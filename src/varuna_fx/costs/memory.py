@@ -1,7 +1,7 @@
 """The one memory model: the peak bytes of a pipeline stage, vectorised over stages.
 
-The exact partition pass (``passes/partition.py``: every candidate stage ``[i, j)`` at once, as
-a matrix), the planner's fast partitioner (``planner/balance.py``: the farthest end of a stage
+The exact partition pass (``passes/partition.py``: every candidate stage ``[i, j)`` of its band
+at once), the planner's fast partitioner (``planner/balance.py``: the farthest end of a stage
 that fits) and the priced plan (one value per stage, the table's memory column and the
 alternatives row) all call :class:`MemoryModel`, so the same stage of the same plan gets the
 same bytes everywhere and a memory cap is checked with the numbers the plan prints.
@@ -123,7 +123,6 @@ class MemoryModel:
         # the most the terms outside the prefix sums (workspace, shared copies) can add
         self.extra_bound = float(ws.max(initial=0.0) + self._held.sum())
         self._linear: dict[tuple[float, bool], tuple[list[float], list[float]]] = {}
-        self._terms: tuple[np.ndarray, ...] | None = None
 
     # -- the terms -------------------------------------------------------------------------
 
@@ -163,17 +162,6 @@ class MemoryModel:
         """Peak bytes of stages [i, j) holding ``stash`` micro-batches at once."""
         return peak_bytes(self.held(i, j), self.cut[i], self.activations(i, j),
                           self.workspace(i, j), stash, recompute)
-
-    def matrix(self, stash: float, recompute: bool) -> np.ndarray:
-        """[U + 1, U + 1]: the peak of every stage [i, j); inf where i >= j. The terms that
-        do not depend on the stash count are kept for the next call (one per stage count)."""
-        if self._terms is None:
-            idx = np.arange(self.units + 1)
-            i, j = idx[:, None], idx[None, :]
-            self._terms = (i < j, self.held(i, j), self.activations(i, j), self.workspace(i, j))
-        valid, held, activations, workspace = self._terms
-        peak = peak_bytes(held, self.cut[:, None], activations, workspace, stash, recompute)
-        return np.where(valid, peak, np.inf)
 
     def stages(self, bounds: Sequence[int], stash: Sequence[int] | np.ndarray,
                recompute: Sequence[bool] | np.ndarray) -> np.ndarray:

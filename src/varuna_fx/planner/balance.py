@@ -1,6 +1,6 @@
 """Fast balanced partitions for the search: bisection on the bottleneck with a greedy check.
 
-``passes/partition.py`` is exact (dynamic programming, O(P·U²)) and runs once for the chosen
+``passes/partition.py`` is exact (dynamic programming, O(P·U·band)) and runs once for the chosen
 configuration; the search needs a partition for many (micro-batch size, P) pairs, up to P in the
 hundreds. With stage cost ``compute[i:j] + send(j)`` increasing in ``j``, the greedy that makes
 every stage as long as the threshold allows is optimal for the bottleneck without a memory cap

@@ -257,8 +257,47 @@ def store(key: str | None, found: Searched | Refused) -> None:
 
 
 def clear() -> None:
-    """Forget the process's entries (the files stay)."""
+    """Forget the process's entries (the files stay), and the memos ``shared_memo`` keeps."""
     _MEMORY.clear()
+    _MEMOS.clear()
+
+
+# What pricers worked out (``pricing.Memo``: partitions, orders, finished candidates), by
+# everything they price with but the number of GPUs, the newest MAX_MEMOS kept.
+_MEMOS: OrderedDict[str, Any] = OrderedDict()
+MAX_MEMOS = 2
+
+
+def shared_memo(pricer: Any) -> None:
+    """Give ``pricer`` the memo of an earlier pricer of this process that differed at most in
+    the cluster's number of GPUs (a re-plan after a node left or joined), so its search
+    takes every candidate that search priced (partitions, orders, simulated steps) from it.
+
+    Why that is exact: a candidate's price is a function of its own P, D and micro-batch size
+    and the pricer's settings; the cluster's size only decides which candidates exist
+    (``P x D <= GPUs``), and a placement's links depend on the GPUs per node, not on how many
+    nodes there are (``network.links``). The key is the plan cache's (a SHA-256 of the cost
+    table, cluster, network, settings and code), without the GPU count; nothing is shared
+    where the cache is off."""
+    cluster = pricer.cluster
+    if mode() == "off":
+        return
+    key = search_key("pricer memo", pricer.table, pricer.spec, pricer.network,
+                     {f.name: getattr(cluster, f.name) for f in dataclasses.fields(cluster)
+                      if f.name != "gpus"},
+                     pricer.schedules, pricer.recompute, pricer.memory_cap,
+                     pricer.stages_per_rank, pricer.shard_optimizer, pricer.compression,
+                     pricer.replica_sync)
+    if key is None:
+        return
+    if key in _MEMOS:
+        _MEMOS.move_to_end(key)
+        object.__setattr__(pricer, "memo", _MEMOS[key])
+        stats["memo shared"] += 1
+        return
+    _MEMOS[key] = pricer.memo
+    while len(_MEMOS) > MAX_MEMOS:
+        _MEMOS.popitem(last=False)
 
 
 def _remember(key: str, found: Searched | Refused) -> None:

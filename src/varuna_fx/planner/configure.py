@@ -282,9 +282,11 @@ def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, rec
             warnings.warn(f"the profile was measured on {profile.device!r}, the cluster has "
                           f"{cluster.kind!r} devices: planning with FLOP estimates instead",
                           stacklevel=4)
-    return Planner(table, cluster, schedule=schedule, recompute=recompute, network=network,
-                   shard_optimizer=options.shard_optimizer, stages_per_rank=stages_per_rank,
-                   compression=options.compression, replica_sync=options.replica_sync)
+    planner = Planner(table, cluster, schedule=schedule, recompute=recompute, network=network,
+                      shard_optimizer=options.shard_optimizer, stages_per_rank=stages_per_rank,
+                      compression=options.compression, replica_sync=options.replica_sync)
+    plan_cache.shared_memo(planner.pricer)  # a re-plan for another world reuses its prices
+    return planner
 
 
 def price(config: Configuration, bounds: tuple[int, ...],

@@ -70,6 +70,9 @@ class Memo:
     # for ``floors.py``: (b, split) -> the model's totals at b; (b, P, D) -> one round trip's hops
     totals: dict[tuple[int, bool], tuple[float, ...]] = field(default_factory=dict)
     hops: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    # (the candidate as ``finish`` reads it, effort) -> its step and the candidate after it:
+    # the orders made for the finalists, most of a search of a big model
+    finished: dict[tuple, tuple[float | None, Candidate]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -298,6 +301,23 @@ class Pricer:
         return c.stages > 1 and self.kind(c.schedule).has_quick
 
     def finish(self, c: Candidate, effort: str = "full") -> float | None:
+        """``_finish`` (below), remembered: a candidate seen before (in this search, or in
+        another world's search sharing the memo: ``cache.shared_memo``) takes its step and
+        what finishing set on it from the memo."""
+        key = (c.stages, c.data_parallel, c.micro_batch_size, c.num_micro_batches, c.schedule,
+               c.shard, c.exact, c.stash_counts,
+               None if c.plan is None else tuple(c.plan.bounds), effort)
+        if key not in self.memo.finished:
+            step = self._finish(c, effort)
+            self.memo.finished[key] = (step, dataclasses.replace(c))
+            return step
+        step, after = self.memo.finished[key]
+        for f in dataclasses.fields(Candidate):
+            if f.name != "floor":  # (the search's own: the key it was last pushed with)
+                setattr(c, f.name, getattr(after, f.name))
+        return step
+
+    def _finish(self, c: Candidate, effort: str = "full") -> float | None:
         """``c``'s step with the order generated from its own costs, or None when that order
         holds more micro-batches than fit. The search checked memory with the unit-cost
         order's stash counts; a cost-aware order may hold more (a split backward that defers
