@@ -52,15 +52,23 @@ def windows(values: np.ndarray, width: int) -> np.ndarray:
     return sliding_window_view(padded, width)[: len(values)]
 
 
-def smallest_bottleneck(stages: Banded, num_stages: int, units: int) -> float:
+def smallest_bottleneck(stages: Banded, num_stages: int, units: int,
+                        below: float = float("inf")) -> float:
     """The smallest bottleneck of any partition of ``units`` into ``num_stages`` stages (inf
-    if none is possible)."""
+    if none is possible). ``below``: where only a bottleneck under it matters, a value at
+    least ``below`` is returned as it was found, when the smallest is at least that too: one
+    programme over a band wide enough for ``below``, where proving that no partition exists
+    (a cap forbidding every stage) would widen it to the whole matrix."""
     if num_stages > units:
         return float("inf")
+    if np.isfinite(below):
+        stages.widen(below)
     while True:
         found = _bottleneck_in_band(stages, num_stages, units)
         if found < stages.covers or not np.isfinite(stages.covers):
             return found  # every stage of the optimum is in the band: it is the optimum
+        if found >= below:  # (covers > below: a partition under ``below`` was in the band)
+            return found
         # the band left out stages that may do better: widen past what was found (the
         # optimum is at most that), or, where nothing was found, by a factor
         stages.widen(found if np.isfinite(found) else 4 * stages.covers)

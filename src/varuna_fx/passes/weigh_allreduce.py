@@ -129,8 +129,10 @@ def weigh_allreduce(stages: WithAllReduce, cut: np.ndarray, num_stages: int,
         """Try ``cap``; False when every lower cap is hopeless (or none is possible)."""
         nonlocal best
         tried.append(cap)
-        found = smallest_bottleneck(_Capped(stages, cap), num_stages, units)
         limit = plain_score if best is None else best[0]
+        # (only a bottleneck under limit / fill can help: no need to prove none exists)
+        found = smallest_bottleneck(_Capped(stages, cap), num_stages, units,
+                                    below=limit / fill * (1 + 1e-9))
         if not np.isfinite(found) or fill * found >= limit:
             return False
         if fill * found + cap < limit:
