@@ -86,3 +86,27 @@ def test_many_stages_price_a_narrow_band(monkeypatch: pytest.MonkeyPatch) -> Non
     result = partition(costs, stages)
     assert max(seen) < 3 * n // stages
     assert result.num_stages == stages
+
+
+@pytest.mark.parametrize("seed", range(0, 40, 4))
+def test_a_cache_of_one_matrix_chooses_what_a_large_one_does(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Matrices evicted and made again (a big model keeps few) give the same partition: the
+    all-reduce caps' masked copies follow their matrix, not a reused address (the 70B's
+    partition once differed between two processes planning the same world)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(20, 160))
+    stages = int(rng.integers(2, min(24, n // 3)))
+    costs = _problem(rng, n, stages)
+    try:
+        expected = partition(costs, stages)
+    except PartitionError:
+        return
+    real = partition_module._Stages._set_width
+
+    def tiny(self: partition_module._Stages, width: int) -> None:
+        real(self, width)
+        self._cache_size = 1
+
+    monkeypatch.setattr(partition_module._Stages, "_set_width", tiny)
+    assert partition(costs, stages) == expected
