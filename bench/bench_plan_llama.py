@@ -15,7 +15,8 @@ the first child compiles at each of ``--worlds`` (default 64, 64, 56): "cold" (n
 ``planner/cache.py``), then 56 GPUs (a node lost: a new search, as ``Replan`` would run it; its
 "re-plan" column leaves out capture and the annotation passes, which a re-plan on a graph
 already captured does not run). A second child then compiles at 56 GPUs as a restarted process
-would, with the files the first left (shape and plan caches). Every figure is CPU seconds
+would, with the files the first left (shape and plan caches). ``--running`` plans as a launched job does (an in-place morph's re-plan among them): ``P x D``
+equal to the GPUs of the world, not at most as many. Every figure is CPU seconds
 (``time.process_time``: a shared machine moves wall time far more), per pass from
 ``GraphState.seconds``.
 """
@@ -44,13 +45,19 @@ FRONT = ("capture", "annotate_shapes", "specialize_sizes", "annotate_backward",
          "mark_replicable", "mark_sample_mixing")
 
 
-def child(name: str, layers: int | None, profile: str | None, worlds: list[int]) -> list[dict]:
+def child(name: str, layers: int | None, profile: str | None, worlds: list[int],
+          running: bool = False) -> list[dict]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import varuna_fx as vf
     from varuna_fx import api
     from varuna_fx.planner import cache as plan_cache
+    from varuna_fx.planner import configure
+
+    gpus_now = [0]
+    if running:  # as in a launched job: P x D must be the running world (the GPUs) exactly
+        configure.running_world = lambda: gpus_now[0]
 
     shape = dict(CONFIGS[name])
     if layers is not None:
@@ -69,6 +76,7 @@ def child(name: str, layers: int | None, profile: str | None, worlds: list[int])
     api.run_after_front_end = keep  # (to read each pass's CPU seconds off the compile's state)
     rows = []
     for k, gpus in enumerate(worlds):
+        gpus_now[0] = gpus
         cluster = vf.Cluster(gpus=gpus, gpus_per_node=8, gpu_memory="80GiB",
                              inter_node_bandwidth="100Gbit/s", device_type="a100")
 
@@ -109,11 +117,14 @@ def main() -> None:
     parser.add_argument("--profile", default=None)
     parser.add_argument("--worlds", default="64,64,56")
     parser.add_argument("--restart", default="56", help="GPUs of the restarted child ('': none)")
+    parser.add_argument("--running", action="store_true",
+                        help="plan as a launched job (an in-place morph's re-plan) does: P x D "
+                             "equal to the GPUs, not at most")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         worlds = [int(w) for w in args.worlds.split(",")]
-        print(json.dumps(child(args.child, args.layers, args.profile, worlds)))
+        print(json.dumps(child(args.child, args.layers, args.profile, worlds, args.running)))
         return
     print(f"load average {os.getloadavg()}")
     print("| config | params | layers | process | GPUs | compile CPU s | front end CPU s "
@@ -128,6 +139,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", name, "--worlds", worlds]
             if args.layers is not None:
                 cmd += ["--layers", str(args.layers)]
+            if args.running:
+                cmd += ["--running"]
             if profile:
                 cmd += ["--profile", f"{profile}.{name}"]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True,
