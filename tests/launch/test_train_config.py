@@ -196,8 +196,8 @@ def test_a_folder_holding_another_models_run_is_refused_saying_what_to_do(
         tmp_path: Path) -> None:
     tiny = dict(n_embd=16, n_head=2, seq_len=8, corpus_bytes=4096, out=str(tmp_path / "run"))
     run = Run(TrainConfig(n_layer=1, **tiny), None)
-    pipe, opt, sched, loader, step = run.build()
-    assert step == 0
+    pipe, opt, sched, loader, progress = run.build()
+    assert progress.step == 0
     run.save(pipe, opt, sched, loader, 3)
     with pytest.raises(CheckpointError, match="cannot resume .* give another --out"):
         Run(TrainConfig(n_layer=2, **tiny), None).build()
