@@ -103,6 +103,13 @@ def test_print_config_reads_back_to_the_same_configuration(tmp_path: Path) -> No
     (["--global-batch-size", "1", "--micro-batch-size", "auto"], ["at least 2 samples"]),
     (["--global-batch-size", "6"], ["micro_batch_size = 4 does not divide global_batch_size = 6"]),
     (["--nnodes", "1:2"], ["nnodes belong to elastic = true", "torchrun_args"]),
+    (["--in-place"], ["in_place belong to elastic = true", "--elastic --in-place"]),
+    (["--elastic", "--in-place", "--torchrun-args=--nnodes=2"],
+     ["torchrun_args do not go with in_place", "nnodes, rdzv_endpoint and local_addr"]),
+    (["--store-host", "true"], ["store_host belongs to in_place = true"]),
+    (["--nproc", "0"], ["nproc = 0", "--elastic --in-place"]),
+    (["--elastic", "--in-place", "--nproc", "0", "--store-host", "false"],
+     ["neither train nor host the membership store"]),
 ])
 def test_every_refusal_of_the_command_line(argv: list[str], words: list[str]) -> None:
     with pytest.raises(InputError) as caught:
@@ -122,6 +129,7 @@ def test_every_refusal_of_the_command_line(argv: list[str], words: list[str]) ->
     ("elastic = 1\n", ["elastic takes true or false"]),
     ("stages = true\n", ["stages takes an integer or auto"]),
     ("model = 3\n", ["model takes a string"]),
+    ("[launch]\nin_place = true\n", ["in_place belong to elastic = true"]),
 ])
 def test_every_refusal_of_the_file(tmp_path: Path, text: str, words: list[str]) -> None:
     with pytest.raises(InputError) as caught:
@@ -196,8 +204,8 @@ def test_a_folder_holding_another_models_run_is_refused_saying_what_to_do(
         tmp_path: Path) -> None:
     tiny = dict(n_embd=16, n_head=2, seq_len=8, corpus_bytes=4096, out=str(tmp_path / "run"))
     run = Run(TrainConfig(n_layer=1, **tiny), None)
-    pipe, opt, sched, loader, step = run.build()
-    assert step == 0
+    pipe, opt, sched, loader, progress = run.build()
+    assert progress.step == 0
     run.save(pipe, opt, sched, loader, 3)
     with pytest.raises(CheckpointError, match="cannot resume .* give another --out"):
         Run(TrainConfig(n_layer=2, **tiny), None).build()
@@ -243,3 +251,37 @@ def test_the_command_starts_the_worker_module_under_torchrun_with_the_checked_co
     assert train_command(["--torchrun-args", "--nnodes=2 --node-rank=1 --rdzv-endpoint=h:1",
                           "--out", out]) == 0
     assert (calls[2].nnodes, calls[2].node_rank, calls[2].standalone) == ("2", 1, False)
+
+
+def test_in_place_starts_the_in_place_launcher_with_the_checked_config(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--elastic --in-place`` (or ``in_place = true`` under ``[launch]``) hands the worker
+    module and the configuration to varuna_fx's in-place launcher (its ``run`` replaced), with
+    the machine's settings; its exit status says how the job ended."""
+    from varuna_fx.launch.in_place import InPlaceLaunch
+
+    launches: list[InPlaceLaunch] = []
+    status = [0]
+
+    def run(launch: InPlaceLaunch) -> int:
+        launches.append(launch)
+        return status[0]
+
+    monkeypatch.setattr(InPlaceLaunch, "run", run)
+    out = str(tmp_path / "run")
+    job = toml(tmp_path, "[launch]\nelastic = true\nin_place = true\nnproc = 3\n")
+    assert train_command([job, "--steps", "7", "--out", out]) == 0
+    launch = launches[0]
+    assert (launch.nproc, launch.min_world, launch.store_host) == (3, 3, True)
+    assert launch.argv[:2] == ["-m", "varuna_fx.launch.train_worker"]
+    cfg, _, source = decode(launch.argv[2])
+    assert cfg == TrainConfig(elastic=True, in_place=True, nproc=3, steps=7, out=out)
+    assert source["in_place"] == "config file"
+    flags = ["--elastic", "--in-place", "--nnodes", "1:4", "--nproc", "0", "--store-host",
+             "--rdzv-endpoint", "10.0.0.1:29400", "--local-addr", "10.0.0.2", "--out", out]
+    assert train_command(flags) == 0
+    assert (launches[1].nproc, launches[1].store_host, launches[1].max_world) == (0, True, 4)
+    status[0] = 128 + signal.SIGTERM  # a signal to the launcher, passed on: saved and stopped
+    assert train_command([job, "--out", out]) == 143
+    status[0] = 1  # a worker failed past --max-restarts
+    assert train_command([job, "--out", out]) == 1

@@ -1,12 +1,13 @@
 """vf.Monitor in one process: the JSONL records and their keys, plain lines off a terminal and
 a live line on one, MFU as stated, TensorBoard when installed (and skipped cleanly when not),
-the charts, a resumed run's records, and the refusals."""
+the charts, a resumed run's records, an in-place morph as an event, and the refusals."""
 
 from __future__ import annotations
 
 import builtins
 import io
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from rich.console import Console
 import varuna_fx as vf
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.monitor.flops import step_flops
+from varuna_fx.monitor.sinks import read_jsonl
+from varuna_fx.morph.records import MorphRecord
 
 REQUIRED = {"step", "loss", "step_seconds", "predicted_step_seconds", "tokens_per_second", "mfu"}
 
@@ -121,3 +124,41 @@ def test_refusals(pipe: vf.Pipeline, tmp_path: Path) -> None:
     with pytest.raises(vf.InputError, match="no pipe.step since the last log"):
         monitor.log(1.0)
     monitor.close()
+
+
+class Morphing:
+    """The pipeline as an in-place job shows it: ``morphs`` grows when a step morphed."""
+
+    def __init__(self, pipe: vf.Pipeline) -> None:
+        self._pipe, self.morphs = pipe, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+
+def test_a_morph_is_an_event_and_the_stalled_step_is_rated_by_its_own_time(
+        pipe: vf.Pipeline, tmp_path: Path) -> None:
+    out = io.StringIO()
+    morphing = Morphing(pipe)
+    with vf.Monitor(morphing, tmp_path, tensorboard=False, console=Console(file=out, width=400),
+                    print_every=1, charts=False) as m:
+        run(morphing, m, 2)
+        time.sleep(0.5)  # the morph's stall, between the two logs
+        morphing.morphs.append(MorphRecord(
+            1, "notice", time.time(), "P=2 D=1 b=2 m=2 (2 ranks)", "P=1 D=1 b=2 m=2 (1 ranks)",
+            phases={"agree": 0.25, "transfer": 0.125, "first_step": 0.5}, bytes_moved=2048,
+            left=("m1",)))
+        (stalled,) = run(morphing, m, 1)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("event", r["step"]) for r in lines] == [1, 2, "morph", 3]
+    event = lines[2]
+    assert (event["step"], event["reason"], event["left"], event["bytes_moved"]) == \
+        (3, "notice", ["m1"], 2048)
+    assert event["seconds"] == 0.375 and event["new_layout"].startswith("P=1")
+    # the loop's time since step 2 holds the stall: step 3 is rated over pipe.step's own time
+    assert stalled["loop_seconds"] is None
+    assert stalled["samples_per_second"] == pytest.approx(4 / stalled["step_seconds"])
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert "in-place morph before step 3 (notice: m1 left): P=2 D=1 b=2 m=2 (2 ranks) -> " \
+           "P=1 D=1 b=2 m=2 (1 ranks) in 0.38 s (agree 0.25, transfer 0.12, first step 0.50)" \
+           ", 2.0 KiB moved" in out.getvalue()

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from support.dist import free_port
-from support.in_place import ROOT, InPlaceJob
+from support.in_place import ROOT, InPlaceJob, launcher_env
 from varuna_fx.morph.controller import RESTART_EXIT
 
 SCRIPT = str(ROOT / "tests" / "dist_scripts" / "in_place_train.py")
@@ -105,15 +105,11 @@ def test_notice_repartitions_the_pipeline(tmp_path: Path, reference: dict) -> No
     """P=2 -> P=1: the survivor takes stage 1's weights and optimizer state from the leaver.
     Launched as a user does (``varuna-fx run --elastic --in-place``: the shared launch starts
     the in-place launcher, which hosts the store and starts both workers)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"),
-               CUDA_VISIBLE_DEVICES="", VARUNA_FX_TIMEOUT="60", VARUNA_FX_HEARTBEAT_WINDOW="2")
-    for key in ("VARUNA_FX_STORE", "LOCAL_RANK", "WORLD_SIZE", "RANK"):
-        env.pop(key, None)
     launched = subprocess.run(
         [sys.executable, "-m", "varuna_fx.launch.cli", "run", "--elastic", "--in-place",
          "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
          SCRIPT, str(tmp_path), STEPS, "--stages", "2", "--notice", "2:.1.0"],
-        env=env, capture_output=True, text=True, timeout=300)
+        env=launcher_env(), capture_output=True, text=True, timeout=300)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     assert [int(r[2]) for r in _log(tmp_path)] == [2, 2] + [1] * 7  # P per step
     (survivor_file,) = tmp_path.glob("*.0.0.pt")  # local rank 0's first start

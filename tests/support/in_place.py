@@ -1,12 +1,17 @@
 """Running an in-place job's workers from a test: the test hosts the membership store (as the
 launcher of the rendezvous machine does, ``varuna_fx.launch.in_place``) and starts each worker
-process with the environment that launcher gives it."""
+process with the environment that launcher gives it (:class:`InPlaceJob`); or the test runs the
+launcher itself (``varuna-fx run/train --elastic --in-place``: :func:`launcher_env`), reads its
+output as it comes (:class:`Lines`) and signals one of its workers (:func:`worker_pid`)."""
 
 from __future__ import annotations
 
 import os
+import queue
+import re
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -76,3 +81,71 @@ class InPlaceJob:
     def tails(self) -> str:
         return "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}"
                          for f in sorted(self.out.glob("*.out")))
+
+
+def launcher_env() -> dict[str, str]:
+    """The environment to run ``varuna-fx ... --elastic --in-place`` with: this checkout, one
+    thread, no GPU, short waits and heartbeat window (a lost process is found in ~2 s)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"),
+               CUDA_VISIBLE_DEVICES="", VARUNA_FX_TIMEOUT="60", VARUNA_FX_HEARTBEAT_WINDOW="2")
+    for key in ("VARUNA_FX_STORE", "LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(key, None)
+    return env
+
+
+def worker_pid(launcher: subprocess.Popen[Any], local_rank: int, restarts: int = 0) -> int:
+    """The pid of the in-place launcher's worker of ``local_rank`` (its ``restarts``-th start:
+    member names end in ``.<local_rank>.<restarts>``)."""
+    tail = f".{local_rank}.{restarts}".encode()
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    for pid in children:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # (exited meanwhile)
+            continue
+        if any(e.startswith(b"VARUNA_FX_MEMBER=") and e.endswith(tail) for e in env):
+            return int(pid)
+    raise AssertionError(f"no worker {tail.decode()} among the launcher's children {children}")
+
+
+class Lines:
+    """A process's merged output, read by a thread as it comes: ``wait_for`` a line matching a
+    pattern (with a deadline: the process may hang or die), ``text`` for an assertion's
+    message."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc, self.seen, self._new = proc, [], queue.Queue()  # type: ignore[var-annotated]
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._new.put(line)
+        self._new.put(None)
+
+    def wait_for(self, pattern: str, timeout: float = 180.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._new.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} within {timeout:.0f} s"
+                                     f"\n{self.text()}") from None
+            if line is None:
+                self._new.put(None)
+                raise AssertionError(f"the process ended before a line matching {pattern!r}"
+                                     f"\n{self.text()}")
+            self.seen.append(line)
+            if re.search(pattern, line):
+                return line
+
+    def finish(self, timeout: float = 240.0) -> int:
+        """Wait for the process; its exit status (the rest of its output is read)."""
+        code = self.proc.wait(timeout=timeout)
+        while (line := self._new.get(timeout=30)) is not None:
+            self.seen.append(line)
+        self._new.put(None)
+        return code
+
+    def text(self) -> str:
+        return "".join(self.seen)[-6000:]

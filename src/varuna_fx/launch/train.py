@@ -3,8 +3,10 @@
 The command checks the configuration (``train_config.py``), then trains: in this process when
 ``nproc = 1`` (and not elastic), else under torchrun with ``nproc`` ranks running the module
 ``varuna_fx.launch.train_worker`` -- started as ``varuna-fx run`` starts a script
-(launch/torchrun.py: standalone on 127.0.0.1, or torchrun's elastic agent with ``elastic =
-true``), so the user writes no script. The ranks get the checked configuration as JSON.
+(launch/torchrun.py: standalone on 127.0.0.1, torchrun's elastic agent with ``elastic =
+true``, or with ``in_place = true`` too varuna_fx's in-place launcher, launch/in_place.py, whose
+survivors keep training when a machine leaves or joins), so the user writes no script. The
+ranks get the checked configuration as JSON.
 
 Exit status: 0 when the run reached ``steps`` (or ``stop_at``); 128 + the signal's number when
 a signal stopped it (143 for SIGTERM, 130 for Ctrl-C) -- the ranks saved a checkpoint first and
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from ..errors import VarunaFxError
 from .torchrun import Ranks, split_flags, start_ranks
-from .train_config import TrainConfig, help_text, resolve, to_toml
+from .train_config import AUTO, TrainConfig, help_text, resolve, to_toml
 from .train_worker import SUMMARY, encode, run_training
 
 WORKER = "varuna_fx.launch.train_worker"
@@ -60,7 +62,9 @@ def ranks_of(cfg: TrainConfig) -> Ranks:
     return Ranks(nproc=cfg.nproc, flags=tuple(split_flags([cfg.torchrun_args])),
                  elastic=cfg.elastic, nnodes=cfg.nnodes or None,
                  rdzv_endpoint=cfg.rdzv_endpoint or None, rdzv_id=cfg.rdzv_id,
-                 local_addr=cfg.local_addr or None, max_restarts=cfg.max_restarts)
+                 local_addr=cfg.local_addr or None, max_restarts=cfg.max_restarts,
+                 in_place=cfg.in_place,
+                 store_host=None if cfg.store_host == AUTO else cfg.store_host)
 
 
 def launch_ranks(cfg: TrainConfig, payload: str, launched_at: float) -> int:
@@ -69,7 +73,7 @@ def launch_ranks(cfg: TrainConfig, payload: str, launched_at: float) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        start_ranks(ranks_of(cfg), WORKER, [payload], module=True)
+        status = start_ranks(ranks_of(cfg), WORKER, [payload], module=True)
     except SignalException as stop:
         # torchrun passed the signal on to the ranks, which saved a checkpoint and exited
         name = signal.Signals(stop.sigval).name
@@ -80,7 +84,22 @@ def launch_ranks(cfg: TrainConfig, payload: str, launched_at: float) -> int:
         print(f"varuna-fx train: a rank failed ({len(failed.failures)} of {cfg.nproc}; its "
               "error is above)", file=sys.stderr)
         return 1
+    if status:  # the in-place launcher's own status (torchrun's raises instead)
+        return _in_place_stopped(cfg, status)
     return PREEMPTED if _ranks_were_preempted(cfg, launched_at) else 0
+
+
+def _in_place_stopped(cfg: TrainConfig, status: int) -> int:
+    """What the in-place launcher's non-zero status means: a signal to it (passed on to every
+    worker here, which saved and exited: 128 + the signal), or a worker that failed for good."""
+    if status > 128 and status - 128 in signal.valid_signals():
+        name = signal.Signals(status - 128).name
+        print(f"varuna-fx train: stopped by {name}; the ranks saved a checkpoint in "
+              f"{cfg.out}/checkpoints; the same command resumes", file=sys.stderr)
+        return status
+    print(f"varuna-fx train: a rank failed (exit status {status}; its error is above) after "
+          f"--max-restarts {cfg.max_restarts} restarts", file=sys.stderr)
+    return 1
 
 
 def _ranks_were_preempted(cfg: TrainConfig, launched_at: float) -> bool:

@@ -151,10 +151,16 @@ class TrainConfig:
     peak_flops: Any = key(AUTO, "monitor", "a device's peak FLOP/s for MFU (auto: the "
                           "monitor's table)", "float|auto", low=0.0)
     # -- launching (as `varuna-fx run`)
-    nproc: int = key(2, "launch", "processes on this machine (1: this process, no torchrun)",
-                     low=1)
+    nproc: int = key(2, "launch", "processes on this machine (1: this process, no torchrun; "
+                     "0: with in_place, a machine that only hosts the membership store)", low=0)
     elastic: bool = key(False, "launch", "machines may leave and join (torchrun's elastic "
                         "agent); every restart resumes from the latest checkpoint")
+    in_place: bool = key(False, "launch", "with elastic: survivors keep running when a machine "
+                         "leaves or joins (they re-plan and move only what changed) instead of "
+                         "every process restarting from the latest checkpoint")
+    store_host: Any = key(AUTO, "launch", "with in_place: this machine hosts the membership "
+                          "store, which must stay up (auto: the machine whose local_addr is "
+                          "the rdzv_endpoint's host; one machine alone hosts it)", "bool|auto")
     nnodes: str = key("", "launch", "with elastic: MIN:MAX machines")
     rdzv_endpoint: str = key("", "launch", "with elastic: HOST:PORT of the rendezvous host")
     rdzv_id: str = key("varuna-fx", "launch", "with elastic: the job's name")
@@ -375,10 +381,35 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
                          "the planner choose (micro_batch_size = \"auto\")")
     if cfg.global_batch_size == 1:
         raise InputError("global_batch_size = 1: a pipeline needs at least 2 samples per step")
-    elastic_only = [k for k in ("nnodes", "rdzv_endpoint", "local_addr") if getattr(cfg, k)]
+    elastic_only = [k for k in ("nnodes", "rdzv_endpoint", "local_addr", "in_place")
+                    if getattr(cfg, k)]
     if elastic_only and not cfg.elastic:
-        raise InputError(f"{', '.join(elastic_only)} belong to elastic = true; for a fixed "
-                         "multi-machine job pass torchrun's flags in torchrun_args")
+        raise InputError(f"{', '.join(elastic_only)} belong to elastic = true (in_place: "
+                         "--elastic --in-place, as `varuna-fx run`); for a fixed multi-machine "
+                         "job pass torchrun's flags in torchrun_args")
+    check_in_place(cfg)
+
+
+def check_in_place(cfg: TrainConfig) -> None:
+    """What in-place morphing does not go with, refused before anything is launched."""
+    if not cfg.in_place:
+        if cfg.store_host != AUTO:
+            raise InputError("store_host belongs to in_place = true (the membership store of "
+                             "an in-place job): remove it, or add --in-place")
+        if cfg.nproc == 0:
+            raise InputError("nproc = 0 (a machine running no training process) only hosts "
+                             "the membership store of an in-place job: give --nproc 1 or more, "
+                             "or add --elastic --in-place")
+        return
+    if cfg.torchrun_args:
+        raise InputError(
+            "torchrun_args do not go with in_place = true: an in-place job is started by "
+            "varuna_fx's own launcher, not torchrun; describe the machines with nnodes, "
+            "rdzv_endpoint and local_addr, or remove in_place for torchrun's restart path")
+    if cfg.nproc == 0 and cfg.store_host is False:
+        raise InputError(
+            "nproc = 0 with store_host = false: this machine would neither train nor host the "
+            "membership store; give --nproc 1 or more, or --store-host true")
 
 
 def hf_config_path(model: str) -> Path:

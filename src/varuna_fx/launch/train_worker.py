@@ -18,6 +18,16 @@ preemption-safe one of docs/checkpoints.md, with the pipeline owning what it can
 
 Rank 0 also writes ``OUT/config.toml`` (the configuration of the latest launch) and
 ``OUT/summary.json`` (where this launch stopped, and why), which the command reads.
+
+In place (``in_place = true``: ``launch/in_place.py``) the same loop survives morphs:
+``pipe.step`` morphs first when a machine left or joins (or re-runs the step on the new layout
+when a process vanished), so the step counter, the scheduler (the same object drives the same
+optimizer object, re-pointed by the morph) and the loader carry on untouched; the monitor
+follows the pipeline (``monitor/monitor.py``) and checkpoints after a morph are the new
+layout's. What a process joining the running job needs is tracked (``pipe.track``: the
+scheduler, the loader, and :class:`Progress`, the step counter), so it skips the checkpoint and
+starts at the survivors' step; a process that leaves exits inside ``pipe.step`` once its state
+has moved. The summary lists the morphs.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from ..checkpoint.directory import MARKER, latest_checkpoint
 from ..errors import CheckpointError, VarunaFxError
 from ..monitor.monitor import Monitor
 from ..pipeline import Pipeline
+from ..world.membership import in_place, membership
 from ..world.where import launched_distributed, rank
 from .train_config import AUTO, TrainConfig, to_toml
 from .train_data import open_data
@@ -72,11 +83,14 @@ def lr_factor(cfg: TrainConfig) -> Any:
 
 def adamw(pipe: Pipeline, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over this rank's parameters (sharded over the replicas when compile shards):
-    weight decay on weights of two or more dimensions only, as nanoGPT and Megatron do."""
+    weight decay on weights of two or more dimensions only, as nanoGPT and Megatron do. In
+    place both groups are kept, even empty: a morph files each parameter under its group's
+    index, which must mean the same group on every rank."""
     decay = [p for _, p in pipe.named_parameters() if p.dim() >= 2]
     rest = [p for _, p in pipe.named_parameters() if p.dim() < 2]
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
-                          {"params": rest, "weight_decay": 0.0}) if g["params"]]
+                          {"params": rest, "weight_decay": 0.0})
+              if g["params"] or cfg.in_place]
     return pipe.optimizer(torch.optim.AdamW, groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                           eps=cfg.eps)
 
@@ -88,6 +102,20 @@ def prune(folder: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+class Progress:
+    """The steps done, as an object ``pipe.track`` hands to a process joining an in-place job
+    (with the scheduler's and the loader's states: it continues the count, not step 0)."""
+
+    def __init__(self, step: int = 0) -> None:
+        self.step = step
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
 class Run:
     """One launch of a training run on this rank."""
 
@@ -96,14 +124,19 @@ class Run:
         self.cfg, self.launched_at = cfg, launched_at
         self.out = Path(cfg.out)
         self.folder = self.out / CHECKPOINTS
-        self.rank = rank() if launched_distributed() else 0
         self.source = source or {}
+
+    @property
+    def rank(self) -> int:
+        """This process's rank now (in place, a morph may change it; before compile, in place,
+        it is not known yet: 0)."""
+        return rank() if launched_distributed() else 0
 
     def say(self, text: str) -> None:
         if self.rank == 0:
             print(f"varuna-fx train: {text}", flush=True)
 
-    def build(self) -> tuple[Pipeline, Any, Any, Any, int]:
+    def build(self) -> tuple[Pipeline, Any, Any, Any, Progress]:
         cfg = self.cfg
         start = latest_checkpoint(self.folder) if self.folder.is_dir() else None
         data = open_data(cfg)
@@ -114,9 +147,12 @@ class Run:
         pipe = vf_compile(made.model, example_inputs=(example,), loss_fn=next_token_loss,
                           **cfg.compile_options())
         opt = adamw(pipe, cfg)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
+        # tracked (in place; nothing otherwise) in this order on every process: a joining
+        # one receives their states in it
+        sched = pipe.track(torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg)))
         loader = pipe.data_loader(data.dataset, shuffle=cfg.shuffle, seed=cfg.seed,
                                   num_workers=cfg.num_workers)
+        progress = pipe.track(Progress())
         plan = pipe.plan
         sharded = pipe.replicas > 1 and cfg.shard_optimizer is not False
         self.say(f"model: {made.description}")
@@ -125,19 +161,23 @@ class Run:
                  f"micro-batch(es) of {plan.micro_batch_size}, schedule {plan.schedule.name}, "
                  f"optimizer state {'sharded (ZeRO-1)' if sharded else 'not sharded'}, global "
                  f"batch {loader.global_batch_size}")
-        step = 0
+        if pipe.joined:  # the running job's state came with the join: newer than a checkpoint
+            print(f"varuna-fx train: rank {self.rank} joined the running job at step "
+                  f"{progress.step}", flush=True)
+            return pipe, opt, sched, loader, progress
         if start is not None:
             try:
-                step = int(pipe.load_checkpoint(start, opt, data=loader, scheduler=sched)["step"])
+                progress.step = int(pipe.load_checkpoint(start, opt, data=loader,
+                                                         scheduler=sched)["step"])
             except CheckpointError as exc:
                 raise CheckpointError(f"{self.out} holds {start}, which this configuration "
                                       f"cannot resume ({exc}); give another --out, or the "
                                       "configuration the run was saved with") from None
-            self.say(f"resumed from {start} (step {step})")
+            self.say(f"resumed from {start} (step {progress.step})")
         elif cfg.init_from:
             pipe.load_pretrained(cfg.init_from)
             self.say(f"initialised from {cfg.init_from}")
-        return pipe, opt, sched, loader, step
+        return pipe, opt, sched, loader, progress
 
     def save(self, pipe: Pipeline, opt: Any, sched: Any, loader: Any, step: int) -> str:
         path = str(self.folder / f"step{step:08d}")
@@ -155,35 +195,58 @@ class Run:
         """Train to ``stop_at`` or the end; returns 128 + the signal when one stopped it
         (143, or 130 for Ctrl-C), else 0."""
         cfg = self.cfg
-        pipe, opt, sched, loader, step = self.build()
+        pipe, opt, sched, loader, progress = self.build()
         pipe.install_preemption_handlers()  # (torchrun's ranks have them already)
         save_on_ctrl_c()
         stop = cfg.stop_at or cfg.steps
-        if self.rank == 0:
+        if self.rank == 0 and not pipe.joined:
             self.out.mkdir(parents=True, exist_ok=True)
             self.write("config.toml", to_toml(cfg, self.source))
-        if step >= stop:
-            self.say(f"nothing to do: {self.out} holds step {step} and the run stops at "
-                     f"{stop} (raise --steps, or give another --out)")
+        if progress.step >= stop:
+            self.say(f"nothing to do: {self.out} holds step {progress.step} and the run stops "
+                     f"at {stop} (raise --steps, or give another --out)")
             pipe.close()
             return 0
-        first = step
-        monitor = Monitor(pipe, self.out, total_steps=cfg.steps, start_step=step,
+        first = progress.step
+        monitor = Monitor(pipe, self.out, total_steps=cfg.steps, start_step=first,
                           print_every=cfg.print_every, live=_auto(cfg.live),
                           tensorboard=_auto(cfg.tensorboard), charts=cfg.charts,
                           peak_flops=None if cfg.peak_flops == AUTO else cfg.peak_flops)
+        # (an error, or this process leaving an in-place job -- SystemExit from pipe.step once
+        # its state moved -- closes the monitor's files without a collective)
+        with monitor:
+            loss, saved, last_step_at = self.loop(pipe, opt, sched, loader, progress, monitor,
+                                                  stop)
+        preempted = pipe.preempted
+        step = progress.step
+        if cfg.export and step == cfg.steps:
+            pipe.save_pretrained(cfg.export)
+            self.say(f"exported the model to {cfg.export} (Hugging Face safetensors)")
+        morphs = [m.as_dict() for m in pipe.morphs]
+        pipe.close()
+        self.finish(first, step, loss, saved, preempted, last_step_at, morphs)
+        if not preempted:
+            return 0
+        return 128 + (signal.SIGINT if _INTERRUPTED else signal.SIGTERM)
+
+    def loop(self, pipe: Pipeline, opt: Any, sched: Any, loader: Any, progress: Progress,
+             monitor: Monitor, stop: int) -> tuple[Any, str | None, float]:
+        """The steps up to ``stop``: (the last loss, the last checkpoint saved, when the last
+        step ended)."""
+        cfg = self.cfg
         batches = loader.forever()
         loss, saved, last_step_at = None, None, time.time()
-        while step < stop:
+        while progress.step < stop:
             x, y = next(batches)
             pipe.zero_grad()
-            loss = pipe.step(x, target=y)
+            loss = pipe.step(x, target=y)  # (in place: a morph may run first)
             scalars = {"lr": sched.get_last_lr()[0]}
             if cfg.grad_clip:
                 scalars["grad_norm"] = float(pipe.clip_grad_norm_(cfg.grad_clip))
             pipe.optimizer_step(opt)
             sched.step()
-            step += 1
+            progress.step += 1
+            step = progress.step
             last_step_at = time.time()
             monitor.log(loss, **scalars)
             if cfg.log_samples:
@@ -194,24 +257,15 @@ class Run:
                 saved = self.save(pipe, opt, sched, loader, step)
             if pipe.preempted:
                 break
-        preempted = pipe.preempted
-        monitor.close()
-        if cfg.export and step == cfg.steps:
-            pipe.save_pretrained(cfg.export)
-            self.say(f"exported the model to {cfg.export} (Hugging Face safetensors)")
-        pipe.close()
-        self.finish(first, step, loss, saved, preempted, last_step_at)
-        if not preempted:
-            return 0
-        return 128 + (signal.SIGINT if _INTERRUPTED else signal.SIGTERM)
+        return loss, saved, last_step_at
 
     def finish(self, first: int, step: int, loss: Any, saved: str | None, preempted: bool,
-               last_step_at: float) -> None:
+               last_step_at: float, morphs: list[dict[str, Any]]) -> None:
         if self.rank != 0:
             return
         summary = {"first_step": first, "last_step": step, "steps": self.cfg.steps,
                    "final_loss": float(loss) if loss is not None else None,
-                   "preempted": preempted, "checkpoint": saved,
+                   "preempted": preempted, "checkpoint": saved, "morphs": morphs,
                    "seconds_from_command_to_last_step":
                        last_step_at - self.launched_at if self.launched_at else None}
         self.write(SUMMARY, json.dumps(summary, indent=1) + "\n")
@@ -219,6 +273,11 @@ class Run:
         timing = f" ({when:.1f} s from the command to the last step)" if when else ""
         self.say(f"steps {first + 1}-{step} of {self.cfg.steps} done{timing}, final loss "
                  f"{summary['final_loss']:.4f}; charts and metrics.jsonl in {self.out}")
+        if morphs:
+            self.say(f"{len(morphs)} in-place morph(s): " + "; ".join(
+                f"{m['reason']} {m['old_layout']} -> {m['new_layout']} in "
+                f"{sum(v for k, v in m['phases'].items() if k != 'first_step'):.1f} s"
+                for m in morphs))
         if preempted:
             self.say(f"preempted: saved {saved}; the same command resumes from it (on any "
                      "--nproc)")
@@ -273,6 +332,12 @@ def main(argv: list[str]) -> int:
     try:
         code = run_training(cfg, launched_at, source)
     except VarunaFxError as exc:
+        if in_place() and membership().job_finished():
+            # started again (the in-place launcher restarts a process that vanished) to join
+            # a job that has finished meanwhile: nothing to do, and no failure to restart for
+            print(f"varuna-fx train: {membership().member} found the job finished before it "
+                  "could join; nothing to do", file=sys.stderr, flush=True)
+            return 0
         print(f"error (rank {rank()}): {exc}", file=sys.stderr, flush=True)
         return 1
     # preempted or done, the checkpoint is complete: a rank that exits 0 tells torchrun's agent

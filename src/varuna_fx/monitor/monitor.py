@@ -14,6 +14,13 @@ Throughput and MFU are over the loop's time per step (from one ``log`` to the ne
 optimizer step and data loading included) once there is a previous step, else over
 ``pipe.step``'s own time; ``step_seconds`` is always ``pipe.step``'s, the figure to hold
 against the plan's ``predicted_step_seconds``.
+
+In an in-place job (``varuna-fx run/train --elastic --in-place``) the monitor follows the
+pipeline through its morphs: the step during which ``pipe.morphs`` grew is rated over
+``pipe.step``'s own time (the loop's holds the stall), the gloo group is made again on the new
+generation (a morph destroys every group), MFU counts the new world's devices, rank 0 writes
+each morph as an event (``morph_events.py``), and a process that became rank 0 takes over the
+outputs. A process that joins makes its own monitor with the step it starts at.
 """
 
 from __future__ import annotations
@@ -30,10 +37,12 @@ from ..costs.memory import format_bytes
 from ..errors import InputError
 from ..runtime.step_stats import StepStats
 from ..runtime.traffic import SENT
+from ..world.membership import in_place
 from ..world.where import launched_distributed
 from .charts import timeline_chart, training_chart
 from .display import Display
 from .flops import peak_of, step_flops
+from .morph_events import describe_morph, morph_event
 from .sinks import METRICS, JsonlSink, finite, read_jsonl, tensorboard_sink
 
 CHARTS = "charts"
@@ -65,13 +74,17 @@ class Monitor:
         self.memory_every = memory_every
         self.tokens_per_sample = tokens_per_sample
         self.draw_at_close = charts
+        self._peak_flops = peak_flops
         self.peak = peak_of(pipe, peak_flops)
-        self.group = None
+        self._outputs = dict(console=console, live=live, total=total_steps,
+                             print_every=print_every, tensorboard=tensorboard)
+        self.group = None  # the monitor's gloo group, made when first used (``_group``)
+        self.distributed = launched_distributed() and dist.is_initialized()
         self.rank, self.world = 0, 1
-        if launched_distributed() and dist.is_initialized():
+        if self.distributed:
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
-            timeout = getattr(pipe.runtime, "timeout", 300.0)
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        # in-place morphs seen (a process that joined a running job saw its own join already)
+        self._morphs_seen = len(getattr(pipe, "morphs", ()))
         self.records: list[dict[str, Any]] = []
         self._last: StepStats | None = None
         self._logged_at: float | None = None
@@ -79,18 +92,70 @@ class Monitor:
         self.display: Display | None = None
         self.sinks: list[Any] = []
         if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.records = read_jsonl(self.out / METRICS, before_step=start_step + 1) \
-                if start_step else []
-            self.sinks = [JsonlSink(self.out)]
-            board = tensorboard_sink(self.out, tensorboard)
-            if board is not None:
-                self.sinks.append(board)
-            self.display = Display(console, live, total_steps, print_every)
-            self.display.note(f"monitor: {self.out / METRICS}"
-                              f"{' and TensorBoard' if board is not None else ''}; MFU = the "
-                              f"plan's FLOPs per step / ({self.peak.devices} device(s) x "
-                              f"{self.peak.what})")
+            self._open_outputs(start_step)
+
+    def _open_outputs(self, start_step: int) -> None:
+        """Rank 0's: the records so far (for the charts), the sinks, the line."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.records = read_jsonl(self.out / METRICS, before_step=start_step + 1) \
+            if start_step else []
+        # in place, rank 0 may be killed and another process go on writing: every line is
+        # flushed, so the file has no gap where the killed one's unflushed lines were
+        self.sinks = [JsonlSink(self.out, 0.0 if in_place() else JsonlSink.FLUSH_SECONDS)]
+        board = tensorboard_sink(self.out, self._outputs["tensorboard"])
+        if board is not None:
+            self.sinks.append(board)
+        self.display = Display(self._outputs["console"], self._outputs["live"],
+                               self._outputs["total"], self._outputs["print_every"])
+        self.display.note(f"monitor: {self.out / METRICS}"
+                          f"{' and TensorBoard' if board is not None else ''}; MFU = the "
+                          f"plan's FLOPs per step / ({self.peak.devices} device(s) x "
+                          f"{self.peak.what})")
+
+    def _close_outputs(self) -> None:
+        if self.display is not None:
+            self.display.close()
+        for sink in self.sinks:
+            sink.close()
+        self.display, self.sinks = None, []
+
+    def _group(self) -> Any:
+        """The monitor's own gloo group (None in one process), made on first use: every rank
+        reaches its first gather at the same step, also a process that joined an in-place job
+        (an eager one would wait in its constructor for ranks busy in their step)."""
+        if self.distributed and self.group is None:
+            timeout = getattr(self.pipe.runtime, "timeout", 300.0)
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        return self.group
+
+    def _follow_morphs(self) -> None:
+        """After an in-place morph (``pipe.morphs`` grew during the step being logged): the
+        old generation's groups are gone (the monitor's too), this process's rank, the world
+        and the devices for MFU may have changed, and the loop's time since the last log holds
+        the morph's stall, so this step's rates are over ``pipe.step``'s own time. Rank 0
+        logs each morph as an event (``morph_event``); a process that became rank 0 (rank 0
+        left) takes over the outputs."""
+        morphs = list(getattr(self.pipe, "morphs", ()))
+        if len(morphs) <= self._morphs_seen:
+            return
+        new, self._morphs_seen = morphs[self._morphs_seen:], len(morphs)
+        self.group, self._logged_at = None, None
+        self.peak = peak_of(self.pipe, self._peak_flops)
+        was = self.rank
+        if self.distributed:
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.rank == 0 and was != 0:
+            self._open_outputs(self.step)
+        elif self.rank != 0 and was == 0:
+            self._close_outputs()
+        if self.rank != 0:
+            return
+        assert self.display is not None
+        for morph in new:
+            event = morph_event(morph.as_dict(), self.step + 1)
+            for sink in self.sinks:
+                sink.write_event(event)
+            self.display.note(describe_morph(event))
 
     # -- per step ------------------------------------------------------------------------------
 
@@ -103,6 +168,7 @@ class Monitor:
             raise InputError("Monitor.log: no pipe.step since the last log: call it once after "
                              "every step")
         self._last = stats
+        self._follow_morphs()
         now = time.perf_counter()
         loop = now - self._logged_at if self._logged_at is not None else None
         self._logged_at = now
@@ -147,10 +213,11 @@ class Monitor:
         """Every rank's peak memory and bytes sent so far, on rank 0 (collective)."""
         stats = self.pipe.last_step
         mine = (int(stats.peak_memory) if stats is not None else 0, SENT.total)
-        if self.group is None:
+        group = self._group()
+        if group is None:
             return [mine[0]], [mine[1]]
         every: list[Any] = [None] * self.world if self.rank == 0 else None  # type: ignore[assignment]
-        dist.gather_object(mine, every, dst=0, group=self.group)
+        dist.gather_object(mine, every, dst=0, group=group)
         if self.rank != 0:
             return None
         return [m for m, _ in every], [b for _, b in every]
@@ -162,9 +229,10 @@ class Monitor:
         returns the files written (rank 0; [] elsewhere, or without matplotlib)."""
         stats = self.pipe.last_step
         mine = stats.timeline if stats is not None else []
-        if self.group is not None:
+        group = self._group()
+        if group is not None:
             every: list[Any] = [None] * self.world if self.rank == 0 else None  # type: ignore[assignment]
-            dist.gather_object(mine, every, dst=0, group=self.group)
+            dist.gather_object(mine, every, dst=0, group=group)
         else:
             every = [mine]
         if self.rank != 0:
@@ -188,7 +256,7 @@ class Monitor:
 
     def _rows(self, every: list[Any]) -> list[tuple[str, list[Any]]]:
         """Row labels and actions: per rank, or per stage in one process."""
-        if self.group is None:
+        if not self.distributed:
             stages = sorted({a.stage for a in every[0]})
             return [(f"stage {s}", [a for a in every[0] if a.stage == s]) for s in stages]
         placement = self.pipe.plan.placement
@@ -232,8 +300,5 @@ class Monitor:
         if exc[0] is None:
             self.close()
         elif self.rank == 0:  # an error: no collective (peers may be gone); keep what was logged
-            self._closed = True
-            if self.display is not None:
-                self.display.close()
-            for sink in self.sinks:
-                sink.close()
+            self._closed = True  # (also a process leaving an in-place job: SystemExit)
+            self._close_outputs()

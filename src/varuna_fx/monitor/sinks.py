@@ -2,7 +2,8 @@
 installed (the ``[tensorboard]`` extra).
 
 One JSON object per line, plain data only (numbers, strings, null, lists of numbers); a
-resumed run appends. :func:`read_jsonl` reads a previous run's lines back as data (json: no
+resumed run appends. Lines with an ``"event"`` key (an in-place morph: ``morph_events.py``)
+are not step records. :func:`read_jsonl` reads a previous run's lines back as data (json: no
 code runs), skipping any that are not records (a line cut by a crash).
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from .morph_events import tensorboard_scalars
 
 METRICS = "metrics.jsonl"
 
@@ -22,16 +24,23 @@ METRICS = "metrics.jsonl"
 class JsonlSink:
     FLUSH_SECONDS = 1.0  # a killed run loses at most the last second's lines
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, flush_seconds: float = FLUSH_SECONDS) -> None:
         self.path = directory / METRICS
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.flushed = time.monotonic()
+        self.flush_seconds = flush_seconds
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, allow_nan=False, default=_plain) + "\n")
-        if time.monotonic() - self.flushed >= self.FLUSH_SECONDS:  # a flush per line: ~1 ms
+        if time.monotonic() - self.flushed >= self.flush_seconds:  # a flush per line: ~1 ms
             self._file.flush()
             self.flushed = time.monotonic()
+
+    def write_event(self, event: dict[str, Any]) -> None:
+        """A line that is not a step's record (an in-place morph), flushed at once."""
+        self._file.write(json.dumps(event, allow_nan=False, default=_plain) + "\n")
+        self._file.flush()
+        self.flushed = time.monotonic()
 
     def close(self) -> None:
         self._file.close()
@@ -56,7 +65,8 @@ def read_jsonl(path: Path, before_step: int | None = None) -> list[dict[str, Any
             record = json.loads(line)
         except ValueError:
             continue
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or \
+                "event" in record:  # (an event line, not a step's record)
             continue
         if before_step is None or record["step"] < before_step:
             records.append(record)
@@ -84,6 +94,10 @@ class TensorBoardSink:
         self.pending.append(record)
         if time.monotonic() - self.flushed >= self.FLUSH_SECONDS:
             self.flush()
+
+    def write_event(self, event: dict[str, Any]) -> None:
+        """An in-place morph: its seconds, phases and bytes under ``morph/`` at its step."""
+        self.write(tensorboard_scalars(event))
 
     def flush(self) -> None:
         events = self.writer._get_file_writer()

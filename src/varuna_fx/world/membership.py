@@ -281,6 +281,11 @@ class Membership:
         if self.store is not None and gen is not None and self.member in gen.members:
             self.store.set("finished", self.member)
 
+    def job_finished(self) -> bool:
+        """Whether a member closed its pipeline: the job is over (a process that was to join
+        it has nothing to do)."""
+        return self.store is not None and bool(self.store.check(["finished"]))
+
     def _record(self, g: int) -> Generation:
         return Generation.from_json(self._wait_key(f"gen/{g}", f"generation {g}'s record"))
 
