@@ -15,7 +15,9 @@ the first child compiles at each of ``--worlds`` (default 64, 64, 56): "cold" (n
 ``planner/cache.py``), then 56 GPUs (a node lost: a new search, as ``Replan`` would run it; its
 "re-plan" column leaves out capture and the annotation passes, which a re-plan on a graph
 already captured does not run). A second child then compiles at 56 GPUs as a restarted process
-would, with the files the first left (shape and plan caches). ``--running`` plans as a launched job does (an in-place morph's re-plan among them): ``P x D``
+would, with the files the first left (shape and plan caches). ``--preplan`` (with ``--running``) searches the last world in a forked child right after the
+first compile, as an in-place job does after a step (``morph/preplan.py``), so the compile at
+that world finds its search on disk. ``--running`` plans as a launched job does (an in-place morph's re-plan among them): ``P x D``
 equal to the GPUs of the world, not at most as many. Every figure is CPU seconds
 (``time.process_time``: a shared machine moves wall time far more), per pass from
 ``GraphState.seconds``.
@@ -24,6 +26,7 @@ equal to the GPUs of the world, not at most as many. Every figure is CPU seconds
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -39,6 +42,7 @@ CONFIGS = {  # the published shapes (vocabulary 32000)
                 num_attention_heads=64, num_key_value_heads=8),
 }
 SEQ, GLOBAL_BATCH = 2048, 512
+OPTIONS = dict(global_batch_size=GLOBAL_BATCH, precision="bf16")
 
 
 FRONT = ("capture", "annotate_shapes", "specialize_sizes", "annotate_backward",
@@ -46,18 +50,14 @@ FRONT = ("capture", "annotate_shapes", "specialize_sizes", "annotate_backward",
 
 
 def child(name: str, layers: int | None, profile: str | None, worlds: list[int],
-          running: bool = False) -> list[dict]:
+          running: bool = False, preplan: bool = False) -> list[dict]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import varuna_fx as vf
     from varuna_fx import api
     from varuna_fx.planner import cache as plan_cache
-    from varuna_fx.planner import configure
-
-    gpus_now = [0]
-    if running:  # as in a launched job: P x D must be the running world (the GPUs) exactly
-        configure.running_world = lambda: gpus_now[0]
+    from varuna_fx.world.where import assumed_world
 
     shape = dict(CONFIGS[name])
     if layers is not None:
@@ -66,6 +66,7 @@ def child(name: str, layers: int | None, profile: str | None, worlds: list[int],
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     tokens = torch.zeros(2, SEQ, dtype=torch.long)  # 1 would fix the batch for export
+    inputs = {"input_ids": tokens, "labels": tokens}
     seconds_of = []  # each compile's CPU seconds per pass (not its state: that holds graphs)
     real = api.run_after_front_end
 
@@ -76,14 +77,13 @@ def child(name: str, layers: int | None, profile: str | None, worlds: list[int],
     api.run_after_front_end = keep  # (to read each pass's CPU seconds off the compile's state)
     rows = []
     for k, gpus in enumerate(worlds):
-        gpus_now[0] = gpus
         cluster = vf.Cluster(gpus=gpus, gpus_per_node=8, gpu_memory="80GiB",
                              inter_node_bandwidth="100Gbit/s", device_type="a100")
 
         def compile_(cluster: vf.Cluster = cluster) -> vf.Pipeline:
-            return vf.compile(model, cluster=cluster, example_inputs={"input_ids": tokens,
-                                                                      "labels": tokens},
-                              global_batch_size=GLOBAL_BATCH, precision="bf16")
+            # running: as in a launched job, P x D must be the world (the GPUs) exactly
+            with assumed_world(cluster.gpus) if running else contextlib.nullcontext():
+                return vf.compile(model, cluster=cluster, example_inputs=inputs, **OPTIONS)
 
         hits = plan_cache.stats["hit"]
         cpu = time.process_time()
@@ -106,8 +106,36 @@ def child(name: str, layers: int | None, profile: str | None, worlds: list[int],
             "plan": f"P={plan.stages} D={plan.data_parallel} m={plan.micro_batch_size}"
                     f"x{plan.num_micro_batches} {plan.schedule.name} "
                     f"{plan.predicted_step_time:.3f} s/step"})
+        if preplan and k == 0:  # what an in-place job does after its first step
+            rows[-1]["preplan"] = _preplan(model, inputs, cluster, worlds[-1])
         del pipe  # (the next compile's peak RSS without this one's pipeline)
     return rows
+
+
+def _preplan(model, inputs, cluster, world: int) -> float:  # noqa: ANN001 - bench glue
+    """Search ``world`` in a forked child (``morph/preplan.py``) as an in-place job does after
+    a step, from a Replan made as compile makes it; the child's wall seconds."""
+    from varuna_fx import api
+    from varuna_fx.capture.inputs import bind_inputs
+    from varuna_fx.codegen.pass_list import CompileState
+    from varuna_fx.morph.preplan import Preplanner
+    from varuna_fx.options import CompileOptions
+    from varuna_fx.passes.annotate_backward import canonical_names
+    from varuna_fx.passes.frontend import run_front_end
+    from varuna_fx.runtime.split_backward import input_grads
+
+    o = CompileOptions(cluster=cluster, **OPTIONS)
+    bound = bind_inputs(model, inputs)
+    state = CompileState(model=model, bound=bound, tracer=o.tracer,
+                         canonical=canonical_names(model), profile_split=input_grads)
+    run_front_end(state)  # (the graph cache's: compile captured it already)
+    replan = api.Replan(model, bound, state.canonical, state.captured, o, cluster)
+    start = time.perf_counter()
+    planner = Preplanner(replan)
+    if planner.start(cluster, GLOBAL_BATCH, worlds=[world]) is None:
+        return float("nan")
+    planner.wait(3000)
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -120,11 +148,15 @@ def main() -> None:
     parser.add_argument("--running", action="store_true",
                         help="plan as a launched job (an in-place morph's re-plan) does: P x D "
                              "equal to the GPUs, not at most")
+    parser.add_argument("--preplan", action="store_true",
+                        help="after the first compile, search the last world in a forked "
+                             "child as an in-place job does (morph/preplan.py)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         worlds = [int(w) for w in args.worlds.split(",")]
-        print(json.dumps(child(args.child, args.layers, args.profile, worlds, args.running)))
+        print(json.dumps(child(args.child, args.layers, args.profile, worlds, args.running,
+                               args.preplan)))
         return
     print(f"load average {os.getloadavg()}")
     print("| config | params | layers | process | GPUs | compile CPU s | front end CPU s "
@@ -141,6 +173,8 @@ def main() -> None:
                 cmd += ["--layers", str(args.layers)]
             if args.running:
                 cmd += ["--running"]
+            if args.preplan and process == "first":
+                cmd += ["--preplan"]
             if profile:
                 cmd += ["--profile", f"{profile}.{name}"]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True,
@@ -152,6 +186,9 @@ def main() -> None:
                       f"{r['replan']:.1f} | {'cached' if r['search_cached'] else 'searched'} | "
                       f"{r['rss'] / 2**20:.0f} MiB | {r['plan']} |", flush=True)
                 print(f"<!-- {r['config']} {process} {r['gpus']}: {passes} -->", flush=True)
+                if "preplan" in r:
+                    print(f"<!-- pre-planned {worlds.split(',')[-1]} GPUs in a child: "
+                          f"{r['preplan']:.1f} s wall -->", flush=True)
     print(f"load average {os.getloadavg()}")
 
 

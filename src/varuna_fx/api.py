@@ -22,6 +22,7 @@ from .codegen.pass_list import (  # noqa: F401 (the list, read here too)
     PASSES,
     CompileState,
     run_after_front_end,
+    run_configure,
     run_pass_list,
 )
 from .codegen.stage_module import Stage
@@ -154,15 +155,25 @@ class Replan:
                  ) -> tuple[list[Stage], Plan, CompileOptions]:
         """The stages, plan and options for ``cluster.gpus`` ranks with the same global batch
         (the new world's process group is formed: the planner matches its size)."""
-        o = fit_to_world(self.options, cluster.gpus, self.bound.batch_size,
-                         {"global_batch_size": global_batch_size})
-        state = CompileState(model=self.model, bound=self.bound, tracer=o.tracer,
-                             canonical=self.canonical,
-                             planning=dataclasses.replace(o.planning, cluster=cluster),
-                             profile_split=input_grads, captured=self.captured)
+        state, o = self._state(cluster, global_batch_size)
         run_after_front_end(state)
         assert state.built is not None
         return state.built, plan_of(state), o
+
+    def search(self, cluster: Cluster, global_batch_size: int) -> None:
+        """Only the planner's search for ``cluster.gpus`` ranks (run under
+        ``world.where.assumed_world``), its answer kept by the plan cache for the re-plan a
+        morph to that world will run (``morph/preplan.py``)."""
+        run_configure(self._state(cluster, global_batch_size)[0])
+
+    def _state(self, cluster: Cluster, global_batch_size: int
+               ) -> tuple[CompileState, CompileOptions]:
+        o = fit_to_world(self.options, cluster.gpus, self.bound.batch_size,
+                         {"global_batch_size": global_batch_size})
+        return CompileState(model=self.model, bound=self.bound, tracer=o.tracer,
+                            canonical=self.canonical,
+                            planning=dataclasses.replace(o.planning, cluster=cluster),
+                            profile_split=input_grads, captured=self.captured), o
 
 
 def plan_of(state: CompileState) -> Plan:

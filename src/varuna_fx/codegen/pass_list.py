@@ -159,6 +159,14 @@ def run_pass_list(state: CompileState, dump: Path | None = None) -> None:
     run_after_front_end(state, dump)
 
 
+def run_configure(state: CompileState) -> None:
+    """configure alone on a copy of ``state.captured``'s graph: the planner's search, whose
+    answer the plan cache keeps (a pre-plan for another world: ``morph/preplan.py``)."""
+    assert state.captured is not None, "the front end ran (or its result was given)"
+    state.gm = copy_graph_module(state.captured.gm)
+    _configure(state)
+
+
 def run_after_front_end(state: CompileState, dump: Path | None = None) -> None:
     """The passes after the front end (configure, assign_stages, split_stages, codegen) on a
     copy of ``state.captured``'s graph, captured and annotated already: what an in-place morph

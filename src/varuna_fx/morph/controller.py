@@ -61,6 +61,7 @@ from ..world.membership import Generation, Membership, backend_name
 from . import batch
 from .carried import Carried, recipe
 from .exchange import exchange
+from .preplan import Preplanner
 from .records import MorphRecord, layout_text
 from .state import (
     OPT,
@@ -96,6 +97,8 @@ class InPlace:
         self.broken = False  # a checkpoint save lost a peer: the next step recovers first
         self._first_step: MorphRecord | None = None  # waiting for its first step's time
         self._step_started = 0.0
+        # the likely next worlds' searches, run after the first step of each layout
+        self.preplanner, self._preplan_due = Preplanner(replan), True
 
     @classmethod
     def attach(cls, pipe: Any, membership: Membership, replan: Any, joining: bool) -> InPlace:
@@ -154,6 +157,9 @@ class InPlace:
         if self._first_step is not None:
             self._first_step.phase("first_step")
             self._first_step = None
+        if self._preplan_due and not self.pending and not self.all_leaving:
+            self._preplan_due = False
+            self.preplanner.start(self.cluster, self._global_batch(pipe))
 
     # -- a notice or a join, at a step boundary ------------------------------------------------
 
@@ -229,6 +235,7 @@ class InPlace:
     def _morph(self, pipe: Any, gen: Generation, args: batch.Args, rec: MorphRecord, *,
                leaving: bool, snapshot: tuple[Descriptor, Sources] | None = None
                ) -> batch.Args:
+        self.preplanner.stop()  # (the morph's CPU now; a finished pre-plan is on disk)
         old_replicas, old_local = pipe.plan.data_parallel, list(pipe.local_stages)
         desc, sources = snapshot or self._snapshot(pipe, args)
         if snapshot is None:
@@ -266,7 +273,7 @@ class InPlace:
         rec.new_layout = layout_text(pipe.plan, len(gen.members))
         rec.phase("adopt")
         self.records.append(rec)
-        self._first_step = rec
+        self._first_step, self._preplan_due = rec, True
         return args
 
     def _snapshot(self, pipe: Any, args: batch.Args) -> tuple[Descriptor, Sources]:

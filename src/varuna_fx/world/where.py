@@ -7,10 +7,11 @@ cannot drift between them. Bottom layer: imports nothing from the package but ``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -73,9 +74,26 @@ def world_size() -> int:
     return env_int("WORLD_SIZE", 1, minimum=1)
 
 
+_ASSUMED: list[int] = []  # assumed_world's, innermost last
+
+
 def running_world() -> int | None:
-    """The world size of a distributed run (every rank needs a stage), None in one process."""
+    """The world size of a distributed run (every rank needs a stage), None in one process;
+    inside ``assumed_world(n)``: n."""
+    if _ASSUMED:
+        return _ASSUMED[-1]
     return world_size() if launched_distributed() else None
+
+
+@contextlib.contextmanager
+def assumed_world(world: int) -> Iterator[None]:
+    """Plan as a job of ``world`` ranks would (``running_world``): a pre-plan for a world an
+    in-place job may morph to (``morph/preplan.py``)."""
+    _ASSUMED.append(world)
+    try:
+        yield
+    finally:
+        _ASSUMED.pop()
 
 
 def rank() -> int:
