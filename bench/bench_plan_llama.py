@@ -107,29 +107,23 @@ def child(name: str, layers: int | None, profile: str | None, worlds: list[int],
                     f"x{plan.num_micro_batches} {plan.schedule.name} "
                     f"{plan.predicted_step_time:.3f} s/step"})
         if preplan and k == 0:  # what an in-place job does after its first step
-            rows[-1]["preplan"] = _preplan(model, inputs, cluster, worlds[-1])
+            rows[-1]["preplan"] = _preplan(model, inputs, pipe.captured, cluster, worlds[-1])
         del pipe  # (the next compile's peak RSS without this one's pipeline)
     return rows
 
 
-def _preplan(model, inputs, cluster, world: int) -> float:  # noqa: ANN001 - bench glue
+def _preplan(model, inputs, captured, cluster, world: int) -> float:  # noqa: ANN001
     """Search ``world`` in a forked child (``morph/preplan.py``) as an in-place job does after
-    a step, from a Replan made as compile makes it; the child's wall seconds."""
+    a step, from the Replan compile makes (its captured graph); the child's wall seconds."""
     from varuna_fx import api
     from varuna_fx.capture.inputs import bind_inputs
-    from varuna_fx.codegen.pass_list import CompileState
     from varuna_fx.morph.preplan import Preplanner
     from varuna_fx.options import CompileOptions
     from varuna_fx.passes.annotate_backward import canonical_names
-    from varuna_fx.passes.frontend import run_front_end
-    from varuna_fx.runtime.split_backward import input_grads
 
     o = CompileOptions(cluster=cluster, **OPTIONS)
-    bound = bind_inputs(model, inputs)
-    state = CompileState(model=model, bound=bound, tracer=o.tracer,
-                         canonical=canonical_names(model), profile_split=input_grads)
-    run_front_end(state)  # (the graph cache's: compile captured it already)
-    replan = api.Replan(model, bound, state.canonical, state.captured, o, cluster)
+    replan = api.Replan(model, bind_inputs(model, inputs), canonical_names(model), captured, o,
+                        cluster)
     start = time.perf_counter()
     planner = Preplanner(replan)
     if planner.start(cluster, GLOBAL_BATCH, worlds=[world]) is None:

@@ -8,7 +8,7 @@ import pytest
 
 from varuna_fx.costs.memory import SharedWeight
 from varuna_fx.errors import PartitionError
-from varuna_fx.passes import partition as partition_module
+from varuna_fx.passes import stage_costs
 from varuna_fx.passes.partition import PartitionProblem, partition
 
 
@@ -44,7 +44,7 @@ def _problem(rng: np.random.Generator, n: int, stages: int) -> PartitionProblem:
 
 def _whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make every band the whole matrix (what the partition priced before the band)."""
-    monkeypatch.setattr(partition_module._Stages, "_width_for",
+    monkeypatch.setattr(stage_costs.StageCosts, "_width_for",
                         lambda self, limit: self.n + 1)
 
 
@@ -76,13 +76,13 @@ def test_many_stages_price_a_narrow_band(monkeypatch: pytest.MonkeyPatch) -> Non
                              bandwidth=100.0, stash_counts=tuple(range(stages, 0, -1)),
                              memory_cap=float(n))
     seen: list[int] = []
-    real = partition_module._Stages._set_width
+    real = stage_costs.StageCosts._set_width
 
-    def spy(self: partition_module._Stages, width: int) -> None:
+    def spy(self: stage_costs.StageCosts, width: int) -> None:
         seen.append(width)
         real(self, width)
 
-    monkeypatch.setattr(partition_module._Stages, "_set_width", spy)
+    monkeypatch.setattr(stage_costs.StageCosts, "_set_width", spy)
     result = partition(costs, stages)
     assert max(seen) < 3 * n // stages
     assert result.num_stages == stages
@@ -102,11 +102,11 @@ def test_a_cache_of_one_matrix_chooses_what_a_large_one_does(
         expected = partition(costs, stages)
     except PartitionError:
         return
-    real = partition_module._Stages._set_width
+    real = stage_costs.StageCosts._set_width
 
-    def tiny(self: partition_module._Stages, width: int) -> None:
+    def tiny(self: stage_costs.StageCosts, width: int) -> None:
         real(self, width)
         self._cache_size = 1
 
-    monkeypatch.setattr(partition_module._Stages, "_set_width", tiny)
+    monkeypatch.setattr(stage_costs.StageCosts, "_set_width", tiny)
     assert partition(costs, stages) == expected

@@ -46,7 +46,7 @@ class AllReduce:
 
 
 class WithAllReduce(Banded, Protocol):
-    """The partition's stages (``partition._Stages``) as this search uses them."""
+    """The partition's stages (``stage_costs.StageCosts``) as this search uses them."""
 
     def allreduce(self) -> np.ndarray:
         """[U + 1, width]: each band stage's all-reduce seconds."""
