@@ -35,6 +35,7 @@ from ..passes.manager import Pass, graph_passes, run_passes
 from ..passes.partition import Partition
 from ..passes.split_stages import split_stages
 from ..planner.configure import Configuration, Priced, assign_and_price, choose_configuration
+from ..planner.cost_table import CostTable
 from ..planner.measure import ProfileSettings
 from ..planner.options import PlanOptions
 from ..planner.resolve import resolve_profile
@@ -70,10 +71,12 @@ def _configure(state: CompileState) -> None:
     settings = ProfileSettings(split=state.profile_split) \
         if o.schedule_choice == AUTO or o.schedule_choice.split_backward else None
 
+    table = CostTable.build(state.gm)  # (once for both tries of recompute="auto")
+
     def choose(recompute: bool) -> Configuration:
         profile = resolve_profile(state.gm, state.bound, o.profile, settings, timeout=o.timeout)
         return choose_configuration(state.gm, o, example_batch=state.bound.batch_size,
-                                    recompute=recompute, profile=profile)
+                                    recompute=recompute, profile=profile, table=table)
 
     if o.recompute == "auto":
         # plan as if nothing recomputed (the fastest when memory allows); only if no

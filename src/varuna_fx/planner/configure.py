@@ -115,7 +115,8 @@ def default_micro_batch_size(batch: int, stages: int) -> int:
 
 
 def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_batch: int,
-                         recompute: bool, profile: Profile | None = None) -> Configuration:
+                         recompute: bool, profile: Profile | None = None,
+                         table: CostTable | None = None) -> Configuration:
     """The configuration for ``options`` (its ``cluster`` given): what it fixes is kept, the
     rest chosen. ``options.schedule``: a name (resolved into its entry), or "auto" (the planner picks the fastest that
     fits, per candidate). ``options.stages_per_rank``: v, stages each rank runs (a virtual
@@ -137,7 +138,7 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
             raise PartitionError(f"stages={stages} is more than the {operations} operations of "
                                  f"the model: use at most {operations} stages")
     # a rank holds v stages, each checked at its share of the memory
-    planner = _planner(gm, cluster, schedule, recompute, profile, options, v)
+    planner = _planner(gm, cluster, schedule, recompute, profile, options, v, table)
     pricer = planner.pricer
     alternatives: list[Alternative] = []
     searched: tuple[int, ...] | None = None
@@ -269,10 +270,11 @@ def check_stages_per_rank(schedule: ScheduleChoice, stages_per_rank: int | None)
 
 def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, recompute: bool,
              profile: Profile | None, options: PlanOptions,
-             stages_per_rank: int) -> Planner:
+             stages_per_rank: int, table: CostTable | None = None) -> Planner:
     """Costs measured by ``profile`` when it was made on this kind of device, else estimated
-    from FLOPs for the cluster's devices."""
-    table = CostTable.build(gm)
+    from FLOPs for the cluster's devices. ``table``: ``CostTable.build(gm)`` made already (a
+    copy is taken: a profile's times are set on it)."""
+    table = CostTable.build(gm) if table is None else dataclasses.replace(table)
     network = cluster.network  # measured by Cluster.local() in a launched job
     if profile is not None:
         if profile.applies_to(cluster):
