@@ -76,7 +76,12 @@ def test_the_likely_next_worlds_and_who_preplans(monkeypatch: pytest.MonkeyPatch
     assert next_worlds(2, 1) == [1, 3]
     assert next_worlds(1, 8) == [9]
     replan = _replan()
-    assert enabled(replan)
+    assert enabled(replan)  # a GPU cluster
+    on_cpu = dataclasses.replace(replan, cluster=dataclasses.replace(replan.cluster,
+                                                                     device="cpu"))
+    assert not enabled(on_cpu)  # the loop needs the cores
+    monkeypatch.setenv("VARUNA_FX_PREPLAN", "1")
+    assert enabled(on_cpu)
     monkeypatch.setenv("LOCAL_RANK", "1")  # one process per machine
     assert not enabled(replan)
     monkeypatch.setenv("LOCAL_RANK", "0")

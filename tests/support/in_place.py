@@ -50,7 +50,8 @@ class InPlaceJob:
                    VARUNA_FX_TIMEOUT=str(int(self.timeout)), CUDA_VISIBLE_DEVICES="",
                    VARUNA_FX_STORE=f"127.0.0.1:{self.port}", VARUNA_FX_JOB="test",
                    VARUNA_FX_MEMBER=member, VARUNA_FX_MIN_WORLD=str(self.min_world),
-                   VARUNA_FX_MAX_WORLD=str(self.max_world), VARUNA_FX_HEARTBEAT_WINDOW="2")
+                   VARUNA_FX_MAX_WORLD=str(self.max_world), VARUNA_FX_HEARTBEAT_WINDOW="2",
+                   VARUNA_FX_PREPLAN="1")  # (as launcher_env: its child beside every morph)
         with (self.out / f"{member}.out").open("w") as log:
             p = subprocess.Popen([sys.executable, *argv], env=env, stdout=log,
                                  stderr=subprocess.STDOUT)
@@ -85,9 +86,12 @@ class InPlaceJob:
 
 def launcher_env() -> dict[str, str]:
     """The environment to run ``varuna-fx ... --elastic --in-place`` with: this checkout, one
-    thread, no GPU, short waits and heartbeat window (a lost process is found in ~2 s)."""
+    thread, no GPU, short waits and heartbeat window (a lost process is found in ~2 s), and
+    pre-planning on (off by default on CPU: ``morph/preplan.py``), so that its forked child
+    runs beside every morph, notice, kill and join these tests make."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"),
-               CUDA_VISIBLE_DEVICES="", VARUNA_FX_TIMEOUT="60", VARUNA_FX_HEARTBEAT_WINDOW="2")
+               CUDA_VISIBLE_DEVICES="", VARUNA_FX_TIMEOUT="60", VARUNA_FX_HEARTBEAT_WINDOW="2",
+               VARUNA_FX_PREPLAN="1")
     for key in ("VARUNA_FX_STORE", "LOCAL_RANK", "WORLD_SIZE", "RANK"):
         env.pop(key, None)
     return env
