@@ -37,9 +37,8 @@ DEFAULT_SECONDS = 600.0
 
 def enabled(replan: Any) -> bool:
     """Whether this process pre-plans (see the module doc): ``$VARUNA_FX_PREPLAN`` "1" or
-    "0"; by default ("auto") on a GPU cluster only. On CPU the training loop uses the cores
-    the child would take: a spot trace of four CPU machines on two shared cores trained 17% of
-    its failure-free steps with it, and heartbeats starved into a lost member."""
+    "0"; by default ("auto") on a GPU cluster only: on CPU the training loop uses the cores
+    the child would take."""
     setting = os.environ.get("VARUNA_FX_PREPLAN", "auto").strip().lower()
     if setting in ("0", "false", "no", "off"):
         return False
