@@ -42,6 +42,14 @@ def _problem(rng: np.random.Generator, n: int, stages: int) -> PartitionProblem:
     )
 
 
+def _seeded(seed: int) -> tuple[PartitionProblem, int]:
+    """A random problem of 20-160 units and the stages to cut it into."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(20, 160))
+    stages = int(rng.integers(2, min(24, n // 3)))
+    return _problem(rng, n, stages), stages
+
+
 def _whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make every band the whole matrix (what the partition priced before the band)."""
     monkeypatch.setattr(stage_costs.StageCosts, "_width_for",
@@ -51,10 +59,7 @@ def _whole(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("seed", range(40))
 def test_the_band_chooses_what_the_whole_matrix_chooses(seed: int,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(20, 160))
-    stages = int(rng.integers(2, min(24, n // 3)))
-    costs = _problem(rng, n, stages)
+    costs, stages = _seeded(seed)
     try:
         banded = partition(costs, stages)
     except PartitionError as refused:
@@ -94,10 +99,7 @@ def test_a_cache_of_one_matrix_chooses_what_a_large_one_does(
     """Matrices evicted and made again (a big model keeps few) give the same partition: the
     all-reduce caps' masked copies follow their matrix, not a reused address (the 70B's
     partition once differed between two processes planning the same world)."""
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(20, 160))
-    stages = int(rng.integers(2, min(24, n // 3)))
-    costs = _problem(rng, n, stages)
+    costs, stages = _seeded(seed)
     try:
         expected = partition(costs, stages)
     except PartitionError:

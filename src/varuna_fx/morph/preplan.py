@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import time
 from typing import Any
 
 from ..planner import cache as plan_cache
@@ -129,8 +130,6 @@ class Preplanner:
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the child to finish (tests, benchmarks); True
         when it did."""
-        import time
-
         if self.pid is None:
             return True
         deadline = time.monotonic() + timeout

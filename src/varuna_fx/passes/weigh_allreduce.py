@@ -65,7 +65,8 @@ class _Capped:
 
     def __init__(self, stages: WithAllReduce, cap: float) -> None:
         self.stages, self.cap = stages, cap
-        self._made: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        # id of the stages' matrix -> (that matrix, kept so its id is not reused; its mask)
+        self._made: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     @property
     def width(self) -> int:
@@ -80,11 +81,10 @@ class _Capped:
 
     def cost(self, k: int) -> np.ndarray:
         matrix = self.stages.cost(k)  # one cached matrix per kind of stage
-        key = (id(matrix), self.width)
-        if key not in self._made or self._made[key][0] is not matrix:
-            self._made[key] = (matrix, np.where(self.stages.allreduce() <= self.cap, matrix,
-                                                np.inf))
-        return self._made[key][1]
+        if id(matrix) not in self._made:
+            self._made[id(matrix)] = (matrix, np.where(self.stages.allreduce() <= self.cap,
+                                                       matrix, np.inf))
+        return self._made[id(matrix)][1]
 
 
 def weigh_allreduce(stages: WithAllReduce, cut: np.ndarray, num_stages: int,
