@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, PeerTimeoutError
 
 
 class Agreement:
@@ -29,8 +29,14 @@ class Agreement:
                 raise error
             return [value]
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, (None if error is None else str(error), value),
-                               self.group)
+        try:
+            dist.all_gather_object(gathered, (None if error is None else str(error), value),
+                                   self.group)
+        except RuntimeError as exc:  # a peer vanished (gloo/NCCL raise RuntimeError kinds)
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise PeerTimeoutError(
+                f"rank {self.rank} lost a peer while the ranks agreed on {what}: a process "
+                f"crashed or was killed ({detail})") from exc
         if error is not None:
             raise error
         failed = [(r, m) for r, (m, _) in enumerate(gathered) if m is not None]

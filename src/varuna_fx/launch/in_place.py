@@ -147,11 +147,14 @@ class InPlaceLaunch:
             time.sleep(POLL)
 
     def _serve_until_idle(self, store: object) -> None:
-        """Keep the store up while the job's members still beat (the other machines' workers
-        may run on after this machine's are done, or start later)."""
+        """Keep the store up while the job may go on: until a member closed its pipeline (the
+        job finished) and every member is quiet, or nothing has moved for twice the timeout.
+        Other machines' workers may run on after this machine's are done, or start later; and
+        when every member vanished at once (a crash during a checkpoint's collective, say),
+        their launchers start them again and they need the store to resume the job."""
         job = dist.PrefixStore(f"varuna_fx/{self.rdzv_id}/", store)  # type: ignore[arg-type]
         window = float(os.environ.get(ms.WINDOW_ENV) or ms.WINDOW)
-        last: dict[str, int] = {}
+        last: tuple[int, dict[str, int]] | None = None
         started, quiet = time.monotonic(), time.monotonic()
         while True:
             if not job.check(["gen"]):  # the job has not started
@@ -161,11 +164,15 @@ class InPlaceLaunch:
                 quiet = time.monotonic()
                 continue
             gen = ms.Generation.from_json(job.get(f"gen/{int(job.get('gen'))}"))
-            keys = [f"beat/{m}" for m in gen.members if job.check([f"beat/{m}"])]
+            joins = int(job.add("joins", 0))
+            names = [*gen.members, *(job.get(f"join/{n}").decode()
+                                     for n in range(gen.admitted + 1, joins + 1)
+                                     if job.check([f"join/{n}"]))]
+            keys = [f"beat/{m}" for m in names if job.check([f"beat/{m}"])]
             beats = dict(zip(keys, (int(v) for v in job.multi_get(keys)))) if keys else {}
-            if beats != last:
-                last, quiet = beats, time.monotonic()
-            elif time.monotonic() - quiet > max(window, 2 * self.timeout
-                                                if not gen.members else window):
+            if (joins, beats) != last:
+                last, quiet = (joins, beats), time.monotonic()
+            elif time.monotonic() - quiet > (window if job.check(["finished"])
+                                             else max(window, 2 * self.timeout)):
                 return
             time.sleep(0.25)

@@ -288,8 +288,11 @@ class InPlace:
 
     def _teardown(self, pipe: Any, failed: bool = False) -> None:
         """Destroy every group of the old generation and drop every reference to them, so their
-        sockets close now (``failed``: at once, cycles collected too; a peer blocked on this
-        process then fails at once)."""
+        sockets close now (``failed``: at once, cycles collected too, and every connection of
+        the old generation shut down first, ``Membership.sever``: a peer blocked on this process
+        then fails at once even if something still holds the old groups)."""
+        if failed:
+            self.membership.sever()
         if pipe._checkpointer is not None:
             try:
                 pipe._checkpointer.wait()

@@ -38,7 +38,7 @@ heartbeat has been seen to move (one that registered and died is never admitted)
 
 The machine whose launcher hosts the store must stay up, as torchrun's c10d rendezvous host
 must: it can be a small on-demand machine running no workers (``--nproc 0``). Base layer:
-imports only torch.distributed and ``errors``.
+imports only torch.distributed, ``errors`` and ``sockets``.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError, PeerTimeoutError
+from . import sockets
 
 STORE_ENV = "VARUNA_FX_STORE"  # host:port of the membership store (set by the launcher)
 JOB_ENV = "VARUNA_FX_JOB"
@@ -122,6 +123,7 @@ class Membership:
     _beats: Any = None
     _seen: dict[str, tuple[int, float]] = field(default_factory=dict)  # pending joiner beats
     _stop: threading.Event = field(default_factory=threading.Event)
+    _before: frozenset[str] = frozenset()  # sockets open before this generation formed
 
     @classmethod
     def from_env(cls, timeout: float) -> Membership:
@@ -308,10 +310,18 @@ class Membership:
         self.generation = gen
         if self.member not in gen.members:
             return
+        self._before = sockets.opened()
         prefix = dist.PrefixStore(f"gen/{gen.number}/pg/", self.store)
         dist.init_process_group(backend, store=prefix, rank=gen.rank_of(self.member),
                                 world_size=len(gen.members),
                                 timeout=timedelta(seconds=self.timeout))
+
+    def sever(self) -> int:
+        """After a failure: end every connection this process opened since its generation
+        formed, except the store's (``world/sockets.py``: a reference left anywhere to the old
+        groups would keep their sockets open, and a peer blocked on them waiting)."""
+        host, _, port = self.address.rpartition(":")
+        return sockets.sever(self._before, {(ip, int(port)) for ip in sockets.addresses(host)})
 
     def transfer_group(self, gen: Generation) -> Any:
         """The group state moves over: None (the members' own group) when nobody leaves, else
