@@ -120,6 +120,7 @@ class InPlace:
         args = self.begin_step(pipe, args)
         while True:
             failure: PeerTimeoutError | None = None
+            self._close_through_store(pipe.runtime)
             try:
                 loss = pipe._step(*args, self.flags())
                 break
@@ -129,6 +130,15 @@ class InPlace:
             del failure
         self.end_step(pipe)
         return loss
+
+    def _close_through_store(self, runtime: Any) -> None:
+        """Every step of this runtime (one per generation) closes with
+        ``Membership.closing_sum``: survivors of a kill then agree on whether the step was
+        done."""
+        if getattr(runtime, "closer", True) is not None:  # (one already, or no runtime)
+            return
+        steps, rank, membership = iter(range(1 << 62)), dist.get_rank(), self.membership
+        runtime.closer = lambda values: membership.closing_sum(next(steps), rank, values)
 
     def flags(self) -> tuple[Any, ...]:
         """What rides on the step's world all-reduce: this process's notice, and (rank 0) a

@@ -115,6 +115,9 @@ class DistributedRuntime(StepLoop):
         self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
 
     flag_counts: tuple[int, ...] = ()  # the last step's flags, summed over every rank
+    # an in-place job's step-closing sum through its membership store (values -> sums over
+    # every rank), in place of the world all-reduce: see ``Membership.closing_sum``
+    closer: Callable[[list[float]], list[float]] | None = None
 
     # A wait that timed out or lost its peer leaves the process group unusable: every later
     # step would fail at once with a message about timeouts. It says so instead.
@@ -194,10 +197,13 @@ class DistributedRuntime(StepLoop):
         packed = torch.tensor([float(loss), float(local_inf), float(wide),
                                *(float(f) for f in flags)],
                               dtype=torch.float64, device=comm_device())
-        work = launch(lambda: dist.all_reduce(packed, async_op=True), self.who, "the loss")
-        wait(work, self.timeout, self.who, "the loss all-reduce over all "
-             f"{dist.get_world_size()} ranks")
-        total = packed.cpu()
+        if self.closer is not None:
+            total = torch.tensor(self.closer(packed.tolist()), dtype=torch.float64)
+        else:
+            work = launch(lambda: dist.all_reduce(packed, async_op=True), self.who, "the loss")
+            wait(work, self.timeout, self.who, "the loss all-reduce over all "
+                 f"{dist.get_world_size()} ranks")
+            total = packed.cpu()
         # how many ranks raised each flag (an in-place job counts the processes leaving)
         self.flag_counts = tuple(round(float(x)) for x in total[3:])
         self.scaler.found_inf = bool(total[1] > 0)
