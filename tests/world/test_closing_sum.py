@@ -1,4 +1,4 @@
-"""A step of an in-place job closes through the membership store (``Membership.closing_sum``):
+"""A step of an in-place job closes through the membership store (``world/closing.py``):
 every rank gets the same sums once every rank wrote; a rank that failed, or a writer that
 stopped beating, makes every waiting rank fail instead, so no survivor finishes a step that
 another runs again."""
@@ -14,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from varuna_fx.errors import PeerTimeoutError
+from varuna_fx.world.closing import closing_sum
 from varuna_fx.world.membership import Generation, Membership
 
 MEMBERS = ("m0", "m1", "m2")
@@ -55,7 +56,7 @@ def _each(members: list[Membership], work: dict[int, Any]) -> dict[int, Any]:
 
 def test_every_rank_gets_the_same_sums_and_old_values_go(members: list[Membership]) -> None:
     for index in range(3):
-        got = _each(members, {r: (lambda m, r=r, i=index: m.closing_sum(i, r, [r, 1.0, i]))
+        got = _each(members, {r: (lambda m, r=r, i=index: closing_sum(m, i, r, [r, 1.0, i]))
                               for r in range(3)})
         assert all(got[r] == [3.0, 3.0, 3.0 * index] for r in range(3)), got
     store = members[0].store
@@ -68,8 +69,8 @@ def test_a_rank_that_failed_stops_the_others(members: list[Membership]) -> None:
         m.store.compare_set("gen/3/failed", "", m.member)
 
     start = time.monotonic()
-    got = _each(members, {0: lambda m: m.closing_sum(0, 0, [1.0]),
-                          1: lambda m: m.closing_sum(0, 1, [1.0]), 2: failing})
+    got = _each(members, {0: lambda m: closing_sum(m, 0, 0, [1.0]),
+                          1: lambda m: closing_sum(m, 0, 1, [1.0]), 2: failing})
     assert time.monotonic() - start < 3.0
     for r in (0, 1):
         assert isinstance(got[r], PeerTimeoutError) and "m2 lost a peer" in str(got[r])
@@ -78,8 +79,8 @@ def test_a_rank_that_failed_stops_the_others(members: list[Membership]) -> None:
 def test_a_writer_that_died_stops_the_others(members: list[Membership]) -> None:
     for m in members[:2]:
         m._start_beating()  # m2 never beats: it died before writing
-    got = _each(members, {0: lambda m: m.closing_sum(0, 0, [1.0]),
-                          1: lambda m: m.closing_sum(0, 1, [1.0])})
+    got = _each(members, {0: lambda m: closing_sum(m, 0, 0, [1.0]),
+                          1: lambda m: closing_sum(m, 0, 1, [1.0])})
     for r in (0, 1):
         assert isinstance(got[r], PeerTimeoutError), got[r]
         assert "m2 stopped beating" in str(got[r])

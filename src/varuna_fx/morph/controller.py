@@ -57,6 +57,7 @@ from ..runtime.setup import held_tensors
 from ..runtime.transfer import MovePlan
 from ..runtime.zero import guard_direct_optimizers, made_by_pipeline
 from ..runtime.zero_repoint import repoint_optimizer
+from ..world.closing import store_closer
 from ..world.membership import Generation, Membership, backend_name
 from . import batch
 from .carried import Carried, recipe
@@ -120,7 +121,8 @@ class InPlace:
         args = self.begin_step(pipe, args)
         while True:
             failure: PeerTimeoutError | None = None
-            self._close_through_store(pipe.runtime)
+            if getattr(pipe.runtime, "closer", True) is None:  # a generation's first step
+                pipe.runtime.closer = store_closer(self.membership, dist.get_rank())
             try:
                 loss = pipe._step(*args, self.flags())
                 break
@@ -130,15 +132,6 @@ class InPlace:
             del failure
         self.end_step(pipe)
         return loss
-
-    def _close_through_store(self, runtime: Any) -> None:
-        """Every step of this runtime (one per generation) closes with
-        ``Membership.closing_sum``: survivors of a kill then agree on whether the step was
-        done."""
-        if getattr(runtime, "closer", True) is not None:  # (one already, or no runtime)
-            return
-        steps, rank, membership = iter(range(1 << 62)), dist.get_rank(), self.membership
-        runtime.closer = lambda values: membership.closing_sum(next(steps), rank, values)
 
     def flags(self) -> tuple[Any, ...]:
         """What rides on the step's world all-reduce: this process's notice, and (rank 0) a

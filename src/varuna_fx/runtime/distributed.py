@@ -116,7 +116,7 @@ class DistributedRuntime(StepLoop):
 
     flag_counts: tuple[int, ...] = ()  # the last step's flags, summed over every rank
     # an in-place job's step-closing sum through its membership store (values -> sums over
-    # every rank), in place of the world all-reduce: see ``Membership.closing_sum``
+    # every rank), in place of the world all-reduce: see ``world/closing.py``
     closer: Callable[[list[float]], list[float]] | None = None
 
     # A wait that timed out or lost its peer leaves the process group unusable: every later

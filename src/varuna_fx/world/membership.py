@@ -318,8 +318,7 @@ class Membership:
 
     def sever(self) -> int:
         """After a failure: end every connection this process opened since its generation
-        formed, except the store's (``world/sockets.py``: a reference left anywhere to the old
-        groups would keep their sockets open, and a peer blocked on them waiting)."""
+        formed, except the store's (``world/sockets.py``)."""
         host, _, port = self.address.rpartition(":")
         return sockets.sever(self._before, {(ip, int(port)) for ip in sockets.addresses(host)})
 
@@ -384,56 +383,6 @@ class Membership:
             joined=joined, left=gone, cluster=_resized(cluster, len(members)),
             global_batch_size=global_batch_size, running=True))
 
-    def closing_sum(self, index: int, rank: int, values: list[float]) -> list[float]:
-        """The ``index``-th step of this generation closes: every rank's ``values`` summed, read
-        from the store (``gen/<g>/sum/<index>/<rank>``), in place of the world all-reduce.
-
-        Why: a step is done on a rank once its closing sum arrives. Over gloo a process killed
-        while the sum goes round can leave some survivors with it and others without: the first
-        went on to the next step while the others ran this one again after the morph, and the
-        job was silently a step apart (measured on 4 machines: every later loss off by ~1e-4,
-        then a checkpoint's collectives hung). Through the store, the one place that outlives
-        the processes, every survivor reads the same values: each rank writes only after its
-        own gradient reductions completed, so either every rank's value is there and every
-        survivor finishes the step, or one is missing and none does (a survivor that failed
-        says so with ``gen/<g>/failed``; a writer that died stops beating). Three store round
-        trips a step; each rank deletes its own value of two steps before (by then every rank
-        has read it)."""
-        gen = self.generation
-        assert gen is not None
-        prefix = f"gen/{gen.number}/sum/"
-        keys = [f"{prefix}{index}/{r}" for r in range(len(gen.members))]
-        failed = f"gen/{gen.number}/failed"
-        try:
-            self.store.set(keys[rank], json.dumps(values))
-            if index >= 2:
-                self.store.delete_key(f"{prefix}{index - 2}/{rank}")
-            pause, start = 1e-4, time.monotonic()
-            watch: _Stopped | None = None
-            while not self.store.check(keys):
-                if self.store.check([failed]):
-                    raise PeerTimeoutError(
-                        f"{self.member} was closing step {index} of generation {gen.number} "
-                        f"when {self.store.get(failed).decode()} lost a peer")
-                if time.monotonic() - start > 2 * self.window:  # (a slow peer is no news)
-                    watch = watch or _Stopped(self, list(gen.members))
-                    gone = watch.gone()
-                    if gone:
-                        raise PeerTimeoutError(
-                            f"{self.member} was closing step {index} of generation "
-                            f"{gen.number}: {', '.join(gone)} stopped beating")
-                if time.monotonic() - start > self.timeout:
-                    raise PeerTimeoutError(
-                        f"{self.member} waited {self.timeout:.0f} s for every rank to close "
-                        f"step {index} of generation {gen.number} and gave up")
-                time.sleep(pause)
-                pause = min(2 * pause, 0.01)
-            got = [json.loads(v) for v in self.store.multi_get(keys)]
-        except (RuntimeError, dist.DistError) as exc:  # the store itself went away
-            raise PeerTimeoutError(f"{self.member} lost the membership store at "
-                                   f"{self.address} while closing a step ({exc})") from exc
-        return [float(sum(column)) for column in zip(*got)]
-
     def record(self, number: int) -> Generation:
         return self._record(number)
 
@@ -487,22 +436,6 @@ class Membership:
                 f"{gen.number} (its heartbeat stopped for {self.window:.1f} s): it exits; its "
                 "launcher may start it again, and it then joins as a new process")
         return new
-
-
-class _Stopped:
-    """Which members' heartbeats have not moved for the window since this was made."""
-
-    def __init__(self, membership: Membership, members: list[str]) -> None:
-        self.m, self.members = membership, members
-        self.last = membership.beats(members)
-        self.moved = dict.fromkeys(members, time.monotonic())
-
-    def gone(self) -> list[str]:
-        now, beats = time.monotonic(), self.m.beats(self.members)
-        for m in self.members:
-            if beats[m] != self.last[m]:
-                self.last[m], self.moved[m] = beats[m], now
-        return [m for m in self.members if now - self.moved[m] > self.m.window]
 
 
 class _Silence:
