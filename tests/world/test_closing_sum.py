@@ -84,3 +84,10 @@ def test_a_writer_that_died_stops_the_others(members: list[Membership]) -> None:
     for r in (0, 1):
         assert isinstance(got[r], PeerTimeoutError), got[r]
         assert "m2 stopped beating" in str(got[r])
+
+
+def test_a_rank_that_never_writes_times_out(members: list[Membership]) -> None:
+    for m in members:  # a window longer than the wait: only the timeout can end it
+        m.timeout, m.window = 0.5, 30.0
+    with pytest.raises(PeerTimeoutError, match="waited 0 s for every rank to close step 0"):
+        closing_sum(members[0], 0, 0, [1.0])

@@ -6,7 +6,7 @@ went round could leave some survivors with the sums and others without: the firs
 the next step while the others ran this one again after the morph, and the job was silently a
 step apart (measured on 4 machines: every later loss off by ~1e-4, then a checkpoint's
 collectives hung). The store is the one place that outlives the processes. Base layer: imports
-``membership`` and ``errors``.
+``membership``, ``heartbeats`` and ``errors``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from ..errors import PeerTimeoutError
+from .heartbeats import Stopped
 from .membership import Membership
 
 
@@ -54,12 +55,12 @@ def closing_sum(m: Membership, index: int, rank: int, values: list[float]) -> li
                     f"{m.member} was closing step {index} of generation {gen.number} "
                     f"when {m.store.get(failed).decode()} lost a peer")
             if time.monotonic() - start > 2 * m.window:  # (a slow peer is no news)
-                watch = watch or Stopped(m, list(gen.members))
+                watch = watch or Stopped(m.beats, list(gen.members), m.window)
                 gone = watch.gone()
                 if gone:
                     raise PeerTimeoutError(
                         f"{m.member} was closing step {index} of generation "
-                        f"{gen.number}: {', '.join(gone)} stopped beating")
+                        f"{gen.number}: {', '.join(sorted(gone))} stopped beating")
             if time.monotonic() - start > m.timeout:
                 raise PeerTimeoutError(
                     f"{m.member} waited {m.timeout:.0f} s for every rank to close "
@@ -72,18 +73,3 @@ def closing_sum(m: Membership, index: int, rank: int, values: list[float]) -> li
                                f"{m.address} while closing a step ({exc})") from exc
     return [float(sum(column)) for column in zip(*got)]
 
-
-class Stopped:
-    """Which members' heartbeats have not moved for the window since this was made."""
-
-    def __init__(self, membership: Membership, members: list[str]) -> None:
-        self.m, self.members = membership, members
-        self.last = membership.beats(members)
-        self.moved = dict.fromkeys(members, time.monotonic())
-
-    def gone(self) -> list[str]:
-        now, beats = time.monotonic(), self.m.beats(self.members)
-        for m in self.members:
-            if beats[m] != self.last[m]:
-                self.last[m], self.moved[m] = beats[m], now
-        return [m for m in self.members if now - self.moved[m] > self.m.window]

@@ -38,7 +38,7 @@ heartbeat has been seen to move (one that registered and died is never admitted)
 
 The machine whose launcher hosts the store must stay up, as torchrun's c10d rendezvous host
 must: it can be a small on-demand machine running no workers (``--nproc 0``). Base layer:
-imports only torch.distributed, ``errors`` and ``sockets``.
+imports only torch.distributed, ``errors``, ``sockets`` and ``heartbeats``.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from ..errors import DistributedError, PeerTimeoutError
 from . import sockets
+from .heartbeats import Stopped
 
 STORE_ENV = "VARUNA_FX_STORE"  # host:port of the membership store (set by the launcher)
 JOB_ENV = "VARUNA_FX_JOB"
@@ -397,21 +398,17 @@ class Membership:
         self.store.set(f"gen/{gen.number}/alive/{self.member}", "1")
         key = f"gen/{gen.number + 1}"
         deadline = time.monotonic() + self.timeout
-        start = self.beats(list(gen.members))
-        moved = {m: time.monotonic() for m in gen.members}
+        watch = Stopped(self.beats, list(gen.members), self.window)
         alive: set[str] = set()
         lost: set[str] = set()
         while not self.store.check([key]):
-            now = time.monotonic()
-            beats = self.beats(list(gen.members))
+            now, gone = time.monotonic(), watch.gone()  # (a beating one is still in its step)
             for m in gen.members:
                 if m in alive or m in lost:
                     continue
                 if self.store.check([f"gen/{gen.number}/alive/{m}"]):
                     alive.add(m)
-                elif beats[m] != start[m]:
-                    start[m], moved[m] = beats[m], now  # alive, still in its failed step
-                elif now - moved[m] > self.window:
+                elif m in gone:
                     lost.add(m)
             if len(alive) + len(lost) == len(gen.members):
                 stay = [m for m in gen.members if m in alive]
