@@ -179,6 +179,7 @@ import json, sys
 import torch
 import varuna_fx as vf
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
+from varuna_fx.capture import capture_cache
 from varuna_fx.passes import shape_cache
 cfg = GPTConfig(**json.loads(sys.argv[1]))
 torch.manual_seed(0)
@@ -193,7 +194,8 @@ if sys.argv[3] == "resume":
 else:
     pipe.save_checkpoint(sys.argv[4])
 loss = float(pipe.step(tokens[:, :-1], target=tokens[:, 1:]))
-print(json.dumps({"stats": dict(shape_cache.stats), "dynamo": "torch._dynamo" in sys.modules,
+print(json.dumps({"stats": dict(shape_cache.stats), "captures": dict(capture_cache.stats),
+                  "dynamo": "torch._dynamo" in sys.modules,
                   "plan": repr(pipe.plan), "code": [s.code for s in pipe.stages],
                   "loss": loss}))
 """
@@ -214,10 +216,13 @@ def test_a_restarted_process_hits_and_never_imports_dynamo(tmp_path: Path) -> No
 
     first = run(2, "save")
     assert first["stats"] == {"miss": 1, "write": 1} and first["dynamo"]
+    assert first["captures"] == {"miss": 1, "write": 1}
     again = run(2, "resume")
     assert again["stats"] == {"hit": 1} and not again["dynamo"]
+    assert again["captures"] == {"hit": 1}  # nor traced (capture/capture_cache.py)
     assert (again["plan"], again["code"], again["loss"]) == \
         (first["plan"], first["code"], first["loss"])
     other = run(3, "resume")  # another layout: the key has none of it
     assert other["stats"] == {"hit": 1} and not other["dynamo"]
+    assert other["captures"] == {"hit": 1}
     torch.testing.assert_close(other["loss"], first["loss"], rtol=1e-6, atol=1e-6)

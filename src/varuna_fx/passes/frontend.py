@@ -31,8 +31,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..capture import capture_cache
 from ..capture.captured import Captured
 from ..capture.inputs import BoundInputs
+from ..capture.model_key import capture_key
 from ..capture.trace import capture
 from ..errors import InputError
 from .annotate_backward import annotate_backward
@@ -53,11 +55,20 @@ class FrontState(GraphState):
     tracer: str  # "auto", "fx" or "export" (the captured graph says which ran)
     canonical: dict[str, str]  # every parameter/buffer FQN -> its canonical (tied: one) name
     captured: Captured | None = None  # capture: the graph and its input/output structure
+    # the key of the capture taken before tracing (capture/model_key.py); None: not cacheable
+    capture_key: str | None = None
 
 
 def _capture(state: FrontState) -> None:
-    state.captured = captured = capture(state.model, state.bound, state.tracer)
-    state.gm = captured.gm
+    """Capture, or read the graph a capture of the same key left on disk."""
+    key = state.capture_key
+    loaded = capture_cache.load(key, state.model, state.bound) if key is not None else None
+    if loaded is None:
+        loaded = capture(state.model, state.bound, state.tracer)
+        if key is not None:
+            capture_cache.store(key, loaded, state.model)
+    state.captured = loaded
+    state.gm = loaded.gm
 
 
 FRONT_PASSES: tuple[Pass[FrontState], ...] = (
@@ -149,6 +160,11 @@ def run_front_end(state: FrontState, dump: Path | None = None) -> None:
     changing it) with the front passes' result, from the cache when a fresh capture equals the
     cached one (``captured_and_annotated``)."""
     model, bound = state.model, state.bound
+    if capture_cache.enabled():
+        state.capture_key = capture_key(model, bound, state.tracer)
+    if state.capture_key is not None:
+        _front_end_by_key(state, state.capture_key, dump)
+        return
     if dump is not None:
         run_passes(FRONT_PASSES, state, dump=dump)
         assert state.captured is not None
@@ -164,3 +180,19 @@ def run_front_end(state: FrontState, dump: Path | None = None) -> None:
         return
     run_passes(FRONT_PASSES[1:], state)
     _CAPTURES[model] = (key, state.captured)
+
+
+def _front_end_by_key(state: FrontState, key: str, dump: Path | None) -> None:
+    """The front end of a model whose capture has a key taken before tracing: a hit in this
+    process skips capture and the annotation passes, one on disk skips capture."""
+    model = state.model
+    # the captured graph holds these very parameter and buffer objects
+    full = (key, tuple(id(t) for t in [*model.parameters(), *model.buffers()]))
+    cached = _CAPTURES.get(model)
+    if dump is None and cached is not None and cached[0] == full:
+        state.captured = cached[1]
+        state.gm = cached[1].gm
+        return
+    run_passes(FRONT_PASSES, state, dump=dump)
+    assert state.captured is not None
+    _CAPTURES[model] = (full, state.captured)

@@ -1,0 +1,312 @@
+"""The key of a capture, taken from the model *before* tracing it, so a hit skips the tracer.
+
+Capture is most of a compile of a big model (torch.export of the 70B Llama's 80 layers: 19-25
+CPU s, bench/RESULTS.md), and a restarted or joining process of a job captures the same model
+again. What a capture produces depends on the model's code, its state and the example inputs;
+the key hashes all three as far as they can be seen without running forward:
+
+* **code**: the bytecode, constants and names of every module class's ``forward`` and of every
+  Python function reachable from it by name (globals it reads, methods of the model's classes
+  it calls, functions in closures and ``__wrapped__``), outside torch (torch's version stands
+  for its code); the plain values (flags, numbers, strings) of the globals those functions read;
+* **state**: every module's path, class, ``training`` flag and attributes (settings, configs
+  described field by field, functions by their code, tensor attributes by shape, dtype and
+  content), every parameter's and buffer's name, shape, dtype, device, ``requires_grad`` and
+  which are tied;
+* **inputs**: the example tensors' names, shapes, dtypes and devices; the constant inputs; the
+  tracer asked for; torch's default dtype, grad and autocast modes; the torch, Python and
+  varuna_fx versions and the source of capture/.
+
+Not cacheable (``capture_key`` returns None, the model is captured each time): a module with
+hooks or global hooks, an attribute it cannot describe (an object with no plain fields).
+Code is hashed as bytecode, so a class defined in a notebook cell is keyed like any other. Code
+reached through something other than a name (a dict of functions, a registry) is not walked:
+it is seen only through the check of loaded source files that ``capture_cache`` makes.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .inputs import BoundInputs
+
+FORMAT = 1
+MAX_FUNCTIONS = 20000  # a walk past this many functions is not worth a key: capture instead
+_CAPTURE_DIR = Path(__file__).parent
+_PLAIN = (bool, int, float, str, bytes, type(None), complex)
+_INTERNAL = frozenset({
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks", "_is_full_backward_hook", "_forward_hooks_always_called",
+})
+# fields whose value differs from process to process (Python's string hashes are salted per
+# process): Hugging Face's GenerationConfig keeps the hash of its own contents
+_PROCESS_LOCAL = frozenset({"_original_object_hash"})
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
+
+
+class _NotKeyable(Exception):  # noqa: N818 - a reason to capture afresh, never shown
+    pass
+
+
+def capture_key(model: nn.Module, bound: BoundInputs, tracer: str) -> str | None:
+    """The key of capturing ``model`` on ``bound`` with ``tracer``; None when it cannot be had
+    without tracing (see the module docstring)."""
+    from torch.nn.modules import module as nn_module
+
+    if any((nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks,
+            nn_module._global_backward_hooks, nn_module._global_backward_pre_hooks)):
+        return None
+    walk = _Walk()
+    try:
+        state = _state(model, walk)
+        inputs = ([(n, _tensor(t)) for n, t in bound.tensors.items()],
+                  walk.describe(dict(bound.constants)), bound.batch_size)
+        for cls in {type(m) for m in model.modules()}:
+            walk.add(getattr(cls, "forward", None))
+            walk.classes.append(cls)
+        code = walk.run()
+    except _NotKeyable:
+        return None
+    modes = (str(torch.get_default_dtype()), torch.is_grad_enabled(),
+             tuple((torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d)))
+                   for d in ("cpu", "cuda")))
+    text = repr((FORMAT, tracer, state, inputs, code, modes, torch.__version__,
+                 sys.version_info[:2], _package_version(), _capture_sources()))
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+def _state(model: nn.Module, walk: _Walk) -> list[Any]:
+    first_name: dict[int, str] = {}
+    out = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        if any(getattr(module, h, None) for h in _HOOKS):
+            raise _NotKeyable(f"hooks on {path}")
+        tensors = []
+        for kind, table in (("p", module._parameters), ("b", module._buffers)):
+            for name, t in table.items():
+                fqn = f"{path}.{name}" if path else name
+                tie = first_name.setdefault(id(t), fqn) if t is not None else None
+                persistent = name not in module._non_persistent_buffers_set
+                tensors.append((kind, name, None if t is None else _tensor(t), tie, persistent))
+        attributes = sorted((k, walk.describe(v)) for k, v in vars(module).items()
+                            if k not in _INTERNAL and k not in _HOOKS)
+        out.append((path, _qualname(type(module)), module.training, tensors, attributes,
+                    list(module._modules)))
+    return out
+
+
+def _tensor(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), str(t.dtype), str(t.device), bool(t.requires_grad),
+            isinstance(t, nn.Parameter), t.layout != torch.strided)
+
+
+class _Walk:
+    """Describes values and collects the code reachable from them, each function once."""
+
+    def __init__(self) -> None:
+        self.todo: list[Any] = []
+        self.seen: set[int] = set()
+        self.classes: list[type] = []  # the model's module classes: `self.name` is looked up
+        self.described: dict[int, Any] = {}
+        self._members: dict[str, list[Any]] | None = None
+        self.active: set[int] = set()
+
+    def add(self, fn: Any) -> None:
+        if fn is not None and id(fn) not in self.seen:
+            self.seen.add(id(fn))
+            self.todo.append(fn)
+
+    def run(self) -> list[Any]:
+        out = []
+        while self.todo:
+            if len(self.seen) > MAX_FUNCTIONS:
+                raise _NotKeyable("too much code")
+            out.append(self._function(self.todo.pop()))
+        return sorted(out, key=repr)
+
+    def _function(self, fn: Any) -> Any:
+        wrapped = getattr(fn, "__wrapped__", None)
+        if wrapped is not None:
+            self.add(wrapped)
+        if isinstance(fn, (staticmethod, classmethod)):
+            self.add(fn.__func__)
+            return ("wrapper", type(fn).__name__)
+        if isinstance(fn, functools.partial):
+            self.add(fn.func)
+            return ("partial",)
+        if isinstance(fn, types.MethodType):
+            self.add(fn.__func__)
+            return ("method", _qualname(type(fn.__self__)))
+        code = getattr(fn, "__code__", None)
+        name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
+        if code is None or _in_torch(fn):
+            return ("builtin", name)
+        names: set[str] = set()
+        body = _code(code, names)
+        globals_ = getattr(fn, "__globals__", {})
+        read = []
+        for n in sorted(names):
+            value = globals_.get(n, None)
+            if isinstance(value, (types.FunctionType, functools.partial)):
+                self.add(value)
+            elif isinstance(value, type):  # by name: its code is the files check's
+                read.append((n, _qualname(value)))
+            elif isinstance(value, _PLAIN) or (isinstance(value, tuple) and
+                                               all(isinstance(x, _PLAIN) for x in value)):
+                read.append((n, repr(value)))
+            for member in self.members().get(n, ()):
+                self.add(member)
+        cells = [self._loosely(c.cell_contents) for c in (fn.__closure__ or ()) if _filled(c)]
+        defaults = [self._loosely(v) for v in [*(fn.__defaults__ or ()),
+                                               *(fn.__kwdefaults__ or {}).values()]]
+        return (name, body, read, cells, defaults)
+
+    def members(self) -> dict[str, list[Any]]:
+        """Name -> the functions the model's classes (and their bases) define under it."""
+        if self._members is None:
+            self._members = {}
+            for klass in {k for cls in self.classes for k in cls.__mro__}:
+                if _in_torch(klass):
+                    continue
+                for name, member in vars(klass).items():
+                    if isinstance(member, property):
+                        member = member.fget
+                    if isinstance(member, (types.FunctionType, staticmethod, classmethod)):
+                        self._members.setdefault(name, []).append(member)
+        return self._members
+
+    def _loosely(self, value: Any) -> Any:
+        """A closure's or default's value: described when it can be, else by its type (a
+        decorator's ``inspect.Signature``, a generator)."""
+        try:
+            return self.describe(value, 1)
+        except _NotKeyable:
+            return ("opaque", _qualname(type(value)))
+
+    def describe(self, value: Any, depth: int = 0) -> Any:
+        """A value as plain data (see the module docstring); raises when it cannot be."""
+        if isinstance(value, _PLAIN) or isinstance(value, (torch.dtype, torch.device,
+                                                           torch.layout, torch.memory_format)):
+            return (type(value).__name__, repr(value))
+        if depth > 6:
+            raise _NotKeyable("too deep")
+        key = id(value)
+        if key in self.described:
+            return self.described[key]
+        if key in self.active:
+            return ("cycle", type(value).__name__)
+        self.active.add(key)
+        try:
+            out = self._describe(value, depth)
+        finally:
+            self.active.discard(key)
+        self.described[key] = out
+        return out
+
+    def _describe(self, value: Any, depth: int) -> Any:
+        d = depth + 1
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple, torch.Size) or \
+                _is_namedtuple(value):
+            return (_qualname(type(value)), [self.describe(x, d) for x in value])
+        if isinstance(value, (set, frozenset)):
+            return (type(value).__name__, sorted((self.describe(x, d) for x in value), key=repr))
+        if isinstance(value, dict):
+            return (_qualname(type(value)), [(self.describe(k, d), self.describe(v, d))
+                                             for k, v in value.items()])
+        if isinstance(value, torch.Tensor):
+            return _tensor(value) + (_content(value),)
+        if isinstance(value, type):
+            return ("class", _qualname(value))
+        if isinstance(value, nn.Module):
+            return ("module", _qualname(type(value)))
+        if isinstance(value, (types.FunctionType, types.MethodType, staticmethod, classmethod,
+                              types.BuiltinFunctionType, functools.partial)):
+            self.add(value)
+            if isinstance(value, functools.partial):
+                return ("partial", self.describe((value.func, value.args, value.keywords), d))
+            return ("function", getattr(value, "__module__", ""),
+                    getattr(value, "__qualname__", repr(value)))
+        if isinstance(value, enum.Enum):
+            return ("enum", _qualname(type(value)), repr(value.value))
+        fields = getattr(value, "__dict__", None)
+        if isinstance(fields, dict) and not isinstance(value, types.ModuleType):
+            return ("object", _qualname(type(value)),
+                    sorted(((k, self.describe(v, d)) for k, v in fields.items()
+                            if k not in _PROCESS_LOCAL), key=repr))
+        raise _NotKeyable(f"cannot describe a {type(value).__name__}")
+
+
+def _code(code: types.CodeType, names: set[str]) -> tuple:
+    names.update(code.co_names)
+    consts = tuple(_code(c, names) if isinstance(c, types.CodeType) else
+                   # a frozenset's order follows the process's string hashes
+                   repr(sorted(map(repr, c))) if isinstance(c, frozenset) else repr(c)
+                   for c in code.co_consts)
+    return (code.co_code, consts, code.co_names, code.co_freevars, code.co_flags)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+        return True
+    except ValueError:
+        return False
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _content(t: torch.Tensor) -> str:
+    if t.is_meta or t.layout != torch.strided:
+        return ""
+    if t.numel() * t.element_size() > 64 << 20:
+        raise _NotKeyable("a large tensor attribute")
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+_NOT_WALKED = frozenset({"torch", *sys.stdlib_module_names})
+
+
+def _in_torch(obj: Any) -> bool:
+    """Code torch's or Python's version stands for (it is not walked)."""
+    module = getattr(obj, "__module__", None) or ""
+    return module.split(".")[0] in _NOT_WALKED
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _package_version() -> str:
+    return str(getattr(sys.modules.get("varuna_fx"), "__version__", ""))
+
+
+_sources: list[str] = []
+
+
+def _capture_sources() -> list[str]:
+    """A digest of every file of capture/: how a graph is traced and written."""
+    if not _sources:
+        for path in sorted(_CAPTURE_DIR.glob("*.py")):
+            try:
+                _sources.append(hashlib.sha256(path.read_bytes()).hexdigest()[:16])
+            except OSError:
+                _sources.append("")
+    return _sources
+
