@@ -22,7 +22,7 @@ from .codegen.pass_list import (  # noqa: F401 (the list, read here too)
     PASSES,
     CompileState,
     run_after_front_end,
-    run_configure,
+    run_configure_and_assign,
     run_pass_list,
 )
 from .codegen.stage_module import Stage
@@ -161,10 +161,11 @@ class Replan:
         return state.built, plan_of(state), o
 
     def search(self, cluster: Cluster, global_batch_size: int) -> None:
-        """Only the planner's search for ``cluster.gpus`` ranks (run under
-        ``world.where.assumed_world``), its answer kept by the plan cache for the re-plan a
-        morph to that world will run (``morph/preplan.py``)."""
-        run_configure(self._state(cluster, global_batch_size)[0])
+        """Only the planner's search and the partition pass for ``cluster.gpus`` ranks (run
+        under ``world.where.assumed_world``), their answers kept by the plan cache
+        (``planner/cache.py``, ``planner/partition_cache.py``) for the re-plan a morph to that
+        world will run (``morph/preplan.py``)."""
+        run_configure_and_assign(self._state(cluster, global_batch_size)[0])
 
     def _state(self, cluster: Cluster, global_batch_size: int
                ) -> tuple[CompileState, CompileOptions]:

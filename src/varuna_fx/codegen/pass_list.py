@@ -162,12 +162,14 @@ def run_pass_list(state: CompileState, dump: Path | None = None) -> None:
     run_after_front_end(state, dump)
 
 
-def run_configure(state: CompileState) -> None:
-    """configure alone on a copy of ``state.captured``'s graph: the planner's search, whose
-    answer the plan cache keeps (a pre-plan for another world: ``morph/preplan.py``)."""
+def run_configure_and_assign(state: CompileState) -> None:
+    """configure and the partition pass on a copy of ``state.captured``'s graph: the
+    planner's search and the partition, whose answers the plan cache keeps (a pre-plan for
+    another world: ``morph/preplan.py``)."""
     assert state.captured is not None, "the front end ran (or its result was given)"
     state.gm = copy_graph_module(state.captured.gm)
     _configure(state)
+    _assign(state)
 
 
 def run_after_front_end(state: CompileState, dump: Path | None = None) -> None:

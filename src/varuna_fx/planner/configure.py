@@ -41,6 +41,7 @@ from ..schedule import (
 )
 from ..world.where import running_world
 from . import cache as plan_cache
+from . import partition_cache
 from .candidates import Candidate, Space
 from .cluster import Cluster
 from .cost_table import CostTable
@@ -78,6 +79,9 @@ class Configuration:
     link_bandwidths: tuple[float, ...] | None = None
     sync_ratio: float = 1.0
     shards_by_default: bool = True  # Plan.shards_by_default
+    # the plan cache's key of the search that chose this (None: nothing searched): the
+    # partition pass's answer is kept under a key made from it (partition_cache.py)
+    search_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,7 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
     world = running_world()
     run_counts: tuple[int, ...] | None = None  # the stash counts the search checked (below)
     sync: tuple = ()  # the pick's replica sync per stage, as the search priced it
+    key: str | None = None  # the search's key in the plan cache (None: nothing searched)
     if v > 1:  # virtual stages: P given (or v per rank), D from the ranks
         ranks = (world or cluster.gpus) // (data_parallel or 1)
         stages = stages or v * max(1, ranks)
@@ -208,6 +213,7 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
                               [options.replica_sync if options.replica_sync != "auto"
                                else "exact"], pricer.table.parameter_shapes),
         shards_by_default=shards_by_default(options, net, shard),
+        search_key=key,
     )
 
 
@@ -335,6 +341,14 @@ def assign_and_price(gm: fx.GraphModule, config: Configuration,
     alternatives row and ``Partition.stage_memory`` always print the model at the counts that
     run, and they never exceed what the cap was checked with."""
     costs = dataclasses.replace(partition_problem(gm, setting), **allreduce_terms(config))
+    # a configuration planned before (a restart, a world seen before, a pre-planned one):
+    # the pass's answer from the cache, priced again (what follows is a function of its inputs)
+    key = partition_cache.partition_key(config.search_key, costs, config.stages,
+                                        config.stash_counts, config.searched_bounds)
+    kept = partition_cache.load(key)
+    if kept is not None and kept.bounds[-1] == len(costs.compute):
+        record_stages(gm, kept)
+        return kept, price(config, kept.bounds, kept.recompute)
     try:
         made, priced = _settled(costs, config)
     except PartitionError:
@@ -351,6 +365,7 @@ def assign_and_price(gm: fx.GraphModule, config: Configuration,
         else None
     if searched is not None and searched[1].step_time < priced.step_time:
         made, priced = searched
+    partition_cache.store(key, made)
     record_stages(gm, made)
     return made, priced
 

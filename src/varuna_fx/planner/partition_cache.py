@@ -1,0 +1,121 @@
+"""The partition pass's answer, kept in the process and on disk beside the search's.
+
+After the search (whose answer ``cache.py`` keeps), a compile runs the partition pass
+(``configure.assign_and_price``): the exact DP over every node, re-run until its schedule's stash
+counts settle, and weighed against the search's own partition. On the 70B Llama at P=28, D=2 that
+is 3-4 CPU s, most of a warm re-plan (bench/RESULTS.md, "Planning a 7B and a 70B Llama"). Its
+answer is a :class:`~varuna_fx.passes.partition.Partition` (a few tuples of numbers); the plan's
+schedule and step are priced again from it (``configure.price``, a fraction of a second).
+
+The key is the plan cache's (``cache.search_key``) over the search's own key (the cost table,
+cluster, network, options, code), the partition problem the pass reads (every array byte for
+byte: the graph's node costs, memory, cut bytes, the cost setting's cap, bandwidths, stash counts,
+all-reduce weights) and the configuration it partitions for (P, the stash counts, the search's
+own bounds). A configuration that was not searched (P given) has no search key: its partition
+is not kept. ``VARUNA_FX_PLAN_CACHE`` governs it as it does the search's (``off``, ``memory``).
+
+Files: ``$VARUNA_FX_CACHE_DIR/partitions/<key>.json``, sealed JSON (reading it runs no code; an
+edited file is noticed and ignored), written atomically, the newest :data:`MAX_ENTRIES` kept.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from typing import Any
+
+from ..passes.partition import Partition, PartitionProblem
+from ..world.files import cache_dir, keep_newest, sealed, unsealed, write_atomically
+from .cache import mode, search_key
+
+FORMAT = 1
+MAX_ENTRIES = 64
+# what happened in this process: hit (memory or disk), miss, write, ignored (a bad file)
+stats: Counter[str] = Counter()
+_MEMORY: OrderedDict[str, Partition] = OrderedDict()
+
+
+def partition_key(search: str | None, costs: PartitionProblem, stages: int,
+                  stash_counts: tuple[int, ...], searched_bounds: tuple[int, ...] | None
+                  ) -> str | None:
+    """The key of the partition pass over ``costs`` for a configuration the search with key
+    ``search`` chose; None when it has none (nothing searched, or the cache is off)."""
+    if search is None:
+        return None
+    return search_key("partition", search, costs, stages, tuple(stash_counts),
+                      searched_bounds)
+
+
+def load(key: str | None) -> Partition | None:
+    if key is None:
+        return None
+    found = _MEMORY.get(key)
+    if found is None and mode() == "disk":
+        found = _load_file(key)
+    if found is None:
+        stats["miss"] += 1
+        return None
+    _remember(key, found)
+    stats["hit"] += 1
+    return found
+
+
+def store(key: str | None, made: Partition) -> None:
+    if key is None:
+        return
+    _remember(key, made)
+    if mode() != "disk":
+        return
+    directory = cache_dir("partitions")
+    try:
+        write_atomically(directory, f"{key}.json", sealed(
+            {"format": FORMAT, "key": key, "partition": _to_json(made)}))
+        stats["write"] += 1
+        keep_newest(directory, MAX_ENTRIES)
+    except OSError:
+        return
+
+
+def clear() -> None:
+    _MEMORY.clear()
+
+
+def _to_json(made: Partition) -> dict[str, Any]:
+    # floats as JSON numbers: Python writes their repr, which reads back exactly
+    return {"bounds": list(made.bounds), "stage_times": list(made.stage_times),
+            "stage_memory": list(made.stage_memory), "bottleneck": made.bottleneck,
+            "recompute": list(made.recompute), "allreduce": list(made.allreduce)}
+
+
+def _load_file(key: str) -> Partition | None:
+    try:
+        text = (cache_dir("partitions") / f"{key}.json").read_text()
+    except OSError:
+        return None
+    try:
+        entry = unsealed(text)
+        if entry.get("format") != FORMAT or entry.get("key") != key:
+            raise ValueError("another entry")
+        p = entry["partition"]
+        bounds = tuple(int(x) for x in p["bounds"])
+        stages = len(bounds) - 1
+        made = Partition(
+            bounds=bounds, stage_times=tuple(float(x) for x in p["stage_times"]),
+            stage_memory=tuple(float(x) for x in p["stage_memory"]),
+            bottleneck=float(p["bottleneck"]),
+            recompute=tuple(bool(x) for x in p["recompute"]),
+            allreduce=tuple(float(x) for x in p["allreduce"]))
+        if stages < 1 or bounds[0] != 0 or list(bounds) != sorted(set(bounds)) or \
+                len(made.stage_times) != stages or len(made.stage_memory) != stages or \
+                len(made.recompute) not in (0, stages) or len(made.allreduce) not in (0, stages):
+            raise ValueError("impossible values")
+        return made
+    except (ValueError, KeyError, TypeError):
+        stats["ignored"] += 1
+        return None
+
+
+def _remember(key: str, made: Partition) -> None:
+    _MEMORY[key] = made
+    _MEMORY.move_to_end(key)
+    while len(_MEMORY) > MAX_ENTRIES:
+        _MEMORY.popitem(last=False)
