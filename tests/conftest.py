@@ -89,10 +89,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def one_capture_per_model() -> Iterator[None]:
     """Within a module, capture each (model, example input shapes, tracer, modes) once.
 
-    ``vf.compile`` captures afresh on every call and keys its cache on that capture, which is
-    right for a model the user may have changed, but a sweep compiles the same unchanged
-    registry model at every P, schedule and recompute setting: torch.export's capture of a
-    Hugging Face model is about a second each time. Everything after capture still runs per
+    ``vf.compile`` reuses a capture when the model's key (taken before tracing:
+    ``capture/model_key.py``) is unchanged, but every test starts with an empty cache
+    directory and a sweep compiles the same unchanged registry model at every P, schedule and
+    recompute setting, some under a mode or hook the key does not cover: torch.export's
+    capture of a Hugging Face model is about a second each time. Everything after capture still runs per
     compile, and the first compile of each model captures for real. The model is kept in the
     memo so its id cannot be reused by another model."""
     real = varuna_fx.passes.frontend.capture

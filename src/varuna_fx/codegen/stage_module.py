@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..ir.nodes import StageSpec, info
 from ..passes.split_stages import StageGraph
@@ -62,7 +63,9 @@ def build_stage(root: fx.GraphModule, stage_graph: StageGraph, num_stages: int,
     ``parameters``: those that are parameters (the rest are buffers); ``passes``: the names of
     the compiler's pass list, for the header's provenance."""
     spec = stage_graph.spec
-    module = fx.GraphModule(root, stage_graph.graph, class_name=f"Stage{spec.index}")
+    # its Python is made when the stage first runs (_LazyGraphModule): ``code`` below is made
+    # here, and a rank runs only its own stages of the many a plan builds
+    module = _LazyGraphModule(root, stage_graph.graph, class_name=f"Stage{spec.index}")
     held: set[str] = set()
     for node in module.graph.nodes:
         held.update(info(node).params)

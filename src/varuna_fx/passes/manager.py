@@ -15,9 +15,11 @@ The generic check after every pass is ``check_graph`` (fx's lint, and no two nod
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -79,6 +81,33 @@ def run_passes(passes: Sequence[Pass[State]], state: State, *, dump: Path | None
     """Run ``passes`` in order over ``state``, checking after each; ``done``: passes already
     applied to ``state.gm`` (the cached front end), for the provenance of the dumps."""
     history = [p for p in done if p.graph]
+    with old_objects_frozen():
+        _run(passes, state, dump, history)
+
+
+@contextlib.contextmanager
+def old_objects_frozen() -> Iterator[None]:
+    """Python's cyclic collector skips what existed before (``gc.freeze``) while passes run.
+
+    A compile allocates millions of small objects (nodes, annotations, sympy expressions),
+    and each full collection walked every object of the process, the model's and earlier
+    graphs' included: on the 70B Llama that was 0.5-0.8 of the 2.1 CPU s of a warm re-plan
+    (bench/RESULTS.md, "Planning a 7B and a 70B Llama"). What the passes make is still
+    collected; the frozen objects are handed back afterwards (``gc.unfreeze``). Not where
+    something else froze objects already (a server that freezes before forking): its
+    freeze is left as it is."""
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _run(passes: Sequence[Pass[State]], state: State, dump: Path | None,
+         history: list[Pass]) -> None:
     for p in passes:
         start = time.process_time()
         p.run(state)
