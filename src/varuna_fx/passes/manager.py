@@ -81,29 +81,31 @@ def run_passes(passes: Sequence[Pass[State]], state: State, *, dump: Path | None
     """Run ``passes`` in order over ``state``, checking after each; ``done``: passes already
     applied to ``state.gm`` (the cached front end), for the provenance of the dumps."""
     history = [p for p in done if p.graph]
-    with old_objects_frozen():
+    with collector_paused():
         _run(passes, state, dump, history)
 
 
 @contextlib.contextmanager
-def old_objects_frozen() -> Iterator[None]:
-    """Python's cyclic collector skips what existed before (``gc.freeze``) while passes run.
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector does not run while passes run (``gc.disable``), and is
+    turned back on after.
 
-    A compile allocates millions of small objects (nodes, annotations, sympy expressions),
-    and each full collection walked every object of the process, the model's and earlier
-    graphs' included: on the 70B Llama that was 0.5-0.8 of the 2.1 CPU s of a warm re-plan
-    (bench/RESULTS.md, "Planning a 7B and a 70B Llama"). What the passes make is still
-    collected; the frozen objects are handed back afterwards (``gc.unfreeze``). Not where
-    something else froze objects already (a server that freezes before forking): its
-    freeze is left as it is."""
-    if gc.get_freeze_count() or not gc.isenabled():
+    A compile allocates millions of small objects (nodes, annotations, sympy expressions), and
+    each full collection walked every object of the process, the model's and earlier graphs'
+    included: on the 70B Llama that was 0.5-0.8 of the 2.1 CPU s of a warm re-plan and about
+    1.5 s of a 7B's cold compile (bench/RESULTS.md, "Planning a 7B and a 70B Llama"); peak RSS
+    was the same with it off (a compile's garbage is mostly freed by reference counts).
+    (``gc.freeze`` would keep collecting what the passes make, but counting frozen objects to
+    leave a user's freeze alone costs as much as a collection.) Nothing where the collector is
+    off already."""
+    if not gc.isenabled():
         yield
         return
-    gc.freeze()
+    gc.disable()
     try:
         yield
     finally:
-        gc.unfreeze()
+        gc.enable()
 
 
 def _run(passes: Sequence[Pass[State]], state: State, dump: Path | None,
