@@ -257,7 +257,18 @@ def test_a_bad_entry_is_ignored_and_rewritten() -> None:
     def dunder(graph: dict) -> None:
         call_function(graph)["target"] = {"module": "builtins", "qualname": "__import__"}
 
-    for change in (other_shape, hostile, not_imported, dunder):
+    def evaluating(graph: dict) -> None:  # found by name, but not a tensor function
+        call_function(graph)["target"] = {"module": "builtins", "qualname": "eval"}
+
+    def loading(graph: dict) -> None:  # torch's, but it unpickles a file
+        call_function(graph)["target"] = {"module": "torch", "qualname": "load"}
+
+    def dunder_method(graph: dict) -> None:  # a way to a module's globals
+        node = next(n for n in graph["nodes"] if n["op"] == "call_method")
+        node["target"] = "__reduce_ex__"
+
+    for change in (other_shape, hostile, not_imported, dunder, evaluating, loading,
+                   dunder_method):
         _rewrite(path, entry, change)
         ignored = capture_cache.stats["ignored"]
         assert [s.code for s in compile_fresh(gpt()).stages] == fresh
@@ -277,6 +288,14 @@ def test_reading_never_imports_or_reaches_outside_the_allowed_modules() -> None:
         with pytest.raises(ValueError):
             graph_json._function(module, name)
     assert "not_a_module_at_all" not in sys.modules
+    # what a graph read back may run: the tensor API only
+    runnable = graph_json._check_runnable
+    assert runnable("call_function", torch.nn.functional.linear, ()) == ""
+    assert runnable("call_function", getattr, (None, "shape")) == ""
+    assert runnable("call_method", "view", ()) == ""
+    assert runnable("call_function", getattr, (None, "__globals__"))
+    assert runnable("call_function", eval, ("1",)) and runnable("call_function", torch.load, ())
+    assert runnable("call_method", "__reduce_ex__", ()) and runnable("call_method", "system", ())
 
 
 def users_own(x: torch.Tensor) -> torch.Tensor:  # not torch's: named, it could be anything

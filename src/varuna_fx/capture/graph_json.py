@@ -11,7 +11,12 @@ model's own objects, checked to exist with the shape and dtype written.
 Reading runs no code: JSON only; a called function is named by module and qualified name and
 looked up in a module already imported (``sys.modules``, never an import) among torch's,
 Python's ``operator``/``math``/``builtins`` and varuna_fx's, and must be that same object again;
-an operator is looked up in torch's registry. What cannot be written that way (a user's
+an operator is looked up in torch's registry. Nor can the graph read back run code when it
+runs: a called function must be one of the tensor API's (:func:`_allowed`: torch's overridable
+functions and native functions, ``operator``, ``math``, a few pure builtins, capture's own
+write-back helpers: never ``torch.load`` or ``eval``), a method called must be one of
+``torch.Tensor``'s and ``getattr`` may only read a public attribute, so no chain of attributes
+reaches a module's globals. What cannot be written that way (a user's
 ``fx.wrap``-ed function, a module that is not the model's, an argument of another type) makes the
 graph unwritable (:class:`Unwritable`), and it is captured afresh each time.
 
@@ -22,6 +27,7 @@ that is not the one named) raises ``ValueError``; the cache then ignores the ent
 from __future__ import annotations
 
 import base64
+import functools
 import sys
 from typing import Any
 
@@ -69,6 +75,9 @@ def _encode_graph(gm: fx.GraphModule, model: nn.Module | None, top: bool) -> dic
     for node in gm.graph.nodes:
         if node.op in ("get_attr", "call_module"):
             attrs[str(node.target)] = _encode_attr(gm, model, node, top)
+        why = _check_runnable(node.op, node.target, node.args)
+        if why:
+            raise Unwritable(f"node {node.name} {why}")
         entry: dict[str, Any] = {
             "op": node.op, "name": node.name, "target": _encode_target(node),
             "args": _encode_arg(node.args), "kwargs": _encode_arg(node.kwargs)}
@@ -155,6 +164,46 @@ def _encode_target(node: fx.Node) -> Any:
     raise Unwritable(f"node {node.name} calls {target!r}, not found again by its name")
 
 
+_PURE_BUILTINS = ("getattr", "len", "int", "float", "bool", "abs", "min", "max", "round",
+                  "pow", "divmod", "range", "slice", "tuple", "list", "isinstance")
+
+
+@functools.lru_cache(maxsize=1)
+def _allowed() -> frozenset[int]:
+    """The ids of the functions a graph read back may call: the tensor API's, never one that
+    reads files, imports or evaluates."""
+    import builtins
+    import math
+    import operator
+
+    from . import mutations
+
+    functions = [f for fs in torch.overrides.get_overridable_functions().values() for f in fs]
+    native = [n for n in dir(torch._C._VariableFunctions) if not n.startswith("__")]
+    functions += [getattr(torch._C._VariableFunctions, n) for n in native]
+    functions += [getattr(torch, n) for n in native if callable(getattr(torch, n, None))]
+    functions += [f for f in vars(operator).values() if callable(f) and not isinstance(f, type)]
+    functions += [f for f in vars(math).values() if callable(f)]
+    functions += [getattr(builtins, n) for n in _PURE_BUILTINS]
+    functions += [mutations.after_write, mutations.setitem_value]
+    return frozenset(id(f) for f in functions)
+
+
+def _check_runnable(op: str, target: Any, args: Any) -> str:
+    """Why a node could run something other than tensor code ("" if it cannot)."""
+    if op == "call_function" and not isinstance(target, (torch._ops.OpOverload,
+                                                         torch._ops.HigherOrderOperator)):
+        if id(target) not in _allowed():
+            return f"calls {getattr(target, '__name__', target)!r}, not a tensor function"
+        if target is getattr and not (len(args) >= 2 and isinstance(args[1], str)
+                                      and not args[1].startswith("_")):
+            return "reads an attribute that is not public"
+    if op == "call_method" and (str(target).startswith("__") or
+                                not hasattr(torch.Tensor, str(target))):
+        return f"calls method {target!r}, not one of torch.Tensor's"
+    return ""
+
+
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
            if isinstance(d, torch.dtype)}
 _LAYOUTS = {str(v).removeprefix("torch."): v for v in vars(torch).values()
@@ -222,8 +271,12 @@ def _decode_graph(data: dict[str, Any], model: nn.Module | None, class_name: str
                       "output"):
             raise ValueError(f"unknown op {op!r}")
         target = _decode_target(op, entry["target"])
-        node = graph.create_node(op, target, _decode_arg(entry["args"], env),
-                                 _decode_arg(entry["kwargs"], env), name=str(entry["name"]))
+        args = _decode_arg(entry["args"], env)
+        why = _check_runnable(op, target, args)
+        if why:
+            raise ValueError(f"node {entry['name']} {why}")
+        node = graph.create_node(op, target, args, _decode_arg(entry["kwargs"], env),
+                                 name=str(entry["name"]))
         if node.name != entry["name"]:
             raise ValueError(f"node {entry['name']} could not keep its name")
         env[node.name] = node
