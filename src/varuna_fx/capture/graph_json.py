@@ -27,7 +27,11 @@ that is not the one named) raises ``ValueError``; the cache then ignores the ent
 from __future__ import annotations
 
 import base64
+import builtins
 import functools
+import inspect
+import math
+import operator
 import sys
 from typing import Any
 
@@ -38,6 +42,7 @@ from torch import nn
 from torch.fx.graph_module import _assign_attr, _copy_attr
 
 from ..ir.nodes import info as node_info
+from . import mutations
 from .captured import Captured
 from .inputs import BoundInputs
 
@@ -172,12 +177,6 @@ _PURE_BUILTINS = ("getattr", "len", "int", "float", "bool", "abs", "min", "max",
 def _allowed() -> frozenset[int]:
     """The ids of the functions a graph read back may call: the tensor API's, never one that
     reads files, imports or evaluates."""
-    import builtins
-    import math
-    import operator
-
-    from . import mutations
-
     functions = [f for fs in torch.overrides.get_overridable_functions().values() for f in fs]
     native = [n for n in dir(torch._C._VariableFunctions) if not n.startswith("__")]
     functions += [getattr(torch._C._VariableFunctions, n) for n in native]
@@ -247,8 +246,6 @@ def _encode_arg(a: Any) -> Any:
 def decode_captured(data: dict[str, Any], model: nn.Module, bound: BoundInputs) -> Captured:
     """The :class:`Captured` ``data`` describes, bound to ``model``'s parameters, buffers and
     modules; ``ValueError`` when anything does not fit."""
-    import inspect
-
     if list(data["input_names"]) != list(bound.tensors):
         raise ValueError("other inputs")
     gm = _decode_graph(data["graph"], model, str(data["class_name"]))
