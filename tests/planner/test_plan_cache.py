@@ -15,6 +15,7 @@ import torch
 import varuna_fx as vf
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.planner import cache as plan_cache
+from varuna_fx.world.files import sealed, unsealed
 
 TOKENS = torch.zeros(2, 16, dtype=torch.long)
 pytestmark = pytest.mark.usefixtures("one_capture_per_model")  # capture each model once
@@ -103,7 +104,7 @@ def test_a_damaged_file_is_ignored_with_a_warning_and_rewritten(damage: str) -> 
     else:  # sealed correctly, but for another key (a file copied over another name)
         outer = json.loads(text)
         entry = {**outer["entry"], "key": "0" * 40}
-        path.write_text(plan_cache.sealed(entry))
+        path.write_text(sealed(entry))
     plan_cache.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -111,7 +112,7 @@ def test_a_damaged_file_is_ignored_with_a_warning_and_rewritten(damage: str) -> 
     said = [str(w.message) for w in caught if issubclass(w.category, plan_cache.PlanCacheWarning)]
     assert len(said) == 1 and str(path) in said[0] and "ignoring the plan cache file" in said[0]
     assert plan_cache.stats["ignored"] == 1 and plan_cache.stats["write"] == 2
-    plan_cache.unsealed(path.read_text())  # rewritten whole
+    unsealed(path.read_text())  # rewritten whole
 
 
 def test_memory_only_writes_no_file(monkeypatch: pytest.MonkeyPatch) -> None:

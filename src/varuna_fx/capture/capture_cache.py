@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..world.files import cache_dir, keep_newest, sealed, unsealed, write_atomically
+from ..world.files import read_entry, write_entry
 from .captured import Captured
 from .graph_json import Unwritable, decode_captured, encode_captured
 from .inputs import BoundInputs
@@ -39,36 +39,23 @@ stats: Counter[str] = Counter()
 
 
 def enabled() -> bool:
+    """Whether the graph caches (this one and the shape pass's) are on."""
     return os.environ.get("VARUNA_FX_GRAPH_CACHE", "1").strip() not in ("0", "false", "no", "off")
 
 
 def load(key: str, model: nn.Module, bound: BoundInputs) -> Captured | None:
     """The capture stored under ``key``, bound to ``model``; None when there is none usable."""
-    path = cache_dir("captures") / f"{key}.json"
     try:
-        text = path.read_text()
-    except OSError:
-        stats["miss"] += 1
-        return None
-    try:
-        entry = unsealed(text)
-        if entry["format"] != FORMAT or entry["key"] != key:
-            raise ValueError("another entry")
-        if not _unchanged(entry["files"]):
+        entry = read_entry("captures", key, FORMAT)
+        if entry is not None and not _unchanged(entry["files"]):
             stats["stale"] += 1
-            stats["miss"] += 1
-            return None
-        captured = decode_captured(entry["captured"], model, bound)
-    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
+            entry = None
+        captured = decode_captured(entry["captured"], model, bound) if entry else None
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError):
         stats["ignored"] += 1
-        stats["miss"] += 1
-        _last_ignored[:] = [repr(exc)]
-        return None
-    stats["hit"] += 1
+        captured = None
+    stats["hit" if captured is not None else "miss"] += 1
     return captured
-
-
-_last_ignored: list[str] = []  # why the last entry was ignored (for tests and debugging)
 
 
 def store(key: str, captured: Captured, model: nn.Module) -> None:
@@ -76,18 +63,12 @@ def store(key: str, captured: Captured, model: nn.Module) -> None:
     saves time, as does a cache folder that cannot be written)."""
     try:
         data = encode_captured(captured, model)
-    except Unwritable as exc:
+    except Unwritable:
         stats["unwritable"] += 1
-        _last_ignored[:] = [str(exc)]
         return
-    directory = cache_dir("captures")
-    try:
-        write_atomically(directory, f"{key}.json", sealed(
-            {"format": FORMAT, "key": key, "files": loaded_files(), "captured": data}))
+    if write_entry("captures", key, FORMAT, {"files": loaded_files(), "captured": data},
+                   MAX_ENTRIES):
         stats["write"] += 1
-        keep_newest(directory, MAX_ENTRIES)
-    except OSError:
-        return
 
 
 def loaded_files() -> list[list[Any]]:

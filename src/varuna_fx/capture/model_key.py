@@ -150,7 +150,7 @@ class _Walk:
             return ("method", _qualname(type(fn.__self__)))
         code = getattr(fn, "__code__", None)
         name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
-        if code is None or _in_torch(fn):
+        if code is None or _not_walked(fn):
             return ("builtin", name)
         names: set[str] = set()
         body = _code(code, names)
@@ -177,7 +177,7 @@ class _Walk:
         if self._members is None:
             self._members = {}
             for klass in {k for cls in self.classes for k in cls.__mro__}:
-                if _in_torch(klass):
+                if _not_walked(klass):
                     continue
                 for name, member in vars(klass).items():
                     if isinstance(member, property):
@@ -277,13 +277,12 @@ def _content(t: torch.Tensor) -> str:
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
 
-_TORCH_DIR = str(Path(torch.__file__).parent)
 
 
 _NOT_WALKED = frozenset({"torch", *sys.stdlib_module_names})
 
 
-def _in_torch(obj: Any) -> bool:
+def _not_walked(obj: Any) -> bool:
     """Code torch's or Python's version stands for (it is not walked)."""
     module = getattr(obj, "__module__", None) or ""
     return module.split(".")[0] in _NOT_WALKED

@@ -29,7 +29,6 @@ ignored and rewritten, never an error. ``VARUNA_FX_GRAPH_CACHE=0`` turns the cac
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -39,8 +38,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..capture.capture_cache import enabled
 from ..capture.inputs import BoundInputs
-from ..world.files import cache_dir, keep_newest, sealed, unsealed, write_atomically
+from ..world.files import read_entry, write_entry
 
 FORMAT = 3  # 2: sealed with a digest of the content (world/files.sealed); 3: draw shapes
 MAX_ENTRIES = 64
@@ -50,10 +50,6 @@ stats: Counter[str] = Counter()
 
 _FUNCTION_MODULES = ("torch", "_operator", "operator", "math", "builtins")
 _SOURCES = (Path(__file__).with_name("annotate_shapes.py"), Path(__file__))
-
-
-def enabled() -> bool:
-    return os.environ.get("VARUNA_FX_GRAPH_CACHE", "1").strip() not in ("0", "false", "no", "off")
 
 
 def graph_key(gm: fx.GraphModule, bound: BoundInputs) -> str | None:
@@ -90,16 +86,12 @@ def graph_key(gm: fx.GraphModule, bound: BoundInputs) -> str | None:
 
 def load(key: str, names: list[str]) -> list[Any] | None:
     """The observations stored under ``key`` for a graph whose nodes are ``names``, or None."""
-    path = cache_dir("graphs") / f"{key}.json"
     try:
-        text = path.read_text()
-    except OSError:
-        stats["miss"] += 1
-        return None
-    try:
-        entry = unsealed(text)
-        if entry["format"] != FORMAT or entry["key"] != key or entry["nodes"] != names or \
-                len(entry["observed"]) != len(names):
+        entry = read_entry("graphs", key, FORMAT)
+        if entry is None:
+            stats["miss"] += 1
+            return None
+        if entry["nodes"] != names or len(entry["observed"]) != len(names):
             raise ValueError("another graph")
         stats["hit"] += 1
         return list(entry["observed"])
@@ -113,14 +105,8 @@ def store(key: str, names: list[str], observed: list[Any]) -> None:
     """Write an entry atomically (a reader sees the old file or the whole new one); keep the
     newest :data:`MAX_ENTRIES`. A cache that cannot be written is skipped silently: it only
     saves time."""
-    directory = cache_dir("graphs")
-    try:
-        write_atomically(directory, f"{key}.json", sealed(
-            {"format": FORMAT, "key": key, "nodes": names, "observed": observed}))
+    if write_entry("graphs", key, FORMAT, {"nodes": names, "observed": observed}, MAX_ENTRIES):
         stats["write"] += 1
-        keep_newest(directory, MAX_ENTRIES)
-    except OSError:
-        return
 
 
 # -- what the key is made of ---------------------------------------------------------------------

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..world.files import cache_dir, keep_newest, sealed, unsealed, write_atomically
+from ..world.files import cache_dir, read_entry, write_entry
 from .plan import Alternative
 
 FORMAT = 1
@@ -203,7 +203,7 @@ def load(key: str | None) -> Searched | Refused | None:
         stats["hit"] += 1
         return found
     if mode() == "disk":
-        found = _load_file(cache_dir("plans") / f"{key}.json", key)
+        found = _load_file(key)
         if found is not None:
             _remember(key, found)
             stats["hit"] += 1
@@ -212,15 +212,11 @@ def load(key: str | None) -> Searched | Refused | None:
     return None
 
 
-def _load_file(path: Path, key: str) -> Searched | Refused | None:
+def _load_file(key: str) -> Searched | Refused | None:
     try:
-        text = path.read_text()
-    except OSError:
-        return None
-    try:
-        entry = unsealed(text)
-        if entry.get("format") != FORMAT or entry.get("key") != key:
-            raise ValueError("written for another key or by another format")
+        entry = read_entry("plans", key, FORMAT)
+        if entry is None:
+            return None
         if "refused" in entry:
             return Refused(str(entry["refused"]))
         found = Searched.from_json(entry["searched"])
@@ -230,6 +226,7 @@ def _load_file(path: Path, key: str) -> Searched | Refused | None:
         return found
     except (ValueError, KeyError, TypeError) as e:
         stats["ignored"] += 1
+        path = cache_dir("plans") / f"{key}.json"
         warnings.warn(f"varuna_fx: ignoring the plan cache file {path} ({e}); the planner "
                       "searches again and rewrites it", PlanCacheWarning, stacklevel=3)
         return None
@@ -244,16 +241,10 @@ def store(key: str | None, found: Searched | Refused) -> None:
     _remember(key, found)
     if mode() != "disk":
         return
-    directory = cache_dir("plans")
-    try:
-        answer = {"refused": found.message} if isinstance(found, Refused) else \
-            {"searched": found.to_json()}
-        write_atomically(directory, f"{key}.json", sealed({"format": FORMAT, "key": key,
-                                                           **answer}))
+    answer = {"refused": found.message} if isinstance(found, Refused) else \
+        {"searched": found.to_json()}
+    if write_entry("plans", key, FORMAT, answer, MAX_ENTRIES):
         stats["write"] += 1
-        keep_newest(directory, MAX_ENTRIES)
-    except OSError:
-        return
 
 
 def clear() -> None:

@@ -24,7 +24,7 @@ from collections import Counter, OrderedDict
 from typing import Any
 
 from ..passes.partition import Partition, PartitionProblem
-from ..world.files import cache_dir, keep_newest, sealed, unsealed, write_atomically
+from ..world.files import read_entry, write_entry
 from .cache import mode, search_key
 
 FORMAT = 1
@@ -65,14 +65,8 @@ def store(key: str | None, made: Partition) -> None:
     _remember(key, made)
     if mode() != "disk":
         return
-    directory = cache_dir("partitions")
-    try:
-        write_atomically(directory, f"{key}.json", sealed(
-            {"format": FORMAT, "key": key, "partition": _to_json(made)}))
+    if write_entry("partitions", key, FORMAT, {"partition": _to_json(made)}, MAX_ENTRIES):
         stats["write"] += 1
-        keep_newest(directory, MAX_ENTRIES)
-    except OSError:
-        return
 
 
 def clear() -> None:
@@ -88,13 +82,9 @@ def _to_json(made: Partition) -> dict[str, Any]:
 
 def _load_file(key: str) -> Partition | None:
     try:
-        text = (cache_dir("partitions") / f"{key}.json").read_text()
-    except OSError:
-        return None
-    try:
-        entry = unsealed(text)
-        if entry.get("format") != FORMAT or entry.get("key") != key:
-            raise ValueError("another entry")
+        entry = read_entry("partitions", key, FORMAT)
+        if entry is None:
+            return None
         p = entry["partition"]
         bounds = tuple(int(x) for x in p["bounds"])
         stages = len(bounds) - 1

@@ -72,3 +72,32 @@ def unsealed(text: str) -> dict[str, Any]:
     if hashlib.sha256(body.encode()).hexdigest() != outer.get("sha256"):
         raise ValueError("content does not match its digest: edited or corrupted")
     return outer["entry"]
+
+
+def read_entry(kind: str, key: str, format: int) -> dict[str, Any] | None:  # noqa: A002
+    """The entry :func:`write_entry` wrote under ``key`` in cache ``kind``; None when there is
+    no such file; ``ValueError`` when the file is not such an entry (corrupt, edited, or
+    written for another key or by another format)."""
+    try:
+        text = (cache_dir(kind) / f"{key}.json").read_text()
+    except OSError:
+        return None
+    entry = unsealed(text)
+    if entry.get("format") != format or entry.get("key") != key:
+        raise ValueError("written for another key or by another format")
+    return entry
+
+
+def write_entry(kind: str, key: str, format: int, fields: dict[str, Any],  # noqa: A002
+                keep: int) -> bool:
+    """Write ``fields`` (JSON-able) as the sealed entry of ``key`` in cache ``kind``,
+    atomically, keeping the newest ``keep`` entries; False when the folder cannot be written
+    (a cache only saves time: the caller goes on)."""
+    directory = cache_dir(kind)
+    try:
+        write_atomically(directory, f"{key}.json",
+                         sealed({"format": format, "key": key, **fields}))
+        keep_newest(directory, keep)
+    except OSError:
+        return False
+    return True
