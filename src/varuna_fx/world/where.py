@@ -7,6 +7,7 @@ cannot drift between them. Bottom layer: imports nothing from the package but ``
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
@@ -122,6 +123,7 @@ def init_process_group(timeout: float) -> None:
             torch.cuda.set_device(local_rank)
         joining = membership(timeout)
         joining.form(joining.join(), backend)
+        _release_at_exit()
         return
 
     def join() -> None:
@@ -133,6 +135,7 @@ def init_process_group(timeout: float) -> None:
         torch.cuda.set_device(local_rank)
     try:
         _with_deadline(join, timeout)
+        _release_at_exit()
     except TimeoutError:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise PeerTimeoutError(
@@ -155,7 +158,35 @@ def init_process_group(timeout: float) -> None:
         ) from exc
 
 
-def _with_deadline(join: Callable[[], None], timeout: float) -> None:
+RELEASE_SECONDS = 10.0  # at exit, how long releasing the group may take before it is left
+
+
+_release_registered: list[bool] = []
+
+
+def _release_at_exit() -> None:
+    """Release the process group this module formed when the interpreter exits, while it is
+    still whole. Left to the interpreter's finalisation, gloo's worker threads can still hold
+    finished work whose tensors reference Python objects; freeing them then takes the GIL of a
+    dying interpreter and the rank dies with SIGABRT ("terminate called without an active
+    exception") after its work is done, failing the job under torchrun. A group the user
+    formed is theirs to release. Registered once; a no-op when the group is gone already."""
+    if not _release_registered:
+        _release_registered.append(True)
+        atexit.register(release_process_group)
+
+
+def release_process_group() -> None:
+    """Destroy the default process group, if any, within :data:`RELEASE_SECONDS`: a peer that
+    died mid-collective must not hold this process at exit (the call is then abandoned)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    with contextlib.suppress(Exception):  # at exit, a failure to release changes nothing
+        _with_deadline(dist.destroy_process_group, RELEASE_SECONDS, name="varuna_fx-release")
+
+
+def _with_deadline(join: Callable[[], None], timeout: float,
+                   name: str = "varuna_fx-rendezvous") -> None:
     """Run ``join`` but give up after ``timeout`` (+ a little): the store client's own timeout
     does not cover a peer that accepts the connection and never answers (another program on
     the master port), where it would block for minutes. The call runs in a daemon thread that
@@ -169,7 +200,7 @@ def _with_deadline(join: Callable[[], None], timeout: float) -> None:
         except BaseException as exc:  # handed to the caller's thread below
             outcome.append(exc)
 
-    thread = threading.Thread(target=run, name="varuna_fx-rendezvous", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     thread.join(timeout + 1.0)
     if not outcome:
