@@ -135,7 +135,6 @@ def init_process_group(timeout: float) -> None:
         torch.cuda.set_device(local_rank)
     try:
         _with_deadline(join, timeout)
-        _release_at_exit()
     except TimeoutError:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise PeerTimeoutError(
@@ -156,12 +155,10 @@ def init_process_group(timeout: float) -> None:
             f"not form the process group at {where} within {timeout:.1f} s: some rank did not "
             f"start or crashed before vf.compile; see its log ({str(exc).splitlines()[0]})"
         ) from exc
+    _release_at_exit()
 
 
 RELEASE_SECONDS = 10.0  # at exit, how long releasing the group may take before it is left
-
-
-_release_registered: list[bool] = []
 
 
 def _release_at_exit() -> None:
@@ -170,10 +167,10 @@ def _release_at_exit() -> None:
     finished work whose tensors reference Python objects; freeing them then takes the GIL of a
     dying interpreter and the rank dies with SIGABRT ("terminate called without an active
     exception") after its work is done, failing the job under torchrun. A group the user
-    formed is theirs to release. Registered once; a no-op when the group is gone already."""
-    if not _release_registered:
-        _release_registered.append(True)
-        atexit.register(release_process_group)
+    formed is theirs to release. Registered once however many groups are formed (unregister
+    first); a no-op when the group is gone already."""
+    atexit.unregister(release_process_group)
+    atexit.register(release_process_group)
 
 
 def release_process_group() -> None:
