@@ -11,6 +11,9 @@
   graphs and profiles (``$VARUNA_FX_CACHE_DIR``, inherited by the processes it launches; the
   old profiles-only alias ``$VARUNA_FX_CACHE`` is dropped from the environment): tests never
   write to ~/.cache and never hit an entry another test wrote.
+* matplotlib's font cache is built before the first test: on a fresh install its first
+  ``import matplotlib.font_manager`` runs ``fc-list``, which the guard above would count as the
+  test launching a process.
 * ``one_capture_per_model``: sweeps that compile the same unchanged model many times capture it
   once (see the fixture).
 """
@@ -110,6 +113,13 @@ def one_capture_per_model() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(varuna_fx.passes.frontend, "capture", capture)
         yield
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:  # an optional extra: without matplotlib there is no font cache to build
+        import matplotlib.font_manager  # noqa: F401  (builds the cache, running fc-list once)
+    except ImportError:
+        pass
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

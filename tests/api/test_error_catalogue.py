@@ -32,16 +32,25 @@ def compile_mlp(cluster: vf.Cluster | None = None, inputs: Any = MLP.inputs,
                       example_inputs=inputs, **kw)
 
 
-def _deferred_falcon() -> vf.Pipeline:
-    """Falcon's ``qkv[:, :, :, [-2]]`` becomes a constant torch.export makes on the model's
-    device, meta under deferred_init (it ran with garbage: loss NaN)."""
-    from transformers import AutoModelForCausalLM, FalconConfig
+class _LastPosition(nn.Module):
+    """nanoGPT's last-position shortcut ``x[:, [-1], :]``: torch.export lifts the index list
+    into a tensor constant made on the model's device, meta under deferred_init (Falcon's
+    ``qkv[:, :, :, [-2]]`` in transformers < 5 did the same, and ran with garbage: loss NaN).
+    Written here so the row does not depend on how a transformers release writes Falcon."""
 
-    config = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                          num_attention_heads=2, use_cache=False)
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(16, 8), nn.Linear(8, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(idx)[:, [-1], :])
+
+
+def _deferred_meta_constant() -> vf.Pipeline:
     with vf.deferred_init(seed=0):
-        model = AutoModelForCausalLM.from_config(config)
-    return vf.compile(model, example_inputs=(torch.randint(0, 64, (2, 8)),), stages=1)
+        model = _LastPosition()
+    return vf.compile(model, example_inputs=(torch.randint(0, 16, (2, 4)),), stages=1,
+                      tracer="export")
 
 
 def compile_module(model: nn.Module, inputs: Any, **kw: Any) -> vf.Pipeline:
@@ -374,8 +383,8 @@ CATALOGUE = [
     row("deferred tensor nothing initialised", lambda _: vf.materialize(_deferred_empty()),
         vf.UninitializedError, "left", "torch.empty", "vf.skip_init"),
     row("deferred_init nested", lambda _: _nested_deferred(), Inp, "do not nest"),
-    row("deferred model whose forward makes a meta constant (Falcon)",
-        lambda _: _deferred_falcon(), Inp, "tensor constant", "lifted_tensor_0", "meta",
+    row("deferred model whose forward makes a meta constant (x[:, [-1]])",
+        lambda _: _deferred_meta_constant(), Inp, "tensor constant", "lifted_tensor_0", "meta",
         "without vf.deferred_init"),
     row("deferred model bigger than this process", lambda mp: _too_big_to_allocate(mp),
         vf.AllocationError, "would allocate", "bytes)", "can allocate 1.0 KiB",
