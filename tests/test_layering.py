@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import graphlib
+
+import pytest
 from pathlib import Path
 
 PACKAGE = Path(__file__).parent.parent / "src" / "varuna_fx"
@@ -137,10 +139,21 @@ def test_the_root_holds_only_the_public_face() -> None:
     assert len(root) <= 8
 
 
-def test_no_file_over_500_lines() -> None:
-    long = {str(p.relative_to(PACKAGE)): n for p in sources()
-            if (n := len(p.read_text().splitlines())) > 500}
+# The line count is a signal, not a rule (renovation IV): a file may grow to 600 lines when
+# its seam says so; past REVIEW_LINES it is listed, so a reviewer looks at whether it holds two
+# concerns. Splitting a file only to meet a number is what this replaced.
+MAX_LINES, REVIEW_LINES = 600, 450
+
+
+def test_no_file_over_the_line_cap(capsys: pytest.CaptureFixture[str]) -> None:
+    counts = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in sources()}
+    long = {name: n for name, n in counts.items() if n > MAX_LINES}
     assert not long, f"split these along their seams: {long}"
+    review = sorted((n, name) for name, n in counts.items() if n > REVIEW_LINES)
+    with capsys.disabled():
+        if review:
+            print(f"\nfiles over {REVIEW_LINES} lines, for a reviewer's look: "
+                  + ", ".join(f"{name} ({n})" for n, name in review[::-1]))
 
 
 # Folders whose import path docs/API.md documents for users: only these re-export names.
