@@ -76,7 +76,7 @@ def extract_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None,
     return loss
 
 
-def _takes_target(loss_fn: Callable[..., Any]) -> bool:
+def takes_target(loss_fn: Callable[..., Any]) -> bool:
     """Whether ``loss_fn`` accepts a second positional argument (the target)."""
     try:
         params = list(inspect.signature(loss_fn).parameters.values())
@@ -89,7 +89,7 @@ def _takes_target(loss_fn: Callable[..., Any]) -> bool:
 def call_loss_fn(loss_fn: Callable[..., Any], output: Any, target: Any) -> Any:
     """The contract: ``loss_fn(output, target)``, with ``target=None`` when ``step`` got none;
     a ``loss_fn`` of one parameter is called ``loss_fn(output)`` (then no target is allowed)."""
-    if not _takes_target(loss_fn):
+    if not takes_target(loss_fn):
         if target is not None:
             raise InputError(
                 "pipe.step got a target but loss_fn takes only the output: define "

@@ -35,6 +35,7 @@ from torch import fx, nn
 
 from ..capture.buffers import MicroBatchStateWarning
 from ..errors import InputError
+from .batching import takes_target
 
 _aten = torch.ops.aten
 
@@ -125,13 +126,14 @@ def _numbers(values: list[Any]) -> str:
 
 def find_mean_loss(gm: fx.GraphModule, out_spec: pytree.TreeSpec, input_names: list[str],
                    loss_fn: Any) -> MeanLoss | None:
-    """The mean-over-kept-targets calls the step's loss depends on, or None (none, or a
-    ``loss_fn``, or targets computed from more than the inputs)."""
-    if loss_fn is not None:
-        return None
+    """The mean-over-kept-targets calls the step's loss depends on, or None (none, a
+    ``loss_fn`` that computes a loss of its own, or targets computed from more than the
+    inputs). A ``loss_fn`` that only picks one of the model's outputs (nanoGPT's ``(logits,
+    loss)`` with ``loss_fn=lambda out, _: out[1]``) is the model's own loss."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     leaves = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else []
-    index = _loss_leaf(out_spec, len(leaves))
+    index = _loss_leaf(out_spec, len(leaves)) if loss_fn is None else \
+        _picked_leaf(loss_fn, out_spec, len(leaves))
     if index is None or not isinstance(leaves[index], fx.Node):
         return None
     loss = leaves[index]
@@ -167,6 +169,27 @@ def _loss_leaf(spec: pytree.TreeSpec, count: int) -> int | None:
     if loss is None and isinstance(tree, dict):
         loss = tree.get("loss")
     return loss if isinstance(loss, int) else None
+
+
+class _Leaf:
+    """A stand-in for one output of the model, handed to a ``loss_fn`` at compile: anything
+    but returning it (arithmetic, indexing, a torch function) raises."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _picked_leaf(loss_fn: Any, spec: pytree.TreeSpec, count: int) -> int | None:
+    """Which flat output ``loss_fn`` returns as it is, or None when it computes anything
+    (called once, on stand-ins: output leaves and a target that support no operation)."""
+    try:
+        tree = pytree.tree_unflatten([_Leaf(k) for k in range(count)], spec)
+        picked = loss_fn(tree, _Leaf(-1)) if takes_target(loss_fn) else loss_fn(tree)
+    except Exception:  # noqa: BLE001 - a loss_fn computing its own loss: not a pick
+        return None
+    return picked.index if isinstance(picked, _Leaf) and picked.index >= 0 else None
 
 
 def _mean_call(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, fx.Node | None, int] | None:
@@ -281,23 +304,25 @@ def _where(node: fx.Node) -> str:
 
 
 def warn_uneven_ignored_targets(targets: list[Any]) -> bool:
-    """Warn when the micro-batches' targets hold different numbers of -100 (the
-    ``ignore_index`` of ``cross_entropy``): a ``loss_fn`` averaging over the others is not
-    weighted (it runs outside the graph), so its mean over micro-batches would differ from
-    eager's. Returns whether it warned (once per pipeline is enough)."""
+    """Warn when the micro-batches' targets hold different numbers of negative labels (what
+    ``cross_entropy``'s ``ignore_index`` names: -100 by default, -1 in nanoGPT; no class index
+    is negative): a ``loss_fn`` averaging over the others is not weighted (it runs outside the
+    graph), so its mean over micro-batches would differ from eager's. Returns whether it warned
+    (once per pipeline is enough)."""
     per_mb = [[t for t in pytree.tree_leaves(target) if isinstance(t, torch.Tensor)
                and t.dim() > 0 and not t.is_floating_point() and not t.is_complex()]
               for target in targets]
     if not per_mb or not per_mb[0]:
         return False
     with torch.no_grad():
-        counts = torch.stack([torch.stack([(t == -100).sum() for t in leaves])
+        counts = torch.stack([torch.stack([(t < 0).sum() for t in leaves])
                               for leaves in per_mb]).tolist()  # one device sync
     if all(c == counts[0] for c in counts) or not any(map(any, counts)):
         return False
     warnings.warn(
-        "the step's targets hold different numbers of -100 (cross_entropy's ignore_index) "
-        f"per micro-batch ({', '.join(str(sum(c)) for c in counts)}): if loss_fn averages over "
+        "the step's targets hold different numbers of negative labels (an ignore_index of "
+        "cross_entropy: -100 by default, -1 in nanoGPT) per micro-batch "
+        f"({', '.join(str(sum(c)) for c in counts)}): if loss_fn averages over "
         "the other labels, the pipeline's mean over micro-batches differs from eager's loss on "
         "the whole batch (micro-batches are not weighted by their counts for a loss_fn). "
         "Return the loss from the model (it is weighted), use reduction='sum' divided by the "
