@@ -130,3 +130,15 @@ def test_the_warning_names_what_reduces_over_the_batch() -> None:
     assert summed and "sums over the batch" in summed[0].reason
     mean = find_sample_mixing(ops(MEAN, "mean_1"), [2])
     assert mean and "a mean over the batch" in mean[0].reason and "non-linearly" in mean[0].reason
+
+
+def test_a_loss_fn_computing_from_the_models_loss_is_averaged_as_it_is() -> None:
+    """Only the very output is weighted: ``out[1] * 1.0`` is a loss of the loss_fn's own,
+    averaged over micro-batches as documented (weighting it would guess at what it does)."""
+    idx, targets = _batch(ignored=True)
+    model, _, _ = _eager(idx, targets)
+    pipe = vf.compile(model, example_inputs=(idx, targets),
+                      loss_fn=lambda out, _: out[1] * 1.0, stages=2, micro_batch_size=2)
+    halves = [model(idx[k:k + 2], targets[k:k + 2])[1].detach() for k in (0, 2)]
+    torch.testing.assert_close(torch.as_tensor(pipe.step(idx, targets)).detach(),
+                               (halves[0] + halves[1]) / 2)

@@ -25,6 +25,7 @@ averaged as DDP does.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ from torch import fx, nn
 
 from ..capture.buffers import MicroBatchStateWarning
 from ..errors import InputError
-from .batching import takes_target
+from ..passes.split_stages import output_key
 
 _aten = torch.ops.aten
 
@@ -68,6 +69,15 @@ class MeanLoss:
     calls: list[_MeanCall]
     exact: bool  # the loss is one such mean: weighting micro-batches is exactly eager's
     read: frozenset[str] = frozenset()  # the inputs the counting graph reads
+    # with a loss_fn: the flat output that is this mean; micro-batches are weighted at a step
+    # only where loss_fn returns that very tensor (``weighs``); None: the model's own loss
+    leaf: int | None = None
+
+    def weighs(self, loss: Any, outputs: dict[str, Any]) -> bool:
+        """Whether ``loss`` (what the step back-propagates for a micro-batch) is this mean:
+        always for the model's own loss; for a ``loss_fn``'s, when it returned the output
+        itself (the last stage's ``outputs``, by identity), not something computed from it."""
+        return self.leaf is None or loss is outputs.get(output_key(self.leaf))
 
     def counts(self, micro: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
         """What each call divides by on this micro-batch, as 0-d tensors where they are (None:
@@ -126,17 +136,29 @@ def _numbers(values: list[Any]) -> str:
 
 def find_mean_loss(gm: fx.GraphModule, out_spec: pytree.TreeSpec, input_names: list[str],
                    loss_fn: Any) -> MeanLoss | None:
-    """The mean-over-kept-targets calls the step's loss depends on, or None (none, a
-    ``loss_fn`` that computes a loss of its own, or targets computed from more than the
-    inputs). A ``loss_fn`` that only picks one of the model's outputs (nanoGPT's ``(logits,
-    loss)`` with ``loss_fn=lambda out, _: out[1]``) is the model's own loss."""
+    """The mean-over-kept-targets calls the step's loss depends on, or None (none, or
+    targets computed from more than the inputs). With a ``loss_fn``: the one output of the
+    model that is exactly such a mean, weighted only at the steps where ``loss_fn`` returns
+    that very output (``MeanLoss.leaf``; nanoGPT's ``(logits, loss)`` with ``loss_fn=lambda
+    out, _: out[1]``); a ``loss_fn`` computing a loss of its own is not analysed."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     leaves = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else []
-    index = _loss_leaf(out_spec, len(leaves)) if loss_fn is None else \
-        _picked_leaf(loss_fn, out_spec, len(leaves))
-    if index is None or not isinstance(leaves[index], fx.Node):
+    if loss_fn is None:
+        index = _loss_leaf(out_spec, len(leaves))
+        if index is None or not isinstance(leaves[index], fx.Node):
+            return None
+        return _mean_loss_at(gm, leaves[index])
+    exact = [(k, found) for k, leaf in enumerate(leaves) if isinstance(leaf, fx.Node)
+             for found in [_mean_loss_at(gm, leaf)] if found is not None and found.exact]
+    if len(exact) != 1:  # none, or several outputs a loss_fn could pick: nothing to say
         return None
-    loss = leaves[index]
+    k, found = exact[0]
+    return dataclasses.replace(found, leaf=k)
+
+
+def _mean_loss_at(gm: fx.GraphModule, loss: fx.Node) -> MeanLoss | None:
+    """The mean-over-kept-targets calls ``loss`` depends on (None: none, or targets the
+    model computes)."""
     ancestors = _ancestors(loss)
     found = [(node, call) for node in gm.graph.nodes if node in ancestors
              for call in [_mean_call(gm, node)] if call is not None]
@@ -169,27 +191,6 @@ def _loss_leaf(spec: pytree.TreeSpec, count: int) -> int | None:
     if loss is None and isinstance(tree, dict):
         loss = tree.get("loss")
     return loss if isinstance(loss, int) else None
-
-
-class _Leaf:
-    """A stand-in for one output of the model, handed to a ``loss_fn`` at compile: anything
-    but returning it (arithmetic, indexing, a torch function) raises."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
-def _picked_leaf(loss_fn: Any, spec: pytree.TreeSpec, count: int) -> int | None:
-    """Which flat output ``loss_fn`` returns as it is, or None when it computes anything
-    (called once, on stand-ins: output leaves and a target that support no operation)."""
-    try:
-        tree = pytree.tree_unflatten([_Leaf(k) for k in range(count)], spec)
-        picked = loss_fn(tree, _Leaf(-1)) if takes_target(loss_fn) else loss_fn(tree)
-    except Exception:  # noqa: BLE001 - a loss_fn computing its own loss: not a pick
-        return None
-    return picked.index if isinstance(picked, _Leaf) and picked.index >= 0 else None
 
 
 def _mean_call(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, fx.Node | None, int] | None:
