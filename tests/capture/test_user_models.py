@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import varuna_fx as vf
-from tiers import slow
+from tiers import slow, tiered
 
 
 def eager_reference(model: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -229,3 +229,39 @@ def test_constant_tensor_and_none_defaults_match_eager(tracer: str) -> None:
     torch.testing.assert_close(loss, reference(x).pow(2).mean())
     assert_grads(model, want)
     torch.testing.assert_close(pipe(x), reference(x))
+
+
+class PassedDefault(nn.Module):
+    """torch.distributed.pipelining's own test model style (issue 42 item 11): a tensor
+    default shaped like the batch and a None default, called with the tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor = torch.zeros(4, 8),  # noqa: B008
+                z: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.a(x) + y
+        if z is not None:
+            h = h * z
+        return self.b(torch.relu(h))
+
+
+@pytest.mark.parametrize("tracer", tiered(["fx", "export", "auto"], ["fx"]))
+def test_a_tensor_default_passed_beside_a_none_default_matches_eager(tracer: str) -> None:
+    """fx gave the kept placeholder its tensor default (a constant of the graph) in the
+    generated signature, ``def forward(self, x, y = _tensor_constant0)``: a raw NameError."""
+    torch.manual_seed(0)
+    model, x, y = PassedDefault(), torch.randn(4, 8), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    want = eager_reference(reference, reference(x, y).pow(2).mean())
+    pipe = vf.compile(model, example_inputs=(x, y), loss_fn=lambda out, _: out.pow(2).mean(),
+                      stages=2, micro_batch_size=2, tracer=tracer)
+    torch.testing.assert_close(pipe.step(x, y), reference(x, y).pow(2).mean())
+    assert_grads(model, want)
+    torch.testing.assert_close(pipe(x, y), reference(x, y))
+    assert "_tensor_constant" not in pipe.stages[0].code
+    # left out, the batch-shaped default is refused, saying what to do
+    with pytest.raises(vf.VarunaFxError, match="Pass 'y' in example_inputs"):
+        vf.compile(PassedDefault(), example_inputs=(x,), stages=2, micro_batch_size=2,
+                   loss_fn=lambda out, _: out.sum(), tracer=tracer)

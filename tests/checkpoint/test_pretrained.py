@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -402,3 +403,25 @@ def test_every_causal_lm_family_loads_and_saves_like_transformers(name: str,
 def _quiet_transformers() -> Iterator[None]:
     tf.logging.set_verbosity_error()
     yield
+
+
+def test_a_tied_weight_saved_twice_with_other_values_warns_naming_the_kept_one(
+        pipe: vf.Pipeline, reference: Any, tmp_path: Path) -> None:
+    """Issue 42 item 9: the model ties the head to the embedding (one tensor); a file holding
+    both names with different values cannot be loaded as both: transformers warns and unties,
+    the pipeline keeps the canonical name's values and says so, naming both. Equal values (an
+    old save that wrote both) load without a word."""
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    state[TIED] = state["transformer.wte.weight"].clone()
+    save_file(state, tmp_path / files.SINGLE, metadata={"format": "pt"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.load_pretrained(tmp_path)
+    state[TIED] = state[TIED] + 1.0
+    save_file(state, tmp_path / files.SINGLE, metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"(?s)lm_head\.weight.*transformer\.wte\.weight") as got:
+        pipe.load_pretrained(tmp_path)
+    message = str(got[0].message)
+    assert "kept transformer.wte.weight" in message and "tie_word_embeddings" in message
+    torch.testing.assert_close(pipe.state_dict()["transformer.wte.weight"],
+                               state["transformer.wte.weight"], rtol=0, atol=0)

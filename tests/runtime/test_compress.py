@@ -89,3 +89,40 @@ def test_each_compression_trains_and_departs_by_design(compression: str) -> None
         losses.append(float(pipe.step(x, target=y)))
         opt.step()
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_int8_keeps_a_nan_and_float64_magnitudes() -> None:
+    """What eager has, the wire keeps (issue 42 item 4): a row holding a NaN decodes to NaNs
+    (its scale was NaN, and ``NaN > 0`` used to pick the all-zero row's scale of 1, sending
+    finite zeros), and float64 values beyond float32's range (or below its normal range) keep
+    the documented bound ``max|row| / 254``: their rows are quantised and scaled in float64."""
+    x = torch.randn(3, 4)
+    x[1, 2] = float("nan")
+    back = roundtrip(x, "int8")
+    assert torch.isnan(back[1]).all() and torch.isfinite(back[[0, 2]]).all()
+    for magnitude in (1e39, 1e300, 1e-50):
+        big = torch.tensor([[1.0, -0.5, 0.25, 0.0], [3.0, 2.0, -1.0, 0.5]],
+                           dtype=torch.float64) * magnitude
+        back = roundtrip(big, "int8")
+        assert torch.isfinite(back).all(), magnitude
+        bound = big.abs().amax(dim=1, keepdim=True) / 254 * (1 + 1e-9)
+        assert torch.all((back - big).abs() <= bound), magnitude
+    assert wire_nbytes((2, 4), torch.float64, "int8") == 8 + 8 * 2  # float64 scales
+
+
+def test_a_nan_sample_keeps_the_loss_nan_under_int8() -> None:
+    """Eager's loss over a batch with a NaN sample is NaN; int8 boundaries must not hide it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                                torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 4)
+    x[1, 0] = float("nan")
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, target)
+
+    y = torch.zeros(4, 1)
+    assert torch.isnan(loss_fn(model(x), y))
+    pipe = vf.compile(model, example_inputs=(x,), loss_fn=loss_fn, stages=2,
+                      micro_batch_size=4, compression="int8")
+    assert torch.isnan(torch.as_tensor(pipe.step(x, target=y)))

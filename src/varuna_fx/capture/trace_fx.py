@@ -205,9 +205,18 @@ def _write_assigned_buffers(model: nn.Module, graph: fx.Graph,
 
 def _drop_concrete_placeholders(graph: fx.Graph, bound: BoundInputs) -> None:
     """fx keeps a placeholder for each concrete arg, feeding only a guard: remove both (and
-    the constant a tensor default's placeholder names as its default)."""
+    the constant a tensor default's placeholder names as its default). A placeholder kept (a
+    tensor the example gives) loses its default: every step passes it, and a tensor default
+    is a get_attr node fx would name in the generated signature before the body defines it
+    (``def forward(self, x, y = _tensor_constant0)``: a NameError when the code is made)."""
     for node in list(graph.nodes):
-        if node.op != "placeholder" or node.target in bound.tensors:
+        if node.op != "placeholder":
+            continue
+        if node.target in bound.tensors:
+            default = node.args[0] if node.args else None
+            node.args = ()
+            if isinstance(default, fx.Node) and default.op == "get_attr" and not default.users:
+                graph.erase_node(default)
             continue
         reached = _descendants(node)
         if any(n.op == "output" for n in reached):

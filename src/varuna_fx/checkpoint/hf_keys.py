@@ -11,7 +11,9 @@ keys: nothing is converted. What transformers does beyond equal names, done here
   by stripping the prefix; the head's keys are then dropped with a warning, as transformers
   drops them.
 * **Tied weights** are one tensor under several names: any of them in the checkpoint fills it
-  (the canonical name first), read once. Saving writes one name per tied group, the one
+  (the canonical name first), read once. Where the file holds several of them with different
+  values the model cannot be both (transformers warns and unties them): the canonical name's
+  values are kept, with a warning naming both (``pretrained.py``). Saving writes one name per tied group, the one
   transformers keeps (not a key of ``_tied_weights_keys``: GPT-2's ``lm_head.weight`` is dropped).
 * **Keys transformers ignores**: ``_keys_to_ignore_on_load_unexpected`` (old GPT-2 files'
   ``attn.bias`` masks), keys naming a non-persistent buffer the model computes itself (rotary
@@ -52,6 +54,9 @@ class KeyMatch:
     unexpected: list[str] = field(default_factory=list)  # checkpoint keys, file order
     mismatched: list[str] = field(default_factory=list)  # "name: checkpoint ..., model ..."
     dropped: list[str] = field(default_factory=list)  # a head's keys a base model leaves out
+    # canonical FQN -> the other keys of the checkpoint that name it too (a tied weight saved
+    # under several of its names): not read, but compared with the one read (pretrained.py)
+    also: dict[str, list[str]] = field(default_factory=dict)
 
 
 def match_keys(model: nn.Module, layout: StateLayout, entries: dict[str, Entry]) -> KeyMatch:
@@ -80,6 +85,8 @@ def match_keys(model: nn.Module, layout: StateLayout, entries: dict[str, Entry])
         # the canonical name's own key if the checkpoint has it, else the first alias's
         key = next((k for k in keys if renamed[k] == name), keys[0])
         found.source[name] = key
+        if len(keys) > 1:
+            found.also[name] = [k for k in keys if k != key]
         entry = entries[key]
         shape, dtype = layout.shapes[name], layout.dtypes[name]
         if tuple(entry.shape) != tuple(shape) or not _same_kind(entry.dtype, dtype):

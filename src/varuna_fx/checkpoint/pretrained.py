@@ -48,6 +48,7 @@ from .safetensors_files import (
     open_checkpoint,
     read_into,
     read_json,
+    same_values,
     shard_name,
     stale_weights,
     write_file,
@@ -131,8 +132,31 @@ def _plan_load(pipe: Any, path: str, held: dict[str, torch.Tensor],
                       f"{few(found.dropped)}", stacklevel=4)
     plan = [(found.source[n], checkpoint.entries[found.source[n]], t)
             for n, t in held.items() if n in found.source]
+    _warn_untied(path, found, checkpoint, held)
     size = sum(e.nbytes for _, e, _ in plan)
     return plan, PretrainedLoad([k for k, _, _ in plan], size, found.missing, found.unexpected)
+
+
+def _warn_untied(path: str, found: Any, checkpoint: Checkpoint,
+                 held: dict[str, torch.Tensor]) -> None:
+    """A tied weight (one tensor of the model under several names) that the checkpoint holds
+    under two of its names with different values: transformers warns and unties them; the
+    traced model keeps one tensor, so the canonical name's values are kept, and said so. Only
+    the tensors this process reads are compared (a rank reads its own share only)."""
+    for name, others in found.also.items():
+        if name not in held:
+            continue
+        kept = found.source[name]
+        differ = [k for k in others if not same_values(
+            (kept, checkpoint.entries[kept]), (k, checkpoint.entries[k]))]
+        if differ:
+            warnings.warn(
+                f"{path} holds the tied weight {name} under {len(differ) + 1} names with "
+                f"different values: {kept} and {', '.join(differ)}. The model ties them (one "
+                f"tensor), so it cannot hold both: kept {kept}, ignored {', '.join(differ)} "
+                "(transformers unties them instead). If the checkpoint's model does not tie "
+                "them, build the model untied (e.g. config tie_word_embeddings=False)",
+                stacklevel=4)
 
 
 def _config_check(model: Any, checkpoint: Checkpoint) -> tuple[str | None, list[str]]:

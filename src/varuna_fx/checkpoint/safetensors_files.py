@@ -163,6 +163,39 @@ def read_into(items: Iterable[tuple[str, Entry, torch.Tensor]],
             reader.close()
 
 
+def same_values(first: tuple[str, Entry], second: tuple[str, Entry],
+                window: int = READ_WINDOW) -> bool:
+    """Whether two checkpoint tensors ``(key, entry)`` hold the same bytes (same shape and
+    dtype too), compared in row slices of at most ``window`` bytes each."""
+    (key_a, a), (key_b, b) = first, second
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.nbytes == 0:
+        return True
+    reader_a, reader_b = _WindowedReader(a.file, window), _WindowedReader(b.file, window)
+    try:
+        if not a.shape:
+            return _same_bytes(reader_a.part(key_a, None), reader_b.part(key_b, None))
+        rows = a.shape[0]
+        step = max(1, window // max(1, a.nbytes // rows))
+        for start in range(0, rows, step):
+            part_a, part_b = reader_a.part(key_a, start, step), reader_b.part(key_b, start, step)
+            same = _same_bytes(part_a, part_b)
+            del part_a, part_b  # views of the mappings go before a mapping may close
+            if not same:
+                return False
+        return True
+    finally:
+        reader_a.close()
+        reader_b.close()
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # bytes, not values: a NaN equals itself, -0.0 differs from 0.0
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                       b.contiguous().reshape(-1).view(torch.uint8))
+
+
 class _WindowedReader:
     """``safe_open`` on one file, reopened after every ``window`` bytes copied."""
 
@@ -196,6 +229,15 @@ class _WindowedReader:
                 dest[start:start + step].copy_(part)
                 self.used += part.numel() * part.element_size()
                 del part  # the view of the mapping goes before the mapping may close
+
+    def part(self, key: str, start: int | None, rows: int = 0) -> torch.Tensor:
+        """Rows ``start:start + rows`` of ``key`` (the whole 0-d tensor for ``None``)."""
+        if start is None:
+            value = self._open().get_tensor(key)
+        else:
+            value = self._open().get_slice(key)[start:start + rows]
+        self.used += value.numel() * value.element_size()
+        return value
 
     def close(self) -> None:
         if self.context is not None:

@@ -10,7 +10,8 @@ batch's mean). Anything else silently becomes a statistic over each micro-batch:
   per call);
 * a batch x batch product: ``a @ b.T`` of two batches (in-batch contrastive losses);
 * values that depend on the batch size: ``h + torch.arange(h.shape[0])``;
-* a sum (or any non-linear function) of a batch statistic reaching the loss: ``h.sum(0)``.
+* a sum over the batch reaching the loss (``h.sum(0)``), or a non-linear function of a mean
+  over it; the warning says which.
 
 The analysis is a pure function over a small list of operations (``Op``): which values each
 reads and writes, how many dimensions of each scale with the batch, and what kind of
@@ -62,7 +63,8 @@ _LOSS_FUNCTIONS = {
     nn.functional.kl_div, nn.functional.soft_margin_loss, nn.functional.cosine_embedding_loss,
 }
 _ATEN_LOSSES = {  # reduction: at::Reduction::Mean is 1
-    _aten.cross_entropy_loss.default: 4, _aten.nll_loss.default: 3,
+    # cross_entropy_loss(self, target, weight, reduction, ignore_index, label_smoothing)
+    _aten.cross_entropy_loss.default: 3, _aten.nll_loss.default: 3,
     _aten.nll_loss_nd.default: 3, _aten.nll_loss_forward.default: 3,
     _aten.mse_loss.default: 2, _aten.l1_loss.default: 2, _aten.smooth_l1_loss.default: 2,
     _aten.huber_loss.default: 2, _aten.binary_cross_entropy.default: 3,
@@ -175,8 +177,22 @@ def _reason(op: Op, values: dict[int, _Value], outputs: set[int]) -> str:
         return ""  # a mean reaching the outputs linearly: the micro-batches' mean is eager's
     if op.output not in outputs and not any(d.output in outputs for d in down):
         return ""  # feeds nothing the step returns
-    return ("reduces over the batch (a sum, or a statistic used non-linearly), so each "
-            "micro-batch's result differs from the whole batch's")
+    return _reduction_reason(op, down, values)
+
+
+def _reduction_reason(op: Op, down: list[Op], values: dict[int, _Value]) -> str:
+    """Why a reduction over the batch that reaches the outputs is not exact, by what it is."""
+    if op.kind == MEAN:
+        after = next((d.name for d in down if not _linear_after(d, values)), "")
+        through = f" (through {after})" if after else ""
+        return (f"takes a mean over the batch ({op.name}) that reaches the step's outputs "
+                f"non-linearly{through}, so a function of each micro-batch's mean is not the "
+                "function of the whole batch's")
+    if op.kind == LINEAR:
+        return (f"sums over the batch ({op.name}): the step averages its micro-batches' "
+                "results, so a sum over samples is not the whole batch's (a mean would be)")
+    return (f"reduces over the batch ({op.name}, not by a mean), so each micro-batch's result "
+            "differs from the whole batch's")
 
 
 def _downstream(op: Op, values: dict[int, _Value]) -> list[Op]:

@@ -151,7 +151,7 @@ class Plan:
         for name in ("stage", "nodes", "parameters", "FLOPs/mb", "activations/mb",
                      "boundary/mb", "time/mb", "optimizer", "recompute", "memory",
                      *(("sync",) if replicas else ())):
-            table.add_column(name, justify="right")
+            table.add_column(name, justify="right", overflow="fold")
         for s in self.stage_costs:
             rc = self.recompute[s.index] if s.index < len(self.recompute) else False
             table.add_row(str(s.index), str(s.nodes), _count(s.parameters), _count(s.flops),
@@ -173,7 +173,7 @@ class Plan:
             return None
         table = Table(title="pipeline boundaries")
         for name in ("boundary", "bytes/mb", "link", "bandwidth", "compression", "sent/mb"):
-            table.add_column(name, justify="right")
+            table.add_column(name, justify="right", overflow="fold")
         for b in self.boundaries:
             table.add_row(f"{b.index} -> {b.index + 1}", format_bytes(b.nbytes), b.link,
                           _rate(b.bandwidth), b.compression, format_bytes(b.wire_bytes))
@@ -197,10 +197,15 @@ class Plan:
         return Group(*tables)
 
     def __str__(self) -> str:
+        # As wide as the widest table (at least 120 columns, for the captions): a string has
+        # no terminal to fit, and a narrower width would cut cells ("powersg…"). A console
+        # narrower than the table (print(plan) through rich on a terminal) wraps cells instead
+        # (overflow="fold"), never cuts them.
+        width = max(120, Console(width=_WIDE).measure(self).maximum)
         buffer = io.StringIO()
         # force_jupyter=False: inside a notebook rich would display the table instead of
         # writing it to the buffer, and str(plan) would come back empty
-        Console(file=buffer, width=120, force_terminal=False, force_jupyter=False,
+        Console(file=buffer, width=width, force_terminal=False, force_jupyter=False,
                 color_system=None).print(self)
         return buffer.getvalue().rstrip() + "\n"
 
@@ -235,6 +240,8 @@ def optimizer_note(setting: bool | str, data_parallel: int, priced_sharded: bool
             "holds all of it")
 
 
+_WIDE = 10_000  # a width no table reaches: what str(plan) measures its tables at
+
 DEPARTS = ("departs from eager numerics by design: compressed boundaries and/or a replica sync "
            "other than exact (docs/API.md, \"Slow links\")")
 
@@ -261,7 +268,7 @@ def alternatives_table(rows: Sequence[Alternative], title: str) -> Table:
     table = Table(title=title)
     for name in ("", "P", "D", "b x m", "schedule", "step", "samples/s", "bubble",
                  "all-reduce", "memory"):
-        table.add_column(name, justify="right")
+        table.add_column(name, justify="right", overflow="fold")
     for row in rows:
         table.add_row(
             "*" if row.chosen else "", str(row.stages), str(row.data_parallel),

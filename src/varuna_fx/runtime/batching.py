@@ -76,7 +76,7 @@ def extract_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None,
     return loss
 
 
-def _takes_target(loss_fn: Callable[..., Any]) -> bool:
+def takes_target(loss_fn: Callable[..., Any]) -> bool:
     """Whether ``loss_fn`` accepts a second positional argument (the target)."""
     try:
         params = list(inspect.signature(loss_fn).parameters.values())
@@ -89,7 +89,7 @@ def _takes_target(loss_fn: Callable[..., Any]) -> bool:
 def call_loss_fn(loss_fn: Callable[..., Any], output: Any, target: Any) -> Any:
     """The contract: ``loss_fn(output, target)``, with ``target=None`` when ``step`` got none;
     a ``loss_fn`` of one parameter is called ``loss_fn(output)`` (then no target is allowed)."""
-    if not _takes_target(loss_fn):
+    if not takes_target(loss_fn):
         if target is not None:
             raise InputError(
                 "pipe.step got a target but loss_fn takes only the output: define "
@@ -167,15 +167,19 @@ def _planned_shape(planned: TensorInfo, batch: int) -> tuple[int, ...]:
 
 def micro_batch_loss(output: Any, loss_fn: Callable[..., torch.Tensor] | None, target: Any,
                      count: int, autocast: Callable[[], Any],
-                     scale: float = 1.0, weight: float | None = None
+                     scale: float = 1.0, weight: float | None = None,
+                     weighs: Callable[[torch.Tensor], bool] | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss to report, the loss to back-propagate): the latter is divided by the number
     of micro-batches (the step's loss is their mean) and multiplied by the fp16 loss scale.
     ``weight``: this micro-batch's share of the step's loss instead of ``1/count`` (a mean
     over kept targets, ``runtime/loss_weights.py``); the reported loss is scaled so that the mean of
-    the reported losses is the weighted sum."""
+    the reported losses is the weighted sum. ``weighs``: whether ``weight`` applies to the
+    loss found (a ``loss_fn`` that returned the model's own mean loss), else ``1/count``."""
     with autocast():
         raw = extract_loss(output, loss_fn, target)
+    if weight is not None and weighs is not None and not weighs(raw):
+        weight = None
     if weight is None:
         seed, report = raw / count, raw.detach()
     elif weight == 0:  # no label kept: its mean is nan (0/0), its share nothing

@@ -11,9 +11,11 @@ Evaluation forwards (``pipe(x)``) send exact values.
 
 * ``bf16``: a cast to bfloat16 and back (float32/float64 values; narrower ones go as they are).
 * ``int8``: per row (the last dimension), ``scale = max|x| / 127`` and ``round(x / scale)`` in
-  int8; one uint8 message holds the values, then the rows' float32 scales. Round to nearest,
-  so every element is within ``scale / 2 = max|row| / 254`` of the original. A row holding an
-  inf or NaN decodes to NaNs, so an fp16 overflow still shows as one (``pipe.found_inf``).
+  int8; one uint8 message holds the values, then the rows' scales (float32; float64 for a
+  float64 tensor, whose magnitudes float32 cannot hold: 1e39 would overflow, 1e-50 vanish).
+  Round to nearest, so every element is within ``scale / 2 = max|row| / 254`` of the original.
+  A row holding an inf or NaN is sent with a NaN scale and decodes to NaNs, so an fp16
+  overflow still shows as one (``pipe.found_inf``) and a NaN sample's loss stays NaN, as eager's.
 
 Gradients are not error-fed-back: an activation gradient belongs to its micro-batch's samples,
 and the next step's micro-batch in that slot holds other samples, so a carried residual would
@@ -58,6 +60,15 @@ def _rows(shape: Sequence[int]) -> tuple[int, int]:
     return numel // cols, cols
 
 
+def _scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype int8's per-row scales travel (and are computed) in."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _scale_bytes(dtype: torch.dtype) -> int:
+    return 8 if dtype == torch.float64 else 4
+
+
 def wire_spec(shape: Sequence[int], dtype: torch.dtype,
               mode: str) -> tuple[tuple[int, ...], torch.dtype]:
     """The shape and dtype a boundary tensor travels as."""
@@ -66,7 +77,7 @@ def wire_spec(shape: Sequence[int], dtype: torch.dtype,
     if mode == "bf16":
         return tuple(shape), torch.bfloat16
     rows, _ = _rows(shape)
-    return (math.prod(shape) + 4 * rows,), torch.uint8
+    return (math.prod(shape) + _scale_bytes(dtype) * rows,), torch.uint8
 
 
 def wire_nbytes(shape: Sequence[int], dtype: torch.dtype, mode: str) -> int:
@@ -82,12 +93,20 @@ def encode(value: torch.Tensor, mode: str) -> torch.Tensor:
     if mode == "bf16":
         return value.to(torch.bfloat16).contiguous()
     rows, cols = _rows(value.shape)
-    x = value.detach().reshape(rows, cols).float()
-    scale = x.abs().amax(dim=1, keepdim=True) / 127.0 if cols else \
-        torch.ones(rows, 1, device=x.device)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale
-    q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
-    out = torch.empty(rows * cols + 4 * rows, dtype=torch.uint8, device=value.device)
+    x = value.detach().reshape(rows, cols).to(_scale_dtype(value.dtype))
+    if not cols:
+        scale = torch.ones(rows, 1, dtype=x.dtype, device=x.device)
+    else:
+        scale = x.abs().amax(dim=1, keepdim=True) / 127.0
+        # An all-zero row takes any scale (1). A row with an inf or NaN is sent with a NaN
+        # scale so every element decodes to NaN: ``NaN > 0`` is False, so the zero-row rule
+        # alone would give a NaN row the scale 1 and send it as finite numbers.
+        finite = torch.isfinite(x).all(dim=1, keepdim=True)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
+    q = torch.round(torch.nan_to_num(x / scale)).clamp_(-127, 127).to(torch.int8)
+    nscale = _scale_bytes(value.dtype) * rows
+    out = torch.empty(rows * cols + nscale, dtype=torch.uint8, device=value.device)
     out[:rows * cols].copy_(q.reshape(-1).view(torch.uint8))
     out[rows * cols:].copy_(scale.reshape(-1).view(torch.uint8))
     return out
@@ -102,8 +121,8 @@ def decode(wire: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
         return wire.to(dtype)
     rows, cols = _rows(shape)
     q = wire[:rows * cols].view(torch.int8).reshape(rows, cols)
-    scale = wire[rows * cols:].clone().view(torch.float32).reshape(rows, 1)
-    return (q.float() * scale).to(dtype).reshape(tuple(shape))
+    scale = wire[rows * cols:].clone().view(_scale_dtype(dtype)).reshape(rows, 1)
+    return (q.to(scale.dtype) * scale).to(dtype).reshape(tuple(shape))
 
 
 def roundtrip(value: torch.Tensor, mode: str) -> torch.Tensor:

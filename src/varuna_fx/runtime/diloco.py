@@ -6,7 +6,8 @@ a stage's gradients are not reduced over its replicas: each replica's optimizer 
 post-hook on that optimizer counts them; after every H-th, the *outer* step
 (:meth:`DiLoCoSync.outer_step`): every replica all-reduces its parameters' change since the
 last outer step, ``anchor - theta`` (the outer gradient, averaged over the D replicas), an outer
-``torch.optim.SGD(nesterov=True, lr=outer_lr, momentum=outer_momentum)`` steps the anchor (the
+``torch.optim.SGD(nesterov=True, lr=outer_lr, momentum=outer_momentum)`` (plain SGD at
+``outer_momentum=0``) steps the anchor (the
 parameters the replicas last agreed on) with it, and every replica's parameters become the new
 anchor. This is the DiLoCo paper's algorithm (and torchft's), per pipeline stage: the replicas
 of each stage meet at the same inner step because every replica steps every step (fp16 steps
@@ -48,8 +49,11 @@ class DiLoCoSync:
         self.inner_steps = 0  # optimizer steps since the run began (the same on every rank)
         with torch.no_grad():
             self.anchor = {n: nn.Parameter(p.detach().clone()) for n, p in self.named.items()}
+        # Nesterov needs a momentum (torch refuses nesterov=True at 0); outer_momentum=0 is in
+        # DiLoCo's documented range [0, 1) and means plain outer SGD.
+        momentum = setting.outer_momentum
         self.outer = torch.optim.SGD(list(self.anchor.values()), lr=setting.outer_lr,
-                                     momentum=setting.outer_momentum, nesterov=True)
+                                     momentum=momentum, nesterov=momentum > 0)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Count ``optimizer``'s steps and take the outer step after every ``every``-th; the

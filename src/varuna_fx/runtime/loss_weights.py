@@ -25,6 +25,7 @@ averaged as DDP does.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from torch import fx, nn
 
 from ..capture.buffers import MicroBatchStateWarning
 from ..errors import InputError
+from ..passes.split_stages import output_key
 
 _aten = torch.ops.aten
 
@@ -67,6 +69,15 @@ class MeanLoss:
     calls: list[_MeanCall]
     exact: bool  # the loss is one such mean: weighting micro-batches is exactly eager's
     read: frozenset[str] = frozenset()  # the inputs the counting graph reads
+    # with a loss_fn: the flat output that is this mean; micro-batches are weighted at a step
+    # only where loss_fn returns that very tensor (``weighs``); None: the model's own loss
+    leaf: int | None = None
+
+    def weighs(self, loss: Any, outputs: dict[str, Any]) -> bool:
+        """Whether ``loss`` (what the step back-propagates for a micro-batch) is this mean:
+        always for the model's own loss; for a ``loss_fn``'s, when it returned the output
+        itself (the last stage's ``outputs``, by identity), not something computed from it."""
+        return self.leaf is None or loss is outputs.get(output_key(self.leaf))
 
     def counts(self, micro: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
         """What each call divides by on this micro-batch, as 0-d tensors where they are (None:
@@ -125,16 +136,29 @@ def _numbers(values: list[Any]) -> str:
 
 def find_mean_loss(gm: fx.GraphModule, out_spec: pytree.TreeSpec, input_names: list[str],
                    loss_fn: Any) -> MeanLoss | None:
-    """The mean-over-kept-targets calls the step's loss depends on, or None (none, or a
-    ``loss_fn``, or targets computed from more than the inputs)."""
-    if loss_fn is not None:
-        return None
+    """The mean-over-kept-targets calls the step's loss depends on, or None (none, or
+    targets computed from more than the inputs). With a ``loss_fn``: the one output of the
+    model that is exactly such a mean, weighted only at the steps where ``loss_fn`` returns
+    that very output (``MeanLoss.leaf``; nanoGPT's ``(logits, loss)`` with ``loss_fn=lambda
+    out, _: out[1]``); a ``loss_fn`` computing a loss of its own is not analysed."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     leaves = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else []
-    index = _loss_leaf(out_spec, len(leaves))
-    if index is None or not isinstance(leaves[index], fx.Node):
+    if loss_fn is None:
+        index = _loss_leaf(out_spec, len(leaves))
+        if index is None or not isinstance(leaves[index], fx.Node):
+            return None
+        return _mean_loss_at(gm, leaves[index])
+    exact = [(k, found) for k, leaf in enumerate(leaves) if isinstance(leaf, fx.Node)
+             for found in [_mean_loss_at(gm, leaf)] if found is not None and found.exact]
+    if len(exact) != 1:  # none, or several outputs a loss_fn could pick: nothing to say
         return None
-    loss = leaves[index]
+    k, found = exact[0]
+    return dataclasses.replace(found, leaf=k)
+
+
+def _mean_loss_at(gm: fx.GraphModule, loss: fx.Node) -> MeanLoss | None:
+    """The mean-over-kept-targets calls ``loss`` depends on (None: none, or targets the
+    model computes)."""
     ancestors = _ancestors(loss)
     found = [(node, call) for node in gm.graph.nodes if node in ancestors
              for call in [_mean_call(gm, node)] if call is not None]
@@ -281,23 +305,25 @@ def _where(node: fx.Node) -> str:
 
 
 def warn_uneven_ignored_targets(targets: list[Any]) -> bool:
-    """Warn when the micro-batches' targets hold different numbers of -100 (the
-    ``ignore_index`` of ``cross_entropy``): a ``loss_fn`` averaging over the others is not
-    weighted (it runs outside the graph), so its mean over micro-batches would differ from
-    eager's. Returns whether it warned (once per pipeline is enough)."""
+    """Warn when the micro-batches' targets hold different numbers of negative labels (what
+    ``cross_entropy``'s ``ignore_index`` names: -100 by default, -1 in nanoGPT; no class index
+    is negative): a ``loss_fn`` averaging over the others is not weighted (it runs outside the
+    graph), so its mean over micro-batches would differ from eager's. Returns whether it warned
+    (once per pipeline is enough)."""
     per_mb = [[t for t in pytree.tree_leaves(target) if isinstance(t, torch.Tensor)
                and t.dim() > 0 and not t.is_floating_point() and not t.is_complex()]
               for target in targets]
     if not per_mb or not per_mb[0]:
         return False
     with torch.no_grad():
-        counts = torch.stack([torch.stack([(t == -100).sum() for t in leaves])
+        counts = torch.stack([torch.stack([(t < 0).sum() for t in leaves])
                               for leaves in per_mb]).tolist()  # one device sync
     if all(c == counts[0] for c in counts) or not any(map(any, counts)):
         return False
     warnings.warn(
-        "the step's targets hold different numbers of -100 (cross_entropy's ignore_index) "
-        f"per micro-batch ({', '.join(str(sum(c)) for c in counts)}): if loss_fn averages over "
+        "the step's targets hold different numbers of negative labels (an ignore_index of "
+        "cross_entropy: -100 by default, -1 in nanoGPT) per micro-batch "
+        f"({', '.join(str(sum(c)) for c in counts)}): if loss_fn averages over "
         "the other labels, the pipeline's mean over micro-batches differs from eager's loss on "
         "the whole batch (micro-batches are not weighted by their counts for a loss_fn). "
         "Return the loss from the model (it is weighted), use reduction='sum' divided by the "

@@ -76,7 +76,8 @@ class StepLoop:
     replica_index: int = 0
     local_stages: list[int]
     # the model's loss when it is a mean over the targets each micro-batch keeps (labels not
-    # -100): micro-batches are weighted by their counts (runtime/loss_weights.py)
+    # ignore_index), or the output a loss_fn may pick that is one: micro-batches are weighted
+    # by their counts (runtime/loss_weights.py)
     mean_loss: MeanLoss | None = None
     _warned_ignored = False  # a loss_fn's targets with uneven -100 counts: warned once
     _judged_loss_fn = False  # whether the loss_fn was checked for mixing samples (first step)
@@ -118,9 +119,11 @@ class StepLoop:
                 self._judged_loss_fn = True
                 warn_sample_mixing("loss_fn", loss_fn_findings(self.loss_fn, output, target_i, b),
                                    m, stacklevel=6)
-            losses[i], scaled = micro_batch_loss(output, self.loss_fn,
-                                                 target_i, m, self.autocast, self.scaler.scale,
-                                                 None if weights is None else weights[i])
+            mean = self.mean_loss
+            losses[i], scaled = micro_batch_loss(
+                output, self.loss_fn, target_i, m, self.autocast, self.scaler.scale,
+                None if weights is None else weights[i],
+                None if mean is None else lambda loss: mean.weighs(loss, outputs))
             return scaled
 
         self.run_actions(micro, loss_of)
