@@ -396,6 +396,9 @@ CATALOGUE = [
         lambda p: p.data_loader(list(range(64)), batch_size=4)), Inp, "decides batch_size"),
     row("TokenDataset seq_len too long", lambda _: vf.TokenDataset(torch.arange(10), 64), Inp,
         "too long", "seq_len + 1"),
+    row("TokenDataset over a negative token id",
+        lambda _: vf.TokenDataset(torch.tensor([3, 1, -1, 2, 5]), 2), Inp,
+        "negative token id -1 at position 2", "start at 0"),
     row("save a scheduler without state_dict", step_after(lambda p: p.save_checkpoint(
         os.path.join(tempfile.gettempdir(), "varuna_fx_never_written"), scheduler=object())),
         vf.CheckpointError, "lacks state_dict() and load_state_dict()"),

@@ -285,3 +285,17 @@ def test_in_place_starts_the_in_place_launcher_with_the_checked_config(
     assert train_command([job, "--out", out]) == 143
     status[0] = 1  # a worker failed past --max-restarts
     assert train_command([job, "--out", out]) == 1
+
+
+def test_negative_token_ids_in_the_data_are_refused_before_training(tmp_path: Path) -> None:
+    """(issue 42, item 6) as too-large ids are: a Megatron int32 file holding -1 is refused
+    when the command opens the data, not by the embedding mid-step."""
+    import struct
+
+    tokens = np.arange(600, dtype=np.int32) % 90
+    tokens[300] = -1
+    tokens.tofile(tmp_path / "t.bin")
+    with open(tmp_path / "t.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 4))
+    with pytest.raises(InputError, match=r"t.bin holds the negative token id -1 at position 300"):
+        open_data(TrainConfig(data=str(tmp_path / "t.bin"), seq_len=8, vocab_size=100))
