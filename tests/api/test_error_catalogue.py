@@ -438,6 +438,12 @@ CATALOGUE = [
         "unknown key 'learning_rate'", "did you mean", "lr"),
     row("train: a value of the wrong type", lambda _: _train_config(["--steps", "1e3"]), Inp,
         "steps takes an integer", "'1e3'"),
+    row("train: a learning rate of nan", lambda _: _train_config(["--lr", "nan"]), Inp,
+        "lr must be a finite number, got nan"),
+    row("train: --out onto a file", lambda _: _train_config(["--out", _a_file()]), Inp,
+        "is a file", "the run's folder, a directory"),
+    row("train: --export onto a file", lambda _: _train_config(["--export", _a_file()]), Inp,
+        "is a file", "exported to, a directory"),
 ]
 
 
@@ -478,6 +484,12 @@ def _deferred_reads_values() -> None:
         lin = nn.Linear(4, 4)
         if lin.weight.abs().max() > 0.1:
             pass
+
+
+def _a_file() -> str:
+    fd, path = tempfile.mkstemp()
+    os.close(fd)
+    return path
 
 
 def _train_config(argv: list[str]) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -255,6 +256,11 @@ def convert(name: str, value: Any, where: str) -> Any:
         out = text
     if out is None:
         raise InputError(f"{where}: {name} takes {takes}, got {value!r} ({meta['help']})")
+    if base == "float" and not math.isfinite(out):
+        # nan passes every bound (each comparison is false) and trains to NaN losses that
+        # exit 0; inf is no rate, clip or size either
+        raise InputError(f"{where}: {name} must be a finite number, got {out!r} "
+                         f"({meta['help']})")
     if meta["choices"] and out not in meta["choices"]:
         raise InputError(f"{where}: {name} = {out!r} is not one of "
                          f"{', '.join(map(str, meta['choices']))}{_close(str(out), meta['choices'])}")
@@ -367,6 +373,9 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
     if cfg.data != STDLIB_CORPUS and not Path(cfg.data).is_file():
         raise InputError(f"data = {cfg.data!r} is not a file (give a token .bin file, a text "
                          "file, or stdlib for the built-in corpus)")
+    _check_folder("out", cfg.out, "the run's folder")
+    if cfg.export:
+        _check_folder("export", cfg.export, "the directory the model is exported to")
     if cfg.init_from and not Path(cfg.init_from).exists():
         raise InputError(f"init_from = {cfg.init_from!r} does not exist")
     if cfg.warmup_steps != AUTO and cfg.warmup_steps > cfg.steps:
@@ -388,6 +397,21 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
                          "--elastic --in-place, as `varuna-fx run`); for a fixed multi-machine "
                          "job pass torchrun's flags in torchrun_args")
     check_in_place(cfg)
+
+
+def _check_folder(name: str, value: str, what: str) -> None:
+    """A folder the run creates or writes into must not be a file, nor under one (found only
+    after compile, or after the whole run for ``export``, otherwise)."""
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{name} = {value!r} is a file; {name} is {what}, a directory "
+                         "(created when missing): give another path")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(f"{name} = {value!r} is under {str(parent)!r}, which is a "
+                                 f"file; {name} is {what}, a directory: give another path")
+            break
 
 
 def check_in_place(cfg: TrainConfig) -> None:

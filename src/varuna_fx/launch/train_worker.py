@@ -48,7 +48,7 @@ import torch
 
 from ..api import compile as vf_compile
 from ..checkpoint.directory import MARKER, latest_checkpoint
-from ..errors import CheckpointError, VarunaFxError
+from ..errors import VarunaFxError
 from ..monitor.monitor import Monitor
 from ..pipeline import Pipeline
 from ..world.membership import in_place, membership
@@ -56,6 +56,7 @@ from ..world.where import launched_distributed, rank
 from .train_config import AUTO, TrainConfig, to_toml
 from .train_data import open_data
 from .train_model import build_model, next_token_loss
+from .train_resume import resume
 
 CHECKPOINTS = "checkpoints"
 SUMMARY = "summary.json"
@@ -165,15 +166,9 @@ class Run:
             print(f"varuna-fx train: rank {self.rank} joined the running job at step "
                   f"{progress.step}", flush=True)
             return pipe, opt, sched, loader, progress
-        if start is not None:
-            try:
-                progress.step = int(pipe.load_checkpoint(start, opt, data=loader,
-                                                         scheduler=sched)["step"])
-            except CheckpointError as exc:
-                raise CheckpointError(f"{self.out} holds {start}, which this configuration "
-                                      f"cannot resume ({exc}); give another --out, or the "
-                                      "configuration the run was saved with") from None
-            self.say(f"resumed from {start} (step {progress.step})")
+        if start is not None:  # the newest that loads, the launch's hyperparameters on top
+            step = resume(pipe, opt, sched, loader, self.folder, self.out, self.say)
+            progress.step = 0 if step is None else step
         elif cfg.init_from:
             pipe.load_pretrained(cfg.init_from)
             self.say(f"initialised from {cfg.init_from}")
@@ -203,8 +198,10 @@ class Run:
             self.out.mkdir(parents=True, exist_ok=True)
             self.write("config.toml", to_toml(cfg, self.source))
         if progress.step >= stop:
-            self.say(f"nothing to do: {self.out} holds step {progress.step} and the run stops "
-                     f"at {stop} (raise --steps, or give another --out)")
+            self.say(f"nothing to train: {self.out} holds step {progress.step} and the run "
+                     f"stops at {stop} (raise --steps, or give another --out)")
+            if cfg.export and progress.step == cfg.steps:  # relaunched to export the result
+                self.export(pipe)
             pipe.close()
             return 0
         first = progress.step
@@ -220,14 +217,17 @@ class Run:
         preempted = pipe.preempted
         step = progress.step
         if cfg.export and step == cfg.steps:
-            pipe.save_pretrained(cfg.export)
-            self.say(f"exported the model to {cfg.export} (Hugging Face safetensors)")
+            self.export(pipe)
         morphs = [m.as_dict() for m in pipe.morphs]
         pipe.close()
         self.finish(first, step, loss, saved, preempted, last_step_at, morphs)
         if not preempted:
             return 0
         return 128 + (signal.SIGINT if _INTERRUPTED else signal.SIGTERM)
+
+    def export(self, pipe: Pipeline) -> None:
+        pipe.save_pretrained(self.cfg.export)
+        self.say(f"exported the model to {self.cfg.export} (Hugging Face safetensors)")
 
     def loop(self, pipe: Pipeline, opt: Any, sched: Any, loader: Any, progress: Progress,
              monitor: Monitor, stop: int) -> tuple[Any, str | None, float]:
