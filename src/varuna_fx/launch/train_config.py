@@ -137,6 +137,10 @@ class TrainConfig:
                    "charts/*.png, config.toml; a checkpoint there is resumed", "path")
     checkpoint_every: int = key(100, "checkpoint", "save every this many steps (0: only at the "
                                 "end and when stopped)", low=0)
+    first_checkpoint: Any = key(AUTO, "checkpoint", "save once after this step too, before "
+                                "checkpoint_every's first (auto: in place, checkpoint_every / 10, "
+                                "at least 1, so a job that loses state early restarts from there, "
+                                "not step 0; else none; 0: none)", "int|auto", low=0)
     keep_checkpoints: int = key(2, "checkpoint", "newest checkpoints kept (0: all)", low=0)
     export: str = key("", "checkpoint", "at the end, write the model to this directory as "
                       "Hugging Face safetensors", "path")
@@ -186,8 +190,29 @@ class TrainConfig:
     def warmup(self) -> int:
         return max(1, self.steps // 20) if self.warmup_steps == AUTO else self.warmup_steps
 
+    @property
+    def first_checkpoint_step(self) -> int:
+        """The step of the early first checkpoint (0: none). In place, state lost with its
+        only holders restarts the job from the latest checkpoint, and before the first one
+        from step 0: auto takes one a tenth of the way to the first periodic one."""
+        if self.first_checkpoint != AUTO:
+            return self.first_checkpoint
+        return max(1, (self.checkpoint_every or self.steps) // 10) if self.in_place else 0
+
+    def fingerprint(self) -> dict[str, str]:
+        """What a process joining a running in-place job must share with it
+        (``world/admission.py``): every key but the per-machine ones."""
+        return {f"train.{name}": repr(getattr(self, name)) for name in FIELDS
+                if name not in PER_MACHINE}
+
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# keys each machine of one job may set for itself: where it runs, how it launches, what it
+# shows; every other key is the job's (a joiner that differs in one is refused)
+PER_MACHINE = frozenset({"nproc", "local_addr", "store_host", "rdzv_endpoint", "nnodes",
+                         "max_restarts", "torchrun_args", "timeout", "out", "num_workers",
+                         "print_every", "live", "tensorboard", "charts", "peak_flops",
+                         "profile"})
 
 
 def defaults() -> TrainConfig:

@@ -14,25 +14,33 @@
   put back after the load, the current rate recomputed from the schedule at the resumed step,
   and each change said on the console. The schedule's shape (warmup, steps, floor) was never
   saved: it is the configuration's already.
+* **An in-place job started again** (state lost with its only holders before a morph could
+  move it: ``morph/controller.py``'s restart) resumes like any launch, but says so loudly, on
+  the console, in ``summary.json`` (``restarted``) and as a ``"restart"`` event line of
+  ``metrics.jsonl``, which names the steps trained again (readers drop the records it
+  supersedes: ``monitor/sinks.read_jsonl``). :class:`Restart` is that note.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.directory import checkpoints_newest_first
 from ..errors import CheckpointError
+from ..monitor.sinks import METRICS, RESTART_EVENT, read_jsonl
 
 # the param-group keys the configuration sets (lr goes through the scheduler's base rates)
 _GROUP_KEYS = ("betas", "eps", "weight_decay")
 
 
 def resume(pipe: Any, opt: Any, sched: Any, loader: Any, folder: Path, out: Path,
-           say: Callable[[str], None]) -> int | None:
-    """Load the newest checkpoint under ``folder`` that loads; its step, or None when there
-    is none. The launch's hyperparameters are put back on ``opt`` and ``sched`` after it."""
+           say: Callable[[str], None]) -> tuple[int, str] | None:
+    """Load the newest checkpoint under ``folder`` that loads; (its step, its path), or None
+    when there is none. The launch's hyperparameters are put back on ``opt`` and ``sched``
+    after it."""
     candidates = checkpoints_newest_first(folder) if folder.is_dir() else []
     if not candidates:
         return None
@@ -52,7 +60,7 @@ def resume(pipe: Any, opt: Any, sched: Any, loader: Any, folder: Path, out: Path
         if changes:
             say(f"resumed with {', '.join(changes)} (this launch's flags win over the "
                 "checkpoint's; config.toml records them)")
-        return step
+        return step, path
     tried = "; ".join(f"{path}: {_without(path, why)}" for path, why in failed)
     count = f"none of the {len(failed)} checkpoints" if len(failed) > 1 else "its checkpoint"
     raise CheckpointError(
@@ -61,6 +69,39 @@ def resume(pipe: Any, opt: Any, sched: Any, loader: Any, folder: Path, out: Path
         f"this configuration is not the run's, the folder cannot resume it: give another --out, "
         f"or the configuration the run was saved with ({out / 'config.toml'} holds its last "
         "launch's)")
+
+
+@dataclass(frozen=True)
+class Restart:
+    """An in-place job started again (state lost with its only holders): where it continues
+    and what was trained before that is trained again."""
+
+    step: int  # the step it continues from (0: no checkpoint had been saved)
+    checkpoint: str | None
+    logged: int  # the last step metrics.jsonl held before (0: none)
+
+    def as_dict(self) -> dict[str, Any]:
+        again = [self.step + 1, self.logged] if self.logged > self.step else None
+        return {"event": RESTART_EVENT, "step": self.step, "checkpoint": self.checkpoint,
+                "trained_again": again, "reason": "in-place state lost with its only holders"}
+
+    def text(self) -> str:
+        where = (f"from {self.checkpoint} (step {self.step})" if self.checkpoint else
+                 "from step 0: no checkpoint had been saved yet")
+        again = (f"; steps {self.step + 1}-{self.logged}, logged before, are trained again "
+                 f"(metrics.jsonl marks them with a \"{RESTART_EVENT}\" event)"
+                 if self.logged > self.step else "")
+        return (f"RESTARTED: the in-place job lost state with its only holders (every copy of "
+                f"a stage, or a ZeRO-1 shard, went with the processes lost) and continues "
+                f"{where}{again}")
+
+
+def restart_of(resumed: tuple[int, str] | None, out: Path) -> Restart:
+    """The restart this launch is, given what it resumed (None: nothing) and the run's
+    metrics so far."""
+    step, checkpoint = resumed if resumed is not None else (0, None)
+    logged = [r["step"] for r in read_jsonl(out / METRICS)]
+    return Restart(step, checkpoint, max(logged, default=0))
 
 
 def _hyperparameters(opt: Any, sched: Any) -> dict[str, Any]:

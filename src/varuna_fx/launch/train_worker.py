@@ -51,12 +51,12 @@ from ..checkpoint.directory import MARKER, latest_checkpoint
 from ..errors import VarunaFxError
 from ..monitor.monitor import Monitor
 from ..pipeline import Pipeline
-from ..world.membership import in_place, membership
+from ..world.membership import in_place, job_restarted, membership
 from ..world.where import launched_distributed, rank
 from .train_config import AUTO, TrainConfig, to_toml
 from .train_data import open_data
 from .train_model import build_model, next_token_loss
-from .train_resume import resume
+from .train_resume import Restart, restart_of, resume
 
 CHECKPOINTS = "checkpoints"
 SUMMARY = "summary.json"
@@ -126,6 +126,7 @@ class Run:
         self.out = Path(cfg.out)
         self.folder = self.out / CHECKPOINTS
         self.source = source or {}
+        self.restart: Restart | None = None  # this launch restarts an in-place job
 
     @property
     def rank(self) -> int:
@@ -139,6 +140,8 @@ class Run:
 
     def build(self) -> tuple[Pipeline, Any, Any, Any, Progress]:
         cfg = self.cfg
+        if in_place():  # a running job refuses a joiner whose configuration differs
+            membership().offer(cfg.fingerprint())
         start = latest_checkpoint(self.folder) if self.folder.is_dir() else None
         data = open_data(cfg)
         made = build_model(cfg, data.vocab_size, data.largest_token,
@@ -166,12 +169,15 @@ class Run:
             print(f"varuna-fx train: rank {self.rank} joined the running job at step "
                   f"{progress.step}", flush=True)
             return pipe, opt, sched, loader, progress
+        resumed = None
         if start is not None:  # the newest that loads, the launch's hyperparameters on top
-            step = resume(pipe, opt, sched, loader, self.folder, self.out, self.say)
-            progress.step = 0 if step is None else step
+            resumed = resume(pipe, opt, sched, loader, self.folder, self.out, self.say)
+            progress.step = 0 if resumed is None else resumed[0]
         elif cfg.init_from:
             pipe.load_pretrained(cfg.init_from)
             self.say(f"initialised from {cfg.init_from}")
+        if in_place() and job_restarted():  # said loudly (the monitor's first line, the
+            self.restart = restart_of(resumed, self.out)  # last one, summary.json)
         return pipe, opt, sched, loader, progress
 
     def save(self, pipe: Pipeline, opt: Any, sched: Any, loader: Any, step: int) -> str:
@@ -211,6 +217,8 @@ class Run:
                           peak_flops=None if cfg.peak_flops == AUTO else cfg.peak_flops)
         # (an error, or this process leaving an in-place job -- SystemExit from pipe.step once
         # its state moved -- closes the monitor's files without a collective)
+        if self.restart is not None:
+            monitor.event(self.restart.as_dict(), self.restart.text())
         with monitor:
             loss, saved, last_step_at = self.loop(pipe, opt, sched, loader, progress, monitor,
                                                   stop)
@@ -252,7 +260,7 @@ class Run:
             if cfg.log_samples:
                 self.write(SAMPLES, json.dumps({"step": step,
                                                 "ids": loader.last_global_batch()}) + "\n", "a")
-            if pipe.preempted or step == stop or \
+            if pipe.preempted or step == stop or step == cfg.first_checkpoint_step or \
                     (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                 saved = self.save(pipe, opt, sched, loader, step)
             if pipe.preempted:
@@ -266,6 +274,7 @@ class Run:
         summary = {"first_step": first, "last_step": step, "steps": self.cfg.steps,
                    "final_loss": float(loss) if loss is not None else None,
                    "preempted": preempted, "checkpoint": saved, "morphs": morphs,
+                   "restarted": self.restart.as_dict() if self.restart else None,
                    "seconds_from_command_to_last_step":
                        last_step_at - self.launched_at if self.launched_at else None}
         self.write(SUMMARY, json.dumps(summary, indent=1) + "\n")
@@ -273,6 +282,8 @@ class Run:
         timing = f" ({when:.1f} s from the command to the last step)" if when else ""
         self.say(f"steps {first + 1}-{step} of {self.cfg.steps} done{timing}, final loss "
                  f"{summary['final_loss']:.4f}; charts and metrics.jsonl in {self.out}")
+        if self.restart is not None:  # (the steps above count from where it restarted)
+            self.say(self.restart.text())
         if morphs:
             self.say(f"{len(morphs)} in-place morph(s): " + "; ".join(
                 f"{m['reason']} {m['old_layout']} -> {m['new_layout']} in "
