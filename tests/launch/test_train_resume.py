@@ -101,13 +101,6 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_newest_intact_one(
     assert "step00000006" in text and "step00000003" in text and "none of the 2" in text, text
 
 
-def test_another_model_is_still_refused_naming_the_configuration(tmp_path: Path) -> None:
-    """Every checkpoint refusing the model is a configuration change, not damage."""
-    saved_at(tmp_path, 3)
-    with pytest.raises(CheckpointError, match="cannot resume .* give another --out"):
-        Run(tiny(tmp_path, n_layer=2), None).build()
-
-
 def test_a_finished_run_relaunched_with_export_exports(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], handlers: None) -> None:
     saved_at(tmp_path, 10)
