@@ -27,7 +27,14 @@ follows the pipeline (``monitor/monitor.py``) and checkpoints after a morph are 
 layout's. What a process joining the running job needs is tracked (``pipe.track``: the
 scheduler, the loader, and :class:`Progress`, the step counter), so it skips the checkpoint and
 starts at the survivors' step; a process that leaves exits inside ``pipe.step`` once its state
-has moved. The summary lists the morphs.
+has moved. The summary lists the morphs. Every process offers its configuration's fingerprint
+(``TrainConfig.fingerprint``): a joiner whose configuration differs is refused
+(``world/admission.py``). A launch that starts the job again after state was lost with its only
+holders says so (``train_resume.Restart``), and in-place jobs take an early first checkpoint
+(``first_checkpoint``) so that such a restart does not go back to step 0.
+
+A resume (``train_resume.py``) takes the newest checkpoint that loads and this launch's
+optimizer hyperparameters over the checkpoint's.
 """
 
 from __future__ import annotations
@@ -215,10 +222,10 @@ class Run:
                           print_every=cfg.print_every, live=_auto(cfg.live),
                           tensorboard=_auto(cfg.tensorboard), charts=cfg.charts,
                           peak_flops=None if cfg.peak_flops == AUTO else cfg.peak_flops)
+        if self.restart is not None:  # before the steps it trains again
+            monitor.event(self.restart.as_dict(), self.restart.text())
         # (an error, or this process leaving an in-place job -- SystemExit from pipe.step once
         # its state moved -- closes the monitor's files without a collective)
-        if self.restart is not None:
-            monitor.event(self.restart.as_dict(), self.restart.text())
         with monitor:
             loss, saved, last_step_at = self.loop(pipe, opt, sched, loader, progress, monitor,
                                                   stop)
