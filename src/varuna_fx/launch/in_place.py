@@ -161,12 +161,15 @@ class InPlaceLaunch:
     def _refused(self, worker: Worker) -> bool:
         """Whether the running job refused ``worker`` (the store says so under its name)."""
         member = self.environment(worker.local_rank, worker.restarts)[ms.MEMBER_ENV]
+        if self._store is False:  # the store did not answer before: restart as before
+            return False
         try:
             if self._store is None:
                 self._store = dist.PrefixStore(f"varuna_fx/{self.rdzv_id}/", dist.TCPStore(
                     self.host, self.port, None, False, timedelta(seconds=10)))
             return bool(self._store.check([REFUSED_KEY.format(member=member)]))
-        except (RuntimeError, dist.DistError):  # no store to ask: restart as before
+        except (RuntimeError, dist.DistError):
+            self._store = False
             return False
 
     def _serve_until_idle(self, store: object) -> None:
