@@ -56,9 +56,11 @@ class TokenDataset(torch.utils.data.Dataset):
                 f"one sample needs seq_len + 1 = {self.seq_len + 1} (its input and the next-token "
                 "target). Use a shorter seq_len or more data")
         self._length = (n - 1 - self.seq_len) // self.stride + 1
-        # unsigned files cannot hold a negative id; signed ones are checked window by window
-        self._signed = _signed(self.tokens)
-        if not isinstance(self.tokens, np.memmap):
+        # unsigned files cannot hold a negative id; signed ones are checked window by window,
+        # an in-memory source here, once
+        on_disk = isinstance(self.tokens, np.memmap)
+        self._signed = on_disk and _signed(self.tokens)
+        if not on_disk:
             refuse_negative(self.tokens, self.source)
 
     def __len__(self) -> int:
