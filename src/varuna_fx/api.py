@@ -31,6 +31,7 @@ from .costs.wire import DiLoCo, ReplicaSync
 from .init.allocation import DeferredAllocation
 from .init.materialize import check_replayable, is_deferred
 from .morph.controller import InPlace
+from .morph.fingerprint import fingerprint
 from .options import (
     CompileOptions,
     check_compile_arguments,
@@ -118,6 +119,9 @@ def compile(  # noqa: A001 - the public name in API.md
     state = CompileState(model=model, bound=bound, tracer=o.tracer,
                          canonical=canonical_names(model), profile_split=input_grads)
     run_front_end(state, dump)
+    if in_place():  # what this process runs: a running job refuses a joiner that differs
+        assert state.captured is not None
+        membership().offer(fingerprint(model, state.captured.gm, o))
     cluster = o.cluster or Cluster.local(timeout=resolve_timeout(o.timeout))
     if in_place():  # a morph keeps the global batch; a joining process plans as the others do
         o = fit_to_world(o, world_size(), bound.batch_size, joined_settings())

@@ -396,6 +396,9 @@ CATALOGUE = [
         lambda p: p.data_loader(list(range(64)), batch_size=4)), Inp, "decides batch_size"),
     row("TokenDataset seq_len too long", lambda _: vf.TokenDataset(torch.arange(10), 64), Inp,
         "too long", "seq_len + 1"),
+    row("TokenDataset over a negative token id",
+        lambda _: vf.TokenDataset(torch.tensor([3, 1, -1, 2, 5]), 2), Inp,
+        "negative token id -1 at position 2", "start at 0"),
     row("save a scheduler without state_dict", step_after(lambda p: p.save_checkpoint(
         os.path.join(tempfile.gettempdir(), "varuna_fx_never_written"), scheduler=object())),
         vf.CheckpointError, "lacks state_dict() and load_state_dict()"),
@@ -435,6 +438,12 @@ CATALOGUE = [
         "unknown key 'learning_rate'", "did you mean", "lr"),
     row("train: a value of the wrong type", lambda _: _train_config(["--steps", "1e3"]), Inp,
         "steps takes an integer", "'1e3'"),
+    row("train: a learning rate of nan", lambda _: _train_config(["--lr", "nan"]), Inp,
+        "lr must be a finite number, got nan"),
+    row("train: --out onto a file", lambda _: _train_config(["--out", _a_file()]), Inp,
+        "is a file", "the run's folder, a directory"),
+    row("train: --export onto a file", lambda _: _train_config(["--export", _a_file()]), Inp,
+        "is a file", "exported to, a directory"),
 ]
 
 
@@ -475,6 +484,12 @@ def _deferred_reads_values() -> None:
         lin = nn.Linear(4, 4)
         if lin.weight.abs().max() > 0.1:
             pass
+
+
+def _a_file() -> str:
+    fd, path = tempfile.mkstemp()
+    os.close(fd)
+    return path
 
 
 def _train_config(argv: list[str]) -> Any:

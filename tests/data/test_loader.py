@@ -206,3 +206,26 @@ def test_workers_prefetch_without_moving_the_position() -> None:
     resumed.load_state_dict(state)
     assert [b.tolist() for b in resumed] == reference[1:5]
     assert [b.tolist() for b in it] == reference[1:5]
+
+
+def test_a_position_resumed_at_another_global_batch_saves_and_resumes_again() -> None:
+    """Saved at 8 per step, resumed at 16 (sample 24: not a multiple of 16), one step taken:
+    the loader's own state (sample 40) loads again, at 16 or back at 8, and continues at the
+    sample an uninterrupted order gives (issue 42, item 6: it was refused as invalid)."""
+    data = list(range(200))
+    old = GlobalBatchLoader(data, global_batch_size=8, seed=0)
+    batches = iter(old)
+    for _ in range(3):
+        next(batches)
+    order = old.sampler.order(0).tolist()
+    new = GlobalBatchLoader(data, global_batch_size=16, seed=0)
+    with pytest.warns(UserWarning, match="continues at sample 24"):
+        new.load_state_dict(old.state_dict())
+    assert next(iter(new)).tolist() == order[24:40]
+    for size in (16, 8, 12):
+        again = GlobalBatchLoader(data, global_batch_size=size, seed=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            again.load_state_dict(new.state_dict())
+        assert next(iter(again)).tolist() == order[40:40 + size]
+        assert again.state_dict()["samples"] == 40 + size

@@ -106,3 +106,24 @@ def refuse(tmp_path: Path, case: str) -> None:
 def test_refusals(tmp_path: Path, case: str, match: str) -> None:
     with pytest.raises(InputError, match=match):
         refuse(tmp_path, case)
+
+
+def test_negative_token_ids_are_refused_before_any_step(tmp_path: Path) -> None:
+    """(issue 42, item 6) a negative id reached the embedding mid-step as torch's IndexError:
+    an in-memory source is refused when made; a signed token file (Megatron's int32) when a
+    window holding one is read, naming the sample and the token's place."""
+    ids = torch.arange(200) % 50
+    ids[57] = -1
+    with pytest.raises(InputError, match=r"negative token id -1 at position 57"):
+        vf.TokenDataset(ids, 10)
+    with pytest.raises(InputError, match="negative token id -3"):
+        vf.TokenDataset(np.array([1, 2, -3, 4, 5]), 2)
+    tokens = np.arange(400, dtype=np.int32) % 50
+    tokens[123] = -7
+    tokens.tofile(tmp_path / "mega.bin")
+    with open(tmp_path / "mega.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 4))
+    ds = vf.TokenDataset(tmp_path / "mega.bin", 10)
+    assert ds[0][0].tolist() == tokens[:10].tolist()
+    with pytest.raises(InputError, match=r"sample 12 .* negative token id -7 at position 123"):
+        ds[12]

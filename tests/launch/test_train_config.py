@@ -86,6 +86,10 @@ def test_print_config_reads_back_to_the_same_configuration(tmp_path: Path) -> No
     (["--steps", "0"], ["steps must be >= 1"]),
     (["--lr", "fast"], ["lr takes a number"]),
     (["--beta1", "1.5"], ["beta1 must be in [0.0, 1.0]"]),
+    (["--lr", "nan"], ["lr must be a finite number, got nan"]),
+    (["--lr", "inf"], ["lr must be a finite number, got inf"]),
+    (["--grad-clip", "nan"], ["grad_clip must be a finite number", "0: off"]),
+    (["--beta1", "nan"], ["beta1 must be a finite number"]),
     (["--shuffle", "maybe"], ["shuffle takes true or false"]),
     (["--recompute", "sometimes"], ["recompute takes true or false or auto"]),
     (["--schedule", "1f1"], ["schedule = '1f1' is not one of", "did you mean 1f1b"]),
@@ -130,6 +134,8 @@ def test_every_refusal_of_the_command_line(argv: list[str], words: list[str]) ->
     ("stages = true\n", ["stages takes an integer or auto"]),
     ("model = 3\n", ["model takes a string"]),
     ("[launch]\nin_place = true\n", ["in_place belong to elastic = true"]),
+    ("lr = nan\n", ["lr must be a finite number, got nan"]),
+    ("[optimizer]\nweight_decay = inf\n", ["weight_decay must be a finite number"]),
 ])
 def test_every_refusal_of_the_file(tmp_path: Path, text: str, words: list[str]) -> None:
     with pytest.raises(InputError) as caught:
@@ -285,3 +291,36 @@ def test_in_place_starts_the_in_place_launcher_with_the_checked_config(
     assert train_command([job, "--out", out]) == 143
     status[0] = 1  # a worker failed past --max-restarts
     assert train_command([job, "--out", out]) == 1
+
+
+def test_negative_token_ids_in_the_data_are_refused_before_training(tmp_path: Path) -> None:
+    """(issue 42, item 6) as too-large ids are: a Megatron int32 file holding -1 is refused
+    when the command opens the data, not by the embedding mid-step."""
+    import struct
+
+    tokens = np.arange(600, dtype=np.int32) % 90
+    tokens[300] = -1
+    tokens.tofile(tmp_path / "t.bin")
+    with open(tmp_path / "t.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 4))
+    with pytest.raises(InputError, match=r"t.bin holds the negative token id -1 at position 300"):
+        open_data(TrainConfig(data=str(tmp_path / "t.bin"), seq_len=8, vocab_size=100))
+
+
+def test_out_and_export_that_are_files_are_refused_before_anything_runs(
+        tmp_path: Path) -> None:
+    """(issue 42, item 7) --out onto a file failed with a raw FileExistsError after compile,
+    --export onto a file only after the whole run: both are refused by the checks, as is a
+    path under a file."""
+    (tmp_path / "f").write_text("x")
+    for argv, words in [(["--out", str(tmp_path / "f")], ["out = ", "is a file", "folder"]),
+                        (["--out", str(tmp_path / "f" / "run")], ["out = ", "is under",
+                                                                  "a file"]),
+                        (["--export", str(tmp_path / "f")], ["export = ", "is a file",
+                                                             "directory"])]:
+        with pytest.raises(InputError) as caught:
+            resolve(argv)
+        for word in words:
+            assert word in str(caught.value), str(caught.value)
+    assert resolve(["--out", str(tmp_path / "new" / "run"),
+                    "--export", str(tmp_path / "hf")])[0].out == str(tmp_path / "new" / "run")

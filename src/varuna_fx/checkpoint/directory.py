@@ -49,9 +49,17 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
     """The newest complete checkpoint directly under ``directory`` (by the sequence number its
     save recorded), or None. Directories a killed save left behind, plain DCP directories and
     unreadable markers are skipped with a warning."""
+    found = checkpoints_newest_first(directory)
+    return found[0] if found else None
+
+
+def checkpoints_newest_first(directory: str | os.PathLike) -> list[str]:
+    """Every complete checkpoint directly under ``directory``, newest first (the order of
+    :func:`latest_checkpoint`, which skips what it skips): a resume whose newest checkpoint
+    turns out damaged tries the next."""
     root = Path(directory)
     if not root.is_dir():
-        return None
+        return []
     complete: list[tuple[int, int, str]] = []
     for entry in sorted(root.iterdir()):
         if not entry.is_dir():
@@ -71,7 +79,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
             complete.append((_order(marker), marker.get("saved_at_ns", 0), str(entry)))
         except CheckpointError as exc:
             warnings.warn(f"skipping {entry}: {exc}", stacklevel=2)
-    return max(complete)[2] if complete else None
+    return [path for *_, path in sorted(complete, reverse=True)]
 
 
 def next_sequence(path: str) -> int:

@@ -63,7 +63,9 @@ class GlobalBatchLoader:
             dataset, batch_sampler=self.sampler, num_workers=num_workers,
             collate_fn=collate_fn, **dataloader_kwargs)
         self.epoch = 0
-        self.position = 0  # samples of this epoch's order handed out (a multiple of the batch)
+        # samples of this epoch's order handed out: a multiple of the batch, unless a state
+        # saved at another global batch size was loaded (then a multiple plus its offset)
+        self.position = 0
         self._generation = 0  # bumped by load_state_dict: live iterators restart from there
         self.last_batch: Any = None  # what the last step got (an in-place morph cuts it again)
 
@@ -182,8 +184,11 @@ def check_state(state: Any) -> dict[str, Any]:
     bad = [k for k in ints if type(state[k]) is not int or state[k] < 0]
     if type(state["shuffle"]) is not bool:
         bad.append("shuffle")
+    # global_batches counts whole batches of the saved size: a run resumed at another global
+    # batch size continues mid-way through the old batches' grid (sample 24 in batches of 16),
+    # so samples need not be a multiple of it -- only consistent with the count
     if not bad and (state["global_batch_size"] == 0 or
-                    state["samples"] != state["global_batches"] * state["global_batch_size"] or
+                    state["global_batches"] != state["samples"] // state["global_batch_size"] or
                     state["samples"] > state["dataset_size"]):
         bad.append("samples")
     if bad:

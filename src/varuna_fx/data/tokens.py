@@ -11,6 +11,12 @@ else a size that is not a multiple of 4 bytes means uint16; else the first MiB d
 uint32, tokens of a real vocabulary stay below 2**18 (262,144: above Gemma's 256k), while
 uint16 tokens read in pairs exceed that unless every other token is below 4. A file too short
 to tell is refused, asking for ``dtype=``.
+
+Token ids are never negative: an in-memory source holding one is refused when the dataset is
+made; a file of a signed type (Megatron's int32 / int64) when a window holding one is read (a
+pass over a file of billions of tokens is the caller's choice: ``varuna-fx train`` makes it,
+``first_negative`` below). Either way an ``InputError`` names the place, before the embedding
+fails on it inside a step.
 """
 
 from __future__ import annotations
@@ -50,6 +56,12 @@ class TokenDataset(torch.utils.data.Dataset):
                 f"one sample needs seq_len + 1 = {self.seq_len + 1} (its input and the next-token "
                 "target). Use a shorter seq_len or more data")
         self._length = (n - 1 - self.seq_len) // self.stride + 1
+        # unsigned files cannot hold a negative id; signed ones are checked window by window,
+        # an in-memory source here, once
+        on_disk = isinstance(self.tokens, np.memmap)
+        self._signed = on_disk and _signed(self.tokens)
+        if not on_disk:
+            refuse_negative(self.tokens, self.source)
 
     def __len__(self) -> int:
         return self._length
@@ -63,6 +75,12 @@ class TokenDataset(torch.utils.data.Dataset):
             window = window.to(torch.int64)
         else:
             window = torch.from_numpy(np.asarray(window, dtype=np.int64))
+        if self._signed and bool((window < 0).any()):
+            at = start + int(torch.nonzero(window < 0)[0, 0])
+            raise InputError(f"sample {index} of {self.source}: negative token id "
+                             f"{int(self.tokens[at])} at position {at}; token ids start at 0 "
+                             "(a padding or ignore value written into the data?): fix the "
+                             "token file")
         return window[:-1], window[1:]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -81,6 +99,35 @@ class TokenDataset(torch.utils.data.Dataset):
     def __repr__(self) -> str:
         return (f"TokenDataset({self.source}, seq_len={self.seq_len}, {len(self.tokens)} tokens, "
                 f"{len(self)} samples)")
+
+
+def _signed(tokens: Any) -> bool:
+    if isinstance(tokens, torch.Tensor):
+        return tokens.dtype.is_signed
+    return bool(np.issubdtype(np.asarray(tokens[:0]).dtype, np.signedinteger))
+
+
+def first_negative(tokens: Any) -> int | None:
+    """The position of the first negative id in a 1-D token sequence (one pass, in chunks
+    of a memory map), or None."""
+    if not _signed(tokens):
+        return None
+    chunk = 1 << 24
+    for lo in range(0, len(tokens), chunk):
+        part = tokens[lo:lo + chunk]
+        part = part.numpy() if isinstance(part, torch.Tensor) else np.asarray(part)
+        if part.size and part.min() < 0:
+            return lo + int(np.argmax(part < 0))
+    return None
+
+
+def refuse_negative(tokens: Any, source: str) -> None:
+    """InputError naming the first negative id of ``tokens``, if one is there."""
+    at = first_negative(tokens)
+    if at is not None:
+        raise InputError(f"{source} holds the negative token id {int(tokens[at])} at position "
+                         f"{at}; token ids start at 0 (the model's embedding has no row for "
+                         "it: a padding or ignore value written into the data?)")
 
 
 def _open(source: Any, dtype: str | None) -> tuple[Any, int | None, str]:

@@ -15,6 +15,8 @@ the workers morph in place (``morph/controller.py``). What the launcher does:
 * A worker that exits with ``RESTART_EXIT`` (state was lost with its only holders: the job
   resumes from its latest checkpoint) is started again, as is one that failed, up to
   ``--max-restarts``; a new worker joins the running job (or starts it again) as a new member.
+  One the running job refused (it runs another model or configuration: ``world/admission.py``)
+  is not started again: it would be refused again. The launcher then exits ``REFUSED_EXIT``.
 
 Workers' environment: ``VARUNA_FX_STORE``, ``VARUNA_FX_JOB``, ``VARUNA_FX_MEMBER`` (this
 machine's address, the launcher's pid, the local rank and the restart count),
@@ -34,15 +36,18 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
+from typing import Any
 
 import torch.distributed as dist
 
 from ..errors import VarunaFxError
 from ..morph.controller import RESTART_EXIT
 from ..world import membership as ms
+from ..world.admission import REFUSED_KEY
 from .elastic import DEFAULT_PORT, _same_address, _split_endpoint, interface_of, parse_nnodes
 
 POLL = 0.1
+REFUSED_EXIT = 78  # a worker the running job refused (EX_CONFIG): its error says why
 
 
 @dataclass
@@ -67,6 +72,7 @@ class InPlaceLaunch:
     timeout: float = 300.0
     workers: list[Worker] = field(default_factory=list)
     stopping: int | None = None  # the signal passed on to the workers
+    _store: Any = None  # a client of the membership store (made when a worker fails)
 
     def __post_init__(self) -> None:
         lo, hi = parse_nnodes(self.nnodes)
@@ -133,9 +139,15 @@ class InPlaceLaunch:
                 if code is None:
                     running = True
                     continue
-                again = self.stopping is None and (
+                refused = code not in (0, RESTART_EXIT) and self._refused(w)
+                again = self.stopping is None and not refused and (
                     code == RESTART_EXIT or (code != 0 and w.restarts < self.max_restarts))
-                if again:
+                if refused and status == 0:
+                    print(f"varuna-fx run --in-place: worker {w.local_rank} was refused by the "
+                          "running job (another model or configuration: its error is above); "
+                          "not starting it again", file=sys.stderr)
+                    status = REFUSED_EXIT
+                elif again:
                     print(f"varuna-fx run --in-place: worker {w.local_rank} exited {code}; "
                           "starting it again (it joins as a new member)", file=sys.stderr)
                     self.workers[k] = self.start(w.local_rank, w.restarts + 1)
@@ -145,6 +157,20 @@ class InPlaceLaunch:
             if not running:
                 return status if self.stopping is None else 128 + self.stopping
             time.sleep(POLL)
+
+    def _refused(self, worker: Worker) -> bool:
+        """Whether the running job refused ``worker`` (the store says so under its name)."""
+        member = self.environment(worker.local_rank, worker.restarts)[ms.MEMBER_ENV]
+        if self._store is False:  # the store did not answer before: restart as before
+            return False
+        try:
+            if self._store is None:
+                self._store = dist.PrefixStore(f"varuna_fx/{self.rdzv_id}/", dist.TCPStore(
+                    self.host, self.port, None, False, timedelta(seconds=10)))
+            return bool(self._store.check([REFUSED_KEY.format(member=member)]))
+        except (RuntimeError, dist.DistError):
+            self._store = False
+            return False
 
     def _serve_until_idle(self, store: object) -> None:
         """Keep the store up while the job may go on: until a member closed its pipeline (the

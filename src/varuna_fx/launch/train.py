@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import VarunaFxError
+from .in_place import REFUSED_EXIT
 from .torchrun import Ranks, split_flags, start_ranks
 from .train_config import AUTO, TrainConfig, help_text, resolve, to_toml
 from .train_worker import SUMMARY, encode, run_training
@@ -92,6 +93,12 @@ def launch_ranks(cfg: TrainConfig, payload: str, launched_at: float) -> int:
 def _in_place_stopped(cfg: TrainConfig, status: int) -> int:
     """What the in-place launcher's non-zero status means: a signal to it (passed on to every
     worker here, which saved and exited: 128 + the signal), or a worker that failed for good."""
+    if status == REFUSED_EXIT:
+        print("varuna-fx train: the running in-place job refused this machine's process(es): "
+              "they run another model or configuration than the job (the differences are "
+              "above); the job runs on without them. Start them with the job's command",
+              file=sys.stderr)
+        return 1
     if status > 128 and status - 128 in signal.valid_signals():
         name = signal.Signals(status - 128).name
         print(f"varuna-fx train: stopped by {name}; the ranks saved a checkpoint in "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -136,6 +137,10 @@ class TrainConfig:
                    "charts/*.png, config.toml; a checkpoint there is resumed", "path")
     checkpoint_every: int = key(100, "checkpoint", "save every this many steps (0: only at the "
                                 "end and when stopped)", low=0)
+    first_checkpoint: Any = key(AUTO, "checkpoint", "save once after this step too, before "
+                                "checkpoint_every's first (auto: in place, checkpoint_every / 10, "
+                                "at least 1, so a job that loses state early restarts from there, "
+                                "not step 0; else none; 0: none)", "int|auto", low=0)
     keep_checkpoints: int = key(2, "checkpoint", "newest checkpoints kept (0: all)", low=0)
     export: str = key("", "checkpoint", "at the end, write the model to this directory as "
                       "Hugging Face safetensors", "path")
@@ -185,8 +190,29 @@ class TrainConfig:
     def warmup(self) -> int:
         return max(1, self.steps // 20) if self.warmup_steps == AUTO else self.warmup_steps
 
+    @property
+    def first_checkpoint_step(self) -> int:
+        """The step of the early first checkpoint (0: none). In place, state lost with its
+        only holders restarts the job from the latest checkpoint, and before the first one
+        from step 0: auto takes one a tenth of the way to the first periodic one."""
+        if self.first_checkpoint != AUTO:
+            return self.first_checkpoint
+        return max(1, (self.checkpoint_every or self.steps) // 10) if self.in_place else 0
+
+    def fingerprint(self) -> dict[str, str]:
+        """What a process joining a running in-place job must share with it
+        (``world/admission.py``): every key but the per-machine ones."""
+        return {f"train.{name}": repr(getattr(self, name)) for name in FIELDS
+                if name not in PER_MACHINE}
+
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# keys each machine of one job may set for itself: where it runs, how it launches, what it
+# shows; every other key is the job's (a joiner that differs in one is refused)
+PER_MACHINE = frozenset({"nproc", "local_addr", "store_host", "rdzv_endpoint", "nnodes",
+                         "max_restarts", "torchrun_args", "timeout", "out", "num_workers",
+                         "print_every", "live", "tensorboard", "charts", "peak_flops",
+                         "profile"})
 
 
 def defaults() -> TrainConfig:
@@ -255,6 +281,11 @@ def convert(name: str, value: Any, where: str) -> Any:
         out = text
     if out is None:
         raise InputError(f"{where}: {name} takes {takes}, got {value!r} ({meta['help']})")
+    if base == "float" and not math.isfinite(out):
+        # nan passes every bound (each comparison is false) and trains to NaN losses that
+        # exit 0; inf is no rate, clip or size either
+        raise InputError(f"{where}: {name} must be a finite number, got {out!r} "
+                         f"({meta['help']})")
     if meta["choices"] and out not in meta["choices"]:
         raise InputError(f"{where}: {name} = {out!r} is not one of "
                          f"{', '.join(map(str, meta['choices']))}{_close(str(out), meta['choices'])}")
@@ -367,6 +398,9 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
     if cfg.data != STDLIB_CORPUS and not Path(cfg.data).is_file():
         raise InputError(f"data = {cfg.data!r} is not a file (give a token .bin file, a text "
                          "file, or stdlib for the built-in corpus)")
+    _check_folder("out", cfg.out, "the run's folder")
+    if cfg.export:
+        _check_folder("export", cfg.export, "the directory the model is exported to")
     if cfg.init_from and not Path(cfg.init_from).exists():
         raise InputError(f"init_from = {cfg.init_from!r} does not exist")
     if cfg.warmup_steps != AUTO and cfg.warmup_steps > cfg.steps:
@@ -388,6 +422,21 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
                          "--elastic --in-place, as `varuna-fx run`); for a fixed multi-machine "
                          "job pass torchrun's flags in torchrun_args")
     check_in_place(cfg)
+
+
+def _check_folder(name: str, value: str, what: str) -> None:
+    """A folder the run creates or writes into must not be a file, nor under one (found only
+    after compile, or after the whole run for ``export``, otherwise)."""
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{name} = {value!r} is a file; {name} is {what}, a directory "
+                         "(created when missing): give another path")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(f"{name} = {value!r} is under {str(parent)!r}, which is a "
+                                 f"file; {name} is {what}, a directory: give another path")
+            break
 
 
 def check_in_place(cfg: TrainConfig) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data.tokens import TOKEN_SUFFIXES, TokenDataset
+from ..data.tokens import TOKEN_SUFFIXES, TokenDataset, refuse_negative
 from ..errors import InputError
 from .train_config import AUTO, STDLIB_CORPUS, TrainConfig
 
@@ -74,8 +74,10 @@ def open_data(cfg: TrainConfig) -> TrainData:
     dtype = None if cfg.data_dtype == AUTO else cfg.data_dtype
     dataset = TokenDataset(cfg.data, cfg.seq_len, dtype=dtype)
     tokens: Any = dataset.tokens
-    # one pass over the (memory-mapped) file: a token beyond the model's vocabulary would
-    # otherwise fail inside the embedding, as an index error from torch
+    # one pass over the (memory-mapped) file: a token beyond the model's vocabulary, or a
+    # negative one (a signed file: Megatron's int32), would otherwise fail inside the
+    # embedding mid-step, as an index error from torch
+    refuse_negative(tokens, cfg.data)
     largest = int(np.max(tokens))
     kind = "bytes" if dataset.vocab_size == BYTE_VOCAB else \
         f"{np.dtype(tokens.dtype).name} tokens"

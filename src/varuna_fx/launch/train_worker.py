@@ -27,7 +27,14 @@ follows the pipeline (``monitor/monitor.py``) and checkpoints after a morph are 
 layout's. What a process joining the running job needs is tracked (``pipe.track``: the
 scheduler, the loader, and :class:`Progress`, the step counter), so it skips the checkpoint and
 starts at the survivors' step; a process that leaves exits inside ``pipe.step`` once its state
-has moved. The summary lists the morphs.
+has moved. The summary lists the morphs. Every process offers its configuration's fingerprint
+(``TrainConfig.fingerprint``): a joiner whose configuration differs is refused
+(``world/admission.py``). A launch that starts the job again after state was lost with its only
+holders says so (``train_resume.Restart``), and in-place jobs take an early first checkpoint
+(``first_checkpoint``) so that such a restart does not go back to step 0.
+
+A resume (``train_resume.py``) takes the newest checkpoint that loads and this launch's
+optimizer hyperparameters over the checkpoint's.
 """
 
 from __future__ import annotations
@@ -48,14 +55,15 @@ import torch
 
 from ..api import compile as vf_compile
 from ..checkpoint.directory import MARKER, latest_checkpoint
-from ..errors import CheckpointError, VarunaFxError
+from ..errors import VarunaFxError
 from ..monitor.monitor import Monitor
 from ..pipeline import Pipeline
-from ..world.membership import in_place, membership
+from ..world.membership import in_place, job_restarted, membership
 from ..world.where import launched_distributed, rank
 from .train_config import AUTO, TrainConfig, to_toml
 from .train_data import open_data
 from .train_model import build_model, next_token_loss
+from .train_resume import Restart, restart_of, resume
 
 CHECKPOINTS = "checkpoints"
 SUMMARY = "summary.json"
@@ -125,6 +133,7 @@ class Run:
         self.out = Path(cfg.out)
         self.folder = self.out / CHECKPOINTS
         self.source = source or {}
+        self.restart: Restart | None = None  # this launch restarts an in-place job
 
     @property
     def rank(self) -> int:
@@ -138,6 +147,8 @@ class Run:
 
     def build(self) -> tuple[Pipeline, Any, Any, Any, Progress]:
         cfg = self.cfg
+        if in_place():  # a running job refuses a joiner whose configuration differs
+            membership().offer(cfg.fingerprint())
         start = latest_checkpoint(self.folder) if self.folder.is_dir() else None
         data = open_data(cfg)
         made = build_model(cfg, data.vocab_size, data.largest_token,
@@ -165,18 +176,15 @@ class Run:
             print(f"varuna-fx train: rank {self.rank} joined the running job at step "
                   f"{progress.step}", flush=True)
             return pipe, opt, sched, loader, progress
-        if start is not None:
-            try:
-                progress.step = int(pipe.load_checkpoint(start, opt, data=loader,
-                                                         scheduler=sched)["step"])
-            except CheckpointError as exc:
-                raise CheckpointError(f"{self.out} holds {start}, which this configuration "
-                                      f"cannot resume ({exc}); give another --out, or the "
-                                      "configuration the run was saved with") from None
-            self.say(f"resumed from {start} (step {progress.step})")
+        resumed = None
+        if start is not None:  # the newest that loads, the launch's hyperparameters on top
+            resumed = resume(pipe, opt, sched, loader, self.folder, self.out, self.say)
+            progress.step = 0 if resumed is None else resumed[0]
         elif cfg.init_from:
             pipe.load_pretrained(cfg.init_from)
             self.say(f"initialised from {cfg.init_from}")
+        if in_place() and job_restarted():  # said loudly (the monitor's first line, the
+            self.restart = restart_of(resumed, self.out)  # last one, summary.json)
         return pipe, opt, sched, loader, progress
 
     def save(self, pipe: Pipeline, opt: Any, sched: Any, loader: Any, step: int) -> str:
@@ -203,8 +211,10 @@ class Run:
             self.out.mkdir(parents=True, exist_ok=True)
             self.write("config.toml", to_toml(cfg, self.source))
         if progress.step >= stop:
-            self.say(f"nothing to do: {self.out} holds step {progress.step} and the run stops "
-                     f"at {stop} (raise --steps, or give another --out)")
+            self.say(f"nothing to train: {self.out} holds step {progress.step} and the run "
+                     f"stops at {stop} (raise --steps, or give another --out)")
+            if cfg.export and progress.step == cfg.steps:  # relaunched to export the result
+                self.export(pipe)
             pipe.close()
             return 0
         first = progress.step
@@ -212,6 +222,8 @@ class Run:
                           print_every=cfg.print_every, live=_auto(cfg.live),
                           tensorboard=_auto(cfg.tensorboard), charts=cfg.charts,
                           peak_flops=None if cfg.peak_flops == AUTO else cfg.peak_flops)
+        if self.restart is not None:  # before the steps it trains again
+            monitor.event(self.restart.as_dict(), self.restart.text())
         # (an error, or this process leaving an in-place job -- SystemExit from pipe.step once
         # its state moved -- closes the monitor's files without a collective)
         with monitor:
@@ -220,14 +232,17 @@ class Run:
         preempted = pipe.preempted
         step = progress.step
         if cfg.export and step == cfg.steps:
-            pipe.save_pretrained(cfg.export)
-            self.say(f"exported the model to {cfg.export} (Hugging Face safetensors)")
+            self.export(pipe)
         morphs = [m.as_dict() for m in pipe.morphs]
         pipe.close()
         self.finish(first, step, loss, saved, preempted, last_step_at, morphs)
         if not preempted:
             return 0
         return 128 + (signal.SIGINT if _INTERRUPTED else signal.SIGTERM)
+
+    def export(self, pipe: Pipeline) -> None:
+        pipe.save_pretrained(self.cfg.export)
+        self.say(f"exported the model to {self.cfg.export} (Hugging Face safetensors)")
 
     def loop(self, pipe: Pipeline, opt: Any, sched: Any, loader: Any, progress: Progress,
              monitor: Monitor, stop: int) -> tuple[Any, str | None, float]:
@@ -252,7 +267,7 @@ class Run:
             if cfg.log_samples:
                 self.write(SAMPLES, json.dumps({"step": step,
                                                 "ids": loader.last_global_batch()}) + "\n", "a")
-            if pipe.preempted or step == stop or \
+            if pipe.preempted or step == stop or step == cfg.first_checkpoint_step or \
                     (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                 saved = self.save(pipe, opt, sched, loader, step)
             if pipe.preempted:
@@ -266,6 +281,7 @@ class Run:
         summary = {"first_step": first, "last_step": step, "steps": self.cfg.steps,
                    "final_loss": float(loss) if loss is not None else None,
                    "preempted": preempted, "checkpoint": saved, "morphs": morphs,
+                   "restarted": self.restart.as_dict() if self.restart else None,
                    "seconds_from_command_to_last_step":
                        last_step_at - self.launched_at if self.launched_at else None}
         self.write(SUMMARY, json.dumps(summary, indent=1) + "\n")
@@ -273,6 +289,8 @@ class Run:
         timing = f" ({when:.1f} s from the command to the last step)" if when else ""
         self.say(f"steps {first + 1}-{step} of {self.cfg.steps} done{timing}, final loss "
                  f"{summary['final_loss']:.4f}; charts and metrics.jsonl in {self.out}")
+        if self.restart is not None:  # (the steps above count from where it restarted)
+            self.say(self.restart.text())
         if morphs:
             self.say(f"{len(morphs)} in-place morph(s): " + "; ".join(
                 f"{m['reason']} {m['old_layout']} -> {m['new_layout']} in "

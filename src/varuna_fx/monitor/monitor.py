@@ -157,6 +157,18 @@ class Monitor:
                 sink.write_event(event)
             self.display.note(describe_morph(event))
 
+    def event(self, event: dict[str, Any], text: str) -> None:
+        """Rank 0: ``event`` (plain data with ``"event"`` and ``"step"`` keys) as a line of
+        metrics.jsonl that is not a step's record, and ``text`` on the console (the train
+        command's restart of an in-place job). Other ranks: nothing."""
+        if self.rank != 0:
+            return
+        for sink in self.sinks:
+            if isinstance(sink, JsonlSink):  # (TensorBoard takes numbers per step only)
+                sink.write_event(event)
+        assert self.display is not None
+        self.display.note(text)
+
     # -- per step ------------------------------------------------------------------------------
 
     def log(self, loss: Any = None, step: int | None = None,

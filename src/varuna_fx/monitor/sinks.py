@@ -4,7 +4,10 @@ installed (the ``[tensorboard]`` extra).
 One JSON object per line, plain data only (numbers, strings, null, lists of numbers); a
 resumed run appends. Lines with an ``"event"`` key (an in-place morph: ``morph_events.py``)
 are not step records. :func:`read_jsonl` reads a previous run's lines back as data (json: no
-code runs), skipping any that are not records (a line cut by a crash).
+code runs), skipping any that are not records (a line cut by a crash). A ``"restart"`` event
+(an in-place job started again from step ``s``: ``launch/train_resume.py``) supersedes the
+records before it of steps after ``s``: they were trained again, and are read as the later
+ones.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from ..errors import InputError
 from .morph_events import tensorboard_scalars
 
 METRICS = "metrics.jsonl"
+RESTART_EVENT = "restart"  # the job started again from "step": later steps were trained again
 
 
 class JsonlSink:
@@ -65,8 +69,12 @@ def read_jsonl(path: Path, before_step: int | None = None) -> list[dict[str, Any
             record = json.loads(line)
         except ValueError:
             continue
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or \
-                "event" in record:  # (an event line, not a step's record)
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            continue
+        if record.get("event") == RESTART_EVENT:  # what was logged after its step is redone
+            records = [r for r in records if r["step"] <= record["step"]]
+            continue
+        if "event" in record:  # (an event line, not a step's record)
             continue
         if before_step is None or record["step"] < before_step:
             records.append(record)

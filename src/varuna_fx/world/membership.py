@@ -34,7 +34,9 @@ How generations change:
   writer), the others adopt it (``recover``).
 
 Joiners wait for a generation that names them; rank 0 admits, at each step boundary, those whose
-heartbeat has been seen to move (one that registered and died is never admitted).
+heartbeat has been seen to move (one that registered and died is never admitted) and whose
+fingerprint (``print/<member>``: the model and configuration, ``admission.py``) is its own; one
+that differs is refused (``refused/<member>``), raises, and the job runs on.
 
 The machine whose launcher hosts the store must stay up, as torchrun's c10d rendezvous host
 must: it can be a small on-demand machine running no workers (``--nproc 0``). Base layer:
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -56,6 +59,7 @@ import torch.distributed as dist
 
 from ..errors import DistributedError, PeerTimeoutError
 from . import sockets
+from .admission import PRINT_KEY, REFUSED_KEY, registrant_refusal
 from .heartbeats import Stopped
 
 STORE_ENV = "VARUNA_FX_STORE"  # host:port of the membership store (set by the launcher)
@@ -107,6 +111,12 @@ class Generation:
     def rank_of(self, member: str) -> int:
         return self.members.index(member)
 
+    @property
+    def restarted(self) -> bool:
+        """This generation starts the job again (:meth:`Membership.mark_restart`: state was
+        lost with its only holders): a "start" that is not the first generation."""
+        return self.reason == "start" and self.number > 0
+
 
 @dataclass
 class Membership:
@@ -125,6 +135,9 @@ class Membership:
     _seen: dict[str, tuple[int, float]] = field(default_factory=dict)  # pending joiner beats
     _stop: threading.Event = field(default_factory=threading.Event)
     _before: frozenset[str] = frozenset()  # sockets open before this generation formed
+    # what this process runs (admission.py), offered before it registers; {}: none offered
+    fingerprint: dict[str, str] = field(default_factory=dict)
+    _refused: set[str] = field(default_factory=set)  # registrants this process refused
 
     @classmethod
     def from_env(cls, timeout: float) -> Membership:
@@ -202,11 +215,19 @@ class Membership:
 
     # -- joining -----------------------------------------------------------------------------
 
+    def offer(self, parts: dict[str, str]) -> None:
+        """Add ``parts`` to the fingerprint this process registers with (before it joins; a
+        later compile in a process that joined changes nothing)."""
+        if self.generation is None:
+            self.fingerprint.update(parts)
+
     def join(self) -> Generation:
         """Register and wait until a generation names this process; returns it (the process
-        group is not formed yet: :meth:`form`)."""
+        group is not formed yet: :meth:`form`). Raises :class:`DistributedError` when the
+        running job refuses it (another model or configuration: ``admission.py``)."""
         self.connect()
         self._start_beating()
+        self.store.set(PRINT_KEY.format(member=self.member), json.dumps(self.fingerprint))
         number = self.store.add("joins", 1)
         self.store.set(f"join/{number}", self.member)
         deadline = time.monotonic() + self.timeout
@@ -224,6 +245,10 @@ class Membership:
                 raise DistributedError(
                     f"{self.member} was to join job {self.job!r}, which has finished (its "
                     f"process {self.store.get('finished').decode()} closed its pipeline)")
+            refused = REFUSED_KEY.format(member=self.member)
+            if self.store.check([refused]):
+                self.stop()  # (its heartbeat ends: the job has settled it as gone)
+                raise DistributedError(self.store.get(refused).decode())
             if gen.reason == "restart" and number == gen.admitted + 1:
                 # the job restarts (state was lost): the first to register since leads it
                 self._start_job(gen.number + 1, gen.admitted, max(1, len(gen.joined)),
@@ -359,13 +384,27 @@ class Membership:
         for n, name in zip(numbers, names):
             first = self._seen.setdefault(name, (beats[name], now))
             ready = beats[name] > first[0]
-            if ready and len(joined) < room:
+            refused = ready and self._refuses(name)  # settled: never admitted, not waited for
+            if ready and not refused and len(joined) < room:
                 joined.append(name)
-            gone = not ready and now - first[1] > 2 * self.window
+            gone = refused or (not ready and now - first[1] > 2 * self.window)
             blocked = blocked or not (name in joined or gone)
             if not blocked:
                 settled = n
         return tuple(joined), settled
+
+    def _refuses(self, name: str) -> bool:
+        """Whether registrant ``name`` runs another model or configuration than this process
+        (``admission.py``); the first time, its refusal is written for it to read."""
+        if name in self._refused:
+            return True
+        text = registrant_refusal(self.store, self.job, self.fingerprint, name)
+        if text is None:
+            return False
+        self._refused.add(name)
+        self.store.set(REFUSED_KEY.format(member=name), text)
+        print(f"varuna_fx: {text}", file=sys.stderr, flush=True)
+        return True
 
     def after_boundary(self, leaving: list[bool], cluster: dict[str, Any] | None,
                        global_batch_size: int | None) -> Generation:
@@ -460,6 +499,13 @@ def joining_running_job() -> bool:
     members, not from its own model)."""
     gen = _MEMBERSHIP.generation if _MEMBERSHIP is not None else None
     return gen is not None and gen.running and _MEMBERSHIP.member in gen.joined
+
+
+def job_restarted() -> bool:
+    """This process's generation starts an in-place job again after state was lost with its
+    only holders (its script resumes from the latest checkpoint, or from step 0)."""
+    gen = _MEMBERSHIP.generation if _MEMBERSHIP is not None else None
+    return gen is not None and gen.restarted
 
 
 def joined_settings() -> dict[str, Any]:
