@@ -27,16 +27,16 @@ import atexit
 import os
 import signal
 import time
-from typing import Any
 
 from ..planner import cache as plan_cache
 from ..planner.cluster import Cluster
 from ..world.where import assumed_world
+from .morphable import Replanner
 
 DEFAULT_SECONDS = 600.0
 
 
-def enabled(replan: Any) -> bool:
+def enabled(replan: Replanner) -> bool:
     """Whether this process pre-plans (see the module doc): ``$VARUNA_FX_PREPLAN`` "1" or
     "0"; by default ("auto") on a GPU cluster only: on CPU the training loop uses the cores
     the child would take."""
@@ -73,7 +73,7 @@ def next_worlds(world: int, per_node: int) -> list[int]:
 class Preplanner:
     """The one pre-planning child of a process (see the module doc)."""
 
-    def __init__(self, replan: Any) -> None:
+    def __init__(self, replan: Replanner) -> None:
         self.replan = replan
         self.pid: int | None = None
         self._stop_at_exit = False
