@@ -181,7 +181,7 @@ class InPlace:
             old.members)), "")
         leaving = preemption.requested()
         said: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(said, (leaving, preemption.received_at(), _has_grads(self.pipe)))
+        dist.all_gather_object(said, (leaving, preemption.received_at(), _has_grads(pipe)))
         if any(s[2] for s in said):  # gradients being accumulated: morph at a later step
             return args
         self.pending = False
@@ -214,7 +214,7 @@ class InPlace:
             set_rng_state(self._rng)
         if exc is not None:
             _forget(exc)
-        if self._had_grads if in_flight else _has_grads(self.pipe):
+        if self._had_grads if in_flight else _has_grads(pipe):
             raise DistributedError(
                 "a process vanished during a step that accumulates onto earlier steps' "
                 "gradients: those gradients cannot be moved to the new layout, so the job "

@@ -47,7 +47,8 @@ class LocalRuntime(StepLoop):
         self.autocast = autocast_factory(options.precision, "cuda" if on_cuda else "cpu")
         self.scaler = LossScaler(enabled=options.precision == "fp16")
         self.mean_loss = mean_loss
-        self.other_modes = {}  # made when first asked for (pipeline.py: every parameter is here)
+        # none made at compile: every parameter is here, so the pipeline cuts them when asked
+        self.other_modes = {}
         last = len(stages) - 1
         self.workers = [StageWorker(s, recompute=plan.recompute[s.index],
                                     is_last=s.index == last, offload_stash=options.offload_stash,
