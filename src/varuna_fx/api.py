@@ -239,7 +239,7 @@ def boundaries(state: CompileState) -> tuple[Boundary, ...]:
 
 def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                   canonical: dict[str, str], options: RunOptions, *,
-                  device: torch.device | None = None, replan: Any = None) -> Pipeline:
+                  device: torch.device | None = None, replan: Replan | None = None) -> Pipeline:
     """The distributed runtime under torchrun (world size > 1), else the one-process one, run
     as ``options`` say. A model built under ``vf.deferred_init`` is materialised on a rank
     only for its stage, while its runtime is made (``distributed.py``); in one process all of
@@ -256,11 +256,10 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
     if launched_distributed():  # each rank allocates its own stages' tensors now
         runtime = make_distributed_runtime(model, captured, stages, plan, canonical, options,
                                            assemble=assemble, layout=layout, joining=joining)
-    # (a graph cut from the captured one: made after a rank's allocation retargeted the
-    # captured graph to its device, or retargeted by a one-process pipeline's allocation)
-    mean_loss = find_mean_loss(captured.gm, captured.out_spec, captured.input_names,
-                               options.loss_fn)
-    if not launched_distributed():
+    else:
+        # (a graph cut from the captured one, retargeted by the pipeline's allocation)
+        mean_loss = find_mean_loss(captured.gm, captured.out_spec, captured.input_names,
+                                   options.loss_fn)
         if is_deferred(model):  # allocated when first used (init/allocation.py)
             check_replayable(model)  # what could never be allocated is refused now
             counting = [mean_loss.counting] if mean_loss is not None else []
@@ -269,10 +268,11 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
                 device or torch.device("cpu"),
                 ranks=plan.stages // plan.stages_per_rank * plan.data_parallel)
         runtime = LocalRuntime(stages, plan, options, assemble=assemble,
-                               device=allocation.device if allocation else None)
-    runtime.mean_loss = mean_loss
+                               device=allocation.device if allocation else None,
+                               mean_loss=mean_loss)
+    morphing = InPlace(membership(), replan) if replan is not None else None
     pipe = Pipeline(model, captured, stages, plan, canonical, runtime, options, assemble, layout,
-                    allocation)
+                    allocation, in_place=morphing)
     shard = options.shard_optimizer
     if pipe.replicas > 1 and (shard is True or (shard == "auto" and plan.shard_optimizer)):
         why = "shard_optimizer=True" if shard is True else \
@@ -284,6 +284,6 @@ def make_pipeline(model: nn.Module, captured: Captured, stages: list[Stage], pla
             "'every' steps of the optimizer pipe.optimizer made",
             "its steps would never reach the outer step, so the replicas would never meet "
             "again", ", or compile with another replica_sync")
-    if replan is not None:
-        pipe._in_place = InPlace.attach(pipe, membership(), replan, joining)
+    if morphing is not None:  # (after the guards above: its refusal is the one to show)
+        morphing.start(joining)
     return pipe

@@ -30,7 +30,8 @@ from .errors import InputError, VarunaFxError
 from .init.allocation import DeferredAllocation
 from .init.skip import any_marked, loaded, raise_unloaded, unloaded
 from .ir.nodes import info
-from .morph.face import InPlaceFace
+from .morph.controller import InPlace
+from .morph.records import MorphRecord
 from .passes.manager import dump_dir
 from .planner.plan import Plan
 from .runtime import preemption
@@ -44,10 +45,11 @@ from .runtime.setup import held_tensors
 from .runtime.shard import shard_batch
 from .runtime.step import Runtime
 from .runtime.step_stats import StepMeter, StepStats
-from .runtime.zero import build_optimizer
+from .runtime.zero_repoint import build_optimizer
 
 
-class Pipeline(InPlaceFace):
+class Pipeline:
+    _in_place: InPlace | None = None  # an in-place job's morphing (morph/controller.py)
     # checkpoints (checkpoint/): the checkpointer, made at the first save or load (its process
     # group, the save in flight); while set, the refusal a load that failed partway left
     _checkpointer: Checkpointer | None = None
@@ -61,27 +63,16 @@ class Pipeline(InPlaceFace):
                  canonical: dict[str, str], runtime: Runtime, options: RunOptions,
                  assemble: OutputAssembler | None = None,
                  state_layout: StateLayout | None = None,
-                 allocation: DeferredAllocation | None = None) -> None:
+                 allocation: DeferredAllocation | None = None,
+                 in_place: InPlace | None = None) -> None:
+        """``in_place``: an in-place job's morphing (``morph/controller.py``), which holds
+        this pipeline from here on."""
         self.model = model
         self.captured = captured
-        self.stages = stages
-        self.plan = plan
         self.canonical = canonical
-        self.runtime = runtime
-        self._options = options  # how it runs: compile's running options
         # a one-process pipeline of a vf.deferred_init model: its tensors, allocated at first
         # use (None: allocated, or nothing to allocate)
         self._allocation = allocation
-        # the samples each replica must pass to step when compile was given global_batch_size
-        # (global / D); None: any batch the micro-batch size divides
-        self._replica_batch = options.replica_batch(plan.data_parallel)
-        self.stage_index = runtime.stage_index
-        self.replica_index = runtime.replica_index
-        # stages whose parameters live in this process (all of them in one process)
-        self.local_stages = runtime.local_stages
-        # what the stages hold, so a step after the model was edited asks for a new compile
-        self._edits = ModelEdits(model, [stages[s].module for s in self.local_stages],
-                                 traced_modules(captured.gm))
         # every parameter and persistent buffer with its full shape, and which ones no stage
         # reads (stage 0 holds those)
         self.state_layout = state_layout or StateLayout.of(model, canonical, stages)
@@ -92,8 +83,52 @@ class Pipeline(InPlaceFace):
         # (codegen/modes.py): None where it equals the compiled graph, else its evaluation stages
         # (a distributed runtime made eval mode's at compile, while it held every parameter).
         self.compiled_modes = module_modes(model)
-        self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = \
-            dict(getattr(runtime, "other_modes", {}))
+        self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
+        self._set_layout(stages, plan, runtime, options)
+        self._in_place = in_place
+        if in_place is not None:
+            in_place.attach(self)
+
+    def _set_layout(self, stages: list[Stage], plan: Plan, runtime: Runtime,
+                    options: RunOptions) -> None:
+        """Run ``plan``'s ``stages`` with ``runtime`` as ``options`` say: everything that
+        depends on the layout, set here only (the constructor, and an in-place morph that
+        re-planned, ``morph/controller.py``)."""
+        self.stages, self.plan, self.runtime = stages, plan, runtime
+        self._options = options  # how it runs: compile's running options
+        # the samples each replica must pass to step when compile was given global_batch_size
+        # (global / D); None: any batch the micro-batch size divides
+        self._replica_batch = options.replica_batch(plan.data_parallel)
+        self.stage_index = runtime.stage_index
+        self.replica_index = runtime.replica_index
+        # stages whose parameters live in this process (all of them in one process)
+        self.local_stages = runtime.local_stages
+        # what the stages hold, so a step after the model was edited asks for a new compile
+        self._edits = ModelEdits(self.model, [stages[s].module for s in self.local_stages],
+                                 traced_modules(self.captured.gm))
+        # other modes' stages were cut for the old stages ("the compiled graph serves" holds);
+        # the runtime brings those it made for these
+        self.other_modes = {**{k: v for k, v in self.other_modes.items() if v is None},
+                            **runtime.other_modes}
+        # the checkpointer's group and the step meter were the old runtime's
+        self._checkpointer, self._meter = None, None
+
+    def _finish_saves(self) -> None:
+        """Wait for an asynchronous save in flight and forget the checkpointer, whose group
+        is the old world's (an in-place morph; a save that failed with that world is gone)."""
+        if self._checkpointer is not None:
+            try:
+                self._checkpointer.wait()
+            except Exception:  # noqa: BLE001 - a save that failed with the old world is gone
+                pass
+            self._checkpointer = None
+
+    def _drop_runtime(self) -> Runtime:
+        """The runtime, which this pipeline no longer holds: an in-place morph destroys its
+        groups next, and their sockets close only when nothing references them."""
+        runtime = self.runtime
+        self.runtime = None  # until the morph sets the new layout's (``_set_layout``)
+        return runtime
 
     # -- running -------------------------------------------------------------------------------
 
@@ -129,7 +164,7 @@ class Pipeline(InPlaceFace):
                 "needs gradients. Call pipe.step outside that block, or pipe(...) for a "
                 "forward-only evaluation")
         if self._in_place is not None:  # a morph may run first, or the step run again
-            return self._in_place.step(self, (inputs, kw_inputs, target))
+            return self._in_place.step((inputs, kw_inputs, target))
         return self._step(inputs, kw_inputs, target, (preemption.requested,))
 
     def _step(self, inputs: tuple, kw_inputs: dict[str, Any], target: Any,
@@ -187,9 +222,12 @@ class Pipeline(InPlaceFace):
         in an order that depends on (seed, epoch) only; its position is saved with
         ``save_checkpoint(..., data=loader)`` and restored on any layout (data/loader.py).
         Other keyword arguments go to ``torch.utils.data.DataLoader`` (pin_memory, ...)."""
-        return self.track(loader_for(self, dataset, shuffle=shuffle, seed=seed,
-                                     num_workers=num_workers, collate_fn=collate_fn,
-                                     **dataloader_kwargs))
+        plan = self.plan
+        replica_batch = self._replica_batch or plan.micro_batch_size * plan.num_micro_batches
+        return self.track(loader_for(dataset, replica_batch=replica_batch,
+                                     replicas=self.replicas, replica=self.replica_index,
+                                     shuffle=shuffle, seed=seed, num_workers=num_workers,
+                                     collate_fn=collate_fn, **dataloader_kwargs))
 
     def __call__(self, *inputs: Any, **kw_inputs: Any) -> Any:
         self._check_runnable()
@@ -299,7 +337,7 @@ class Pipeline(InPlaceFace):
         """``pipe.step(x, y)`` with a loss_fn: ``y`` is surely the target, which step takes by
         keyword only (a positional one could not be told from an input the model forgot); say
         so instead of only that forward takes fewer arguments."""
-        if target is not None or getattr(self.runtime, "loss_fn", None) is None:
+        if target is not None or self.runtime.loss_fn is None:
             return
         params = self.captured.signature.parameters.values()
         if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
@@ -333,7 +371,7 @@ class Pipeline(InPlaceFace):
         optimizer = build_optimizer(self.runtime, dict(self.named_parameters()), cls, params,
                                     defaults, self._options.shard_optimizer)
         if self._in_place is not None:
-            self._in_place.optimizer_made(self, optimizer)
+            self._in_place.optimizer_made(optimizer)
         return optimizer
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -384,6 +422,34 @@ class Pipeline(InPlaceFace):
                 mine[name].copy_(value)
             loaded([mine[name]])  # what vf.skip_init left uninitialised is now set
 
+    # -- in-place morphing (morph/controller.py; docs/API.md, "Morphing in place") ----------
+
+    @property
+    def morphs(self) -> list[MorphRecord]:
+        """Each in-place morph this process took part in: when, old and new layout, seconds
+        per phase, bytes moved (``morph/records.py``). [] outside an in-place job."""
+        return list(self._in_place.records) if self._in_place is not None else []
+
+    @property
+    def joined(self) -> bool:
+        """This process joined a running in-place job and took its state from the others (so
+        its script must not load a checkpoint into it)."""
+        return self._in_place is not None and self._in_place.carried is not None
+
+    def track(self, obj: Any) -> Any:
+        """Register an object with ``state_dict``/``load_state_dict`` (an LR scheduler; a data
+        loader is registered by ``data_loader``) for in-place morphing: a process that joins
+        gets rank 0's state of it, and a loader continues with the new replica's share.
+        Returns ``obj``; does nothing outside an in-place job."""
+        if self._in_place is not None:
+            self._in_place.track(obj)
+        return obj
+
+    def _note_checkpoint(self, path: str) -> None:
+        """The latest checkpoint saved or loaded: what a morph restarts from if state is lost."""
+        if self._in_place is not None:
+            self._in_place.checkpoint = path
+
     # -- checkpoints (checkpoint/save_load.py) and preemption (runtime/preemption.py) ----------
 
     def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | None = None,
@@ -401,7 +467,7 @@ class Pipeline(InPlaceFace):
                 str(path), optimizer, extra, async_save=async_save,
                 states={"data": data, "scheduler": scheduler, "stateful": stateful})
         except VarunaFxError as exc:  # in place, a peer lost meanwhile: the next step recovers
-            if self._in_place is None or not self._in_place.save_failed(self, exc):
+            if self._in_place is None or not self._in_place.save_failed(exc):
                 raise
             warnings.warn(f"{path} was not saved: a process vanished; the next step recovers "
                           "in place", stacklevel=2)
@@ -457,7 +523,7 @@ class Pipeline(InPlaceFace):
         an in-place job: every process got one; else the others morph in place)."""
         if self._in_place is not None:
             return self._in_place.all_leaving
-        flags = getattr(self.runtime, "flags", ())
+        flags = self.runtime.flags
         return bool(flags and flags[0])
 
     def install_preemption_handlers(self) -> None:

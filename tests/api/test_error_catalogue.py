@@ -20,6 +20,7 @@ from torch import nn
 
 import varuna_fx as vf
 from support.registry import CASES
+from varuna_fx.world.switches import read as read_switch
 
 MLP = CASES["mlp"]
 X, Y = MLP.inputs[0], MLP.target
@@ -266,6 +267,16 @@ CATALOGUE = [
         E, "VARUNA_FX_TIMEOUT='soon'", "not a number of seconds"),
     row("VARUNA_FX_TIMEOUT=-5", env("VARUNA_FX_TIMEOUT", "-5", lambda: compile_mlp(stages=1)),
         E, "VARUNA_FX_TIMEOUT=-5"),
+    # every switch reads through world/switches.py: one refusal per kind
+    row("VARUNA_FX_HEARTBEAT_WINDOW=soon", env("VARUNA_FX_HEARTBEAT_WINDOW", "soon",
+                                               lambda: read_switch("VARUNA_FX_HEARTBEAT_WINDOW")),
+        E, "VARUNA_FX_HEARTBEAT_WINDOW='soon'", "number of seconds"),
+    row("VARUNA_FX_PREPLAN_SECONDS=0", env("VARUNA_FX_PREPLAN_SECONDS", "0",
+                                           lambda: read_switch("VARUNA_FX_PREPLAN_SECONDS")),
+        E, "VARUNA_FX_PREPLAN_SECONDS=0", "positive, finite"),
+    row("VARUNA_FX_MIN_WORLD=two", env("VARUNA_FX_MIN_WORLD", "two",
+                                       lambda: read_switch("VARUNA_FX_MIN_WORLD")),
+        Dist, "VARUNA_FX_MIN_WORLD='two'", "integer"),
     row("WORLD_SIZE=two", env("WORLD_SIZE", "two", lambda: compile_mlp(stages=1)), Dist,
         "WORLD_SIZE='two'", "torchrun"),
     row("WORLD_SIZE=two, local cluster", env("WORLD_SIZE", "two", vf.Cluster.local), Dist,

@@ -187,6 +187,22 @@ def test_loss_scaler_grows_after_clean_steps() -> None:
     assert off.scale == 1.0 and not off.unscale_([])
 
 
+def test_the_loss_scale_carries_on_through_its_state() -> None:
+    """What checkpoints and joining processes carry (``state_dict``/``load_state_dict``): the
+    scale and the clean steps towards its next growth; a disabled scaler stays at 1."""
+    scaler = LossScaler(enabled=True, init_scale=8.0, growth_interval=3)
+    scaler.update()
+    scaler.update()
+    other = LossScaler(enabled=True, growth_interval=3)
+    other.load_state_dict(scaler.state_dict())
+    assert other.state_dict() == {"scale": 8.0, "clean_steps": 2}
+    other.update()  # the third clean step grows it, as it would have grown the first
+    assert other.scale == 16.0
+    off = LossScaler(enabled=False)
+    off.load_state_dict(scaler.state_dict())
+    assert off.scale == 1.0
+
+
 def test_unknown_precision_is_rejected() -> None:
     with pytest.raises(vf.VarunaFxError, match="precision='fp8'"):
         _compiled("fp8")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..world import switches
 from ..world.files import read_entry, write_entry
 from .captured import Captured
 from .graph_json import Unwritable, decode_captured, encode_captured
@@ -40,7 +41,7 @@ stats: Counter[str] = Counter()
 
 def enabled() -> bool:
     """Whether the graph caches (this one and the shape pass's) are on."""
-    return os.environ.get("VARUNA_FX_GRAPH_CACHE", "1").strip() not in ("0", "false", "no", "off")
+    return switches.read("VARUNA_FX_GRAPH_CACHE") == "on"
 
 
 def load(key: str, model: nn.Module, bound: BoundInputs) -> Captured | None:

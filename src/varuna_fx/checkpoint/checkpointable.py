@@ -14,17 +14,25 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from ..codegen.stage_module import Stage
 from ..planner.plan import Plan
 from ..runtime.model_state import StateLayout
 from ..runtime.step import Runtime
 
 
 class Checkpointable(Protocol):
-    """The parts of a pipeline a checkpoint is saved from and loaded into."""
+    """The parts of a pipeline a checkpoint (or Hugging Face weights) is saved from and
+    loaded into."""
 
     plan: Plan  # the layout recorded in the marker
-    runtime: Runtime  # the fp16 loss scaler, and the timeout of a distributed runtime
+    runtime: Runtime  # the fp16 loss scaler, the timeout, the replicas' gradient sync
+    replica_index: int  # whose replica-sync state this process saves (checkpoint/sync_state.py)
     state_layout: StateLayout  # every FQN's full shape: a checkpoint of another model is refused
+    # what Hugging Face weights are read into and written from (checkpoint/pretrained.py)
+    model: nn.Module
+    canonical: dict[str, str]  # every FQN -> its canonical name (tied weights are one)
+    stages: list[Stage]
+    local_stages: list[int]  # the stages this process holds
 
     def state_dict(self) -> dict[str, torch.Tensor]: ...
 

@@ -36,6 +36,7 @@ import torch
 
 from ..errors import PretrainedError
 from ..init.skip import loaded
+from .checkpointable import Checkpointable
 from .contents import few
 from .directory import lock, unlock
 from .failures import FailedLoad, mark_failed
@@ -68,7 +69,7 @@ class PretrainedLoad:
     unexpected: list[str]  # checkpoint keys naming nothing of the model (not read)
 
 
-def load_pretrained(pipe: Any, ckpt: Checkpointer, path: str, *,
+def load_pretrained(pipe: Checkpointable, ckpt: Checkpointer, path: str, *,
                     strict: bool = True) -> PretrainedLoad | FailedLoad:
     """Load the Hugging Face checkpoint at ``path`` into the tensors ``pipe`` holds here
     (``ckpt``: the pipeline's checkpointer, for its agreement between ranks). A failure before
@@ -107,7 +108,7 @@ def load_pretrained(pipe: Any, ckpt: Checkpointer, path: str, *,
     return result
 
 
-def _plan_load(pipe: Any, path: str, held: dict[str, torch.Tensor],
+def _plan_load(pipe: Checkpointable, path: str, held: dict[str, torch.Tensor],
                strict: bool) -> tuple[list[tuple[str, Any, torch.Tensor]], PretrainedLoad]:
     """Check the whole checkpoint against the whole model; what this process reads, into what."""
     meta = [n for n, t in held.items() if t.is_meta]
@@ -198,7 +199,7 @@ def _mismatch(model: Any, path: str, found: Any, kind: str | None, settings: lis
 # -- saving ----------------------------------------------------------------------------------
 
 
-def save_pretrained(pipe: Any, ckpt: Checkpointer, directory: str) -> None:
+def save_pretrained(pipe: Checkpointable, ckpt: Checkpointer, directory: str) -> None:
     """Write the pipeline's weights to ``directory`` in transformers' layout, every rank of
     replica 0 its stages' shards (``ckpt``: the pipeline's checkpointer, for its agreement)."""
     directory = os.path.normpath(os.fspath(directory))  # the lock goes beside it, not inside
@@ -258,7 +259,7 @@ def save_pretrained(pipe: Any, ckpt: Checkpointer, directory: str) -> None:
             unlock(directory, fd)
 
 
-def _shards(pipe: Any) -> dict[int, list[str]]:
+def _shards(pipe: Checkpointable) -> dict[int, list[str]]:
     """stage -> the canonical names it writes (model order): those no earlier stage holds.
     The same on every rank: it depends on the plan only."""
     layout = pipe.state_layout

@@ -91,7 +91,7 @@ class Checkpointer:
         self.distributed = launched_distributed() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
-        self.timeout = getattr(pipe.runtime, "timeout", None) or resolve_timeout(None)
+        self.timeout = pipe.runtime.timeout or resolve_timeout(None)
         self.group = None
         if self.distributed:  # collective: every rank's first save/load gets here together
             from datetime import timedelta
@@ -198,8 +198,9 @@ class Checkpointer:
         if self.rank == 0:
             check_plain(extra or {})
             scaler = self.pipe.runtime.scaler
-            meta = {"extra": extra or {}, "loss_scale": scaler.scale if scaler.enabled else None,
-                    "clean_steps": scaler._clean_steps, "rng": rng_state()}
+            scale = scaler.state_dict()
+            meta = {"extra": extra or {}, "loss_scale": scale["scale"] if scaler.enabled else None,
+                    "clean_steps": scale["clean_steps"], "rng": rng_state()}
             state[META] = encode(meta)
             try:
                 decode(state[META])
@@ -280,9 +281,9 @@ class Checkpointer:
             if sync is not None:
                 sync.restore(dest)
             meta = decode(dest[META])
-            scaler = self.pipe.runtime.scaler
-            if scaler.enabled and meta["loss_scale"] is not None:  # fp16 saved and fp16 now
-                scaler.scale, scaler._clean_steps = meta["loss_scale"], meta["clean_steps"]
+            if meta["loss_scale"] is not None:  # fp16 saved (and fp16 now: the scaler says)
+                self.pipe.runtime.scaler.load_state_dict(
+                    {"scale": meta["loss_scale"], "clean_steps": meta["clean_steps"]})
             set_rng_state(meta["rng"])
             extra = meta["extra"]
         except BaseException as exc:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .checkpointable import Checkpointable
 from .contents import MODEL
 
 SYNC = "sync/"
@@ -115,12 +116,12 @@ class SyncState:
                     diloco.named[n].copy_(value)
 
 
-def of(pipe: Any) -> SyncState | None:
+def of(pipe: Checkpointable) -> SyncState | None:
     """The pipeline's replica-sync state, or None where it has none to save."""
-    sync = getattr(pipe.runtime, "grad_sync", None)
+    sync = pipe.runtime.grad_sync
     if sync is None or (sync.hook is None and sync.diloco is None):
         return None
-    return SyncState(sync, getattr(pipe, "replica_index", 0))
+    return SyncState(sync, pipe.replica_index)
 
 
 def strip(prefix: str, loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

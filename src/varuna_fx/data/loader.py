@@ -163,9 +163,13 @@ class GlobalBatchLoader:
                 f"{state['samples']} of epoch {state['epoch']}'s order, in batches of "
                 f"{self.global_batch_size} (pass compile the same global_batch_size on every "
                 "layout to keep the batches themselves)", stacklevel=3)
-        self.sampler.seed, self.sampler.shuffle = state["seed"], state["shuffle"]
-        self.sampler._order = None
+        self.sampler.reorder(state["seed"], state["shuffle"])
         self.epoch, self.position = state["epoch"], state["samples"]
+        self._generation += 1
+
+    def _epoch_done(self) -> None:
+        """The iterator ran out of the epoch's batches: the next iteration begins the next."""
+        self.epoch, self.position = self.epoch + 1, 0
         self._generation += 1
 
 
@@ -223,21 +227,19 @@ class _Iteration:
             batch = next(self.inner)
         except StopIteration:
             if self.generation == loader._generation:  # the epoch is done: the next begins
-                loader.epoch, loader.position = loader.epoch + 1, 0
-                loader._generation += 1
+                loader._epoch_done()
             raise
         loader.position += loader.global_batch_size
         loader.last_batch = batch
         return batch
 
 
-def loader_for(pipe: Any, dataset: Any, **options: Any) -> GlobalBatchLoader:
+def loader_for(dataset: Any, *, replica_batch: int, replicas: int, replica: int,
+               **options: Any) -> GlobalBatchLoader:
     """``pipe.data_loader``: the global batch is what one step takes on every replica that runs
-    (compile's ``global_batch_size``, or D x the example batch; one process steps on all of
-    it), and this process takes its replica's share."""
-    plan = pipe.plan
-    replica_batch = pipe._replica_batch or plan.micro_batch_size * plan.num_micro_batches
-    replicas = pipe.replicas
+    (``replica_batch`` each: compile's ``global_batch_size`` / D, or the example batch; one
+    process, ``replicas`` 1, steps on all of it), and this process takes replica ``replica``'s
+    share."""
     return GlobalBatchLoader(dataset, global_batch_size=replica_batch * replicas,
-                             replica=pipe.replica_index if replicas > 1 else 0,
-                             replicas=replicas, **options)
+                             replica=replica if replicas > 1 else 0, replicas=replicas,
+                             **options)

@@ -62,6 +62,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
         """Samples of each global batch one replica takes."""
         return self.global_batch_size // self.replicas
 
+    def reorder(self, seed: int, shuffle: bool) -> None:
+        """Draw the epochs' orders from ``seed`` (shuffled or not) from now on."""
+        self.seed, self.shuffle = seed, shuffle
+        self._order = None  # (the kept epoch's order was another seed's)
+
     def order(self, epoch: int) -> np.ndarray:
         """The dataset's indices in epoch ``epoch``'s order (the last epoch's is kept)."""
         if self._order is None or self._order[0] != epoch:

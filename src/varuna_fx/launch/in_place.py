@@ -44,6 +44,7 @@ from ..errors import VarunaFxError
 from ..morph.controller import RESTART_EXIT
 from ..world import membership as ms
 from ..world.admission import REFUSED_KEY
+from ..world.switches import WorkerEnv, read
 from .elastic import DEFAULT_PORT, _same_address, _split_endpoint, interface_of, parse_nnodes
 
 POLL = 0.1
@@ -90,10 +91,11 @@ class InPlaceLaunch:
         self.node = self.local_addr or socket.gethostname()
 
     def environment(self, local_rank: int, restarts: int) -> dict[str, str]:
-        env = {ms.STORE_ENV: f"{self.host}:{self.port}", ms.JOB_ENV: self.rdzv_id,
-               ms.MEMBER_ENV: f"{self.node}.{os.getpid()}.{local_rank}.{restarts}",
-               ms.MIN_ENV: str(self.min_world), ms.MAX_ENV: str(self.max_world),
-               "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.nproc)}
+        worker = WorkerEnv(store=f"{self.host}:{self.port}", job=self.rdzv_id,
+                           member=f"{self.node}.{os.getpid()}.{local_rank}.{restarts}",
+                           min_world=self.min_world, max_world=self.max_world)
+        env = {**worker.environ(), "LOCAL_RANK": str(local_rank),
+               "LOCAL_WORLD_SIZE": str(self.nproc)}
         iface = interface_of(self.local_addr) if self.local_addr else None
         if iface is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
             env["GLOO_SOCKET_IFNAME"] = iface
@@ -179,7 +181,7 @@ class InPlaceLaunch:
         when every member vanished at once (a crash during a checkpoint's collective, say),
         their launchers start them again and they need the store to resume the job."""
         job = dist.PrefixStore(f"varuna_fx/{self.rdzv_id}/", store)  # type: ignore[arg-type]
-        window = float(os.environ.get(ms.WINDOW_ENV) or ms.WINDOW)
+        window = read(ms.WINDOW_ENV)
         last: tuple[int, dict[str, int]] | None = None
         started, quiet = time.monotonic(), time.monotonic()
         while True:

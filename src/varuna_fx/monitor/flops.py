@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..costs.roofline import DEVICES
+from .watched import Watched
 
 # dense datasheet peaks, FLOP/s: (bf16/fp16 tensor cores, fp32 via TF32 (FP32 on V100))
 DATASHEET: dict[str, tuple[float, float]] = {
@@ -39,7 +40,7 @@ class Peak:
         return model_flops / (seconds * self.flops * self.devices)
 
 
-def peak_of(pipe: Any, given: float | None = None) -> Peak:
+def peak_of(pipe: Watched, given: float | None = None) -> Peak:
     """The peak FLOP/s of the devices ``pipe`` runs on (``given``: the user's figure)."""
     devices = 1 if pipe.replicas == 1 and len(pipe.local_stages) == len(pipe.stages) \
         else pipe.plan.placement.world_size if pipe.plan.placement is not None \
@@ -70,8 +71,7 @@ def step_flops(plan: Any, samples: int) -> float:
     return per_micro_batch * samples / plan.micro_batch_size
 
 
-def _low_precision(pipe: Any) -> bool:
-    autocast = getattr(pipe.runtime, "autocast", contextlib.nullcontext)
-    if autocast is not contextlib.nullcontext:
+def _low_precision(pipe: Watched) -> bool:
+    if pipe.runtime.autocast is not contextlib.nullcontext:
         return True
     return any(p.dtype in (torch.bfloat16, torch.float16) for p in pipe.parameters())

@@ -44,6 +44,7 @@ from .display import Display
 from .flops import peak_of, step_flops
 from .morph_events import describe_morph, morph_event
 from .sinks import METRICS, JsonlSink, finite, read_jsonl, tensorboard_sink
+from .watched import Watched
 
 CHARTS = "charts"
 
@@ -59,7 +60,7 @@ class Monitor:
     inputs do not hold token ids (None: counted from an integer input); ``charts``: whether
     ``close`` draws the charts (``charts()`` draws them on demand either way)."""
 
-    def __init__(self, pipe: Any, out_dir: str | Path, *, total_steps: int | None = None,
+    def __init__(self, pipe: Watched, out_dir: str | Path, *, total_steps: int | None = None,
                  start_step: int = 0, print_every: int = 10, memory_every: int = 50,
                  live: bool | None = None, tensorboard: bool | None = None,
                  peak_flops: float | None = None, tokens_per_sample: int | None = None,
@@ -84,7 +85,7 @@ class Monitor:
         if self.distributed:
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # in-place morphs seen (a process that joined a running job saw its own join already)
-        self._morphs_seen = len(getattr(pipe, "morphs", ()))
+        self._morphs_seen = len(pipe.morphs)
         self.records: list[dict[str, Any]] = []
         self._last: StepStats | None = None
         self._logged_at: float | None = None
@@ -124,7 +125,7 @@ class Monitor:
         reaches its first gather at the same step, also a process that joined an in-place job
         (an eager one would wait in its constructor for ranks busy in their step)."""
         if self.distributed and self.group is None:
-            timeout = getattr(self.pipe.runtime, "timeout", 300.0)
+            timeout = self.pipe.runtime.timeout or 300.0
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         return self.group
 
@@ -135,7 +136,7 @@ class Monitor:
         the morph's stall, so this step's rates are over ``pipe.step``'s own time. Rank 0
         logs each morph as an event (``morph_event``); a process that became rank 0 (rank 0
         left) takes over the outputs."""
-        morphs = list(getattr(self.pipe, "morphs", ()))
+        morphs = list(self.pipe.morphs)
         if len(morphs) <= self._morphs_seen:
             return
         new, self._morphs_seen = morphs[self._morphs_seen:], len(morphs)

@@ -25,6 +25,9 @@ import torch
 from ..checkpoint.contents import class_name, rng_state, set_rng_state
 from ..checkpoint.optimizer_state import decode, encode, restore_optimizer
 from ..errors import VarunaFxError
+from ..runtime.precision import LossScaler
+from ..runtime.step import Runtime
+from ..runtime.zero import Made
 from ..runtime.zero_repoint import repoint_optimizer
 
 
@@ -32,14 +35,15 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def recipe(scaler: Any, optimizer: torch.optim.Optimizer | None, group_of: dict[str, int],
+def recipe(scaler: LossScaler, optimizer: torch.optim.Optimizer | None, group_of: dict[str, int],
            setting: Any, tracked: list[Any], checkpoint: str | None,
            rng: dict[str, Any] | None = None) -> torch.Tensor:
     """The survivors' rank 0: what a joiner needs, encoded (``rng``: the state to hand on,
     default this process's now)."""
+    scale = scaler.state_dict()
     return encode({
         "rng": rng if rng is not None else rng_state(),
-        "scaler": [float(scaler.scale), int(scaler._clean_steps)],
+        "scaler": [scale["scale"], scale["clean_steps"]],
         "optimizer": None if optimizer is None else {
             "class": class_name(optimizer), "group_of": dict(group_of),
             "hypers": [_hyper(g) for g in optimizer.param_groups], "setting": setting},
@@ -74,10 +78,9 @@ class Carried:
                    optimizer=raw["optimizer"], tracked=[tuple(t) for t in raw["tracked"]],
                    checkpoint=raw["checkpoint"])
 
-    def restore_process_state(self, scaler: Any) -> None:
+    def restore_process_state(self, scaler: LossScaler) -> None:
         set_rng_state(self.rng)
-        if scaler.enabled:
-            scaler.scale, scaler._clean_steps = self.scaler
+        scaler.load_state_dict({"scale": self.scaler[0], "clean_steps": self.scaler[1]})
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self.optimizer is None:
@@ -89,7 +92,7 @@ class Carried:
                 f"this process joined a running job that trains with {self.optimizer['class']}, "
                 f"but its script made a {class_name(optimizer)}: run the same script everywhere")
 
-    def apply_optimizer(self, optimizer: torch.optim.Optimizer, made: Any, runtime: Any,
+    def apply_optimizer(self, optimizer: torch.optim.Optimizer, made: Made, runtime: Runtime,
                         named: dict[str, Any]) -> None:
         """The optimizer the joiner's script made: cut as the survivors cut theirs (model order
         within each param group, which is what the carried state was cut for), with the running

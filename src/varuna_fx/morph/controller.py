@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from ..checkpoint.contents import rng_state, set_rng_state
 from ..checkpoint.optimizer_state import restore_optimizer
+from ..codegen.stage_module import Stage
 from ..errors import DistributedError, PeerTimeoutError
 from ..init.materialize import is_deferred, materialize_tensors
 from ..planner.cluster import Cluster
@@ -62,6 +63,7 @@ from ..world.membership import Generation, Membership, backend_name
 from . import batch
 from .carried import Carried, recipe
 from .exchange import exchange
+from .morphable import Morphable, Replanner
 from .preplan import Preplanner
 from .records import MorphRecord, layout_text
 from .state import (
@@ -82,8 +84,9 @@ RESTART_EXIT = 75  # exit status asking the in-place launcher to start this work
 class InPlace:
     """The in-place morphing of one pipeline (``Pipeline._in_place``)."""
 
-    def __init__(self, membership: Membership, replan: Any) -> None:
+    def __init__(self, membership: Membership, replan: Replanner) -> None:
         self.membership, self.replan, self.cluster = membership, replan, replan.cluster
+        self.pipe: Morphable  # the pipeline it morphs (``attach``, from its constructor)
         self.global_batch_size: int | None = replan.options.global_batch_size
         self.records: list[MorphRecord] = []
         self.tracked: list[Any] = []
@@ -101,36 +104,39 @@ class InPlace:
         # the likely next worlds' searches, run after the first step of each layout
         self.preplanner, self._preplan_due = Preplanner(replan), True
 
-    @classmethod
-    def attach(cls, pipe: Any, membership: Membership, replan: Any, joining: bool) -> InPlace:
-        """``make_pipeline``'s: the pipeline's morphing (a joining process takes its state)."""
+    def attach(self, pipe: Morphable) -> None:
+        """``Pipeline.__init__``'s: the pipeline this morphs, held from now on."""
+        self.pipe = pipe
+
+    def start(self, joining: bool) -> None:
+        """``make_pipeline``'s, once the pipeline is made: optimizers made around it are
+        refused; a process joining a running job takes its state from the members."""
         guard_direct_optimizers(
-            pipe.parameters(), "this job morphs in place (--in-place)",
+            self.pipe.parameters(), "this job morphs in place (--in-place)",
             "a morph moves pipe.optimizer's state and parameters only, so this one would keep "
             "stepping the old layout's", ", or run without --in-place (the restart path)")
-        morphing = cls(membership, replan)
         if joining:
-            morphing.join(pipe)
-        return morphing
+            self.join()
 
     # -- every step ----------------------------------------------------------------------------
 
-    def step(self, pipe: Any, args: batch.Args) -> torch.Tensor:
+    def step(self, args: batch.Args) -> torch.Tensor:
         """``pipe.step`` in an in-place job: a morph first if the last step asked for one;
         if a peer vanishes mid-step, survive it and run the step again on the new layout."""
-        args = self.begin_step(pipe, args)
+        pipe = self.pipe
+        args = self.begin_step(args)
         while True:
             failure: PeerTimeoutError | None = None
-            if getattr(pipe.runtime, "closer", True) is None:  # a generation's first step
+            if pipe.runtime.closer is None:  # a generation's first step
                 pipe.runtime.closer = store_closer(self.membership, dist.get_rank())
             try:
                 loss = pipe._step(*args, self.flags())
                 break
             except PeerTimeoutError as exc:
                 failure = exc
-            args = self.recover(pipe, failure, args)
+            args = self.recover(failure, args)
             del failure
-        self.end_step(pipe)
+        self.end_step()
         return loss
 
     def flags(self) -> tuple[Any, ...]:
@@ -140,19 +146,20 @@ class InPlace:
             return dist.get_rank() == 0 and self.membership.joins_waiting()
         return (preemption.requested, joins)
 
-    def begin_step(self, pipe: Any, args: batch.Args) -> batch.Args:
+    def begin_step(self, args: batch.Args) -> batch.Args:
         """Before a step: the morph a notice or a join asked for, then this step's snapshot."""
         if self.broken:  # a process vanished during a checkpoint save: recover first
-            args = self.recover(pipe, None, args, in_flight=False)
+            args = self.recover(None, args, in_flight=False)
         if self.pending:
-            args = self._boundary(pipe, args)
-        self._had_grads = _has_grads(pipe)
+            args = self._boundary(args)
+        self._had_grads = _has_grads(self.pipe)
         self._rng = rng_state()
         self._step_started = time.perf_counter()
         return args
 
-    def end_step(self, pipe: Any) -> None:
-        counts = getattr(pipe.runtime, "flag_counts", (0, 0))
+    def end_step(self) -> None:
+        pipe = self.pipe
+        counts = pipe.runtime.flag_counts
         leaving, joins = int(counts[0]), int(counts[1])
         world = dist.get_world_size()
         self.all_leaving = leaving >= world
@@ -162,11 +169,12 @@ class InPlace:
             self._first_step = None
         if self._preplan_due and not self.pending and not self.all_leaving:
             self._preplan_due = False
-            self.preplanner.start(self.cluster, self._global_batch(pipe))
+            self.preplanner.start(self.cluster, self._global_batch())
 
     # -- a notice or a join, at a step boundary ------------------------------------------------
 
-    def _boundary(self, pipe: Any, args: batch.Args) -> batch.Args:
+    def _boundary(self, args: batch.Args) -> batch.Args:
+        pipe = self.pipe
         old = self.membership.generation
         assert old is not None
         rec = MorphRecord(old.number + 1, "notice", time.time(), layout_text(pipe.plan, len(
@@ -180,22 +188,23 @@ class InPlace:
         text = [""]
         if dist.get_rank() == 0:
             text[0] = self.membership.after_boundary(
-                [s[0] for s in said], self.cluster.to_dict(), self._global_batch(pipe)).to_json()
+                [s[0] for s in said], self.cluster.to_dict(), self._global_batch()).to_json()
         dist.broadcast_object_list(text, src=0)
         gen = Generation.from_json(text[0])
         times = [s[1] for s in said if s[0] and s[1] is not None]
         rec.signal_at = min(times) if times else None
         rec.reason, rec.joined, rec.left = gen.reason, gen.joined, gen.left
         rec.phase("agree")
-        return self._morph(pipe, gen, args, rec, leaving=leaving)
+        return self._morph(gen, args, rec, leaving=leaving)
 
     # -- a process vanished --------------------------------------------------------------------
 
-    def recover(self, pipe: Any, exc: BaseException | None, args: batch.Args,
+    def recover(self, exc: BaseException | None, args: batch.Args,
                 in_flight: bool = True) -> batch.Args:
         """After the step in flight failed talking to a peer (``in_flight``; else the last
         step's checkpoint save did): agree with the other survivors on the next generation,
         morph, and return the step's arguments for the new layout (the caller runs the step)."""
+        pipe = self.pipe
         old = self.membership.generation
         assert old is not None
         rec = MorphRecord(old.number + 1, "lost", time.time(),
@@ -213,15 +222,15 @@ class InPlace:
                 "every step recoverable)") from None
         for p in pipe.parameters():  # the failed attempt's partial gradients
             p.grad = None
-        snapshot = self._snapshot(pipe, args)  # before the groups go: views of this state
+        snapshot = self._snapshot(args)  # before the groups go: views of this state
         if pipe.runtime is not None:
-            self._teardown(pipe, failed=True)
-        gen = self.membership.recover(self.cluster.to_dict(), self._global_batch(pipe))
+            self._teardown(failed=True)
+        gen = self.membership.recover(self.cluster.to_dict(), self._global_batch())
         rec.lost, rec.joined = gen.lost, gen.joined
         rec.phase("agree")
-        return self._morph(pipe, gen, args, rec, leaving=False, snapshot=snapshot)
+        return self._morph(gen, args, rec, leaving=False, snapshot=snapshot)
 
-    def save_failed(self, pipe: Any, exc: BaseException) -> bool:
+    def save_failed(self, exc: BaseException) -> bool:
         """A checkpoint save raised: when a peer vanished meanwhile (its connection closed or
         reset, a wait timed out), close this process's groups at once (so peers blocked in the
         save fail too) and recover at the next step; True then (the save is abandoned)."""
@@ -229,38 +238,39 @@ class InPlace:
         if not any(w in text for w in ("closed", "reset", "timed out", "timeout", "broken")):
             return False
         _forget(exc)
-        self._teardown(pipe, failed=True)
+        self._teardown(failed=True)
         self.broken = True
         return True
 
     # -- the morph -----------------------------------------------------------------------------
 
-    def _morph(self, pipe: Any, gen: Generation, args: batch.Args, rec: MorphRecord, *,
+    def _morph(self, gen: Generation, args: batch.Args, rec: MorphRecord, *,
                leaving: bool, snapshot: tuple[Descriptor, Sources] | None = None
                ) -> batch.Args:
+        pipe = self.pipe
         self.preplanner.stop()  # (the morph's CPU now; a finished pre-plan is on disk)
         old_replicas, old_local = pipe.plan.data_parallel, list(pipe.local_stages)
-        desc, sources = snapshot or self._snapshot(pipe, args)
+        desc, sources = snapshot or self._snapshot(args)
         if snapshot is None:
-            self._teardown(pipe)
+            self._teardown()
         desc.signal_at = rec.signal_at
         self.membership.form(gen, backend_name())
         rec.phase("regroup")
         if leaving:  # hand over what this process holds, then go
-            self._exchange(pipe, gen, desc, sources, rec)
+            self._exchange(gen, desc, sources, rec)
             self._leave(gen)
         if dist.get_rank() == 0 and gen.joined:
             self.membership.put(gen.number, "recipe", recipe(
                 self._scaler, self.optimizer, self._group_of(), pipe._options.shard_optimizer,
                 self.tracked, self.checkpoint).numpy().tobytes())
-        self._rebuild(pipe, gen, rec)
-        self._allocate_opt(pipe, desc)
+        self._rebuild(gen, rec)
+        self._allocate_opt(desc)
         batch.input_needs(args, old_replicas, pipe.replica_index, pipe.plan.data_parallel, desc)
-        plan, got = self._exchange(pipe, gen, desc, sources, rec)
+        plan, got = self._exchange(gen, desc, sources, rec)
         missing = [m for m in plan.missing if m[1][0] != batch.INPUT]
         if missing or self._lost_shard:
             self._restart(gen, missing)
-        self._adopt(pipe, plan, got, sources, desc)
+        self._adopt(plan, got, sources, desc)
         lost_rows = any(m[1][0] == batch.INPUT and m[0] == self._me(gen) for m in plan.missing)
         if lost_rows:
             args = batch.from_loader(args, self._loaders(), pipe.replica_index,
@@ -279,8 +289,9 @@ class InPlace:
         self._first_step, self._preplan_due = rec, True
         return args
 
-    def _snapshot(self, pipe: Any, args: batch.Args) -> tuple[Descriptor, Sources]:
+    def _snapshot(self, args: batch.Args) -> tuple[Descriptor, Sources]:
         """What this process holds: views of its tensors, read before anything changes."""
+        pipe = self.pipe
         desc, sources = Descriptor(), {}
         model_holdings(pipe.state_dict(), desc, sources)
         if self.optimizer is not None:
@@ -289,51 +300,49 @@ class InPlace:
         batch.input_state(args, pipe.replica_index, pipe.plan.data_parallel, desc, sources)
         return desc, sources
 
-    def _teardown(self, pipe: Any, failed: bool = False) -> None:
+    def _teardown(self, failed: bool = False) -> None:
         """Destroy every group of the old generation and drop every reference to them, so their
         sockets close now (``failed``: at once, cycles collected too, and every connection of
         the old generation shut down first, ``Membership.sever``: a peer blocked on this process
         then fails at once even if something still holds the old groups)."""
+        pipe = self.pipe
         if failed:
             self.membership.sever()
-        if pipe._checkpointer is not None:
-            try:
-                pipe._checkpointer.wait()
-            except Exception:  # noqa: BLE001 - a save that failed with the old world is gone
-                pass
-            pipe._checkpointer = None
+        pipe._finish_saves()
         made = made_by_pipeline(self.optimizer)
         if made is not None:
             made.zero, made.grad_sync = None, None
         # what outlives the runtime: the loss scale, and how the model's loss is weighed
-        self._scaler, self._mean_loss = pipe.runtime.scaler, pipe.runtime.mean_loss
-        self._device = pipe.runtime.device
-        pipe.runtime = None
+        runtime = pipe._drop_runtime()
+        self._scaler, self._mean_loss = runtime.scaler, runtime.mean_loss
+        self._device = runtime.device
+        del runtime
         if dist.is_initialized():
             dist.destroy_process_group()
         if failed:
             gc.collect()
 
-    def _rebuild(self, pipe: Any, gen: Generation, rec: MorphRecord) -> None:
+    def _rebuild(self, gen: Generation, rec: MorphRecord) -> None:
         """Re-plan for the new world and build this rank's runtime in the new group."""
+        pipe = self.pipe
         cluster = Cluster.from_dict(gen.cluster) if gen.cluster else self.cluster
-        gbs = gen.global_batch_size or self._global_batch(pipe)
-        stages, plan, options = self.replan(cluster, gbs)
+        gbs = gen.global_batch_size or self._global_batch()
+        stages, plan, _ = self.replan(cluster, gbs)
         rec.phase("replan")
-        pipe._options = dataclasses.replace(pipe._options, global_batch_size=gbs)
-        reorder = agree_on_plan(plan, stages, pipe._options)
+        options = dataclasses.replace(pipe._options, global_batch_size=gbs)
+        reorder = agree_on_plan(plan, stages, options)
         local = plan.placement.stages_of(dist.get_rank())
-        self._allocate(pipe, stages, local)
+        self._allocate(stages, local)
         runtime = build_runtime(pipe.model, pipe.captured, stages, plan, pipe.canonical,
-                                pipe._options, assemble=pipe._assemble,
-                                layout=pipe.state_layout, reorder=reorder)
-        runtime.scaler, runtime.mean_loss = self._scaler, self._mean_loss
-        pipe._adopt(stages, plan, runtime)
+                                options, assemble=pipe._assemble, layout=pipe.state_layout,
+                                reorder=reorder, mean_loss=self._mean_loss, scaler=self._scaler)
+        pipe._set_layout(stages, plan, runtime, options)
         self.cluster = cluster
         rec.phase("runtime")
 
-    def _allocate(self, pipe: Any, stages: list[Any], local: list[int]) -> None:
+    def _allocate(self, stages: list[Stage], local: list[int]) -> None:
         """Storage for the tensors this rank holds from now on (their values move in next)."""
+        pipe = self.pipe
         names = pipe.state_layout.held_names(pipe.canonical, stages, local)
         params, buffers = held_tensors(pipe.model, names)
         meta = [n for n, t in [*params.items(), *buffers.items()] if t.is_meta]
@@ -346,9 +355,10 @@ class InPlace:
                 if shape is not None and tuple(t.shape) != shape:
                     t.data = torch.empty(shape, dtype=t.dtype, device=self._device)
 
-    def _allocate_opt(self, pipe: Any, desc: Descriptor) -> None:
+    def _allocate_opt(self, desc: Descriptor) -> None:
         """Point the optimizer at the new parameters and say which optimizer state this rank
         needs (its new shard's elements, or all of each parameter's)."""
+        pipe = self.pipe
         named = dict(pipe.named_parameters())
         desc.needs_model = {n: t.numel() for n, t in pipe.state_dict().items()}
         if self.optimizer is None:
@@ -359,15 +369,16 @@ class InPlace:
     def _me(self, gen: Generation) -> int:
         return gen.transfer.index(self.membership.member)
 
-    def _exchange(self, pipe: Any, gen: Generation, desc: Descriptor, sources: Sources,
+    def _exchange(self, gen: Generation, desc: Descriptor, sources: Sources,
                   rec: MorphRecord) -> tuple[MovePlan, Sources]:
         done = exchange(self.membership, gen, desc, sources, rec)
         self._info, self._lost_shard = done.info, done.lost_shard
         return done.plan, done.got
 
-    def _adopt(self, pipe: Any, plan: MovePlan, got: Sources, sources: Sources,
+    def _adopt(self, plan: MovePlan, got: Sources, sources: Sources,
                desc: Descriptor) -> None:
         """Values into the tensors held now; the optimizer's state loaded."""
+        pipe = self.pipe
         copy_model(pipe.state_dict(), got)
         if self.optimizer is not None:
             names = {id(p): n for n, p in pipe.named_parameters()}
@@ -406,8 +417,9 @@ class InPlace:
 
     # -- this process joins a running job ------------------------------------------------------
 
-    def join(self, pipe: Any) -> None:
+    def join(self) -> None:
         """In ``vf.compile`` of a process a running generation admitted: receive its state."""
+        pipe = self.pipe
         gen = self.membership.generation
         assert gen is not None
         rec = MorphRecord(gen.number, "joined", time.time(), "-",
@@ -420,7 +432,7 @@ class InPlace:
         desc = Descriptor(needs_model={n: t.numel() for n, t in pipe.state_dict().items()})
         if carried.optimizer is not None:
             desc.needs_optimizer = joiner_ranges(pipe, carried)
-        plan, got = self._exchange(pipe, gen, desc, {}, rec)
+        plan, got = self._exchange(gen, desc, {}, rec)
         missing = [m for m in plan.missing if m[0] == self._me(gen)]
         if missing:
             raise DistributedError(f"joining generation {gen.number}: no member holds "
@@ -438,9 +450,10 @@ class InPlace:
 
     # -- what the pipeline registers -----------------------------------------------------------
 
-    def optimizer_made(self, pipe: Any, optimizer: torch.optim.Optimizer) -> None:
+    def optimizer_made(self, optimizer: torch.optim.Optimizer) -> None:
         """``pipe.optimizer`` made ``optimizer``: the one a morph moves. On a joiner it loads
         the state carried in; else every process learns every parameter's group."""
+        pipe = self.pipe
         self.optimizer = optimizer
         made = made_by_pipeline(optimizer)
         assert made is not None
@@ -465,14 +478,15 @@ class InPlace:
         made = made_by_pipeline(self.optimizer)
         return dict(made.group_of) if made is not None else {}
 
-    def _global_batch(self, pipe: Any) -> int:
+    def _global_batch(self) -> int:
+        pipe = self.pipe
         if self.global_batch_size is None:
             self.global_batch_size = pipe.plan.micro_batch_size * \
                 pipe.plan.num_micro_batches * pipe.plan.data_parallel
         return self.global_batch_size
 
 
-def _has_grads(pipe: Any) -> bool:
+def _has_grads(pipe: Morphable) -> bool:
     return any(p.grad is not None for p in pipe.parameters())
 
 

@@ -27,23 +27,24 @@ import atexit
 import os
 import signal
 import time
-from typing import Any
 
 from ..planner import cache as plan_cache
 from ..planner.cluster import Cluster
+from ..world.switches import SWITCHES, read
 from ..world.where import assumed_world
+from .morphable import Replanner
 
-DEFAULT_SECONDS = 600.0
+DEFAULT_SECONDS = float(SWITCHES["VARUNA_FX_PREPLAN_SECONDS"].default)
 
 
-def enabled(replan: Any) -> bool:
+def enabled(replan: Replanner) -> bool:
     """Whether this process pre-plans (see the module doc): ``$VARUNA_FX_PREPLAN`` "1" or
     "0"; by default ("auto") on a GPU cluster only: on CPU the training loop uses the cores
     the child would take."""
-    setting = os.environ.get("VARUNA_FX_PREPLAN", "auto").strip().lower()
-    if setting in ("0", "false", "no", "off"):
+    setting = read("VARUNA_FX_PREPLAN")  # "auto", "on" or "off"
+    if setting == "off":
         return False
-    if setting not in ("1", "true", "yes", "on") and replan.cluster.device == "cpu":
+    if setting != "on" and replan.cluster.device == "cpu":
         return False
     return hasattr(os, "fork") and plan_cache.mode() == "disk" and \
         os.environ.get("LOCAL_RANK", "0") == "0" and replan.options.profile is not True
@@ -73,7 +74,7 @@ def next_worlds(world: int, per_node: int) -> list[int]:
 class Preplanner:
     """The one pre-planning child of a process (see the module doc)."""
 
-    def __init__(self, replan: Any) -> None:
+    def __init__(self, replan: Replanner) -> None:
         self.replan = replan
         self.pid: int | None = None
         self._stop_at_exit = False
@@ -86,7 +87,7 @@ class Preplanner:
         if not enabled(self.replan):
             return None
         worlds = next_worlds(cluster.gpus, cluster.gpus_per_node) if worlds is None else worlds
-        seconds = float(os.environ.get("VARUNA_FX_PREPLAN_SECONDS", DEFAULT_SECONDS))
+        seconds = read("VARUNA_FX_PREPLAN_SECONDS")
         pid = os.fork()
         if pid:
             self.pid = pid

@@ -40,7 +40,10 @@ from ..checkpoint.optimizer_state import (
 from ..checkpoint.sharded_state import CHUNK_PREFIX, chunk_key
 from ..init.skip import loaded
 from ..runtime.transfer import Item, Range, assemble
-from ..runtime.zero import layout_of, shard_ranges, sharded
+from ..runtime.zero import layout_of, shard_ranges
+from ..runtime.zero_repoint import sharded
+from .carried import Carried
+from .morphable import Morphable
 
 OPT = "o:"
 OBJ = "o:@obj"
@@ -243,7 +246,7 @@ def optimizer_ranges(optimizer: torch.optim.Optimizer,
     return ranges
 
 
-def joiner_ranges(pipe: Any, carried: Any) -> dict[str, list[tuple[int, int]]]:
+def joiner_ranges(pipe: Morphable, carried: Carried) -> dict[str, list[tuple[int, int]]]:
     """The ranges a joiner's optimizer will keep once its script makes it (as
     ``repoint_optimizer`` would cut them)."""
     assert carried.optimizer is not None
@@ -256,6 +259,7 @@ def joiner_ranges(pipe: Any, carried: Any) -> dict[str, list[tuple[int, int]]]:
     if not sharded(runtime, carried.optimizer["setting"]):
         return {n: [(0, p.numel())] for n, p in named.items()}
     sync = runtime.grad_sync
+    assert sync is not None  # (sharded: a distributed run)
     return shard_ranges(groups, {id(p): n for n, p in named.items()}, set(sync.held),
                         dist.get_rank(group=sync.groups.data_parallel),
                         runtime.plan.data_parallel)

@@ -27,6 +27,7 @@ from typing import Generic, TypeVar
 import torch.fx as fx
 
 from ..ir.nodes import info
+from ..world.switches import read
 from .check import check_graph
 from .split_stages import StageGraph
 
@@ -72,7 +73,7 @@ def substitute(passes: Sequence[Pass], **replace: Pass | None) -> tuple[Pass, ..
 
 def dump_dir(dump: str | os.PathLike[str] | None = None) -> Path | None:
     """Where to write pass dumps: ``dump``, else ``$VARUNA_FX_DUMP``, else nowhere."""
-    target = dump if dump is not None else os.environ.get("VARUNA_FX_DUMP") or None
+    target = dump if dump is not None else read("VARUNA_FX_DUMP")
     return Path(target) if target is not None else None
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-import os
 import sys
 import warnings
 from collections import Counter, OrderedDict
@@ -51,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..world import switches
 from ..world.files import cache_dir, read_entry, write_entry
 from .plan import Alternative
 
@@ -112,10 +112,7 @@ class Refused:
 
 def mode() -> str:
     """"disk" (the default: memory and disk), "memory" or "off" (``$VARUNA_FX_PLAN_CACHE``)."""
-    value = os.environ.get("VARUNA_FX_PLAN_CACHE", "1").strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return "off"
-    return "memory" if value == "memory" else "disk"
+    return switches.read("VARUNA_FX_PLAN_CACHE")
 
 
 class _Unwritable(Exception):

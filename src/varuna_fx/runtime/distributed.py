@@ -53,6 +53,7 @@ from .comm import launch, peer_error, wait
 from .diloco import DiLoCoSync
 from .executor import StageExecutor
 from .grad_sync import GradSync
+from .loss_weights import MeanLoss, find_mean_loss
 from .model_state import StateLayout, unread_tensors
 from .opportunistic import ENV as RULE_ENV
 from .opportunistic import rule_enabled
@@ -79,7 +80,13 @@ class DistributedRuntime(StepLoop):
                  groups: Groups, grad_sync: GradSync, options: RunOptions, *,
                  assemble: Callable[[dict], Any], device: torch.device,
                  input_shapes: dict[str, Any], reorder: bool = False,
-                 tied_holders: Sequence[tuple[int, ...]] = ()) -> None:
+                 tied_holders: Sequence[tuple[int, ...]] = (),
+                 mean_loss: MeanLoss | None = None, scaler: LossScaler | None = None,
+                 other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] | None = None
+                 ) -> None:
+        """``mean_loss``: how micro-batches of the model's mean-over-labels loss are weighed;
+        ``scaler``: the loss scale to carry on with (an in-place morph's; None: a fresh one);
+        ``other_modes``: other train/eval modes' stages made at compile (codegen/modes.py)."""
         self.stages, self.plan, self.placement, self.rank = stages, plan, placement, rank
         self.stage, self.replica = placement.coords(rank)
         self.stage_index, self.replica_index = self.stage, self.replica
@@ -91,7 +98,8 @@ class DistributedRuntime(StepLoop):
         last = plan.stages - 1
         self.is_last = last in self.local_stages
         self.autocast = autocast_factory(options.precision, device.type)
-        self.scaler = LossScaler(enabled=options.precision == "fp16")
+        self.scaler = scaler or LossScaler(enabled=options.precision == "fp16")
+        self.mean_loss = mean_loss
         self.workers = [StageWorker(stages[s], recompute=plan.recompute[s], is_last=s == last,
                                     offload_stash=options.offload_stash, autocast=self.autocast)
                         for s in self.local_stages]
@@ -112,7 +120,7 @@ class DistributedRuntime(StepLoop):
         self.executor.program(self.per_stage, self.rank_lists)
         self._other: tuple[list[Stage], StageExecutor] | None = None  # another mode's stages
         # eval mode's stages, made at compile while this rank held every parameter (codegen/modes.py)
-        self.other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] = {}
+        self.other_modes = dict(other_modes or {})
 
     flag_counts: tuple[int, ...] = ()  # the last step's flags, summed over every rank
     # an in-place job's step-closing sum through its membership store (values -> sums over
@@ -280,10 +288,14 @@ def make_distributed_runtime(model: nn.Module, captured: Captured, stages: list[
         [eval_mode[1][0].gm, *(s.module for s in eval_mode[1][1])]
     hold_only(model, stages, local, rank_device(), layout, canonical,
               [captured.gm, *eval_roots])
+    # (a graph cut from the captured one: made after the allocation retargeted it to the
+    # rank's device)
+    mean_loss = find_mean_loss(captured.gm, captured.out_spec, captured.input_names,
+                               options.loss_fn)
     runtime = build_runtime(model, captured, stages, plan, canonical, options,
                             assemble=assemble, layout=layout, reorder=reorder,
-                            eval_stages=eval_mode[1][1] if eval_mode[1] is not None else None)
-    runtime.other_modes[eval_mode[0]] = eval_mode[1]
+                            eval_stages=eval_mode[1][1] if eval_mode[1] is not None else None,
+                            mean_loss=mean_loss, other_modes={eval_mode[0]: eval_mode[1]})
     preemption.install_handlers()  # under torchrun: SIGTERM/SIGUSR1 -> pipe.preempted
     if not joining:
         held, buffers = held_tensors(model, layout.held_names(canonical, stages, local))
@@ -314,11 +326,15 @@ def agree_on_plan(plan: Plan, stages: list[Stage], options: RunOptions) -> bool:
 def build_runtime(model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                   canonical: dict[str, str], options: RunOptions, *,
                   assemble: Callable[[dict], Any], layout: StateLayout, reorder: bool,
-                  eval_stages: list[Stage] | None = None) -> DistributedRuntime:
+                  eval_stages: list[Stage] | None = None, mean_loss: MeanLoss | None = None,
+                  scaler: LossScaler | None = None,
+                  other_modes: dict[Modes, tuple[Captured, list[Stage]] | None] | None = None
+                  ) -> DistributedRuntime:
     """This rank's runtime in the formed process group, once every rank agreed on the plan
     (:func:`agree_on_plan`) and holds its stages' tensors (:func:`hold_only`; the gradient
     sync keeps those tensor objects). Collective: every rank makes the same groups. An
-    in-place morph builds its new runtime with this too (``morph/``)."""
+    in-place morph builds its new runtime with this too (``morph/``), handing on the old
+    one's ``mean_loss`` and loss ``scaler``."""
     seconds, rank = options.seconds, dist.get_rank()
     placement = plan.placement or Placement(plan.stages, plan.data_parallel)
     stage, replica = placement.coords(rank)
@@ -346,7 +362,7 @@ def build_runtime(model: nn.Module, captured: Captured, stages: list[Stage], pla
         device=rank_device(), input_shapes=shapes, reorder=reorder,
         # (a tied set all on one rank, D = 1, has no group: autograd sums its copies there)
         tied_holders=[h for h in tied if len(placement.holder_ranks(list(h))) > 1],
-    )
+        mean_loss=mean_loss, scaler=scaler, other_modes=other_modes)
 
 
 def hold_only(model: nn.Module, stages: list[Stage], local: list[int], device: torch.device,

@@ -24,6 +24,7 @@ from ..planner.plan import Plan
 from ..schedule import Action, Kind, execution_order, validate, with_micro_batches
 from . import preemption
 from .compress import roundtrip, transfer_mode
+from .loss_weights import MeanLoss
 from .options import RunOptions
 from .precision import LossScaler, autocast_factory
 from .step import LossOf, StepLoop
@@ -32,9 +33,11 @@ from .worker import StageWorker
 
 class LocalRuntime(StepLoop):
     def __init__(self, stages: list[Stage], plan: Plan, options: RunOptions, *,
-                 assemble: Callable[[dict], Any], device: torch.device | None = None) -> None:
+                 assemble: Callable[[dict], Any], device: torch.device | None = None,
+                 mean_loss: MeanLoss | None = None) -> None:
         """``device``: where the stages' tensors will be (a deferred model allocates them at
-        first use); None: where they are."""
+        first use); None: where they are. ``mean_loss``: how micro-batches of the model's
+        mean-over-labels loss are weighed (``loss_weights.find_mean_loss``)."""
         self.stages = stages
         self.plan = plan
         self.assemble = assemble
@@ -43,6 +46,9 @@ class LocalRuntime(StepLoop):
         on_cuda = device.type == "cuda" if device is not None else _on_cuda(stages)
         self.autocast = autocast_factory(options.precision, "cuda" if on_cuda else "cpu")
         self.scaler = LossScaler(enabled=options.precision == "fp16")
+        self.mean_loss = mean_loss
+        # none made at compile: every parameter is here, so the pipeline cuts them when asked
+        self.other_modes = {}
         last = len(stages) - 1
         self.workers = [StageWorker(s, recompute=plan.recompute[s.index],
                                     is_last=s.index == last, offload_stash=options.offload_stash,

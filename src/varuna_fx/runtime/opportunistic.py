@@ -43,25 +43,13 @@ stage 0 may run F5-F7 early).
 
 from __future__ import annotations
 
-import os
-
-from ..errors import DistributedError
+from ..world.switches import read
 
 ENV = "VARUNA_FX_OPPORTUNISTIC_FORWARD"
-_ON, _OFF, _AUTO = ("1", "on", "true", "yes"), ("0", "off", "false", "no"), ("", "auto")
 
 
 def rule_enabled(backend: str) -> bool:
     """Whether this rank runs forwards ahead: ``$VARUNA_FX_OPPORTUNISTIC_FORWARD`` or, by
     default ("auto"), only on NCCL, the one backend whose receives can be polled."""
-    text = os.environ.get(ENV, "auto").strip().lower()
-    if text in _AUTO:
-        return backend.lower() == "nccl"
-    if text in _ON:
-        return True
-    if text in _OFF:
-        return False
-    raise DistributedError(
-        f"environment variable {ENV}={text!r} is not one of auto, on, off: unset it (auto: on "
-        "with NCCL, whose receives can be polled) or set on / off on every rank"
-    )
+    setting = read(ENV)  # (refused there when it is not auto, on or off)
+    return backend.lower() == "nccl" if setting == "auto" else setting == "on"

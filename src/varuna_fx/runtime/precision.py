@@ -94,6 +94,17 @@ class LossScaler:
         self.found_inf = local
         return self.found_inf
 
+    def state_dict(self) -> dict[str, float | int]:
+        """What carries the loss scale on (a checkpoint, a process joining in place): the
+        scale and the clean steps counted towards its next growth."""
+        return {"scale": float(self.scale), "clean_steps": int(self._clean_steps)}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Continue from ``state`` (:meth:`state_dict`'s). A disabled scaler (fp32, bf16)
+        keeps its scale of 1."""
+        if self.enabled:
+            self.scale, self._clean_steps = float(state["scale"]), int(state["clean_steps"])
+
     def update(self) -> None:
         """After the optimizer step (or its skip): back off on overflow, grow when stable."""
         if not self.enabled:

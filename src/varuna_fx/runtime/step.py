@@ -26,11 +26,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ..capture.captured import Captured
+from ..codegen.modes import Modes
 from ..codegen.stage_module import Stage
 from ..ir.rng import RandomKey, next_step_seed
 from ..passes.sample_mixing import warn_sample_mixing
 from ..planner.plan import Plan
 from .batching import micro_batch_loss, split_batch, split_target
+from .grad_sync import GradSync
 from .loss_fn_mixing import loss_fn_findings
 from .loss_weights import MeanLoss, warn_uneven_ignored_targets
 from .precision import LossScaler
@@ -40,20 +43,38 @@ LossOf = Callable[[int, dict[str, torch.Tensor]], torch.Tensor]
 
 
 class Runtime(Protocol):
-    """What a pipeline needs from a runtime; ``StepLoop`` implements ``step`` on top of the
-    ``prepare`` / ``run_actions`` / ``finish`` hooks."""
+    """What a pipeline, and the layers that hold one (checkpoints, the monitor, the morph, the
+    optimizer's sharding), read of a runtime: one declaration, no probing. ``StepLoop`` gives
+    the one-process defaults and implements ``step`` on top of the ``prepare`` /
+    ``run_actions`` / ``finish`` hooks; both runtimes set the rest in their ``__init__``."""
 
     plan: Plan
-    scaler: LossScaler
+    stages: list[Stage]
+    scaler: LossScaler  # fp16's loss scale; a scale of 1 otherwise
     stage_index: int  # the stage this process runs (0 in one process)
     replica_index: int
     local_stages: list[int]  # stages whose parameters live in this process
-    mean_loss: MeanLoss | None
+    rank: int  # this process's rank in the job (0 in one process)
+    device: torch.device | None  # where the stages run (None: where their tensors are)
+    timeout: float | None  # seconds a wait on a peer may take (None: one process, no peers)
+    autocast: Callable[[], Any]  # the precision's autocast context (nullcontext for fp32)
+    loss_fn: Any  # compile's loss_fn (None: the model returns its loss)
+    mean_loss: MeanLoss | None  # how micro-batches of a mean-over-labels loss are weighed
+    # the replicas' gradient synchronisation (None: one process, nothing to synchronise)
+    grad_sync: GradSync | None
+    flags: tuple[bool, ...]  # the last step's flags, ORed over every rank
+    flag_counts: tuple[int, ...]  # the last step's flags, summed over every rank
+    # an in-place job's step-closing sum through its membership store (world/closing.py)
+    closer: Callable[[list[float]], list[float]] | None
+    # the stages of other train/eval modes made at compile (None: the compiled graph serves)
+    other_modes: dict[Modes, tuple[Captured, list[Stage]] | None]
+    timeline: list[tuple[int, str, int, float, float]] | None  # the step's actions, if recorded
 
     def step(self, inputs: dict[str, torch.Tensor], target: Any = None,
              flags: Sequence[bool | Callable[[], bool]] = ()) -> torch.Tensor: ...
 
-    def forward(self, inputs: dict[str, torch.Tensor]) -> Any: ...
+    def forward(self, inputs: dict[str, torch.Tensor], stages: list[Stage] | None = None,
+                assemble: Any = None) -> Any: ...
 
     def clip_grad_norm_(self, params: Iterable[nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor: ...
@@ -75,6 +96,13 @@ class StepLoop:
     stage_index: int = 0
     replica_index: int = 0
     local_stages: list[int]
+    # one process: rank 0, no peers to wait on, nothing to synchronise or close through a store
+    rank: int = 0
+    timeout: float | None = None
+    grad_sync: GradSync | None = None
+    flag_counts: tuple[int, ...] = ()
+    closer: Callable[[list[float]], list[float]] | None = None
+    other_modes: dict[Modes, tuple[Captured, list[Stage]] | None]
     # the model's loss when it is a mean over the targets each micro-batch keeps (labels not
     # ignore_index), or the output a loss_fn may pick that is one: micro-batches are weighted
     # by their counts (runtime/loss_weights.py)

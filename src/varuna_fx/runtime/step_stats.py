@@ -13,10 +13,11 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from .step import Runtime
 from .traffic import SENT
 
 try:  # peak resident memory; POSIX only
@@ -81,9 +82,9 @@ class StepMeter:
 
     record_timeline = True
 
-    def __init__(self, runtime: Any, replicas: int) -> None:
+    def __init__(self, runtime: Runtime, replicas: int) -> None:
         self.runtime, self.replicas = runtime, replicas
-        self.rank = getattr(runtime, "rank", 0)
+        self.rank = runtime.rank
         self.device = _device_of(runtime)
         self._began = 0.0
         self._sent = 0
@@ -107,11 +108,10 @@ class StepMeter:
             rank=self.rank, _raw=tuple(self.runtime.timeline or ()), _origin=self._began)
 
 
-def _device_of(runtime: Any) -> torch.device | None:
-    device = getattr(runtime, "device", None)
-    if device is not None:
-        return device
-    for stage in getattr(runtime, "stages", ()):
+def _device_of(runtime: Runtime) -> torch.device | None:
+    if runtime.device is not None:
+        return runtime.device
+    for stage in runtime.stages:
         for p in stage.module.parameters():
             return p.device
     return None

@@ -28,7 +28,8 @@ parameters while sharding is on is refused at its first step (:func:`guard_direc
 it would hold the whole state on every replica, which the plan may not have room for.
 
 The hooks read the optimizer's record (:class:`Made`), not what they closed over, so an
-in-place morph can re-point the same optimizer object at another layout (``zero_repoint.py``);
+in-place morph can re-point the same optimizer object at another layout (``zero_repoint.py``,
+which also makes it over a runtime's parameters: ``build_optimizer``);
 nothing else of a sharding outlives a step, so a morph moves only the shards' state.
 
 Limits: "auto" shards a candidate only when it does not fit unsharded, so a candidate that fits
@@ -336,7 +337,8 @@ class Made:
     sharding from here, not from what they closed over."""
 
     setting: bool | str  # compile's shard_optimizer
-    grad_sync: Any  # the runtime's GradSync it steps with (None in one process)
+    grad_sync: Any  # the runtime's GradSync it steps with (None in one process; grad_sync.py
+    # imports this module, so the type is named where runtimes are: runtime/step.py)
     zero: ZeroSync | None  # the sharding now (None: unsharded)
     group_of: dict[str, int]  # canonical fqn -> its param group (the whole model's, once known)
     hooked: bool = False  # the step hooks and zero_grad are installed (they read this record)
@@ -351,6 +353,12 @@ def made_by_pipeline(optimizer: Any) -> Made | None:
         return _MADE.get(optimizer)
     except TypeError:
         return None
+
+
+def remember_made(optimizer: torch.optim.Optimizer, made: Made) -> Made:
+    """Record that ``pipe.optimizer`` made ``optimizer`` (``zero_repoint.build_optimizer``)."""
+    _MADE[optimizer] = made
+    return made
 
 
 def _before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -398,56 +406,6 @@ def make_sharded(cls: type, groups: list[dict[str, Any]], layout: ZeroLayout, sy
                      "params": layout.group_members(i)} for i, g in enumerate(groups)]
     optimizer = cls(inner_groups, **defaults)
     _LAYOUTS[optimizer] = layout
-    return optimizer
-
-
-def sharded(runtime: Any, setting: bool | str) -> bool:
-    """Whether ``pipe.optimizer`` shards over ``runtime``'s replicas with compile's
-    ``shard_optimizer`` ``setting``: a distributed run with D > 1, unless told never to, or
-    "auto" where the plan says not to (the replicas' link is slow, DiLoCo) and memory does not
-    need it (``Plan.shards_by_default``)."""
-    sync = getattr(runtime, "grad_sync", None)
-    plan = runtime.plan
-    unsharded = setting is False or (setting == "auto" and not plan.shards_by_default
-                                      and not plan.shard_optimizer)
-    return sync is not None and plan.data_parallel > 1 and not unsharded \
-        and sync.groups.data_parallel is not None
-
-
-def shard_layout(runtime: Any, groups: list[dict[str, Any]],
-                  names: dict[int, str]) -> tuple[ZeroLayout, ZeroSync]:
-    sync = runtime.grad_sync
-    group = sync.groups.data_parallel
-    layout = build_layout(groups, names, set(sync.held), dist.get_rank(group=group),
-                          runtime.plan.data_parallel)
-    return layout, ZeroSync(layout, group, runtime.timeout, sync.who)
-
-
-def build_optimizer(runtime: Any, named: dict[str, nn.Parameter], cls: type, params: Any,
-                    defaults: dict[str, Any], setting: bool | str) -> torch.optim.Optimizer:
-    """``pipe.optimizer``: ``cls`` over this rank's shards when sharding is on and D > 1 (a
-    distributed run), else over the parameters themselves."""
-    if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
-        raise OptimizerError(f"pipe.optimizer takes a torch.optim.Optimizer class (e.g. "
-                             f"torch.optim.AdamW), not {cls!r}")
-    groups = user_groups(params, named)
-    names = {id(p): n for n, p in named.items()}
-    group_of = {names[id(p)]: gi for gi, g in enumerate(groups) for p in g["params"]}
-    sync = getattr(runtime, "grad_sync", None)
-    if not sharded(runtime, setting):
-        optimizer = cls(groups, **defaults)
-        _MADE[optimizer] = Made(setting, sync, None, group_of)
-        if sync is not None and sync.diloco is not None:  # its steps are DiLoCo's inner ones
-            sync.diloco.attach(optimizer)
-        return optimizer
-    check_elementwise(cls)
-    layout, zero = shard_layout(runtime, groups, names)
-    optimizer = make_sharded(cls, groups, layout, zero, defaults)
-    made = _MADE[optimizer] = Made(setting, sync, zero, group_of)
-    install_hooks(optimizer, made)
-    sync.zero = zero
-    guard_direct_optimizers(named.values(), "pipe.optimizer shards their optimizer state "
-                            "over the replicas (shard_optimizer)")
     return optimizer
 
 

@@ -90,8 +90,8 @@ class Schedule:
     # per-stage lists are then derived from these); None: stage s is rank s
     stage_ranks: tuple[int, ...] | None = None
     rank_lists: list[list[Action]] | None = None
-    # Compiled simulation data (see structure.py); not part of the schedule's identity.
-    _compiled: Any = field(default=None, init=False, repr=False, compare=False)
+    # Compiled simulation data (kept by structure.compiled); not part of the schedule's identity.
+    compiled_form: Any = field(default=None, init=False, repr=False, compare=False)
     # The ScheduleCosts a cost-aware order was generated from (None: parsed or unit costs).
     costs: Any = field(default=None, init=False, repr=False, compare=False)
     # The registry entry it was built from (a ``registry.ScheduleSpec``; None: parsed or made

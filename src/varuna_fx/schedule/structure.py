@@ -125,10 +125,10 @@ def _key(schedule: Schedule) -> tuple[object, ...]:
 
 def compiled(schedule: Schedule) -> CompiledSchedule:
     """The cached compiled form of ``schedule``, rebuilt if its lists were changed."""
-    comp = schedule._compiled
+    comp = schedule.compiled_form
     key = _key(schedule)
     # List equality short-cuts on identical elements, so this check is cheap when unchanged.
     if comp is None or comp.key != key or comp.snapshot != schedule.per_stage:
         comp = _compile(schedule)
-        schedule._compiled = comp
+        schedule.compiled_form = comp
     return comp

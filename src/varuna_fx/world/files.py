@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import switches
+
 CACHE_ENV = "VARUNA_FX_CACHE_DIR"  # the root of every on-disk cache
 # The profiles folder itself, as docs/API.md once documented it: still read, for profiles only,
 # when $VARUNA_FX_CACHE_DIR is not set.
@@ -19,10 +21,10 @@ PROFILES_ALIAS_ENV = "VARUNA_FX_CACHE"
 def cache_dir(kind: str) -> Path:
     """The folder of one cache (``"graphs"``: the shape pass's observations, ``"profiles"``:
     measured profiles): ``$VARUNA_FX_CACHE_DIR/<kind>``, default ``~/.cache/varuna_fx/<kind>``."""
-    root = os.environ.get(CACHE_ENV)
+    root = switches.read(CACHE_ENV)
     if root:
         return Path(root) / kind
-    alias = os.environ.get(PROFILES_ALIAS_ENV) if kind == "profiles" else None
+    alias = switches.read(PROFILES_ALIAS_ENV) if kind == "profiles" else None
     return Path(alias) if alias else Path.home() / ".cache" / "varuna_fx" / kind
 
 

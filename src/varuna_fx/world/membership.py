@@ -61,21 +61,22 @@ from ..errors import DistributedError, PeerTimeoutError
 from . import sockets
 from .admission import PRINT_KEY, REFUSED_KEY, registrant_refusal
 from .heartbeats import Stopped
+from .switches import SWITCHES, WorkerEnv, read
 
-STORE_ENV = "VARUNA_FX_STORE"  # host:port of the membership store (set by the launcher)
-JOB_ENV = "VARUNA_FX_JOB"
-MEMBER_ENV = "VARUNA_FX_MEMBER"  # this process's name, unique in the job
-MIN_ENV, MAX_ENV = "VARUNA_FX_MIN_WORLD", "VARUNA_FX_MAX_WORLD"
+# the launcher's record of a worker (host:port of the store, the job, this member's name, the
+# world's bounds): ``switches.WorkerEnv``
+STORE_ENV = "VARUNA_FX_STORE"
 WINDOW_ENV = "VARUNA_FX_HEARTBEAT_WINDOW"  # seconds without a heartbeat before a member is lost
 BEAT = 0.25  # seconds between heartbeats
-WINDOW = 3.0  # default: a loaded machine may not schedule a thread for a second or two
+# default: a loaded machine may not schedule a thread for a second or two
+WINDOW = float(SWITCHES[WINDOW_ENV].default)
 LAST_CALL = 1.0  # seconds generation 0 waits for more processes once min_world are there
 POLL = 0.02
 
 
 def in_place() -> bool:
     """This process is a worker of an in-place job (``varuna-fx run --elastic --in-place``)."""
-    return bool(os.environ.get(STORE_ENV))
+    return read(STORE_ENV) is not None
 
 
 @dataclass(frozen=True)
@@ -141,15 +142,12 @@ class Membership:
 
     @classmethod
     def from_env(cls, timeout: float) -> Membership:
-        def count(name: str, default: int) -> int:
-            text = os.environ.get(name, "")
-            return int(text) if text.strip() else default
-
-        return cls(address=os.environ[STORE_ENV], job=os.environ.get(JOB_ENV, "varuna-fx"),
-                   member=os.environ.get(MEMBER_ENV) or f"pid{os.getpid()}",
-                   timeout=timeout, min_world=count(MIN_ENV, 1),
-                   max_world=count(MAX_ENV, 1 << 30),
-                   window=float(os.environ.get(WINDOW_ENV) or WINDOW))
+        worker = WorkerEnv.read()
+        assert worker is not None, "in_place(): the launcher's record is in the environment"
+        return cls(address=worker.store, job=worker.job,
+                   member=worker.member or f"pid{os.getpid()}", timeout=timeout,
+                   min_world=worker.min_world, max_world=worker.max_world,
+                   window=read(WINDOW_ENV))
 
     # -- the store ---------------------------------------------------------------------------
 

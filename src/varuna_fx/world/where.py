@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -18,37 +17,20 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import DistributedError, PeerTimeoutError, VarunaFxError, env_int
+from ..errors import DistributedError, PeerTimeoutError, env_int
 from .membership import in_place, membership
+from .switches import SWITCHES, check_seconds, read
 
-DEFAULT_TIMEOUT = 300.0  # seconds; generous: a slow first step (allocator, lazy init) is fine
 TIMEOUT_ENV = "VARUNA_FX_TIMEOUT"
-
-
-def check_seconds(name: str, value: object) -> float:
-    """A positive, finite number of seconds (NaN would make every deadline pass or none)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise VarunaFxError(f"{name}={value!r}: give a number of seconds, e.g. 60")
-    if not math.isfinite(value) or value <= 0:
-        raise VarunaFxError(f"{name}={value!r}: give a positive, finite number of seconds "
-                            "(e.g. 60); to wait long, give a large number")
-    return float(value)
+# seconds; generous: a slow first step (allocator, lazy init) is fine
+DEFAULT_TIMEOUT = float(SWITCHES[TIMEOUT_ENV].default)
 
 
 def resolve_timeout(timeout: float | None) -> float:
     """The ``timeout=`` keyword, else ``$VARUNA_FX_TIMEOUT``, else 300 s: every wait on a peer,
     the rendezvous included."""
-    if timeout is None and os.environ.get(TIMEOUT_ENV):
-        text = os.environ[TIMEOUT_ENV]
-        try:
-            value = float(text)
-        except ValueError:
-            raise VarunaFxError(
-                f"{TIMEOUT_ENV}={text!r} is not a number of seconds; set it to e.g. 60"
-            ) from None
-        return check_seconds(TIMEOUT_ENV, value)
     if timeout is None:
-        return DEFAULT_TIMEOUT
+        return read(TIMEOUT_ENV)
     return check_seconds("timeout", timeout)
 
 
