@@ -90,9 +90,13 @@ class InPlaceLaunch:
         self.min_world, self.max_world = lo * max(self.nproc, 1), hi * max(self.nproc, 1)
         self.node = self.local_addr or socket.gethostname()
 
+    def member(self, local_rank: int, restarts: int) -> str:
+        """The name a worker registers under (a restart is a new member)."""
+        return f"{self.node}.{os.getpid()}.{local_rank}.{restarts}"
+
     def environment(self, local_rank: int, restarts: int) -> dict[str, str]:
         worker = WorkerEnv(store=f"{self.host}:{self.port}", job=self.rdzv_id,
-                           member=f"{self.node}.{os.getpid()}.{local_rank}.{restarts}",
+                           member=self.member(local_rank, restarts),
                            min_world=self.min_world, max_world=self.max_world)
         env = {**worker.environ(), "LOCAL_RANK": str(local_rank),
                "LOCAL_WORLD_SIZE": str(self.nproc)}
@@ -162,7 +166,7 @@ class InPlaceLaunch:
 
     def _refused(self, worker: Worker) -> bool:
         """Whether the running job refused ``worker`` (the store says so under its name)."""
-        member = self.environment(worker.local_rank, worker.restarts)[ms.MEMBER_ENV]
+        member = self.member(worker.local_rank, worker.restarts)
         if self._store is False:  # the store did not answer before: restart as before
             return False
         try:

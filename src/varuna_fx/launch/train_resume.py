@@ -31,12 +31,13 @@ from typing import Any
 from ..checkpoint.directory import checkpoints_newest_first
 from ..errors import CheckpointError
 from ..monitor.sinks import METRICS, RESTART_EVENT, read_jsonl
+from ..pipeline import Pipeline
 
 # the param-group keys the configuration sets (lr goes through the scheduler's base rates)
 _GROUP_KEYS = ("betas", "eps", "weight_decay")
 
 
-def resume(pipe: Any, opt: Any, sched: Any, loader: Any, folder: Path, out: Path,
+def resume(pipe: Pipeline, opt: Any, sched: Any, loader: Any, folder: Path, out: Path,
            say: Callable[[str], None]) -> tuple[int, str] | None:
     """Load the newest checkpoint under ``folder`` that loads; (its step, its path), or None
     when there is none. The launch's hyperparameters are put back on ``opt`` and ``sched``
@@ -132,14 +133,17 @@ def take_launch_hyperparameters(opt: Any, sched: Any, fresh: dict[str, Any]) -> 
             was = [v for v, w in zip(loaded, wanted, strict=True) if v != w]
             now = [w for v, w in zip(loaded, wanted, strict=True) if v != w]
             changes.append(f"{key} {_show(was)} -> {_show(now)}")
-    sched.base_lrs = list(fresh["base_lrs"])
+    bases = list(fresh["base_lrs"])
     rates = [base * factor(sched.last_epoch)
-             for base, factor in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
-    for group, values, base, rate in zip(opt.param_groups, fresh["groups"], sched.base_lrs,
+             for base, factor in zip(bases, sched.lr_lambdas, strict=True)]
+    for group, values, base, rate in zip(opt.param_groups, fresh["groups"], bases,
                                          rates, strict=True):
         group.update(values)
         group["initial_lr"], group["lr"] = base, rate
-    sched._last_lr = rates  # what get_last_lr() reports until the next sched.step()
+    # through the scheduler's own state: get_last_lr() reports the new rates until its next step
+    state = sched.state_dict()
+    state.update(base_lrs=bases, _last_lr=rates)
+    sched.load_state_dict(state)
     return changes
 
 
