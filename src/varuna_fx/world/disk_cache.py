@@ -196,7 +196,8 @@ def _read_key(path: Path) -> tuple[bytes | None, bool | None]:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         return None, None
-    except OSError:  # a symbolic link (O_NOFOLLOW), a folder...
+    except OSError as e:  # a symbolic link (O_NOFOLLOW), a folder...
+        _warn_once(f"the cache key {path} is not a plain file ({e}): a new one is made")
         return b"", False
     try:
         st = os.fstat(fd)
