@@ -21,7 +21,7 @@ from torch import nn
 
 import varuna_fx as vf
 from support.hf_zoo import ZOO
-from support.registry import CASES, registry
+from support.registry import CASES
 from varuna_fx.capture import capture_cache, graph_json, model_key
 from varuna_fx.capture.inputs import bind_inputs
 from varuna_fx.capture.trace import capture
