@@ -182,7 +182,7 @@ class _Walk:
         names (``config.ACT``, ``sys.argv``: torch's own module attributes are torch's code);
         a class by name (its code is the files check's); anything else by :meth:`describe`."""
         if isinstance(value, types.ModuleType):
-            if _not_walked(value) and value.__name__.split(".")[0] == "torch":
+            if value.__name__.split(".")[0] == "torch":
                 return ("module", value.__name__)
             return ("module", value.__name__, [
                 (n, self.global_value(vars(value)[n], set())) for n in sorted(names)
