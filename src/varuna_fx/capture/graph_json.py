@@ -98,8 +98,29 @@ def _encode_graph(gm: fx.GraphModule, model: nn.Module | None, top: bool) -> dic
             entry["mutates"] = True
         if annotations is not None and annotations.rebinds:
             entry["rebinds"] = annotations.rebinds
+        try:  # what reading would refuse is not written (it would be refused at every load)
+            _check_text(entry)
+        except ValueError as exc:
+            raise Unwritable(f"node {node.name}: {exc}") from None
         nodes.append(entry)
     return {"nodes": nodes, "attrs": attrs}
+
+
+def _check_text(entry: dict[str, Any]) -> None:
+    """The checks reading makes of a node's text (``runnable``), made before writing it."""
+    runnable.identifier(entry["name"], "node name")
+    if "text" in entry.get("type", {}):
+        runnable.annotation(entry["type"]["text"])
+    if entry.get("stack_trace"):
+        runnable.stack_trace(entry["stack_trace"])
+    for key, path, kind in entry.get("module_stack", ()):
+        runnable.module_path(key)
+        runnable.module_path(path)
+        runnable.type_name(kind)
+    if entry.get("rebinds"):
+        runnable.dotted(entry["rebinds"], "rebound attribute")
+    for key, _ in entry["kwargs"]["dict"]:
+        runnable.identifier(key, "keyword")
 
 
 def _encode_type(node: fx.Node) -> dict[str, str]:
