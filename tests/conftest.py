@@ -10,7 +10,8 @@
 * Every test gets its own (empty, created on first write) directory for the on-disk caches,
   graphs and profiles (``$VARUNA_FX_CACHE_DIR``, inherited by the processes it launches; the
   old profiles-only alias ``$VARUNA_FX_CACHE`` is dropped from the environment): tests never
-  write to ~/.cache and never hit an entry another test wrote.
+  write to ~/.cache and never hit an entry another test wrote; the caches' sealing key is a
+  temporary file too (``$VARUNA_FX_CACHE_KEY``), never ~/.config's.
 * matplotlib's font cache is built before the first test: on a fresh install its first
   ``import matplotlib.font_manager`` runs ``fc-list``, which the guard above would count as the
   test launching a process.
@@ -65,6 +66,10 @@ _CACHE_ROOT = tempfile.mkdtemp(prefix="varuna_fx_test_cache_")
 _cache_dirs = itertools.count()
 os.environ["VARUNA_FX_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "session")  # session fixtures
 os.environ.pop("VARUNA_FX_CACHE", None)  # a user's alias must not outlive the isolation above
+# the caches' sealing key (world/disk_cache.py), outside every cache folder: never the real home's
+_KEY_ROOT = tempfile.mkdtemp(prefix="varuna_fx_test_key_")
+os.environ["VARUNA_FX_CACHE_KEY"] = os.path.join(_KEY_ROOT, "cache.key")
+os.environ.pop("VARUNA_FX_CACHE_MODE", None)  # whatever the caller's shell has
 
 
 def _fresh_cache_dir() -> str:
@@ -86,6 +91,7 @@ def _own_graph_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     shutil.rmtree(_CACHE_ROOT, ignore_errors=True)
+    shutil.rmtree(_KEY_ROOT, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

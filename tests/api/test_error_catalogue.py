@@ -431,6 +431,13 @@ CATALOGUE = [
         MLP.model.__class__().to("meta"), MLP.inputs, loss_fn=MLP.loss_fn,
         stages=1).load_pretrained(_weights_dir({})), vf.PretrainedError, "meta device",
         "vf.deferred_init"),
+    row("load_pretrained with a deeply nested config.json", lambda _: compile_mlp(
+        stages=1).load_pretrained(_weights_dir({"model.safetensors": {
+            "layers.0.weight": torch.zeros(3, 3)}, "config.json": _DEEP_JSON})),
+        vf.PretrainedError, "config.json cannot be read as JSON", "nested deeper"),
+    row("load_checkpoint of a deeply nested marker", lambda _: compile_mlp(
+        stages=1).load_checkpoint(_weights_dir({"varuna_fx_checkpoint.json": _DEEP_JSON})),
+        vf.CheckpointError, "varuna_fx_checkpoint.json is unreadable", "nested deeper"),
     row("save_pretrained onto a file", lambda _: compile_mlp(stages=1).save_pretrained(
         os.path.join(_weights_dir({"weights": b""}), "weights")), vf.PretrainedError,
         "is a file", "pass a directory"),
@@ -456,6 +463,9 @@ CATALOGUE = [
     row("train: --export onto a file", lambda _: _train_config(["--export", _a_file()]), Inp,
         "is a file", "exported to, a directory"),
 ]
+
+
+_DEEP_JSON = b"[" * 100_000 + b"]" * 100_000  # a crafted file: json.loads would recurse out
 
 
 def _weights_dir(contents: dict[str, Any]) -> str:

@@ -131,7 +131,7 @@ def test_graphs_the_key_cannot_describe_are_not_cached() -> None:
 
 
 def sealed_text(entry: dict) -> str:
-    from varuna_fx.world.files import sealed
+    from varuna_fx.world.disk_cache import sealed
     return sealed(entry)
 
 
@@ -149,7 +149,7 @@ def test_a_bad_entry_is_ignored_and_rewritten() -> None:
     flags[0]["random"] = not flags[0]["random"]
     for content in ["not json", "{}", json.dumps({"format": 1, "key": path.stem,
                                                   "nodes": [], "observed": []}),
-                    json.dumps({"sha256": sealed["sha256"], "entry": edited}),
+                    json.dumps({"hmac": sealed["hmac"], "entry": edited}),
                     json.dumps({"sha256": "0" * 64, "entry": good}), sealed_text(wrong)]:
         path.write_text(content)
         ignored = shape_cache.stats["ignored"]
@@ -167,7 +167,7 @@ def test_the_environment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_newest_entries_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shape_cache, "MAX_ENTRIES", 2)
+    monkeypatch.setattr(shape_cache.CACHE, "max_entries", 2)  # the service keeps the newest
     for when, key in enumerate(["a", "b", "c"], start=1):  # c is written last, now
         shape_cache.store(key, [], [])
         os.utime(cache_dir("graphs") / f"{key}.json", (when * 1e8, when * 1e8))

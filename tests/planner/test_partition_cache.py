@@ -20,7 +20,8 @@ from varuna_fx.options import CompileOptions
 from varuna_fx.passes.annotate_backward import canonical_names
 from varuna_fx.planner import cache as plan_cache
 from varuna_fx.planner import configure, partition_cache
-from varuna_fx.world.files import cache_dir, sealed
+from varuna_fx.world.disk_cache import sealed
+from varuna_fx.world.files import cache_dir
 from varuna_fx.world.where import assumed_world
 
 TOKENS = torch.zeros(2, 16, dtype=torch.long)

@@ -15,7 +15,8 @@ import torch
 import varuna_fx as vf
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.planner import cache as plan_cache
-from varuna_fx.world.files import sealed, unsealed
+from varuna_fx.world.disk_cache import sealed, unsealed
+from varuna_fx.world.files import cache_dir
 
 TOKENS = torch.zeros(2, 16, dtype=torch.long)
 pytestmark = pytest.mark.usefixtures("one_capture_per_model")  # capture each model once
@@ -51,7 +52,7 @@ def _fresh() -> None:
 
 
 def _files() -> list[Path]:
-    return sorted((Path(plan_cache.cache_dir("plans"))).glob("*.json"))
+    return sorted((cache_dir("plans")).glob("*.json"))
 
 
 def test_a_hit_gives_the_plan_a_fresh_search_gives() -> None:

@@ -60,8 +60,8 @@ def test_each_kind_reads_through_the_one_parser(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.delenv(name, raising=False)
     assert read("VARUNA_FX_TIMEOUT") == 300.0 and read("VARUNA_FX_DUMP") is None
     assert read("VARUNA_FX_JOB") == "varuna-fx" and read("VARUNA_FX_MAX_WORLD") == 1 << 30
-    assert (read("VARUNA_FX_PLAN_CACHE"), read("VARUNA_FX_GRAPH_CACHE"),
-            read("VARUNA_FX_PREPLAN")) == ("disk", "on", "auto")
+    assert (read("VARUNA_FX_CACHE_MODE"), read("VARUNA_FX_PLAN_CACHE"),
+            read("VARUNA_FX_GRAPH_CACHE"), read("VARUNA_FX_PREPLAN")) == ("disk",) * 3 + ("auto",)
     for value, mode in (("0", "off"), (" Memory ", "memory"), ("no", "off"), ("", "disk"),
                         ("anything", "disk")):
         monkeypatch.setenv("VARUNA_FX_PLAN_CACHE", value)

@@ -8,17 +8,17 @@ the subgraphs of higher-order operators, the same way. Parameters, buffers and c
 not written: ``get_attr``/``call_module`` name them by path, and the graph read back binds the
 model's own objects, checked to exist with the shape and dtype written.
 
-Reading runs no code: JSON only; a called function is named by module and qualified name and
-looked up in a module already imported (``sys.modules``, never an import) among torch's,
-Python's ``operator``/``math``/``builtins`` and varuna_fx's, and must be that same object again;
-an operator is looked up in torch's registry. Nor can the graph read back run code when it
-runs: a called function must be one of the tensor API's (:func:`_allowed`: torch's overridable
-functions and native functions, ``operator``, ``math``, a few pure builtins, capture's own
-write-back helpers: never ``torch.load`` or ``eval``), a method called must be one of
-``torch.Tensor``'s and ``getattr`` may only read a public attribute, so no chain of attributes
-reaches a module's globals. What cannot be written that way (a user's
-``fx.wrap``-ed function, a module that is not the model's, an argument of another type) makes the
-graph unwritable (:class:`Unwritable`), and it is captured afresh each time.
+Reading runs no code: JSON only (``safe_json``: bounded in depth); a called function is named by
+module and qualified name and looked up in a module already imported (``sys.modules``, never an
+import) among torch's, Python's ``operator``/``math``/``builtins`` and varuna_fx's, and must be
+that same object again; an operator is looked up in torch's registry. Nor can the graph read
+back act when it runs: what it may call and read is ``runnable``'s allow-list (side-effect-free
+tensor operations: never ``operator.call``, ``Tensor.numpy``, a file, a hook or a custom op),
+and every string that reaches generated code is checked there too (node and method names are
+identifiers, attribute paths dotted names, module paths, type names and stack traces hold no
+line break). What cannot be written that way (a user's ``fx.wrap``-ed function, a module that
+is not the model's, an argument of another type) makes the graph unwritable
+(:class:`Unwritable`), and it is captured afresh each time.
 
 Anything that does not fit when read (a missing node, a parameter of another shape, a function
 that is not the one named) raises ``ValueError``; the cache then ignores the entry.
@@ -27,11 +27,7 @@ that is not the one named) raises ``ValueError``; the cache then ignores the ent
 from __future__ import annotations
 
 import base64
-import builtins
-import functools
 import inspect
-import math
-import operator
 import sys
 from typing import Any
 
@@ -42,7 +38,8 @@ from torch import nn
 from torch.fx.graph_module import _assign_attr, _copy_attr
 
 from ..ir.nodes import info as node_info
-from . import mutations
+from ..world import safe_json
+from . import runnable
 from .captured import Captured
 from .inputs import BoundInputs
 
@@ -80,7 +77,7 @@ def _encode_graph(gm: fx.GraphModule, model: nn.Module | None, top: bool) -> dic
     for node in gm.graph.nodes:
         if node.op in ("get_attr", "call_module"):
             attrs[str(node.target)] = _encode_attr(gm, model, node, top)
-        why = _check_runnable(node.op, node.target, node.args)
+        why = runnable.check_runnable(node.op, node.target, node.args)
         if why:
             raise Unwritable(f"node {node.name} {why}")
         entry: dict[str, Any] = {
@@ -101,8 +98,29 @@ def _encode_graph(gm: fx.GraphModule, model: nn.Module | None, top: bool) -> dic
             entry["mutates"] = True
         if annotations is not None and annotations.rebinds:
             entry["rebinds"] = annotations.rebinds
+        try:  # what reading would refuse is not written (it would be refused at every load)
+            _check_text(entry)
+        except ValueError as exc:
+            raise Unwritable(f"node {node.name}: {exc}") from None
         nodes.append(entry)
     return {"nodes": nodes, "attrs": attrs}
+
+
+def _check_text(entry: dict[str, Any]) -> None:
+    """The checks reading makes of a node's text (``runnable``), made before writing it."""
+    runnable.identifier(entry["name"], "node name")
+    if "text" in entry.get("type", {}):
+        runnable.annotation(entry["type"]["text"])
+    if entry.get("stack_trace"):
+        runnable.stack_trace(entry["stack_trace"])
+    for key, path, kind in entry.get("module_stack", ()):
+        runnable.module_path(key)
+        runnable.module_path(path)
+        runnable.type_name(kind)
+    if entry.get("rebinds"):
+        runnable.dotted(entry["rebinds"], "rebound attribute")
+    for key, _ in entry["kwargs"]["dict"]:
+        runnable.identifier(key, "keyword")
 
 
 def _encode_type(node: fx.Node) -> dict[str, str]:
@@ -169,40 +187,6 @@ def _encode_target(node: fx.Node) -> Any:
     raise Unwritable(f"node {node.name} calls {target!r}, not found again by its name")
 
 
-_PURE_BUILTINS = ("getattr", "len", "int", "float", "bool", "abs", "min", "max", "round",
-                  "pow", "divmod", "range", "slice", "tuple", "list", "isinstance")
-
-
-@functools.lru_cache(maxsize=1)
-def _allowed() -> frozenset[int]:
-    """The ids of the functions a graph read back may call: the tensor API's, never one that
-    reads files, imports or evaluates."""
-    functions = [f for fs in torch.overrides.get_overridable_functions().values() for f in fs]
-    native = [n for n in dir(torch._C._VariableFunctions) if not n.startswith("__")]
-    functions += [getattr(torch._C._VariableFunctions, n) for n in native]
-    functions += [getattr(torch, n) for n in native if callable(getattr(torch, n, None))]
-    functions += [f for f in vars(operator).values() if callable(f) and not isinstance(f, type)]
-    functions += [f for f in vars(math).values() if callable(f)]
-    functions += [getattr(builtins, n) for n in _PURE_BUILTINS]
-    functions += [mutations.after_write, mutations.setitem_value]
-    return frozenset(id(f) for f in functions)
-
-
-def _check_runnable(op: str, target: Any, args: Any) -> str:
-    """Why a node could run something other than tensor code ("" if it cannot)."""
-    if op == "call_function" and not isinstance(target, (torch._ops.OpOverload,
-                                                         torch._ops.HigherOrderOperator)):
-        if id(target) not in _allowed():
-            return f"calls {getattr(target, '__name__', target)!r}, not a tensor function"
-        if target is getattr and not (len(args) >= 2 and isinstance(args[1], str)
-                                      and not args[1].startswith("_")):
-            return "reads an attribute that is not public"
-    if op == "call_method" and (str(target).startswith("__") or
-                                not hasattr(torch.Tensor, str(target))):
-        return f"calls method {target!r}, not one of torch.Tensor's"
-    return ""
-
-
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
            if isinstance(d, torch.dtype)}
 _LAYOUTS = {str(v).removeprefix("torch."): v for v in vars(torch).values()
@@ -248,8 +232,11 @@ def decode_captured(data: dict[str, Any], model: nn.Module, bound: BoundInputs) 
     modules; ``ValueError`` when anything does not fit."""
     if list(data["input_names"]) != list(bound.tensors):
         raise ValueError("other inputs")
-    gm = _decode_graph(data["graph"], model, str(data["class_name"]))
+    if data["tracer"] not in ("fx", "export"):
+        raise ValueError(f"unknown tracer {data['tracer']!r}")
+    gm = _decode_graph(data["graph"], model, runnable.identifier(data["class_name"], "class"))
     gm.train(bool(data["training"]))  # as the root it was made from was (its modules keep theirs)
+    safe_json.loads(str(data["out_spec"]))  # torch's own reader recurses without a bound
     out_spec = pytree.treespec_loads(str(data["out_spec"]))
     return Captured(gm, list(bound.tensors), out_spec, str(data["tracer"]),
                     inspect.signature(model.forward), bound.constants)
@@ -259,7 +246,7 @@ def _decode_graph(data: dict[str, Any], model: nn.Module | None, class_name: str
                   ) -> fx.GraphModule:
     values: dict[str, Any] = {}
     for target, attr in dict(data["attrs"]).items():
-        values[target] = _decode_attr(model, str(target), attr)
+        values[target] = _decode_attr(model, runnable.dotted(target, "attribute path"), attr)
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     for entry in data["nodes"]:
@@ -267,33 +254,39 @@ def _decode_graph(data: dict[str, Any], model: nn.Module | None, class_name: str
         if op not in ("placeholder", "get_attr", "call_function", "call_method", "call_module",
                       "output"):
             raise ValueError(f"unknown op {op!r}")
+        name = runnable.identifier(entry["name"], "node name")
         target = _decode_target(op, entry["target"])
         args = _decode_arg(entry["args"], env)
-        why = _check_runnable(op, target, args)
+        kwargs = _decode_arg(entry["kwargs"], env)
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"node {name}'s keyword arguments are not a dict")
+        for key in kwargs:  # they appear in the code as `f(x, key = ...)`
+            runnable.identifier(key, "keyword")
+        why = runnable.check_runnable(op, target, args)
         if why:
             raise ValueError(f"node {entry['name']} {why}")
-        node = graph.create_node(op, target, args, _decode_arg(entry["kwargs"], env),
-                                 name=str(entry["name"]))
-        if node.name != entry["name"]:
+        node = graph.create_node(op, target, args, kwargs, name=name)
+        if node.name != name:
             raise ValueError(f"node {entry['name']} could not keep its name")
         env[node.name] = node
         if entry.get("type") is not None and "text" in entry["type"]:
-            node.type = str(entry["type"]["text"])
+            node.type = runnable.annotation(entry["type"]["text"])
         elif entry.get("type") is not None:
             node.type = _function(str(entry["type"]["module"]), str(entry["type"]["qualname"]))
             if not isinstance(node.type, type):
                 raise ValueError(f"node {node.name}'s annotation is not a class")
         if entry.get("stack_trace"):
-            node.stack_trace = str(entry["stack_trace"])
+            node.stack_trace = runnable.stack_trace(entry["stack_trace"])
         if entry.get("module_stack"):
-            node.meta["nn_module_stack"] = {str(k): (str(p), str(t))
-                                            for k, p, t in entry["module_stack"]}
+            node.meta["nn_module_stack"] = {
+                runnable.module_path(k): (runnable.module_path(p), runnable.type_name(t))
+                for k, p, t in entry["module_stack"]}
         if entry.get("is_wrapped"):
             node.meta["is_wrapped"] = True
         if entry.get("mutates"):
             node_info(node).mutates = True
         if entry.get("rebinds"):
-            node_info(node).rebinds = str(entry["rebinds"])
+            node_info(node).rebinds = runnable.dotted(entry["rebinds"], "rebound attribute")
     # Attributes installed in node order, the model's as fx copies them from a module root (a
     # dict root would order them by depth, and the shape cache's key sees the order)
     gm = fx.GraphModule({}, fx.Graph(), class_name)
@@ -339,10 +332,19 @@ def _decode_attr(model: nn.Module | None, target: str, attr: dict[str, Any]) -> 
 
 
 def _decode_target(op: str, target: Any) -> Any:
-    if op != "call_function":
-        if not isinstance(target, str):
-            raise ValueError("a target that is not a name")
+    if op == "output":
+        if target != "output":
+            raise ValueError(f"an output named {target!r}")
         return target
+    if op == "placeholder":  # forward's parameter: `def forward(self, <target>)`
+        if not isinstance(target, str):
+            raise ValueError("an input that is not a name")
+        runnable.identifier(target.removeprefix("**").removeprefix("*"), "input")
+        return target
+    if op in ("get_attr", "call_module"):
+        return runnable.dotted(target, "attribute path")
+    if op == "call_method":
+        return runnable.identifier(target, "method")
     if "op" in target:
         namespace, _, name = str(target["op"]).partition("::")
         try:

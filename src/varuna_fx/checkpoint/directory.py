@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
+from ..world import safe_json
 
 # 4: raw bytes with a CRC-32 per entry bound to its name, shape, dtype and place; 3: a CRC-32
 # of the bytes alone; 2: raw bytes (raw_storage.py); 1: DCP's torch.save records (all read)
@@ -101,7 +102,7 @@ def _order(marker: dict[str, Any]) -> int:
 def _parse_marker(marker_file: Path) -> dict[str, Any]:
     """A marker's JSON, its fields checked (:class:`CheckpointError` naming what is wrong)."""
     try:
-        marker = json.loads(marker_file.read_text())
+        marker = safe_json.loads(marker_file.read_text())  # bounded: a crafted file nests deep
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{marker_file} is unreadable ({exc})") from exc
     if not isinstance(marker, dict):

@@ -34,6 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import PretrainedError
+from ..world import safe_json
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -99,7 +100,7 @@ def read_json(path: str) -> Any:
             raise PretrainedError(f"{path} is larger than {JSON_LIMIT >> 20} MiB: not the "
                                   "JSON file of a checkpoint")
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return safe_json.loads(f.read())  # bounded in depth: a crafted file nests deep
     except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError included
         raise PretrainedError(f"{path} cannot be read as JSON: {exc}") from exc
 

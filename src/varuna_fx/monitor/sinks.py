@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..world import safe_json
 from .morph_events import tensorboard_scalars
 
 METRICS = "metrics.jsonl"
@@ -64,10 +66,14 @@ def read_jsonl(path: Path, before_step: int | None = None) -> list[dict[str, Any
     records = []
     if not path.is_file():
         return records
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace")
+                                  .splitlines(), start=1):
         try:
-            record = json.loads(line)
-        except ValueError:
+            record = safe_json.loads(line)
+        except safe_json.JsonTooDeep as exc:  # not a line the monitor wrote: say so, go on
+            warnings.warn(f"varuna_fx: skipping line {number} of {path}: {exc}", stacklevel=2)
+            continue
+        except ValueError:  # a torn last line (the run was killed mid-write): skipped
             continue
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             continue

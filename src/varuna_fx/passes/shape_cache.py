@@ -11,8 +11,9 @@ graph: its code (constants and attribute values baked in); for every called modu
 ``repr`` and plain settings (``p`` of Dropout, ``batch_first``, ``training``...); every
 parameter, buffer and tensor constant's name, shape, dtype, device and ``requires_grad``; the
 example inputs' names, shapes, dtypes and devices; torch's default dtype; the torch, Python and
-varuna_fx versions and the source of ``annotate_shapes.py`` and of this file. Nothing about the
-layout (P, D, micro-batches) is in it: a job that re-plans for another world hits.
+varuna_fx versions and source (the cache service's rule, ``world/disk_cache.code_digest``).
+Nothing about the layout (P, D, micro-batches) is in it: a job that re-plans for another world
+hits.
 
 Graphs whose behaviour the key cannot see are not cached: a called module that is not a
 ``torch.nn`` built-in, has forward hooks (or global ones exist) or holds a function that is
@@ -21,17 +22,14 @@ torch's, Python's ``operator``/``math``/builtins (e.g. an ``fx.wrap``-ed user fu
 ``get_attr`` of anything but a tensor (export's higher-order-op subgraphs).
 
 Files: ``$VARUNA_FX_CACHE_DIR/graphs/<key>.json`` (default ``~/.cache/varuna_fx/graphs``),
-JSON (loading never runs code), written to a temporary name and renamed, at most
-:data:`MAX_ENTRIES` kept (the oldest go). An unreadable, corrupt or mismatching file is
-ignored and rewritten, never an error. ``VARUNA_FX_GRAPH_CACHE=0`` turns the cache off.
+a client of the cache service (``world/disk_cache.py``): sealed JSON (loading never runs code),
+at most :data:`MAX_ENTRIES` kept (the oldest go). An unreadable, damaged or mismatching file is
+ignored with a ``CacheWarning`` and rewritten, never an error. ``VARUNA_FX_CACHE_MODE=0`` (or
+the older ``VARUNA_FX_GRAPH_CACHE=0``) turns the cache off.
 """
 
 from __future__ import annotations
 
-import hashlib
-import sys
-from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,16 +38,16 @@ from torch import nn
 
 from ..capture.capture_cache import enabled
 from ..capture.inputs import BoundInputs
-from ..world.files import read_entry, write_entry
+from ..world.disk_cache import DiskCache
 
-FORMAT = 3  # 2: sealed with a digest of the content (world/files.sealed); 3: draw shapes
+FORMAT = 4  # 2: sealed; 3: draw shapes; 4: sealed with this user's key (the cache service)
 MAX_ENTRIES = 64
+CACHE: DiskCache[list[Any]] = DiskCache("graphs", FORMAT, MAX_ENTRIES, family="graphs")
 # what happened in this process (tests and benchmarks read it): hit, miss, write, uncacheable,
 # ignored (a file that could not be used)
-stats: Counter[str] = Counter()
+stats = CACHE.stats
 
 _FUNCTION_MODULES = ("torch", "_operator", "operator", "math", "builtins")
-_SOURCES = (Path(__file__).with_name("annotate_shapes.py"), Path(__file__))
 
 
 def graph_key(gm: fx.GraphModule, bound: BoundInputs) -> str | None:
@@ -78,35 +76,26 @@ def graph_key(gm: fx.GraphModule, bound: BoundInputs) -> str | None:
     state = [(n, _tensor(t)) for n, t in [*gm.named_parameters(remove_duplicate=False),
                                           *gm.named_buffers(remove_duplicate=False)]]
     inputs = [(n, _tensor(t)) for n, t in bound.tensors.items()]
-    text = repr((FORMAT, gm.code, called, state, inputs, sorted(map(repr, bound.constants.items())),
-                 str(torch.get_default_dtype()), torch.__version__, sys.version_info[:2],
-                 _package_version(), [_source_hash(p) for p in _SOURCES]))
-    return hashlib.sha256(text.encode()).hexdigest()[:40]
+    return CACHE.key(repr((gm.code, called, state, inputs,
+                           sorted(map(repr, bound.constants.items())),
+                           str(torch.get_default_dtype()))))
 
 
 def load(key: str, names: list[str]) -> list[Any] | None:
     """The observations stored under ``key`` for a graph whose nodes are ``names``, or None."""
-    try:
-        entry = read_entry("graphs", key, FORMAT)
-        if entry is None:
-            stats["miss"] += 1
-            return None
+    def decode(entry: dict[str, Any]) -> list[Any]:
         if entry["nodes"] != names or len(entry["observed"]) != len(names):
             raise ValueError("another graph")
-        stats["hit"] += 1
         return list(entry["observed"])
-    except (ValueError, KeyError, TypeError):
-        stats["ignored"] += 1
-        stats["miss"] += 1
-        return None
+
+    return CACHE.load(key, decode)
 
 
 def store(key: str, names: list[str], observed: list[Any]) -> None:
     """Write an entry atomically (a reader sees the old file or the whole new one); keep the
     newest :data:`MAX_ENTRIES`. A cache that cannot be written is skipped silently: it only
     saves time."""
-    if write_entry("graphs", key, FORMAT, {"nodes": names, "observed": observed}, MAX_ENTRIES):
-        stats["write"] += 1
+    CACHE.store(key, observed, {"nodes": names, "observed": observed})
 
 
 # -- what the key is made of ---------------------------------------------------------------------
@@ -163,20 +152,3 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
 
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _package_version() -> str:
-    # read, not imported: the package root sits above this layer (and is loaded by now)
-    return str(getattr(sys.modules.get("varuna_fx"), "__version__", ""))
-
-
-_source_hashes: dict[Path, str] = {}
-
-
-def _source_hash(path: Path) -> str:
-    if path not in _source_hashes:
-        try:
-            _source_hashes[path] = hashlib.sha256(path.read_bytes()).hexdigest()
-        except OSError:  # no source (a zipped install): the package version must do
-            _source_hashes[path] = ""
-    return _source_hashes[path]

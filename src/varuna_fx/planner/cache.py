@@ -12,19 +12,21 @@ shapes, other operations or other measured times has another table), the cluster
 every planning option (``PlanOptions``: the cluster, batch, the given P / D / micro-batch size,
 the schedule, recompute, sharding, compression, replica sync), the example batch, the recompute
 setting planned for, the running world (``P x D`` must use exactly its ranks), and the code:
-the source of ``planner/``, ``schedule/``, ``costs/``, ``passes/`` and ``world/``, the
-varuna_fx, torch and Python versions. Anything in them this module cannot write down exactly (an object whose ``repr``
+varuna_fx's source with the varuna_fx, torch and Python versions (the cache service's rule,
+``world/disk_cache.code_digest``). Anything in them this module cannot write down exactly (an object whose ``repr``
 names its address, a replica sync that is not a plain name) makes the search uncacheable: it
 then simply runs. What the search does not read is not in the key: the graph's code beyond its
 costs (a re-plan partitions and generates code from the graph afresh: only the search is
 reused).
 
-Where: in the process a dict (:data:`_MEMORY`, the newest :data:`MAX_ENTRIES`), and on disk
-``$VARUNA_FX_CACHE_DIR/plans/<key>.json`` (default ``~/.cache/varuna_fx/plans``), sealed JSON
-(``world/files.sealed``: reading it runs no code and an edited or corrupted file is noticed),
-written atomically, at most :data:`MAX_ENTRIES` files kept. A file that cannot be used (corrupt,
-another format, another key) is ignored with a :class:`PlanCacheWarning` and rewritten; it is
-never an error. ``VARUNA_FX_PLAN_CACHE=0`` turns both off; ``=memory`` keeps only the process's.
+Where: a client of the cache service (``world/disk_cache.py``): in the process its memory
+layer (the newest :data:`MAX_ENTRIES`), and on disk ``$VARUNA_FX_CACHE_DIR/plans/<key>.json``
+(default ``~/.cache/varuna_fx/plans``), JSON sealed with this user's key (reading it runs no
+code; an edited, corrupted or planted file is noticed), at most :data:`MAX_ENTRIES` files kept.
+A file that cannot be used (damaged, another format, another key) is ignored with a
+:class:`PlanCacheWarning` and rewritten; it is never an error. ``VARUNA_FX_CACHE_MODE`` (or the
+older ``VARUNA_FX_PLAN_CACHE``, which wins for these caches) ``=0`` turns both off;
+``=memory`` keeps only the process's.
 
 Use (``configure.choose_configuration`` does this around ``Planner.search``):
 ``key = search_key(...)``; ``found = load(key)``; on a miss search, then ``store(key, found)``.
@@ -38,34 +40,23 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-import sys
-import warnings
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..world import switches
-from ..world.files import cache_dir, read_entry, write_entry
+from ..world.disk_cache import CacheWarning, DiskCache
 from .plan import Alternative
 
-FORMAT = 1
+FORMAT = 2  # 2: sealed with this user's key (the cache service)
 MAX_ENTRIES = 64
-# what happened in this process (tests and benchmarks read it): hit (memory or disk), miss,
-# write, uncacheable, ignored (a file that could not be used)
-stats: Counter[str] = Counter()
-_MEMORY: OrderedDict[str, Searched | Refused] = OrderedDict()
-_PACKAGE = Path(__file__).resolve().parent.parent
-_CODE = ("planner", "schedule", "costs", "passes", "world")
 
 
-class PlanCacheWarning(UserWarning):
-    """A plan-cache file was ignored (corrupt, edited, or written by another format)."""
+class PlanCacheWarning(CacheWarning):
+    """A plan-cache file was ignored (damaged, edited, sealed by another writer, or written by
+    another format)."""
 
 
 @dataclass(frozen=True)
@@ -110,9 +101,17 @@ class Refused:
     message: str
 
 
+CACHE: DiskCache[Searched | Refused] = DiskCache("plans", FORMAT, MAX_ENTRIES, family="plans",
+                                                 memory=True, warning=PlanCacheWarning)
+# what happened in this process (tests and benchmarks read it): hit (memory or disk), miss,
+# write, uncacheable, ignored (a file that could not be used)
+stats = CACHE.stats
+
+
 def mode() -> str:
-    """"disk" (the default: memory and disk), "memory" or "off" (``$VARUNA_FX_PLAN_CACHE``)."""
-    return switches.read("VARUNA_FX_PLAN_CACHE")
+    """"disk" (the default: memory and disk), "memory" or "off" (``$VARUNA_FX_PLAN_CACHE``,
+    else ``$VARUNA_FX_CACHE_MODE``)."""
+    return CACHE.mode()
 
 
 class _Unwritable(Exception):
@@ -126,12 +125,12 @@ def search_key(*parts: Any) -> str | None:
         return None
     digest = hashlib.sha256()
     try:
-        for part in (FORMAT, _code_digest(), torch.__version__, sys.version_info[:2], *parts):
+        for part in parts:
             _feed(digest, part)
     except _Unwritable:
         stats["uncacheable"] += 1
         return None
-    return digest.hexdigest()[:40]
+    return CACHE.key(digest.hexdigest())
 
 
 def _feed(digest: Any, value: Any) -> None:
@@ -176,57 +175,19 @@ def _feed(digest: Any, value: Any) -> None:
         put(f"{type(value).__module__}.{type(value).__qualname__}:{text}")
 
 
-@lru_cache(maxsize=1)
-def _code_digest() -> str:
-    """The source of the code the search runs (a changed generator or memory model makes
-    another plan), with varuna_fx's version."""
-    # the version read, not imported: the package root sits above this layer (and is loaded)
-    version = str(getattr(sys.modules.get("varuna_fx"), "__version__", ""))
-    digest = hashlib.sha256(version.encode())
-    for folder in _CODE:
-        for path in sorted((_PACKAGE / folder).glob("*.py")):
-            digest.update(path.name.encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 def load(key: str | None) -> Searched | Refused | None:
     """The search stored under ``key``: from the process, else from disk; None on a miss."""
-    if key is None:
-        return None
-    found = _MEMORY.get(key)
-    if found is not None:
-        _MEMORY.move_to_end(key)
-        stats["hit"] += 1
-        return found
-    if mode() == "disk":
-        found = _load_file(key)
-        if found is not None:
-            _remember(key, found)
-            stats["hit"] += 1
-            return found
-    stats["miss"] += 1
-    return None
+    return CACHE.load(key, _decode) if key is not None else None
 
 
-def _load_file(key: str) -> Searched | Refused | None:
-    try:
-        entry = read_entry("plans", key, FORMAT)
-        if entry is None:
-            return None
-        if "refused" in entry:
-            return Refused(str(entry["refused"]))
-        found = Searched.from_json(entry["searched"])
-        if min(found.stages, found.data_parallel, found.micro_batch_size,
-               found.stages_per_rank) < 1 or not found.alternatives:
-            raise ValueError("impossible values")
-        return found
-    except (ValueError, KeyError, TypeError) as e:
-        stats["ignored"] += 1
-        path = cache_dir("plans") / f"{key}.json"
-        warnings.warn(f"varuna_fx: ignoring the plan cache file {path} ({e}); the planner "
-                      "searches again and rewrites it", PlanCacheWarning, stacklevel=3)
-        return None
+def _decode(entry: dict[str, Any]) -> Searched | Refused:
+    if "refused" in entry:
+        return Refused(str(entry["refused"]))
+    found = Searched.from_json(entry["searched"])
+    if min(found.stages, found.data_parallel, found.micro_batch_size,
+           found.stages_per_rank) < 1 or not found.alternatives:
+        raise ValueError("impossible values")
+    return found
 
 
 def store(key: str | None, found: Searched | Refused) -> None:
@@ -235,18 +196,14 @@ def store(key: str | None, found: Searched | Refused) -> None:
     time)."""
     if key is None:
         return
-    _remember(key, found)
-    if mode() != "disk":
-        return
     answer = {"refused": found.message} if isinstance(found, Refused) else \
         {"searched": found.to_json()}
-    if write_entry("plans", key, FORMAT, answer, MAX_ENTRIES):
-        stats["write"] += 1
+    CACHE.store(key, found, answer)
 
 
 def clear() -> None:
     """Forget the process's entries (the files stay), and the memos ``shared_memo`` keeps."""
-    _MEMORY.clear()
+    CACHE.clear()
     _MEMOS.clear()
 
 
@@ -286,10 +243,3 @@ def shared_memo(pricer: Any) -> None:
     _MEMOS[key] = pricer.memo
     while len(_MEMOS) > MAX_MEMOS:
         _MEMOS.popitem(last=False)
-
-
-def _remember(key: str, found: Searched | Refused) -> None:
-    _MEMORY[key] = found
-    _MEMORY.move_to_end(key)
-    while len(_MEMORY) > MAX_ENTRIES:
-        _MEMORY.popitem(last=False)

@@ -14,24 +14,26 @@ all-reduce weights) and the configuration it partitions for (P, the stash counts
 own bounds). A configuration that was not searched (P given) has no search key: its partition
 is not kept. ``VARUNA_FX_PLAN_CACHE`` governs it as it does the search's (``off``, ``memory``).
 
-Files: ``$VARUNA_FX_CACHE_DIR/partitions/<key>.json``, sealed JSON (reading it runs no code; an
-edited file is noticed and ignored), written atomically, the newest :data:`MAX_ENTRIES` kept.
+A client of the cache service (``world/disk_cache.py``): its memory layer, and files
+``$VARUNA_FX_CACHE_DIR/partitions/<key>.json``, JSON sealed with this user's key (reading it runs
+no code; a damaged, edited or planted file is ignored with a ``CacheWarning``), the newest
+:data:`MAX_ENTRIES` kept.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
 from typing import Any
 
 from ..passes.partition import Partition, PartitionProblem
-from ..world.files import read_entry, write_entry
-from .cache import mode, search_key
+from ..world.disk_cache import DiskCache
+from .cache import search_key
 
-FORMAT = 1
+FORMAT = 2  # 2: sealed with this user's key (the cache service)
 MAX_ENTRIES = 64
+CACHE: DiskCache[Partition] = DiskCache("partitions", FORMAT, MAX_ENTRIES, family="plans",
+                                        memory=True)
 # what happened in this process: hit (memory or disk), miss, write, ignored (a bad file)
-stats: Counter[str] = Counter()
-_MEMORY: OrderedDict[str, Partition] = OrderedDict()
+stats = CACHE.stats
 
 
 def partition_key(search: str | None, costs: PartitionProblem, stages: int,
@@ -46,31 +48,16 @@ def partition_key(search: str | None, costs: PartitionProblem, stages: int,
 
 
 def load(key: str | None) -> Partition | None:
-    if key is None:
-        return None
-    found = _MEMORY.get(key)
-    if found is None and mode() == "disk":
-        found = _load_file(key)
-    if found is None:
-        stats["miss"] += 1
-        return None
-    _remember(key, found)
-    stats["hit"] += 1
-    return found
+    return CACHE.load(key, _decode) if key is not None else None
 
 
 def store(key: str | None, made: Partition) -> None:
-    if key is None:
-        return
-    _remember(key, made)
-    if mode() != "disk":
-        return
-    if write_entry("partitions", key, FORMAT, {"partition": _to_json(made)}, MAX_ENTRIES):
-        stats["write"] += 1
+    if key is not None:
+        CACHE.store(key, made, {"partition": _to_json(made)})
 
 
 def clear() -> None:
-    _MEMORY.clear()
+    CACHE.clear()
 
 
 def _to_json(made: Partition) -> dict[str, Any]:
@@ -80,32 +67,18 @@ def _to_json(made: Partition) -> dict[str, Any]:
             "recompute": list(made.recompute), "allreduce": list(made.allreduce)}
 
 
-def _load_file(key: str) -> Partition | None:
-    try:
-        entry = read_entry("partitions", key, FORMAT)
-        if entry is None:
-            return None
-        p = entry["partition"]
-        bounds = tuple(int(x) for x in p["bounds"])
-        stages = len(bounds) - 1
-        made = Partition(
-            bounds=bounds, stage_times=tuple(float(x) for x in p["stage_times"]),
-            stage_memory=tuple(float(x) for x in p["stage_memory"]),
-            bottleneck=float(p["bottleneck"]),
-            recompute=tuple(bool(x) for x in p["recompute"]),
-            allreduce=tuple(float(x) for x in p["allreduce"]))
-        if stages < 1 or bounds[0] != 0 or list(bounds) != sorted(set(bounds)) or \
-                len(made.stage_times) != stages or len(made.stage_memory) != stages or \
-                len(made.recompute) not in (0, stages) or len(made.allreduce) not in (0, stages):
-            raise ValueError("impossible values")
-        return made
-    except (ValueError, KeyError, TypeError):
-        stats["ignored"] += 1
-        return None
-
-
-def _remember(key: str, made: Partition) -> None:
-    _MEMORY[key] = made
-    _MEMORY.move_to_end(key)
-    while len(_MEMORY) > MAX_ENTRIES:
-        _MEMORY.popitem(last=False)
+def _decode(entry: dict[str, Any]) -> Partition:
+    p = entry["partition"]
+    bounds = tuple(int(x) for x in p["bounds"])
+    stages = len(bounds) - 1
+    made = Partition(
+        bounds=bounds, stage_times=tuple(float(x) for x in p["stage_times"]),
+        stage_memory=tuple(float(x) for x in p["stage_memory"]),
+        bottleneck=float(p["bottleneck"]),
+        recompute=tuple(bool(x) for x in p["recompute"]),
+        allreduce=tuple(float(x) for x in p["allreduce"]))
+    if stages < 1 or bounds[0] != 0 or list(bounds) != sorted(set(bounds)) or \
+            len(made.stage_times) != stages or len(made.stage_memory) != stages or \
+            len(made.recompute) not in (0, stages) or len(made.allreduce) not in (0, stages):
+        raise ValueError("impossible values")
+    return made

@@ -28,6 +28,7 @@ import torch.fx as fx
 from ..costs.roofline import device_spec
 from ..errors import PlanError
 from ..ir.nodes import Affine, info
+from ..world import safe_json
 from ..world.files import cache_dir, write_atomically
 from ..world.network import NetworkProfile
 from .cluster import Cluster
@@ -127,7 +128,7 @@ class Profile:
 
     @classmethod
     def from_json(cls, text: str) -> Profile:
-        data = json.loads(text)
+        data = safe_json.loads(text)
         if data.pop("format", None) != FORMAT:
             raise ValueError("profile format changed")
         chunks = [ChunkProfile(

@@ -1,14 +1,12 @@
 """The on-disk caches: where they live (one variable, ``$VARUNA_FX_CACHE_DIR``) and small files
-written whole or not at all."""
+written whole or not at all. What an entry holds and when it is trusted is the cache service's
+(``disk_cache.py``)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from . import switches
 
@@ -54,52 +52,3 @@ def keep_newest(directory: Path, keep: int) -> None:
             continue
     for _, path in sorted(entries, reverse=True)[keep:]:
         path.unlink(missing_ok=True)
-
-
-def sealed(entry: dict[str, Any]) -> str:
-    """``entry`` as JSON with a digest of its content, so that a file edited or corrupted
-    after it was written is noticed by :func:`unsealed` (a cache must never serve something
-    other than what was computed for its key)."""
-    body = json.dumps(entry, sort_keys=True)
-    return json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "entry": entry})
-
-
-def unsealed(text: str) -> dict[str, Any]:
-    """The entry :func:`sealed` wrote; ``ValueError`` when the text is not such an entry or
-    its content no longer matches its digest."""
-    outer = json.loads(text)
-    if not isinstance(outer, dict) or not isinstance(outer.get("entry"), dict):
-        raise ValueError("not a sealed entry")
-    body = json.dumps(outer["entry"], sort_keys=True)
-    if hashlib.sha256(body.encode()).hexdigest() != outer.get("sha256"):
-        raise ValueError("content does not match its digest: edited or corrupted")
-    return outer["entry"]
-
-
-def read_entry(kind: str, key: str, format: int) -> dict[str, Any] | None:  # noqa: A002
-    """The entry :func:`write_entry` wrote under ``key`` in cache ``kind``; None when there is
-    no such file; ``ValueError`` when the file is not such an entry (corrupt, edited, or
-    written for another key or by another format)."""
-    try:
-        text = (cache_dir(kind) / f"{key}.json").read_text()
-    except OSError:
-        return None
-    entry = unsealed(text)
-    if entry.get("format") != format or entry.get("key") != key:
-        raise ValueError("written for another key or by another format")
-    return entry
-
-
-def write_entry(kind: str, key: str, format: int, fields: dict[str, Any],  # noqa: A002
-                keep: int) -> bool:
-    """Write ``fields`` (JSON-able) as the sealed entry of ``key`` in cache ``kind``,
-    atomically, keeping the newest ``keep`` entries; False when the folder cannot be written
-    (a cache only saves time: the caller goes on)."""
-    directory = cache_dir(kind)
-    try:
-        write_atomically(directory, f"{key}.json",
-                         sealed({"format": format, "key": key, **fields}))
-        keep_newest(directory, keep)
-    except OSError:
-        return False
-    return True

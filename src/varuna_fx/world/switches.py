@@ -47,6 +47,9 @@ def _words(on: str, off: str, **more: str) -> dict[str, str]:
     return {**more, **{w: on for w in ON}, **{w: off for w in OFF}}
 
 
+# a cache switch: off, the process's memory only, or memory and disk (any other word)
+_CACHE_WORDS = {**{w: "off" for w in OFF}, "memory": "memory"}
+
 _TABLE = (
     Switch("VARUNA_FX_TIMEOUT", "seconds", "300",
            "seconds any wait on a peer may take (compile's timeout= wins)"),
@@ -56,12 +59,17 @@ _TABLE = (
            "(captures, graphs, profiles, plans, partitions); unset: ~/.cache/varuna_fx"),
     Switch("VARUNA_FX_CACHE", "path", "",
            "the profiles folder itself, read only while VARUNA_FX_CACHE_DIR is unset (older name)"),
-    Switch("VARUNA_FX_GRAPH_CACHE", "choice", "1",
-           "1: captured graphs and shape observations kept on disk; 0: off",
-           words={w: "off" for w in OFF}, otherwise="on"),
-    Switch("VARUNA_FX_PLAN_CACHE", "choice", "1",
-           "1: the planner's searches kept in the process and on disk; memory: the process only; "
-           "0: off", words={**{w: "off" for w in OFF}, "memory": "memory"}, otherwise="disk"),
+    Switch("VARUNA_FX_CACHE_MODE", "choice", "1",
+           "the one switch of compile's caches: 1: the process's memory and disk; memory: the "
+           "process only; 0: off", words=_CACHE_WORDS, otherwise="disk"),
+    Switch("VARUNA_FX_CACHE_KEY", "path", "", "the file of this user's key that seals cache "
+           "entries (outside the cache folder); unset: $XDG_CONFIG_HOME/varuna_fx/cache.key"),
+    Switch("VARUNA_FX_GRAPH_CACHE", "choice", "",
+           "older switch of captured graphs and shape observations (wins where set): 1, memory, "
+           "0", words=_CACHE_WORDS, otherwise="disk"),
+    Switch("VARUNA_FX_PLAN_CACHE", "choice", "",
+           "older switch of the planner's searches and partitions (wins where set): 1, memory, "
+           "0", words=_CACHE_WORDS, otherwise="disk"),
     Switch("VARUNA_FX_PREPLAN", "choice", "auto",
            "in place, search the likely next worlds in a child after each layout's first step "
            "(auto: on GPU clusters; 1: on; 0: off)",
@@ -97,6 +105,11 @@ def check_seconds(name: str, value: object) -> float:
         raise VarunaFxError(f"{name}={value!r}: give a positive, finite number of seconds "
                             "(e.g. 60); to wait long, give a large number")
     return float(value)
+
+
+def given(name: str) -> bool:
+    """Whether the variable is set to something (an older switch wins only where given)."""
+    return bool(os.environ.get(SWITCHES[name].name, "").strip())
 
 
 def read(name: str) -> Any:
