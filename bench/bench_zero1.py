@@ -49,7 +49,7 @@ def resident() -> int:
 def model_state(pipe, opt: torch.optim.Optimizer) -> int:  # noqa: ANN001
     """Bytes of the tensors training keeps between steps: parameters, their gradients, the
     optimizer's state and (sharded) the shards' averaged gradients."""
-    from varuna_fx.runtime.zero import shard_state_bytes
+    from varuna_fx.runtime.sync.zero import shard_state_bytes
 
     def size(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.numel() * t.element_size()
@@ -63,7 +63,7 @@ def model_state(pipe, opt: torch.optim.Optimizer) -> int:  # noqa: ANN001
 def rank_main(out: Path, mode: str, steps: int, layers: int, width: int) -> None:
     import varuna_fx as vf
     from varuna_fx.examples import GPT, GPTConfig, lm_loss
-    from varuna_fx.runtime.zero import shard_state_bytes
+    from varuna_fx.runtime.sync.zero import shard_state_bytes
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=2048, block_size=16, n_layer=layers, n_head=8, n_embd=width)

@@ -149,7 +149,7 @@ def varuna(job: dict, cfg: GPTConfig, example: torch.Tensor) -> Trainer:
     schedule = getattr(plan.schedule, "name", plan.schedule)
     recompute = plan.recompute if isinstance(plan.recompute, bool) else \
         "".join("R" if r else "-" for r in plan.recompute)
-    from varuna_fx.runtime.zero import layout_of
+    from varuna_fx.runtime.sync.zero import layout_of
 
     sharded = layout_of(opt) is not None  # ZeRO-1 as it runs
     # what the plan resolved ("auto" included): per boundary the bytes it sends as its

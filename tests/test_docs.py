@@ -213,7 +213,7 @@ def test_every_command_line_the_docs_show_parses() -> None:
     """Optional parts (``[--json]``) count as given; ``...`` (more of the same) is dropped. A
     renamed or removed option fails here instead of in a reader's shell."""
     from varuna_fx.launch.cli import _subcommand, build_parser, split_at_script
-    from varuna_fx.launch.train_config import split_argv
+    from varuna_fx.train.config import split_argv
 
     parser = build_parser()
     checked = 0
@@ -223,7 +223,7 @@ def test_every_command_line_the_docs_show_parses() -> None:
                      if w not in ("...", "|")][1:]
             if len(words) < 2 or words[0] == "COMMAND" or "--help" in words:
                 continue  # a command named in prose, or its help
-            if words[0] == "train":  # its own flags: every key of its config (train_config.py)
+            if words[0] == "train":  # its own flags: every key of its config (train/config.py)
                 if "--key" not in words:  # (the synopsis)
                     split_argv([w for w in words[1:] if w != "--print-config"])
                     checked += 1

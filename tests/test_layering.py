@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("data", ["data", "monitor"]),
     ("pipeline", ["pipeline", "morph"]),
     ("api", ["api", "options", "__init__"]),
+    ("train", ["train"]),
     ("launch", ["launch"]),
 ]
 # The package root is the public face only (the folders hold everything else).

@@ -60,7 +60,7 @@ from .runtime.options import RunOptions
 from .runtime.outputs import OutputAssembler
 from .runtime.split_backward import input_grads
 from .runtime.step import Runtime
-from .runtime.zero import guard_direct_optimizers
+from .runtime.sync.zero import guard_direct_optimizers
 from .schedule import DEFAULT_SCHEDULE
 from .schedule.placement import Placement
 from .world.membership import in_place, joined_settings, joining_running_job, membership

@@ -21,7 +21,7 @@ from .capture.captured import Captured
 from .capture.inputs import BoundInputs, bind_inputs
 from .capture.model_edits import ModelEdits, traced_modules
 from .checkpoint.failures import FailedLoad
-from .checkpoint.pretrained import PretrainedLoad, load_pretrained, save_pretrained
+from .checkpoint.hf.pretrained import PretrainedLoad, load_pretrained, save_pretrained
 from .checkpoint.save_load import Checkpointer
 from .codegen.modes import Modes, evaluation_stages, module_modes
 from .codegen.stage_module import Stage
@@ -45,7 +45,7 @@ from .runtime.setup import held_tensors
 from .runtime.shard import shard_batch
 from .runtime.step import Runtime
 from .runtime.step_stats import StepMeter, StepStats
-from .runtime.zero_repoint import build_optimizer
+from .runtime.sync.zero_repoint import build_optimizer
 
 
 class Pipeline:
@@ -365,7 +365,7 @@ class Pipeline:
     def optimizer(self, cls: type, params: Any = None, **defaults: Any) -> torch.optim.Optimizer:
         """``cls(params, **defaults)`` over this rank's parameters (``params``: parameters or
         param groups from :meth:`named_parameters`; None: all), or, when the optimizer state is
-        sharded over the D replicas (``shard_optimizer``; runtime/zero.py), over this rank's
+        sharded over the D replicas (``shard_optimizer``; runtime/sync/zero.py), over this rank's
         shard of them: an instance of ``cls`` whose state_dict holds this rank's shard only,
         and whose step also gathers the updated parameters."""
         optimizer = build_optimizer(self.runtime, dict(self.named_parameters()), cls, params,
@@ -504,7 +504,7 @@ class Pipeline:
 
     def load_pretrained(self, path: str, *, strict: bool = True) -> PretrainedLoad:
         """Load a Hugging Face safetensors checkpoint (a directory, or one file) into the
-        tensors held here, reading only those; see checkpoint/pretrained.py."""
+        tensors held here, reading only those; see checkpoint/hf/pretrained.py."""
         outcome = load_pretrained(self, self._checkpoints(), path, strict=strict)
         if isinstance(outcome, FailedLoad):  # partly overwritten: refuse to run until a load
             self._failed_load = outcome      # succeeds

@@ -514,7 +514,7 @@ def _a_file() -> str:
 
 
 def _train_config(argv: list[str]) -> Any:
-    from varuna_fx.launch.train_config import resolve
+    from varuna_fx.train.config import resolve
 
     return resolve(argv)
 

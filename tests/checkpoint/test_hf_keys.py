@@ -1,4 +1,4 @@
-"""Which checkpoint key fills which tensor (checkpoint/hf_keys.py, hf_renames.py), on small
+"""Which checkpoint key fills which tensor (checkpoint/hf/keys.py, hf_renames.py), on small
 modules without compiling: transformers' base-model prefix both ways, tied names, keys it
 ignores, buffers the model computes, the name a save keeps for a tied group, and
 transformers 5's renames (GPT-NeoX's embed_out)."""
@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from support.hf_zoo import ZOO
-from varuna_fx.checkpoint.hf_keys import match_keys, saved_names
-from varuna_fx.checkpoint.hf_renames import renames
-from varuna_fx.checkpoint.safetensors_files import Entry
+from varuna_fx.checkpoint.hf.keys import match_keys, saved_names
+from varuna_fx.checkpoint.hf.renames import renames
+from varuna_fx.checkpoint.hf.safetensors_files import Entry
 from varuna_fx.runtime.model_state import StateLayout
 
 

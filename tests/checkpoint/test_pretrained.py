@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import varuna_fx as vf
-import varuna_fx.checkpoint.safetensors_files as files
+import varuna_fx.checkpoint.hf.safetensors_files as files
 from support.hf_zoo import ZOO
 from support.label_models import V
 from support.pretrained import IDS, count_reads, gpt2_config, tf

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import varuna_fx.checkpoint.safetensors_files as files
+import varuna_fx.checkpoint.hf.safetensors_files as files
 from support.dist import launch_ok
 from support.pretrained import IDS, gpt2_config, tf
 

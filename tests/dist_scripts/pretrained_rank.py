@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import varuna_fx as vf  # noqa: E402
-import varuna_fx.checkpoint.safetensors_files as files  # noqa: E402
+import varuna_fx.checkpoint.hf.safetensors_files as files  # noqa: E402
 from support.pretrained import IDS, count_reads, gpt2_config, tf  # noqa: E402
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

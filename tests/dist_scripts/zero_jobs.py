@@ -42,7 +42,7 @@ from support.zero import (  # noqa: E402
     tokens,
 )
 from varuna_fx.examples import lm_loss  # noqa: E402
-from varuna_fx.runtime.zero import layout_of, shard_state_bytes  # noqa: E402
+from varuna_fx.runtime.sync.zero import layout_of, shard_state_bytes  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 OUT = Path(sys.argv[1])

@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import load_file
 
 from varuna_fx.examples import GPT, GPTConfig
-from varuna_fx.launch.train_config import TrainConfig
-from varuna_fx.launch.train_data import open_data
-from varuna_fx.launch.train_model import next_token_loss
+from varuna_fx.train.config import TrainConfig
+from varuna_fx.train.data import open_data
+from varuna_fx.train.model import next_token_loss
 
 # a tiny GPT on 200 kB of the built-in corpus: the run is 200 steps long (its LR schedule), the
 # launches stop it early with SIGTERM or stop_at

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from varuna_fx.errors import CheckpointError, InputError
-from varuna_fx.launch import train_worker
 from varuna_fx.launch.train import train_command
-from varuna_fx.launch.train_config import (
+from varuna_fx.runtime import preemption
+from varuna_fx.train import worker as train_worker
+from varuna_fx.train.config import (
     FIELDS,
     GROUPS,
     TrainConfig,
@@ -26,10 +27,9 @@ from varuna_fx.launch.train_config import (
     resolve,
     to_toml,
 )
-from varuna_fx.launch.train_data import BYTE_VOCAB, open_data, stdlib_corpus, stdlib_files
-from varuna_fx.launch.train_model import build_model
-from varuna_fx.launch.train_worker import Run, decode, lr_factor, save_on_ctrl_c
-from varuna_fx.runtime import preemption
+from varuna_fx.train.data import BYTE_VOCAB, open_data, stdlib_corpus, stdlib_files
+from varuna_fx.train.model import build_model
+from varuna_fx.train.worker import Run, decode, lr_factor, save_on_ctrl_c
 
 DOCS = Path(__file__).parents[2] / "docs" / "API.md"
 
@@ -247,7 +247,7 @@ def test_the_command_starts_the_worker_module_under_torchrun_with_the_checked_co
     out = str(tmp_path / "run")
     assert train_command(["--nproc", "3", "--steps", "7", "--out", out]) == 0
     parsed = calls[0]
-    assert parsed.module and parsed.training_script == "varuna_fx.launch.train_worker"
+    assert parsed.module and parsed.training_script == "varuna_fx.train.worker"
     assert parsed.nproc_per_node == "3" and parsed.rdzv_endpoint == "127.0.0.1:0"
     cfg, launched_at, _ = decode(*parsed.training_script_args)
     assert cfg == TrainConfig(nproc=3, steps=7, out=out) and launched_at > 0
@@ -279,7 +279,7 @@ def test_in_place_starts_the_in_place_launcher_with_the_checked_config(
     assert train_command([job, "--steps", "7", "--out", out]) == 0
     launch = launches[0]
     assert (launch.nproc, launch.min_world, launch.store_host) == (3, 3, True)
-    assert launch.argv[:2] == ["-m", "varuna_fx.launch.train_worker"]
+    assert launch.argv[:2] == ["-m", "varuna_fx.train.worker"]
     cfg, _, source = decode(launch.argv[2])
     assert cfg == TrainConfig(elastic=True, in_place=True, nproc=3, steps=7, out=out)
     assert source["in_place"] == "config file"

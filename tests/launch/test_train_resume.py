@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from varuna_fx.errors import CheckpointError
-from varuna_fx.launch import train_worker
-from varuna_fx.launch.train_config import TrainConfig
-from varuna_fx.launch.train_worker import CHECKPOINTS, Run, lr_factor
 from varuna_fx.monitor.sinks import METRICS, read_jsonl
 from varuna_fx.runtime import preemption
+from varuna_fx.train import worker as train_worker
+from varuna_fx.train.config import TrainConfig
+from varuna_fx.train.worker import CHECKPOINTS, Run, lr_factor
 from varuna_fx.world.membership import Generation
 
 

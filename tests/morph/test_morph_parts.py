@@ -14,9 +14,9 @@ from varuna_fx.data.loader import GlobalBatchLoader
 from varuna_fx.errors import OptimizerError
 from varuna_fx.morph.batch import MorphableData, rebuilt, sample_tensors
 from varuna_fx.morph.state import INPUT, Descriptor, Info, expand_needs, input_holdings
+from varuna_fx.morph.transfer import Move, plan_moves
 from varuna_fx.options import CompileOptions, fit_to_world
-from varuna_fx.runtime.transfer import Move, plan_moves
-from varuna_fx.runtime.zero import build_layout, guard_direct_optimizers, shard_ranges
+from varuna_fx.runtime.sync.zero import build_layout, guard_direct_optimizers, shard_ranges
 from varuna_fx.world.membership import Generation
 
 W = ("w", "")

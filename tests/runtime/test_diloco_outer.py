@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import varuna_fx as vf
-from varuna_fx.runtime.diloco import DiLoCoSync
+from varuna_fx.runtime.sync.diloco import DiLoCoSync
 
 
 def _outer_once(momentum: float) -> tuple[torch.Tensor, torch.Tensor]:

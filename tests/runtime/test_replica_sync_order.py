@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from varuna_fx.errors import PeerTimeoutError
-from varuna_fx.runtime.replica_sync import HookBucket, HookReduce, Piece
+from varuna_fx.runtime.sync.replica_sync import HookBucket, HookReduce, Piece
 
 
 def bucket(i: int, last: bool) -> HookBucket:

@@ -1,4 +1,4 @@
-"""Sharded optimizer state (ZeRO-1, runtime/zero.py): float64 AdamW with param groups, an LR
+"""Sharded optimizer state (ZeRO-1, runtime/sync/zero.py): float64 AdamW with param groups, an LR
 schedule and clipping under (P, D) = (1, 2), (2, 2), (2, 3) on gloo ranks equals eager on the
 whole batch (tied embedding and LM head included); checkpoints move between one process,
 sharded and unsharded layouts and continue exactly; "auto" shards pipe.optimizer's optimizer

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-import varuna_fx.checkpoint.safetensors_files as files
+import varuna_fx.checkpoint.hf.safetensors_files as files
 from support.label_models import V, token_ids
 
 tf = pytest.importorskip("transformers")

@@ -14,7 +14,7 @@ import pytest
 import varuna_fx as vf
 from varuna_fx.capture import capture_cache
 from varuna_fx.checkpoint.directory import MARKER, latest_checkpoint, read_marker
-from varuna_fx.checkpoint.safetensors_files import read_json
+from varuna_fx.checkpoint.hf.safetensors_files import read_json
 from varuna_fx.monitor.sinks import read_jsonl
 from varuna_fx.passes import shape_cache
 from varuna_fx.planner import cache as plan_cache

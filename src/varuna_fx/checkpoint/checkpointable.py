@@ -28,7 +28,7 @@ class Checkpointable(Protocol):
     runtime: Runtime  # the fp16 loss scaler, the timeout, the replicas' gradient sync
     replica_index: int  # whose replica-sync state this process saves (checkpoint/sync_state.py)
     state_layout: StateLayout  # every FQN's full shape: a checkpoint of another model is refused
-    # what Hugging Face weights are read into and written from (checkpoint/pretrained.py)
+    # what Hugging Face weights are read into and written from (checkpoint/hf/pretrained.py)
     model: nn.Module
     canonical: dict[str, str]  # every FQN -> its canonical name (tied weights are one)
     stages: list[Stage]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..runtime.zero import layout_of
+from ..runtime.sync.zero import layout_of
 from .sharded_state import CHUNK_PREFIX, SavedState, restore_sharded, sharded_entries
 
 TENSOR_PREFIX = "optim/"

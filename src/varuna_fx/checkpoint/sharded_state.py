@@ -1,6 +1,6 @@
 """Sharded (ZeRO-1) optimizer state in checkpoints, per FQN, so it loads under any layout.
 
-A sharded optimizer (``runtime/zero.py``) holds, per bucket, one flat shard of its state: a
+A sharded optimizer (``runtime/sync/zero.py``) holds, per bucket, one flat shard of its state: a
 contiguous range of the bucket, cutting through parameters. Saving splits it back into
 parameters: a parameter's elementwise state (shaped like the shard: ``exp_avg``, ...) is written
 as the flat chunk this rank holds, ``optim_shard/<fqn>/<key>/<start>`` (elements
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..runtime.zero import Bucket, ZeroLayout
+from ..runtime.sync.zero import Bucket, ZeroLayout
 
 CHUNK_PREFIX = "optim_shard/"
 

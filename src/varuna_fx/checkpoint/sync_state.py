@@ -1,7 +1,7 @@
 """Replica-sync state in checkpoints, per FQN like everything else (docs/API.md, "Slow links").
 
 What a run with ``replica_sync`` other than exact needs to continue exactly
-(``runtime/replica_sync.py``, ``runtime/diloco.py``), as DCP entries:
+(``runtime/sync/replica_sync.py``, ``runtime/sync/diloco.py``), as DCP entries:
 
 * PowerSGD: each replica's error feedback, ``sync/replica<r>/powersgd/error/<fqn>``; the
   warm-started ``Q`` factors (the same on every replica), ``sync/powersgd/q/<fqn>``; the steps

@@ -17,7 +17,7 @@ A stage holds at its peak (:func:`peak_bytes`, the one formula):
   input; and the activations autograd saves: for every micro-batch in flight without
   recompute, for the one micro-batch being replayed with recompute.
 
-Sharded optimizer state (ZeRO-1, ``runtime/zero.py``): each of a stage's D replicas keeps 1/D
+Sharded optimizer state (ZeRO-1, ``runtime/sync/zero.py``): each of a stage's D replicas keeps 1/D
 of the optimizer's state, so a trainable weight of ``n`` bytes is held as ``n`` (weight) + ``n``
 (gradient) + ``OPTIMIZER_COPIES * n / D`` (Adam's moments, in the parameters' own dtype, the
 precision the runtime keeps them in): :func:`held_copies` is that factor, used wherever weight

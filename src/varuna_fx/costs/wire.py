@@ -15,7 +15,7 @@ Two settings choose what a link carries (docs/API.md, "Slow links"):
 
 The numbers here are the planner's: bytes on the wire and the seconds of the work compression
 adds, from a device's memory bandwidth and FLOP rate (a roofline, like every estimate before a
-profile). The runtime's codecs are ``runtime/compress.py`` and ``runtime/replica_sync.py``.
+profile). The runtime's codecs are ``runtime/compress.py`` and ``runtime/sync/replica_sync.py``.
 """
 
 from __future__ import annotations

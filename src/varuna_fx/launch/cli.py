@@ -21,13 +21,13 @@ from rich.syntax import Syntax
 
 import varuna_fx as vf
 from varuna_fx.examples import demo_gpt, lm_loss
-from varuna_fx.launch.factory import load_factory
 from varuna_fx.launch.plan_command import plan_as_dict, plan_command
 from varuna_fx.launch.torchrun import Ranks, split_flags, start_ranks
 from varuna_fx.launch.train import train_command
 from varuna_fx.schedule import DEFAULT_SCHEDULE, schedule_choices
+from varuna_fx.train.factory import load_factory
 
-_load_factory = load_factory  # its home is launch/factory.py (launch/plan_command.py uses it too)
+_load_factory = load_factory  # its home is train/factory.py (launch/plan_command.py uses it too)
 
 # wide enough that rich never wraps a table or a line of generated code in a log file
 _PLAIN_WIDTH = 10_000

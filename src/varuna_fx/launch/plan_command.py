@@ -34,7 +34,7 @@ from ..planner.plan import (
 )
 from ..planner.profile import Profile
 from ..schedule import virtual_names
-from .factory import load_factory
+from ..train.factory import load_factory
 
 
 def cluster_from_args(args: argparse.Namespace) -> Cluster:

@@ -1,8 +1,8 @@
 """``varuna-fx train [CONFIG.toml] [--key value ...]``: a whole training job, one command.
 
-The command checks the configuration (``train_config.py``), then trains: in this process when
+The command checks the configuration (``train/config.py``), then trains: in this process when
 ``nproc = 1`` (and not elastic), else under torchrun with ``nproc`` ranks running the module
-``varuna_fx.launch.train_worker`` -- started as ``varuna-fx run`` starts a script
+``varuna_fx.train.worker`` -- started as ``varuna-fx run`` starts a script
 (launch/torchrun.py: standalone on 127.0.0.1, torchrun's elastic agent with ``elastic =
 true``, or with ``in_place = true`` too varuna_fx's in-place launcher, launch/in_place.py, whose
 survivors keep training when a machine leaves or joins), so the user writes no script. The
@@ -24,12 +24,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import VarunaFxError
+from ..train.config import AUTO, TrainConfig, help_text, resolve, to_toml
+from ..train.worker import SUMMARY, encode, run_training
 from .in_place import REFUSED_EXIT
 from .torchrun import Ranks, split_flags, start_ranks
-from .train_config import AUTO, TrainConfig, help_text, resolve, to_toml
-from .train_worker import SUMMARY, encode, run_training
 
-WORKER = "varuna_fx.launch.train_worker"
+WORKER = "varuna_fx.train.worker"
 PREEMPTED = 128 + signal.SIGTERM
 
 

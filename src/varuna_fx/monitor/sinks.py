@@ -5,7 +5,7 @@ One JSON object per line, plain data only (numbers, strings, null, lists of numb
 resumed run appends. Lines with an ``"event"`` key (an in-place morph: ``morph_events.py``)
 are not step records. :func:`read_jsonl` reads a previous run's lines back as data (json: no
 code runs), skipping any that are not records (a line cut by a crash). A ``"restart"`` event
-(an in-place job started again from step ``s``: ``launch/train_resume.py``) supersedes the
+(an in-place job started again from step ``s``: ``train/resume.py``) supersedes the
 records before it of steps after ``s``: they were trained again, and are read as the later
 ones.
 """

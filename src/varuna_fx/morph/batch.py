@@ -19,8 +19,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import VarunaFxError
-from ..runtime.transfer import Range, assemble
 from .state import INPUT, Descriptor, Sources, input_holdings
+from .transfer import Range, assemble
 
 Args = tuple[tuple[Any, ...], dict[str, Any], Any]  # (positional inputs, keyword inputs, target)
 

@@ -27,8 +27,8 @@ from ..checkpoint.optimizer_state import decode, encode, restore_optimizer
 from ..errors import VarunaFxError
 from ..runtime.precision import LossScaler
 from ..runtime.step import Runtime
-from ..runtime.zero import Made
-from ..runtime.zero_repoint import repoint_optimizer
+from ..runtime.sync.zero import Made
+from ..runtime.sync.zero_repoint import repoint_optimizer
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:

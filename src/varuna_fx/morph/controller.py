@@ -27,7 +27,7 @@ The morph itself: destroy the old group and form the new generation's (``regroup
 for the new world on this process's captured, annotated graph (``replan``: configure and the back
 passes only); every rank agrees on the plan, makes its groups and allocates the tensors it now
 holds (``runtime``); every process writes what it holds and needs to the store and the moves are
-sent point to point, only what changed owner (``transfer``, ``runtime/transfer.py``); the same
+sent point to point, only what changed owner (``transfer``, ``morph/transfer.py``); the same
 optimizer object is pointed at the new parameters and loads what arrived, loaders continue with
 the new share, tensors no longer held are released (``adopt``). ``pipe.morphs`` records each.
 """
@@ -55,9 +55,8 @@ from ..runtime import preemption
 from ..runtime.distributed import agree_on_plan, build_runtime, release_unheld
 from ..runtime.model_state import unread_tensors
 from ..runtime.setup import held_tensors
-from ..runtime.transfer import MovePlan
-from ..runtime.zero import guard_direct_optimizers, made_by_pipeline
-from ..runtime.zero_repoint import repoint_optimizer
+from ..runtime.sync.zero import guard_direct_optimizers, made_by_pipeline
+from ..runtime.sync.zero_repoint import repoint_optimizer
 from ..world.closing import store_closer
 from ..world.membership import Generation, Membership, backend_name
 from . import batch
@@ -77,6 +76,7 @@ from .state import (
     optimizer_holdings,
     optimizer_ranges,
 )
+from .transfer import MovePlan
 
 RESTART_EXIT = 75  # exit status asking the in-place launcher to start this worker again
 

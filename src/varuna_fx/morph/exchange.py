@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..runtime.transfer import Channel, Item, MovePlan, plan_moves, run_moves
 from ..world.membership import Generation, Membership
 from .records import MorphRecord
 from .state import Descriptor, Info, Sources, expand_needs, merged_info
+from .transfer import Channel, Item, MovePlan, plan_moves, run_moves
 
 
 @dataclass

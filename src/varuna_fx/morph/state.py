@@ -1,4 +1,4 @@
-"""What a rank holds and what it needs, as flat ranges per item (``runtime/transfer.py``).
+"""What a rank holds and what it needs, as flat ranges per item (``morph/transfer.py``).
 
 Items, each seen as its flattened elements:
 
@@ -39,11 +39,11 @@ from ..checkpoint.optimizer_state import (
 )
 from ..checkpoint.sharded_state import CHUNK_PREFIX, chunk_key
 from ..init.skip import loaded
-from ..runtime.transfer import Item, Range, assemble
-from ..runtime.zero import layout_of, shard_ranges
-from ..runtime.zero_repoint import sharded
+from ..runtime.sync.zero import layout_of, shard_ranges
+from ..runtime.sync.zero_repoint import sharded
 from .carried import Carried
 from .morphable import Morphable
+from .transfer import Item, Range, assemble
 
 OPT = "o:"
 OBJ = "o:@obj"

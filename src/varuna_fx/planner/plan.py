@@ -102,7 +102,7 @@ class Plan:
     shard_optimizer_setting: bool | str = "auto"
     # what slow links carry (docs/API.md, "Slow links"): per boundary how it travels (the
     # runtimes read it: runtime/compress.py), per stage how its replicas agree
-    # (runtime/replica_sync.py); empty: all "off" / "exact"
+    # (runtime/sync/replica_sync.py); empty: all "off" / "exact"
     compression: tuple[str, ...] = ()
     replica_sync: tuple[ReplicaSync, ...] = ()
     boundaries: tuple[Boundary, ...] = ()  # the table's rows per boundary
@@ -213,7 +213,7 @@ class Plan:
 def optimizer_note(setting: bool | str, data_parallel: int, priced_sharded: bool,
                    by_default: bool = True) -> str | None:
     """What a launched run with D = ``data_parallel`` replicas does with the optimizer state
-    under compile's ``shard_optimizer=setting`` (``runtime/zero.py``, ``pipeline.py``), and how
+    under compile's ``shard_optimizer=setting`` (``runtime/sync/zero.py``, ``pipeline.py``), and how
     the memory column counted it (``priced_sharded``); None for one replica (nothing to shard).
     ``by_default``: whether "auto" shards an optimizer made by pipe.optimizer where memory does
     not need it (``Plan.shards_by_default``)."""

@@ -50,16 +50,13 @@ from ..world.where import comm_device, init_process_group
 from . import preemption
 from .batching import check_batch_shapes
 from .comm import launch, peer_error, wait
-from .diloco import DiLoCoSync
 from .executor import StageExecutor
-from .grad_sync import GradSync
 from .loss_weights import MeanLoss, find_mean_loss
 from .model_state import StateLayout, unread_tensors
 from .opportunistic import ENV as RULE_ENV
 from .opportunistic import rule_enabled
 from .options import RunOptions
 from .precision import LossScaler, autocast_factory
-from .replica_sync import SyncHook
 from .setup import (
     Groups,
     broadcast_initial,
@@ -72,6 +69,9 @@ from .setup import (
     verify_same_plan,
 )
 from .step import LossOf, StepLoop
+from .sync.diloco import DiLoCoSync
+from .sync.grad_sync import GradSync
+from .sync.replica_sync import SyncHook
 from .worker import StageWorker
 
 

@@ -33,10 +33,10 @@ from ..ir.rng import RandomKey, next_step_seed
 from ..passes.sample_mixing import warn_sample_mixing
 from ..planner.plan import Plan
 from .batching import micro_batch_loss, split_batch, split_target
-from .grad_sync import GradSync
 from .loss_fn_mixing import loss_fn_findings
 from .loss_weights import MeanLoss, warn_uneven_ignored_targets
 from .precision import LossScaler
+from .sync.grad_sync import GradSync
 
 # (micro-batch, the last stage's outputs for it) -> the scaled loss to back-propagate
 LossOf = Callable[[int, dict[str, torch.Tensor]], torch.Tensor]

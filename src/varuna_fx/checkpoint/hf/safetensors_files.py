@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..errors import PretrainedError
-from ..world import safe_json
+from ...errors import PretrainedError
+from ...world import safe_json
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

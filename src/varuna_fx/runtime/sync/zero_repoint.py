@@ -5,7 +5,7 @@ shards when ``zero.py``'s sharding is on. An in-place morph (``morph/``) keeps t
 optimizer object (LR schedulers and the loop hold it) and re-forms the pipeline under it:
 ``repoint_optimizer`` gives each param group the parameters the new layout holds, sharded over
 the new D by the same rule, and empties the state, which the morph then fills from the tensors
-that moved (``runtime/transfer.py``). These take the runtime (``step.Runtime``), so they live
+that moved (``morph/transfer.py``). These take the runtime (``step.Runtime``), so they live
 here, above ``grad_sync.py``, which ``zero.py`` is below.
 """
 
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import OptimizerError
-from .step import Runtime
+from ...errors import OptimizerError
+from ..step import Runtime
 from .zero import (
     Made,
     ZeroLayout,

@@ -34,13 +34,14 @@ from typing import Any
 
 import torch
 
-from ..errors import PretrainedError
-from ..init.skip import loaded
-from .checkpointable import Checkpointable
-from .contents import few
-from .directory import lock, unlock
-from .failures import FailedLoad, mark_failed
-from .hf_keys import config_differences, match_keys, saved_names
+from ...errors import PretrainedError
+from ...init.skip import loaded
+from ..checkpointable import Checkpointable
+from ..contents import few
+from ..directory import lock, unlock
+from ..failures import FailedLoad, mark_failed
+from ..save_load import Checkpointer
+from .keys import config_differences, match_keys, saved_names
 from .safetensors_files import (
     CONFIG,
     INDEX,
@@ -55,7 +56,6 @@ from .safetensors_files import (
     write_file,
     write_index,
 )
-from .save_load import Checkpointer
 
 
 @dataclass(frozen=True)

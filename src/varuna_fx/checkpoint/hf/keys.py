@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime.model_state import StateLayout
-from .hf_renames import renames
+from ...runtime.model_state import StateLayout
+from .renames import renames
 from .safetensors_files import Entry
 
 # safetensors dtype names by kind; a float tensor loads into any float tensor (copy_ casts)

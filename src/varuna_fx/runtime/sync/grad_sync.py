@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import AllReduce, wait
+from ..comm import AllReduce, wait
+from ..setup import Groups
 from .diloco import DiLoCoSync
 from .replica_sync import HookedReduction, Piece, SyncHook, hook_layout
-from .setup import Groups
 from .zero import ZeroSync
 
 

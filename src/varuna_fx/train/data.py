@@ -20,7 +20,7 @@ import numpy as np
 
 from ..data.tokens import TOKEN_SUFFIXES, TokenDataset, refuse_negative
 from ..errors import InputError
-from .train_config import AUTO, STDLIB_CORPUS, TrainConfig
+from .config import AUTO, STDLIB_CORPUS, TrainConfig
 
 BYTE_VOCAB = 256
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}  # installed packages; bytecode

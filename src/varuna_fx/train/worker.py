@@ -1,4 +1,4 @@
-"""The rank side of ``varuna-fx train``: ``python -m varuna_fx.launch.train_worker PAYLOAD``.
+"""The rank side of ``varuna-fx train``: ``python -m varuna_fx.train.worker PAYLOAD``.
 
 ``varuna-fx train`` runs :func:`run_training` in its own process (``nproc = 1``) or starts this
 module under torchrun on every rank, with the resolved configuration as JSON (``PAYLOAD``), so
@@ -60,10 +60,10 @@ from ..monitor.monitor import Monitor
 from ..pipeline import Pipeline
 from ..world.membership import in_place, job_restarted, membership
 from ..world.where import launched_distributed, rank
-from .train_config import AUTO, TrainConfig, to_toml
-from .train_data import open_data
-from .train_model import build_model, next_token_loss
-from .train_resume import Restart, restart_of, resume
+from .config import AUTO, TrainConfig, to_toml
+from .data import open_data
+from .model import build_model, next_token_loss
+from .resume import Restart, restart_of, resume
 
 CHECKPOINTS = "checkpoints"
 SUMMARY = "summary.json"
@@ -343,7 +343,7 @@ def encode(cfg: TrainConfig, launched_at: float, source: dict[str, str]) -> str:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m varuna_fx.launch.train_worker PAYLOAD (started by "
+        print("usage: python -m varuna_fx.train.worker PAYLOAD (started by "
               "`varuna-fx train`)", file=sys.stderr)
         return 2
     cfg, launched_at, source = decode(argv[0])

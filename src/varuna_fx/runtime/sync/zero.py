@@ -52,9 +52,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..errors import OptimizerError
-from .comm import BUCKET_BYTES, launch, wait
-from .traffic import SENT
+from ...errors import OptimizerError
+from ..comm import BUCKET_BYTES, launch, wait
+from ..traffic import SENT
 
 # torch optimizers whose step updates every element from that element's gradient and state only
 ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (

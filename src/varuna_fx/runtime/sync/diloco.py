@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..costs.wire import DiLoCo
-from .comm import AllReduce
+from ...costs.wire import DiLoCo
+from ..comm import AllReduce
 
 
 class DiLoCoSync:

@@ -40,10 +40,10 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-from ..costs.wire import PowerSGD, ReplicaSync
-from . import comm
-from .comm import _buckets, launch, peer_error
-from .traffic import SENT
+from ...costs.wire import PowerSGD, ReplicaSync
+from .. import comm
+from ..comm import _buckets, launch, peer_error
+from ..traffic import SENT
 
 
 @dataclass
@@ -332,7 +332,7 @@ class HookedReduction:
 
     def __init__(self, hook: SyncHook, plain: Sequence[tuple[str, torch.Tensor]],
                  exact: set[str], timeout: float, who: str, what: str) -> None:
-        from .comm import AllReduce  # (the exact all-reduce, as grad_sync's)
+        from ..comm import AllReduce  # (the exact all-reduce, as grad_sync's)
 
         self.reduce = HookReduce(who, what, timeout)
         exact_grads = [_grad(p) for n, p in plain if n in exact]

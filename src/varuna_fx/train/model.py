@@ -21,8 +21,8 @@ from ..errors import InputError
 from ..examples import GPT, GPTConfig, lm_loss
 from ..init.record import deferred_init
 from ..init.skip import skip_init
+from .config import AUTO, BUILTIN_GPT, TrainConfig, hf_config_path
 from .factory import load_factory
-from .train_config import AUTO, BUILTIN_GPT, TrainConfig, hf_config_path
 
 
 @dataclass
