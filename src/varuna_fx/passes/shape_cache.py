@@ -11,8 +11,8 @@ graph: its code (constants and attribute values baked in); for every called modu
 ``repr`` and plain settings (``p`` of Dropout, ``batch_first``, ``training``...); every
 parameter, buffer and tensor constant's name, shape, dtype, device and ``requires_grad``; the
 example inputs' names, shapes, dtypes and devices; torch's default dtype; the torch, Python and
-varuna_fx versions and the source of ``annotate_shapes.py`` and of this file. Nothing about the
-layout (P, D, micro-batches) is in it: a job that re-plans for another world hits.
+varuna_fx versions and the source of ``annotate_shapes.py``, of ``ir/rng.py`` (which ops draw)
+and of this file. Nothing about the layout (P, D, micro-batches) is in it: a job that re-plans for another world hits.
 
 Graphs whose behaviour the key cannot see are not cached: a called module that is not a
 ``torch.nn`` built-in, has forward hooks (or global ones exist) or holds a function that is
@@ -49,7 +49,9 @@ MAX_ENTRIES = 64
 stats: Counter[str] = Counter()
 
 _FUNCTION_MODULES = ("torch", "_operator", "operator", "math", "builtins")
-_SOURCES = (Path(__file__).with_name("annotate_shapes.py"), Path(__file__))
+# what decides the observations: the fake runs, and which ops draw (ir/rng.draws)
+_SOURCES = (Path(__file__).with_name("annotate_shapes.py"), Path(__file__),
+            Path(__file__).parent.parent / "ir" / "rng.py")
 
 
 def graph_key(gm: fx.GraphModule, bound: BoundInputs) -> str | None:
