@@ -253,3 +253,38 @@ def test_views_that_alias_a_write_stay_views_and_dtype_views_stay() -> None:
     assert robust_views(w.graph) == 0
     assert robust_views(p.graph) == 1
     assert [n.target for n in p.graph.nodes if n.op == "call_method"][:2] == ["reshape", "view"]
+
+
+@pytest.mark.slow  # ~5 s each: an export capture of a 4-layer Llama
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_hf_llama_attention_runs_batched_and_keyed_only_with_dropout(dropout: float) -> None:
+    """A 4-layer Hugging Face Llama (SDPA) in training: no random op at attention_dropout 0
+    (its stage code held a marker per layer), one keyed batched call per layer at 0.1; loss and
+    gradients equal eager's (keyed the same way) at micro-batch 2 on 2 stages."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      attn_implementation="sdpa", use_cache=False, attention_dropout=dropout)
+    model = LlamaForCausalLM(cfg).double().train()
+    ids = torch.randint(0, 64, (4, 12))
+
+    def loss_fn(out: object, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())  # type: ignore[attr-defined]
+
+    torch.manual_seed(3)
+    with vf.per_sample_rng(4):
+        want = loss_fn(model(ids), ids)
+    want.backward()
+    grads = {n: q.grad.clone() for n, q in model.named_parameters()}
+    pipe = vf.compile(model, example_inputs=(ids,), loss_fn=loss_fn, stages=2,
+                      micro_batch_size=2)
+    code = "".join(s.code for s in pipe.stages)
+    assert "random_begin" not in code
+    assert code.count("keyed_sdpa(") == (4 if dropout else 0)
+    pipe.zero_grad()
+    torch.manual_seed(3)
+    torch.testing.assert_close(torch.as_tensor(pipe.step(ids, target=ids)), want.detach())
+    for n, q in pipe.named_parameters():
+        torch.testing.assert_close(q.grad, grads[n], msg=n)
