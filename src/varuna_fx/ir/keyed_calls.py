@@ -3,8 +3,8 @@
 ``split_stages`` replaces a node that is one plain dropout (``nn.Dropout``, ``F.dropout``,
 ``aten.dropout``) or one ``scaled_dot_product_attention`` whose dropout draws by a call of the
 keyed function here, which draws the very numbers the modes of ``ir/rng.py`` draw for the same
-call (the same seeds, the same kernels, the same rows) without entering them: a Python mode
-costs ~100 us per node call and microseconds on every op it sees. Each draws its mask row by
+call (the same seeds, the same kernels, the same rows) without entering them (a mode's cost:
+bench/RESULTS.md, "Keyed dropout without the dispatch mode"). Each draws its mask row by
 row (one generator seed per sample) and applies it to the whole micro-batch in one call; an
 attention runs torch's math path on the whole micro-batch (``ir/attention_math.py``).
 Outside a worker (no key), or where nothing is drawn (p of 0, eval), each is the plain call.

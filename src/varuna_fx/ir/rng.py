@@ -29,9 +29,9 @@ factories, ``rrelu``) run once per row, their results joined.
 An op's ``generator=`` argument is replaced by the keyed default generator. Stage code calls a
 plain dropout (``nn.Dropout``, ``F.dropout``, ``aten.dropout``) and an attention with dropout
 through ``ir/keyed_calls.py``, which draws the very numbers the modes would without entering
-them: a Python dispatch mode costs ~100 us per node call and microseconds on every op it sees,
-most of keyed dropout's former cost. Stage code marks its
-other random nodes with ``random_begin(k, per_sample)`` / ``random_end()`` (``split_stages``);
+them (a Python mode costs its entry per node call and a Python call on every op it sees:
+bench/RESULTS.md, "Keyed dropout without the dispatch mode"). Stage code marks its other random
+nodes with ``random_begin(k, per_sample)`` / ``random_end()`` (``split_stages``);
 ``per_sample`` says, per random op of the node, whether compile saw its leading dimension scale
 with the batch. They do something only inside ``rng_context`` (a worker's forward or
 recompute); a stage module called by hand draws from the global generators like any module.
@@ -273,8 +273,9 @@ class AttentionCall:
 
     @property
     def batch(self) -> int | None:
-        """Dimension 0 of what the mask is drawn for (the probabilities: the query's)."""
-        return int(self.query.shape[0]) if self.query.dim() > 2 else None
+        """Dimension 0 of what the mask is drawn for (the probabilities ``(..., L, S)``:
+        the query's dimension 0, as the dispatch mode sees the math path's draw)."""
+        return int(self.query.shape[0]) if self.query.dim() else None
 
     def run(self, seeds: list[int]) -> torch.Tensor:
         """The math path, its dropout mask drawn from ``seeds`` (one per row, or one)."""
