@@ -287,8 +287,8 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
         o1, o2 = first[node], second[node]
         meta.is_tensor = o1.is_tensor
         meta.random = o1.random
-        # every random op, active or not (eager counts them all): drawn per sample where its
-        # leading dimension is the batch in both runs (ir/rng.py)
+        # every random op that draws (ir/rng.draws, as eager's keyed draws count them): drawn
+        # per sample where its leading dimension is the batch in both runs (ir/rng.py)
         meta.random_draws = tuple(d1 == b1 and d2 == b2 for d1, d2 in zip(o1.draws, o2.draws))
         meta.random_layout = _layout_dependent_draw(o1, o2, b1, b2) if o1.random else ""
         meta.outputs = [

@@ -110,7 +110,7 @@ def split_stages(gm: fx.GraphModule, num_stages: int, trainable: set[str],
 
 def random_op_numbers(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     """How many random ops the forward runs before each node (graph order is the order eager
-    runs them; inactive dropouts count, as eager runs their kernel): their keys (ir/rng.py)."""
+    runs them; an op that draws nothing is none: ir/rng.draws): their keys (ir/rng.py)."""
     first: dict[fx.Node, int] = {}
     k = 0
     for n in nodes:
