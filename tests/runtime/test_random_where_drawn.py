@@ -288,3 +288,55 @@ def test_hf_llama_attention_runs_batched_and_keyed_only_with_dropout(dropout: fl
     torch.testing.assert_close(torch.as_tensor(pipe.step(ids, target=ids)), want.detach())
     for n, q in pipe.named_parameters():
         torch.testing.assert_close(q.grad, grads[n], msg=n)
+
+
+def test_eager_fused_dropout_draws_what_stage_code_draws() -> None:
+    """Where eager's dropout is one fused kernel (``aten.native_dropout``, CUDA), the eager
+    reference's mode draws the keyed mask stage code's ``keyed_dropout`` draws, and the
+    gradient is the same mask."""
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    with vf.per_sample_rng(4, seed=3):
+        fused, mask = torch.ops.aten.native_dropout.default(x, 0.3, True)
+    with rng_context(RandomKey(3, 0, 4), 0):
+        keyed = keyed_dropout(0, (True,), x, 0.3, True)
+    torch.testing.assert_close(fused, keyed, rtol=0, atol=0)
+    (g_fused,) = torch.autograd.grad(fused.sum(), x)
+    (g_keyed,) = torch.autograd.grad(keyed.sum(), x)
+    torch.testing.assert_close(g_fused, g_keyed)
+    assert mask.dtype == torch.bool and not mask.all()
+
+
+class HeldAttention(nn.Module):
+    """``nn.MultiheadAttention`` with dropout: a module the graph calls (fx keeps torch.nn
+    modules whole), whose SDPA inside is keyed by the random node's torch-function mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, dropout=0.3, batch_first=True)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.attn(x, x, x, need_weights=False)
+        return self.out(h).sum(-1)
+
+
+@pytest.mark.slow  # ~1 s: compile runs the sample probe through the attention
+def test_an_attention_inside_a_called_module_is_keyed_batched_like_eager() -> None:
+    torch.manual_seed(0)
+    model = HeldAttention().double()
+    x, y = _data()
+    torch.manual_seed(5)
+    with vf.per_sample_rng(BATCH):
+        want = mse(model(x), y)
+    want.backward()
+    grads = {n: q.grad.clone() for n, q in model.named_parameters()}
+    pipe = vf.compile(model, example_inputs=(x,), loss_fn=mse, micro_batch_size=3, tracer="fx")
+    assert "random_begin" in "".join(s.code for s in pipe.stages)
+    pipe.zero_grad()
+    torch.manual_seed(5)
+    with _Count() as count:
+        torch.testing.assert_close(torch.as_tensor(pipe.step(x, target=y)), want.detach())
+    assert count.calls.get("_scaled_dot_product_flash_attention_for_cpu", 0) == 0
+    assert count.calls["_safe_softmax"] == 2  # the math path once per micro-batch
+    for n, q in pipe.named_parameters():
+        torch.testing.assert_close(q.grad, grads[n], msg=n)
