@@ -340,3 +340,20 @@ def test_an_attention_inside_a_called_module_is_keyed_batched_like_eager() -> No
     assert count.calls["_safe_softmax"] == 2  # the math path once per micro-batch
     for n, q in pipe.named_parameters():
         torch.testing.assert_close(q.grad, grads[n], msg=n)
+
+
+def test_masks_are_the_keyed_rows_bit_for_bit() -> None:
+    """The scheme itself, pinned: row ``j`` of op ``k``'s mask is ``bernoulli_(1 - p)`` from the
+    default generator seeded ``mix(seed, k, j)``, in the rows' logical order (as before the
+    batched application: existing masks, and so checkpoints' continuations, are unchanged)."""
+    from varuna_fx.ir.rng import mix
+
+    x = torch.ones(3, 4, 5, dtype=torch.float64)
+    with vf.per_sample_rng(3, seed=11):
+        got = nn.Dropout(0.25)(x)
+        second = F.dropout(x, 0.25, True)
+    for k, drawn in enumerate((got, second)):
+        for j in range(3):
+            torch.default_generator.manual_seed(mix(11, k, j))
+            want = torch.empty(4, 5, dtype=torch.float64).bernoulli_(0.75).div_(0.75)
+            torch.testing.assert_close(drawn[j], want, rtol=0, atol=0)

@@ -299,11 +299,11 @@ def keyed_noise(x: torch.Tensor, p: float, seeds: list[int]) -> torch.Tensor:
     tensor at once). Contiguous whatever ``x``'s layout, so a mask never depends on it; the
     caller applies it to the whole batch in one multiplication."""
     noise = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    generator = _generator(x.device)
-    for value, row in zip(seeds, noise.split(1) if len(seeds) > 1 else (noise,)):
-        generator.manual_seed(value)
-        row.bernoulli_(1 - p)
-    return noise.div_(1 - p)
+    seed_generator, keep = _generator(x.device).manual_seed, 1 - p
+    for value, row in zip(seeds, noise.unbind(0) if len(seeds) > 1 else (noise,)):
+        seed_generator(value)
+        row.bernoulli_(keep)
+    return noise.div_(keep)
 
 
 def _generator(device: torch.device) -> torch.Generator:
