@@ -7,7 +7,7 @@ takes the mask from outside: the attention probabilities are one tensor of shape
 ``(..., L, S)``, and ``dropout`` is applied to them in one batched call (a keyed mask drawn row
 by row, applied at once). The arithmetic follows torch's own math backend
 (``_scaled_dot_product_attention_math``): q and k each scaled by sqrt(scale), an additive mask
-(causal or boolean masks as -inf), the "safe" softmax (a row masked everywhere gives zeros, not
+(causal or boolean masks as 0 / -inf), the "safe" softmax (a row masked everywhere gives zeros, not
 NaN), then dropout, then the product with v.
 """
 
@@ -33,13 +33,15 @@ def math_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         value = value.repeat_interleave(repeats, dim=-3)
     root = math.sqrt(scale)  # as torch's math path: both sides scaled, for fp16's range
     scores = (query * root) @ (key * root).transpose(-2, -1)
+    # masks are added (0 or -inf), as torch's math path does: the mask is built at its own
+    # (small, broadcast) size and the addition's backward is the gradient itself
     if is_causal:
-        keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(keep.logical_not(), float("-inf"))
+        attn_mask = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
-        else:
-            scores = scores + attn_mask
+            attn_mask = torch.zeros(attn_mask.shape, dtype=scores.dtype,
+                                    device=scores.device).masked_fill_(attn_mask.logical_not(),
+                                                                       float("-inf"))
+        scores = scores + attn_mask
     probabilities = torch.ops.aten._safe_softmax.default(scores, -1)
     return dropout(probabilities) @ value
