@@ -25,8 +25,9 @@ workers' ``rng_context`` a no-op: draws from the global generator, masks change 
 layout).
 
 Models: ``varuna_fx.examples.demo_gpt`` (8 layers, d=64, 8 x 64 tokens) and a Hugging Face
-``LlamaForCausalLM`` with SDPA attention (4 layers, d=128, GQA 4/2 heads, 8 x 64 tokens). A
-model zoo's Llama is measured too when ``varuna_fx_zoo`` (tests/zoo) can be imported.
+``LlamaForCausalLM`` with SDPA attention (4 layers, d=128, GQA 4/2 heads, 8 x 64 tokens); the
+model zoo's torchtitan-style Llama (``tests/support/real_zoo.py``) at the same size where the
+zoo is in the tree.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,12 +82,21 @@ def llama_case(dropout: float = 0.0) -> Case:
 
 
 def zoo_cases() -> dict[str, Callable[[], Case]]:
+    """The model zoo's torchtitan-style Llama (``tests/support/real_zoo.py``, issue 40 item 6)
+    at the HF Llama's size, where the zoo is in this tree."""
+    sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
     try:
-        import varuna_fx_zoo  # type: ignore[import-not-found]
+        from support import real_zoo  # type: ignore[import-not-found]
     except ImportError:
         return {}
-    make = getattr(varuna_fx_zoo, "llama_case", None)
-    return {"zoo Llama": make} if make else {}
+
+    def case() -> Case:
+        torch.manual_seed(0)
+        model = real_zoo.Llama(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                               vocab=1000)
+        tokens = torch.randint(0, 1000, (8, 65))
+        return model, tokens[:, :-1], tokens[:, 1:], real_zoo.lm_loss
+    return {"zoo Llama 4x128 (torchtitan style)": case}
 
 
 def _pipe(case: Case, stages: int, micro: int, schedule: str | None = None) -> vf.Pipeline:
