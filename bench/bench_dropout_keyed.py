@@ -48,7 +48,8 @@ def op_costs(repeats: int) -> None:
     """One dropout call keyed (what the stage code calls) against ``F.dropout``, on the bench
     GPT's two dropout shapes (attention probabilities, activations), interleaved: the step's
     extra is the sum over its calls, with less noise than whole steps."""
-    from varuna_fx.ir.rng import RandomKey, keyed_dropout, rng_context
+    from varuna_fx.ir.keyed_calls import keyed_dropout
+    from varuna_fx.ir.rng import RandomKey, rng_context
 
     def once(f: Callable[[], Any], n: int = 20) -> float:
         t = time.process_time()

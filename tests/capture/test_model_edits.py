@@ -171,3 +171,19 @@ def test_a_called_module_monkeypatched_after_compile_runs_its_new_code() -> None
     eager, eager_loss = eager_step(model, x)
     model.zero_grad()
     assert_like_eager(pipe, model, eager, pipe.step(x), eager_loss)
+
+
+def test_the_check_compares_settings_as_a_dict_does() -> None:
+    """The per-step check compares cut tuples (issue 40 item 7: cheaper), with a dict's
+    semantics: a NaN setting is the same object, no edit; a setting of None swapped for a new
+    attribute keeps the count but is an edit."""
+    from varuna_fx.capture.model_edits import ModelEdits
+
+    model = Scaled()
+    model.nan, model.none = float("nan"), None
+    edits = ModelEdits(model, [], traced=[""])
+    edits.check()
+    del model.none
+    model.other = None
+    with pytest.raises(vf.VarunaFxError, match="other|none"):
+        edits.check()

@@ -24,7 +24,9 @@ other.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import itertools
+import operator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -85,6 +87,11 @@ class ModelEdits:
         classes = {c for *_, m, _s, _h, _c in self.settings for c in type(m).__mro__
                    if c not in _FRAMEWORK_CLASSES}
         self.classes = [(c, dict(vars(c))) for c in classes]
+        # the same as (names, objects) tuples and each traced module's plain settings as
+        # (names, values): compared by C-level maps each step (the check is on every step)
+        self._class_members = [(c, tuple(m), tuple(m.values())) for c, m in self.classes]
+        self._settings_items = [(tuple(st), tuple(st.values()), _code_key(code))
+                                for _, _, st, _, code in self.settings]
         self.held: list[tuple[nn.Module, str, str, tuple | None]] = []
         for module in stage_modules:
             held = [*((n, "_modules", m) for n, m in module.named_modules() if n),
@@ -95,6 +102,7 @@ class ModelEdits:
                 if _lookup(model, path, kind) is obj:  # else not the model's name for it
                     form = _form(obj) if isinstance(obj, torch.Tensor) else None
                     self.held.append((module, path, kind, form))
+        self._paths = [(*path.rpartition(".")[::2],) for _, path, _, _ in self.held]
 
     def allocated(self, device: torch.device) -> None:
         """The stages' meta tensors were allocated on ``device`` (a ``vf.deferred_init`` model
@@ -109,23 +117,23 @@ class ModelEdits:
                 "a global module hook (torch.nn.modules.module.register_module_forward_hook "
                 "and the like) was added or removed after vf.compile: the graph holds the "
                 "modules' code as traced with the hooks there were then. Call vf.compile again")
-        for cls, members in self.classes:
-            if len(vars(cls)) != len(members) or \
-                    any(vars(cls).get(k, _GONE) is not v for k, v in members.items()):
+        for (cls, members), (_, names, objects) in zip(self.classes, self._class_members):
+            if not _same_members(vars(cls), names, objects):
                 key = next((k for k in {**members, **vars(cls)}
                             if vars(cls).get(k, _GONE) is not members.get(k, _GONE)), "")
                 raise InputError(
                     f"{cls.__name__}.{key} was replaced, added or deleted after vf.compile "
                     f"({cls.__name__}'s code was traced into the graph as it was then, so the "
                     "pipeline would keep running the old code). Call vf.compile again")
-        for name, module, settings, hooks, code in self.settings:
+        for (name, module, settings, hooks, code), (keys, values, code_key) in \
+                zip(self.settings, self._settings_items):
             if type(module) is not code[0]:
                 raise InputError(
                     f"the class of {type(self.model).__name__ if name else 'the model'}"
                     f"{'.' + name if name else ''} changed from {code[0].__name__} to "
                     f"{type(module).__name__} after vf.compile: the graph holds the code traced "
                     "at compile. Call vf.compile again")
-            if not _same_code(module, code):
+            if not _same_code(module, code_key):
                 before, now = dict(code[2]), dict(_code(module)[2])
                 key = next((k for k in {**before, **now}
                             if before.get(k, _GONE) is not now.get(k, _GONE)), None)
@@ -145,17 +153,20 @@ class ModelEdits:
                     f"a hook was added to or removed from {type(self.model).__name__}"
                     f"{'.' + name if name else ''} after vf.compile: its code was traced "
                     "into the graph with the hooks it had then. Call vf.compile again")
-            now = plain_settings(module)
-            if now != settings:
-                key = next(k for k in {**settings, **now} if settings.get(k) != now.get(k))
+            # the keys are the same (_same_code compared their count and every other one)
+            # (a tuple compares by identity first, as a dict does: a NaN setting is no edit)
+            if tuple(map(vars(module).get, keys, itertools.repeat(_GONE))) != values:
+                now = plain_settings(module)
+                key = next(k for k in {**settings, **now}  # identity first (a NaN is no edit)
+                           if (settings.get(k, _GONE),) != (now.get(k, _GONE),))
                 path = f"{name}.{key}" if name else key
                 raise InputError(
                     f"{type(self.model).__name__}.{path} changed from {settings.get(key)!r} to "
                     f"{now.get(key)!r} after vf.compile: the graph holds the value it had when "
                     "traced. Call vf.compile again on the changed model")
-        for module, path, kind, form in self.held:
-            now = _lookup(self.model, path, kind)
-            if now is not _lookup(module, path, kind):
+        for (module, path, kind, form), (parent, last) in zip(self.held, self._paths):
+            now = _lookup_in(self.model, parent, last, kind)
+            if now is not _lookup_in(module, parent, last, kind):
                 what = {"_modules": "submodule", "_parameters": "parameter",
                         "_buffers": "buffer"}[kind]
                 raise InputError(
@@ -221,12 +232,25 @@ def _code(module: nn.Module) -> tuple:
     return type(module), len(d), tuple((k, v) for k, v in d.items() if not _plain(v))
 
 
-def _same_code(module: nn.Module, code: tuple) -> bool:
-    """Whether ``_code(module)`` would equal ``code``, without building it (every step asks):
-    a key added or deleted changes the length, a plain one the plain settings."""
+def _code_key(code: tuple) -> tuple:
+    """``code`` (a :func:`_code`) as (class, attribute count, names, objects): what
+    :func:`_same_code` compares, cut once."""
+    return code[0], code[1], tuple(k for k, _ in code[2]), tuple(v for _, v in code[2])
+
+
+def _same_code(module: nn.Module, key: tuple) -> bool:
+    """Whether ``_code(module)`` would equal the code ``key`` was made of (:func:`_code_key`),
+    without building it (every step asks): a key added or deleted changes the length, a plain
+    one the plain settings."""
     d = vars(module)
-    return type(module) is code[0] and len(d) == code[1] and \
-        all(d.get(k, _GONE) is v for k, v in code[2])
+    return type(module) is key[0] and len(d) == key[1] and \
+        all(map(operator.is_, map(d.get, key[2], itertools.repeat(_GONE)), key[3]))
+
+
+def _same_members(now: Mapping[str, Any], names: tuple[str, ...], objects: tuple) -> bool:
+    """Whether ``now`` (a class's ``vars``) holds exactly ``names`` bound to ``objects``."""
+    return len(now) == len(names) and \
+        all(map(operator.is_, map(now.get, names, itertools.repeat(_GONE)), objects))
 
 
 def plain_settings(module: nn.Module) -> dict[str, Any]:
@@ -242,11 +266,17 @@ def _plain(value: Any) -> bool:
 
 def _lookup(root: nn.Module, path: str, kind: str) -> Any:
     """The object at ``path`` (a submodule, parameter or buffer by ``kind``), or None."""
-    parts = path.split(".")
+    parent, _, last = path.rpartition(".")
+    return _lookup_in(root, parent, last, kind)
+
+
+def _lookup_in(root: nn.Module, parent: str, last: str, kind: str) -> Any:
+    """``_lookup`` of ``parent + "." + last``, the path already cut (every step looks up)."""
     current: Any = root
-    for part in parts[:-1]:
-        current = current._modules.get(part) if isinstance(current, nn.Module) else None
-    return getattr(current, kind).get(parts[-1]) if isinstance(current, nn.Module) else None
+    if parent:
+        for part in parent.split("."):
+            current = current._modules.get(part) if isinstance(current, nn.Module) else None
+    return getattr(current, kind).get(last) if isinstance(current, nn.Module) else None
 
 
 def _form(t: torch.Tensor) -> tuple:

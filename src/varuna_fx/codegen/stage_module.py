@@ -9,6 +9,7 @@ source line it came from, its output shape (symbolic in the micro-batch size ``b
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,9 +38,10 @@ class Stage:
     def parameter_names(self) -> list[str]:
         return self.spec.parameter_names
 
-    @property
+    @functools.cached_property
     def random(self) -> bool:
-        """Whether the stage has random ops (dropout): its RNG state must be replayed."""
+        """Whether the stage has random ops (dropout): its RNG state must be replayed (asked
+        every step; the graph does not change after codegen)."""
         return any(info(n).random for n in self.module.graph.nodes)
 
     @property

@@ -1,6 +1,8 @@
 """Random numbers keyed per sample: (step seed, random op, sample index in the global batch).
 
-A step's random ops (dropout & co: every aten op tagged ``nondeterministic_seeded``) are
+A step's random ops are the aten ops tagged ``nondeterministic_seeded`` that draw: dropout &
+co, but not a call that draws nothing (:func:`draws`: an attention or dropout with p = 0, a
+dropout or rrelu outside training), which runs batched and unmarked like any op. They are
 numbered in the order the model's forward runs them: ``k`` = how many random ops ran before
 this one in the whole forward (the captured graph's order; ``annotate_shapes`` counts them per
 node). Each draw is then keyed, not taken from a running generator:
@@ -15,12 +17,21 @@ node). Each draw is then keyed, not taken from a running generator:
   ``mix(seed, k)``, so every micro-batch and replica of the step sees the same values, as the
   one eager forward on the whole batch does.
 
+A row's numbers are drawn in the logical order of its elements (the op runs on contiguous
+rows), so a tensor's layout never changes its mask. Drawing is row by row (one generator seed
+per row); applying is batched: dropout's mask (``bernoulli_`` rows of one noise tensor,
+:func:`keyed_noise`) multiplies the whole micro-batch at once, and an attention with dropout
+(whose fused kernels cannot be keyed) runs torch's math path on the whole micro-batch with such
+a mask (``ir/attention_math.py``; a torch-function mode, :class:`_KeyedAttention`, catches
+``F.scaled_dot_product_attention`` inside a random node). Other random ops (``randn_like``,
+factories, ``rrelu``) run once per row, their results joined.
+
 An op's ``generator=`` argument is replaced by the keyed default generator. Stage code calls a
-plain dropout (``nn.Dropout``, ``F.dropout``, ``aten.dropout``) through :func:`keyed_dropout`,
-which draws the very numbers the dispatch mode would (the same kernels on the same rows, from
-the same seeds) without entering it: a Python dispatch mode costs ~100 us per node call and
-microseconds on every op it sees, most of keyed dropout's former cost. Stage code marks its
-other random nodes with ``random_begin(k, per_sample)`` / ``random_end()`` (``split_stages``);
+plain dropout (``nn.Dropout``, ``F.dropout``, ``aten.dropout``) and an attention with dropout
+through ``ir/keyed_calls.py``, which draws the very numbers the modes would without entering
+them (a Python mode costs its entry per node call and a Python call on every op it sees:
+bench/RESULTS.md, "Keyed dropout without the dispatch mode"). Stage code marks its other random
+nodes with ``random_begin(k, per_sample)`` / ``random_end()`` (``split_stages``);
 ``per_sample`` says, per random op of the node, whether compile saw its leading dimension scale
 with the batch. They do something only inside ``rng_context`` (a worker's forward or
 recompute); a stage module called by hand draws from the global generators like any module.
@@ -42,9 +53,11 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import VarunaFxError
+from .attention_math import math_sdpa
 
 _MASK = 2**64 - 1
 _SHARED = -1  # the "sample index" of a draw without a batch dimension
@@ -77,7 +90,40 @@ def row_seeds(seed: int, op: int, first_sample: int, rows: int) -> list[int]:
 
 
 def is_random_op(func: Any) -> bool:
+    """Whether ``func`` may draw (torch's tag); :func:`draws` says whether a call does."""
     return torch.Tag.nondeterministic_seeded in func.tags
+
+
+# arguments whose value makes a seeded op draw nothing: attention's and dropout's probability
+# (0: nothing dropped), and a training flag (False: rrelu's fixed slope, dropout's identity)
+_NO_DRAW = {"dropout_p": 0, "train": False, "training": False}
+
+
+@functools.lru_cache(maxsize=256)
+def _no_draw_arguments(func: Any) -> tuple[tuple[int, str, Any, Any], ...]:
+    """(position, name, the value that means "no draw", the default) of ``func``'s arguments
+    that say so; ``p`` only for ``native_dropout`` (``_fused_dropout``'s is the keep
+    probability)."""
+    found = []
+    for k, arg in enumerate(func._schema.arguments):
+        none = _NO_DRAW.get(arg.name)
+        if arg.name == "p" and func._schema.name == "aten::native_dropout":
+            none = 0
+        if none is not None:
+            found.append((k, arg.name, none, arg.default_value))
+    return tuple(found)
+
+
+def draws(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of ``func`` draws random numbers: a seeded op, unless an argument says
+    it draws nothing (an attention at dropout_p = 0 carries the tag but is deterministic)."""
+    if not is_random_op(func):
+        return False
+    for at, name, none, default in _no_draw_arguments(func):
+        value = args[at] if at < len(args) else kwargs.get(name, default)
+        if value is not None and not isinstance(value, torch.Tensor) and value == none:
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=256)
@@ -129,6 +175,28 @@ class _Key:
     active: bool = False  # inside a node (pipeline) or everywhere (eager)
 
 
+def _claim(key: _Key, what: Any, lead: int | None) -> tuple[int, bool]:
+    """The next random op's number and whether it draws per sample (by shape in eager, as
+    compile saw it in a pipeline's node)."""
+    k = key.next_op
+    key.next_op += 1
+    if key.per_sample is None:  # eager: by shape
+        return k, lead == key.batch
+    if k >= key.node_end:
+        raise VarunaFxError(
+            f"a random node ran more random ops ({what}) than when it was compiled "
+            f"({len(key.per_sample)}); its randomness must not depend on the data: "
+            "make the number of random calls fixed, or compile again")
+    return k, key.per_sample[k - key.node_end + len(key.per_sample)] and lead == key.batch
+
+
+def draw_seeds(key: _Key, k: int, per_sample: bool) -> list[int]:
+    """The generator seeds of op ``k``'s draws: one per row, or the one shared draw."""
+    if per_sample:
+        return row_seeds(key.seed, k, key.first_sample, key.batch)
+    return [mix(key.seed, k, _SHARED)]
+
+
 class _KeyedDraws(TorchDispatchMode):
     """Replaces each random op by its keyed draws (see the module docstring)."""
 
@@ -145,28 +213,104 @@ class _KeyedDraws(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         key = self.key
-        if not key.active or not is_random_op(func):
+        if not key.active or not draws(func, args, kwargs):
             return func(*args, **kwargs)
-        k = key.next_op
-        key.next_op += 1
-        lead = leading_dim(func, args, kwargs)
-        if key.per_sample is None:  # eager: by shape
-            per_sample = lead == key.batch
-        else:
-            if k >= key.node_end:
-                raise VarunaFxError(
-                    f"a random node ran more random ops ({func}) than when it was compiled "
-                    f"({len(key.per_sample)}); its randomness must not depend on the data: "
-                    "make the number of random calls fixed, or compile again")
-            per_sample = key.per_sample[k - key.node_end + len(key.per_sample)] \
-                and lead == key.batch
+        k, per_sample = _claim(key, func, leading_dim(func, args, kwargs))
         if "generator" in kwargs:
             kwargs = {**kwargs, "generator": None}
+        seeds = draw_seeds(key, k, per_sample)
+        if func is torch.ops.aten.native_dropout.default:  # eager's fused dropout (CUDA)
+            noise = keyed_noise(args[0], float(args[1]), seeds)
+            return args[0] * noise, noise != 0
         if not per_sample:
-            _seed_device(args, kwargs, mix(key.seed, k, _SHARED))
+            _seed_device(args, kwargs, seeds[0])
+            return _contiguous_call(func, args, kwargs)
+        return _per_row(func, args, kwargs, key.batch, seeds)
+
+
+class _KeyedAttention(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` with dropout, keyed: torch's math path on the whole
+    batch with a keyed mask (a fused kernel's own mask cannot be keyed per sample), as the
+    stage code's ``keyed_sdpa`` runs it. One random op, as compile counted it."""
+
+    def __init__(self, key: _Key) -> None:
+        super().__init__()
+        self.key = key
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func not in _ATTENTION or not self.key.active:
             return func(*args, **kwargs)
-        return _per_row(func, args, kwargs, key.batch,
-                        row_seeds(key.seed, k, key.first_sample, key.batch))
+        call = attention_arguments(*args, **kwargs)
+        if call.dropout_p == 0:
+            return func(*args, **kwargs)
+        key = self.key
+        k, per_sample = _claim(key, func, call.batch)
+        seeds = draw_seeds(key, k, per_sample)
+        key.active = False  # the math path's ops are no random ops of their own
+        try:
+            return call.run(seeds)
+        finally:
+            key.active = True
+
+
+_ATTENTION = (torch.nn.functional.scaled_dot_product_attention,
+              torch.ops.aten.scaled_dot_product_attention.default)
+
+
+@dataclass
+class AttentionCall:
+    """The arguments of one ``scaled_dot_product_attention`` call."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: torch.Tensor | None
+    dropout_p: float
+    is_causal: bool
+    scale: float | None
+    enable_gqa: bool
+
+    @property
+    def batch(self) -> int | None:
+        """Dimension 0 of what the mask is drawn for (the probabilities ``(..., L, S)``:
+        the query's dimension 0, as the dispatch mode sees the math path's draw)."""
+        return int(self.query.shape[0]) if self.query.dim() else None
+
+    def run(self, seeds: list[int]) -> torch.Tensor:
+        """The math path, its dropout mask drawn from ``seeds`` (one per row, or one)."""
+        p = self.dropout_p
+        return math_sdpa(self.query, self.key, self.value, self.attn_mask, self.is_causal,
+                         self.scale, self.enable_gqa, lambda a: a * keyed_noise(a, p, seeds))
+
+
+def attention_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        is_causal: bool = False, scale: float | None = None,
+                        enable_gqa: bool = False) -> AttentionCall:
+    """``F.scaled_dot_product_attention``'s signature (aten's takes the same names)."""
+    return AttentionCall(query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale,
+                         bool(enable_gqa))
+
+
+def keyed_noise(x: torch.Tensor, p: float, seeds: list[int]) -> torch.Tensor:
+    """Eager's dropout noise for ``x`` (aten's ``_dropout_impl``: ``bernoulli_(1 - p)``, then
+    ``/ (1 - p)``), row ``j`` drawn from the generator seeded ``seeds[j]`` (one seed: the whole
+    tensor at once). Contiguous whatever ``x``'s layout, so a mask never depends on it; the
+    caller applies it to the whole batch in one multiplication."""
+    noise = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    seed_generator, keep = _generator(x.device).manual_seed, 1 - p
+    for value, row in zip(seeds, noise.unbind(0) if len(seeds) > 1 else (noise,)):
+        seed_generator(value)
+        row.bernoulli_(keep)
+    return noise.div_(keep)
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """The default generator of ``device`` (what ``_seed_device`` seeds)."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index or 0]
+    return torch.default_generator
 
 
 def _device(args: tuple, kwargs: dict) -> torch.device:
@@ -177,13 +321,9 @@ def _device(args: tuple, kwargs: dict) -> torch.device:
 
 
 def _seed_device(args: tuple, kwargs: dict, value: int) -> None:
-    device = _device(args, kwargs)
-    if device.type == "cuda":
-        torch.cuda.default_generators[device.index or 0].manual_seed(value)
-    else:
-        # not torch.manual_seed: it also seeds every lazy device backend, a cost per call
-        # (bench/RESULTS.md, "Figures the code cites")
-        torch.default_generator.manual_seed(value)
+    # not torch.manual_seed: it also seeds every lazy device backend, a cost per call
+    # (bench/RESULTS.md, "Figures the code cites")
+    _generator(_device(args, kwargs)).manual_seed(value)
 
 
 def _row(value: Any, batch: int, j: int) -> Any:
@@ -197,6 +337,39 @@ def _returns_written(func: Any) -> bool:
     """Whether the op returns the argument it writes (``bernoulli_``: its rows are written in
     place); ``rrelu_with_noise`` writes its noise argument but returns a new tensor."""
     return any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns)
+
+
+@functools.lru_cache(maxsize=256)
+def _written(func: Any) -> frozenset[str]:
+    """The names of the arguments ``func`` writes into (``self`` of ``bernoulli_``)."""
+    return frozenset(a.name for a in func._schema.arguments
+                     if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _contiguous_call(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` on contiguous copies of its non-contiguous tensor arguments (random numbers
+    are drawn in memory order: so they fill the elements in their logical order whatever the
+    layout), a written argument's copy written back."""
+    schema = func._schema.arguments
+    names = [a.name for a in schema]
+    back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def dense(name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.is_contiguous():
+            return value
+        copy = value.contiguous()
+        if name in _written(func):
+            back.append((value, copy))
+        return copy
+
+    args = tuple(dense(names[i] if i < len(names) else "", a) for i, a in enumerate(args))
+    kwargs = {n: dense(n, a) for n, a in kwargs.items()}
+    out = func(*args, **kwargs)
+    for original, copy in back:
+        original.copy_(copy)
+    if back and _returns_written(func):
+        return back[0][0] if out is back[0][1] else out
+    return out
 
 
 def _per_row(func: Any, args: tuple, kwargs: dict, batch: int, seeds: list[int]) -> Any:
@@ -217,7 +390,7 @@ def _per_row(func: Any, args: tuple, kwargs: dict, batch: int, seeds: list[int])
             row_args = tuple(_row(a, batch, j) for a in args)
             row_kwargs = {n: _row(a, batch, j) for n, a in kwargs.items()}
         _seed_device(row_args, row_kwargs, value)
-        rows.append(func(*row_args, **row_kwargs))
+        rows.append(_contiguous_call(func, row_args, row_kwargs))
     if mutable:  # written into the rows of its (aliased) argument: return what it returns
         return args[0]
     if len(rows) == 1:
@@ -232,17 +405,22 @@ def _forked() -> Any:
     return torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else [])
 
 
+def current_key() -> _Key | None:
+    """The key of what a worker runs now (None outside ``rng_context``)."""
+    return getattr(_context, "key", None)
+
+
 @contextmanager
 def rng_context(step: RandomKey, mb: int) -> Iterator[None]:
     """A worker's forward or recompute of micro-batch ``mb``: random nodes draw keyed; the
     global RNG state is restored."""
     b = step.micro_batch_size
     key = _Key(step.seed, step.first_sample + mb * b, b)
-    # the mode is entered only around random nodes (random_begin/random_end): a Python
-    # dispatch mode costs microseconds on every op it sees
+    # the modes are entered only around random nodes (random_begin/random_end): a Python
+    # mode costs microseconds on every op it sees
     with _forked():
         _context.key = key
-        _context.mode = _KeyedDraws(key)
+        _context.modes = (_KeyedDraws(key), _KeyedAttention(key))
         try:
             yield
         finally:
@@ -269,7 +447,7 @@ def per_sample_rng(batch_size: int, *, seed: int | None = None,
                             f"{batch_size!r} (the number of samples the forward runs on)")
     seed = next_step_seed() if seed is None else int(seed)
     key = _Key(seed, int(first_sample), batch_size, active=True)
-    with _forked(), _KeyedDraws(key):
+    with _forked(), _KeyedDraws(key), _KeyedAttention(key):
         yield seed
 
 
@@ -286,106 +464,30 @@ def node_draws(seed: int, first_sample: int, batch: int, first_op: int,
     a worker; compile's sample-mixing probe runs nodes one by one with it)."""
     key = _Key(seed, first_sample, batch, next_op=first_op, per_sample=per_sample,
                node_end=first_op + len(per_sample), active=True)
-    with _KeyedDraws(key):
+    with _KeyedDraws(key), _KeyedAttention(key):
         yield
-
-
-# -- dropout without the dispatch mode ---------------------------------------------------------
-
-# where eager's dropout runs one fused kernel (aten's is_fused_kernel_acceptable)
-_FUSED_DEVICES = ("cuda", "xpu", "lazy", "privateuseone")
-
-
-def plain_dropout(root: torch.nn.Module, node: torch.fx.Node) -> bool:
-    """Whether ``node`` is one dropout call :func:`keyed_dropout` can run directly."""
-    if node.op == "call_module":
-        return type(root.get_submodule(str(node.target))) is torch.nn.Dropout
-    return node.op == "call_function" and direct_dropout(node.target) is not None
-
-
-def direct_dropout(target: Any) -> Any:
-    """The keyed function to call instead of the dropout function ``target`` (or None)."""
-    if target is torch.nn.functional.dropout:
-        return keyed_functional_dropout
-    if target is torch.dropout or target is torch.ops.aten.dropout.default:
-        return keyed_aten_dropout
-    return None
-
-
-@torch.fx.wrap
-def keyed_module_dropout(first_op: int, per_sample: tuple[bool, ...], module: torch.nn.Module,
-                         x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` for an ``nn.Dropout``, keyed: its settings as they are now."""
-    return keyed_dropout(first_op, per_sample, x, module.p, module.training, module.inplace)
-
-
-@torch.fx.wrap
-def keyed_functional_dropout(first_op: int, per_sample: tuple[bool, ...], input: torch.Tensor,
-                             p: float = 0.5, training: bool = True,
-                             inplace: bool = False) -> torch.Tensor:
-    """``F.dropout(input, p, training, inplace)``, keyed."""
-    return keyed_dropout(first_op, per_sample, input, p, training, inplace)
-
-
-@torch.fx.wrap
-def keyed_aten_dropout(first_op: int, per_sample: tuple[bool, ...], input: torch.Tensor,
-                       p: float, train: bool) -> torch.Tensor:
-    """``torch.dropout(input, p, train)`` (``aten.dropout``, what torch.export records), keyed."""
-    return keyed_dropout(first_op, per_sample, input, p, train)
-
-
-def keyed_dropout(first_op: int, per_sample: tuple[bool, ...], x: torch.Tensor, p: float,
-                  training: bool, inplace: bool = False) -> torch.Tensor:
-    """Eager's dropout (aten's ``_dropout_impl``, or its fused kernel where eager uses it),
-    each row's mask drawn as the dispatch mode draws it: op ``first_op``, per sample when
-    compile said so and ``x``'s dim 0 is the micro-batch. Outside a worker (no key), or where
-    eager draws nothing (p of 0 or 1, eval, an empty tensor): plain ``F.dropout``."""
-    key = getattr(_context, "key", None)
-    if key is None or not training or p == 0 or p == 1 or x.numel() == 0:
-        return torch.nn.functional.dropout(x, p, training, inplace)
-    per_row = bool(per_sample and per_sample[0] and x.dim() and x.shape[0] == key.batch)
-    seeds = row_seeds(key.seed, first_op, key.first_sample, key.batch) if per_row else \
-        [mix(key.seed, first_op, _SHARED)]
-    generator = _generator(x.device)
-    if not inplace and x.device.type in _FUSED_DEVICES:  # one fused kernel per row
-        parts = []
-        for value, row in zip(seeds, x.split(1) if per_row else (x,)):
-            generator.manual_seed(value)
-            parts.append(torch.ops.aten.native_dropout.default(row, p, True)[0])
-        return torch.cat(parts) if per_row else parts[0]
-    noise = torch.empty_like(x)
-    for value, row in zip(seeds, noise.split(1) if per_row else (noise,)):
-        generator.manual_seed(value)
-        row.bernoulli_(1 - p)
-    noise.div_(1 - p)
-    return x.mul_(noise) if inplace else x * noise
-
-
-def _generator(device: torch.device) -> torch.Generator:
-    """The default generator of ``device`` (what ``_seed_device`` seeds)."""
-    if device.type == "cuda":
-        return torch.cuda.default_generators[device.index or 0]
-    return torch.default_generator
 
 
 @torch.fx.wrap
 def random_begin(first_op: int, per_sample: tuple[bool, ...]) -> None:
     """Before a random node: its ops are numbered from ``first_op``; ``per_sample[i]`` says
     whether op ``i`` draws per sample (its leading dimension is the batch)."""
-    key = getattr(_context, "key", None)
+    key = current_key()
     if key is None:
         return
     key.next_op = first_op
     key.per_sample = per_sample
     key.node_end = first_op + len(per_sample)
     key.active = True
-    _context.mode.__enter__()
+    for mode in _context.modes:
+        mode.__enter__()
 
 
 @torch.fx.wrap
 def random_end() -> None:
     """After a random node: ops draw from the (forked) global generator again."""
-    key = getattr(_context, "key", None)
+    key = current_key()
     if key is not None and key.active:
         key.active = False
-        _context.mode.__exit__(None, None, None)
+        for mode in reversed(_context.modes):
+            mode.__exit__(None, None, None)

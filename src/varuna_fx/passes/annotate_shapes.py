@@ -33,7 +33,7 @@ from ..capture.buffers import buffers_kept
 from ..capture.inputs import BoundInputs
 from ..errors import CaptureError
 from ..ir.nodes import Affine, TensorInfo, b, info
-from ..ir.rng import is_random_op, leading_dim
+from ..ir.rng import draws, leading_dim
 from . import shape_cache
 
 _RANDOM_MODULES = ("Dropout",)  # by class name: also catches user subclasses
@@ -70,7 +70,7 @@ class _OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if is_random_op(func):
+        if draws(func, args, kwargs):  # a seeded op that draws (not SDPA at dropout_p=0)
             self.random = True
             lead = leading_dim(func, args, kwargs)
             self.draws.append(-1 if lead is None else lead)
@@ -173,13 +173,21 @@ def _is_inactive_dropout(root: torch.nn.Module, n: fx.Node) -> bool:
 
 
 def _is_random_module(root: torch.nn.Module, n: fx.Node) -> bool:
+    """A dropout that draws: in training with p > 0 (its module's settings, or a functional
+    dropout's constant arguments; one whose arguments are computed counts)."""
     if n.op == "call_module":
         module = root.get_submodule(n.target)
         is_dropout = any(r in type(module).__name__ for r in _RANDOM_MODULES)
-        return is_dropout and getattr(module, "p", 1.0) > 0  # Dropout(0) draws nothing
+        # Dropout(0) and a dropout in eval draw nothing
+        return is_dropout and getattr(module, "p", 1.0) > 0 and module.training
     if n.op == "call_function":
-        return getattr(n.target, "__name__", "") in ("dropout", "dropout1d", "dropout2d",
-                                                     "alpha_dropout", "feature_alpha_dropout")
+        if getattr(n.target, "__name__", "") not in ("dropout", "dropout1d", "dropout2d",
+                                                     "alpha_dropout", "feature_alpha_dropout"):
+            return False
+        p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+        training = n.args[2] if len(n.args) > 2 else n.kwargs.get("training", n.kwargs.get(
+            "train", True))
+        return not (p == 0 or training is False)
     return False
 
 
@@ -279,8 +287,8 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
         o1, o2 = first[node], second[node]
         meta.is_tensor = o1.is_tensor
         meta.random = o1.random
-        # every random op, active or not (eager counts them all): drawn per sample where its
-        # leading dimension is the batch in both runs (ir/rng.py)
+        # every random op that draws (ir/rng.draws, as eager's keyed draws count them): drawn
+        # per sample where its leading dimension is the batch in both runs (ir/rng.py)
         meta.random_draws = tuple(d1 == b1 and d2 == b2 for d1, d2 in zip(o1.draws, o2.draws))
         meta.random_layout = _layout_dependent_draw(o1, o2, b1, b2) if o1.random else ""
         meta.outputs = [

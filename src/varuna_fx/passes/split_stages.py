@@ -14,14 +14,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
+from ..ir.keyed_calls import direct_call, keyed_function, keyed_module_dropout
 from ..ir.nodes import NodeInfo, StageSpec, TensorInfo, Transfer, copied_meta, copy_info, info
-from ..ir.rng import (
-    direct_dropout,
-    keyed_module_dropout,
-    plain_dropout,
-    random_begin,
-    random_end,
-)
+from ..ir.rng import random_begin, random_end
+from .layout_robust import robust_views
 
 
 @dataclass
@@ -107,14 +103,14 @@ def split_stages(gm: fx.GraphModule, num_stages: int, trainable: set[str],
     ]
     first_ops = random_op_numbers(nodes)
     direct = {n for n in nodes if info(n).random and len(info(n).random_draws) == 1
-              and plain_dropout(gm, n)}
+              and direct_call(gm, n)}
     return [_stage_graph(s, nodes, owned[s], transfers, last, first_ops, direct)
             for s in range(num_stages)]
 
 
 def random_op_numbers(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     """How many random ops the forward runs before each node (graph order is the order eager
-    runs them; inactive dropouts count, as eager runs their kernel): their keys (ir/rng.py)."""
+    runs them; an op that draws nothing is none: ir/rng.draws): their keys (ir/rng.py)."""
     first: dict[fx.Node, int] = {}
     k = 0
     for n in nodes:
@@ -127,7 +123,7 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
                  transfers: list[Transfer], last: int,
                  first_ops: dict[fx.Node, int], direct: set[fx.Node]) -> StageGraph:
     """Copy stage ``s``'s nodes (and the replicable ones they need) into a graph of its own.
-    ``direct``: the plain dropouts, called through ``keyed_*_dropout`` (ir/rng.py)."""
+    ``direct``: the plain dropouts and attentions, called keyed (ir/keyed_calls.py)."""
     by_name = {n.name: n for n in nodes}
     output = nodes[-1]
     body = owned + ([output] if s == last else [])
@@ -163,7 +159,7 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
         if n in members:
             random = info(n).random  # dropout & co: keyed by (step seed, op, sample)
             if n in direct:
-                env[n] = _keyed_dropout(graph, n, env, first_ops[n])
+                env[n] = _keyed_call(graph, n, env, first_ops[n])
             else:
                 if random:
                     _marker(graph, random_begin, (first_ops[n], info(n).random_draws))
@@ -181,6 +177,7 @@ def _stage_graph(s: int, nodes: list[fx.Node], owned: list[fx.Node],
                 results[output_key(i)] = env[leaf]
                 outputs.append(i)
     graph.output(results)
+    robust_views(graph)  # a received or re-joined tensor may be laid out otherwise
     graph.lint()
     spec = StageSpec(
         index=s, inputs=[str(p.target) for p in inputs], recvs=recvs, sends=sends,
@@ -195,9 +192,10 @@ def _marker(graph: fx.Graph, fn: object, args: tuple) -> None:
     marker.meta["varuna"] = NodeInfo(is_tensor=False, replicable=True)
 
 
-def _keyed_dropout(graph: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node],
-                   first_op: int) -> fx.Node:
-    """``n`` (a plain dropout) as a call of its keyed version, with ``n``'s annotations."""
+def _keyed_call(graph: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node],
+                first_op: int) -> fx.Node:
+    """``n`` (a plain dropout or attention) as a call of its keyed version, with ``n``'s
+    annotations."""
     args = fx.map_arg(n.args, env.__getitem__)
     kwargs = fx.map_arg(n.kwargs, env.__getitem__)
     head = (first_op, info(n).random_draws)
@@ -207,7 +205,7 @@ def _keyed_dropout(graph: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node],
         call = graph.create_node("call_function", keyed_module_dropout,
                                  (*head, module, *args), kwargs, name=n.name)
     else:
-        call = graph.create_node("call_function", direct_dropout(n.target), (*head, *args),
+        call = graph.create_node("call_function", keyed_function(n.target), (*head, *args),
                                  kwargs, name=n.name)
     call.meta = copied_meta(n.meta)
     return call
