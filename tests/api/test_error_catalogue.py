@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import varuna_fx as vf
+from support.autograd_models import Quantised
 from support.registry import CASES
 
 MLP = CASES["mlp"]
@@ -383,6 +384,9 @@ CATALOGUE = [
     row("deferred tensor nothing initialised", lambda _: vf.materialize(_deferred_empty()),
         vf.UninitializedError, "left", "torch.empty", "vf.skip_init"),
     row("deferred_init nested", lambda _: _nested_deferred(), Inp, "do not nest"),
+    row("custom autograd.Function under torch.export", lambda _: vf.compile(
+        Quantised(), example_inputs=(torch.randn(8, 4),), stages=2, tracer="export"), Cap,
+        "RoundSTE", "drops its backward", "tracer='fx'"),
     row("deferred model whose forward makes a meta constant (x[:, [-1]])",
         lambda _: _deferred_meta_constant(), Inp, "tensor constant", "lifted_tensor_0", "meta",
         "without vf.deferred_init"),

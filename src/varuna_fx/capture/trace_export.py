@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..errors import CaptureError
+from .autograd_functions import functions_kept
 from .captured import Captured
 from .failures import defined_at, describe_failure
 from .inputs import BoundInputs
@@ -40,12 +41,21 @@ def capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) -> 
     check_root_pre_hooks(model, alone)
     try:
         with rebinding_recorded(model) as rebound, tensor_hooks_recorded() as hooked, \
-                attribute_assignments_recorded() as assigned:
+                attribute_assignments_recorded() as assigned, functions_kept() as functions:
             program = torch.export.export(
                 model, args=(), kwargs=kwargs, dynamic_shapes=dynamic, strict=False
             )
     except Exception as exc:
         raise CaptureError(describe_failure("torch.export", exc, model, alone)) from None
+    if functions:
+        raise CaptureError(
+            f"{type(model).__name__}.forward applies the custom torch.autograd.Function "
+            f"{functions[0]}: torch.export traces its forward and drops its backward, so the "
+            "pipeline's gradients would silently be autograd's through the forward (zero for "
+            "a straight-through estimator). Use tracer='fx'"
+            + (" or 'auto'" if alone else "") + ", which keeps it as one call with its own "
+            "backward (make the rest of forward traceable by torch.fx), or write its "
+            "backward as differentiable torch code")
     if hooked:
         raise CaptureError(
             f"{type(model).__name__}.forward registers a gradient hook on a tensor ({hooked[0]}):"

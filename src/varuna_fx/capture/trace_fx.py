@@ -16,6 +16,8 @@ from torch import nn
 
 from ..errors import CaptureError, InputError
 from ..ir.nodes import info as node_info
+from . import autograd_functions
+from .autograd_functions import functions_kept
 from .captured import Captured
 from .failures import defined_at, describe_failure
 from .grad_mode import check_no_grad_blocks
@@ -73,6 +75,7 @@ def _autocast_state() -> tuple:
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FUNCTIONS_FILE = autograd_functions.__file__  # the opaque Function call's own frame
 
 
 def _user_stack_trace() -> str:
@@ -88,7 +91,7 @@ def _user_stack_trace() -> str:
     if start is None:  # not inside a forward: nothing useful to point at
         return ""
     kept = [traceback.FrameSummary(file, line, name) for file, line, name in frames[start:]
-            if not file.startswith(_TORCH_DIR)]
+            if not file.startswith(_TORCH_DIR) and file != _FUNCTIONS_FILE]
     return "".join(traceback.StackSummary.from_list(kept).format()).strip()
 
 
@@ -107,7 +110,8 @@ def capture_fx(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Capt
     try:
         # grad mode as in training (compile may be called under no_grad); forward's own
         # no_grad blocks show in tracer.no_grad_nodes
-        with torch.enable_grad(), warnings.catch_warnings():
+        # a user's autograd.Function stays one call with its own backward (autograd_functions)
+        with torch.enable_grad(), warnings.catch_warnings(), functions_kept():
             # a tensor default (a constant of the graph) cannot be guarded: fx says so
             warnings.filterwarnings("ignore", "Was not able to add assertion")
             graph = tracer.trace(model, concrete_args=concrete or None)
@@ -120,6 +124,7 @@ def capture_fx(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Capt
     _drop_concrete_placeholders(graph, bound)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     keep_mutations(gm)  # dead-code elimination that keeps `y.relu_()` statements
+    autograd_functions.mark_writes(gm)
     check_no_grad_blocks(gm, tracer.no_grad_nodes, alone)
     if tracer.autocast_node is not None:
         where = " ".join(x.strip() for x in tracer.autocast_node.stack_trace.splitlines()[-2:])
