@@ -6,6 +6,7 @@ import inspect
 import linecache
 import traceback
 
+import torch
 from torch import nn
 
 # -- error messages ------------------------------------------------------------------------------
@@ -82,3 +83,38 @@ def describe_failure(tracer: str, exc: BaseException, model: nn.Module,
         hint = f"this operation cannot be traced by {tracer}" + (
             f": try tracer={other} or 'auto'" if alone else "")
     return f"{tracer} failed{where} ({type(exc).__name__}: {reason}). {hint}"
+
+
+def plain_meta_tensors(model: nn.Module) -> dict[int, str]:
+    """id -> ``self.path`` of each meta tensor the model holds as a plain attribute (neither
+    parameter nor buffer): made while the model was built under ``vf.deferred_init``
+    (``self.scale = self.lin.weight.detach().norm()``), it is never materialised, so its
+    values are never made."""
+    found: dict[int, str] = {}
+    for path, module in model.named_modules():
+        for key, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and value.is_meta and \
+                    key not in module._parameters and key not in module._buffers:
+                found.setdefault(id(value), f"self.{path + '.' if path else ''}{key}")
+    return found
+
+
+def meta_constant_refusal(what: str, attribute: str | None) -> str:
+    """Why a deferred model's constant with no values is refused, and the change that works
+    under ``vf.deferred_init`` (``varuna-fx train`` always builds a model so)."""
+    if attribute is not None:
+        owner, _, key = attribute.rpartition(".")
+        return (
+            f"the model's forward reads {attribute} ({what}), a tensor that is neither a "
+            "parameter nor a buffer, made while the model was built under vf.deferred_init: "
+            "it is on the meta device and its values (made from the model's uninitialised "
+            "tensors) are never made. Register it as a buffer in __init__ "
+            f"({owner}.register_buffer('{key}', ..., persistent=False)), which "
+            "vf.deferred_init initialises with the model, or compute it in forward")
+    return (
+        f"the model's forward makes a tensor constant ({what}) on the meta device under "
+        "vf.deferred_init, so its values are unknown: its value depends on the model's "
+        "uninitialised tensors, or the code names device='meta'. Make it in forward from the "
+        "inputs' device (torch.tensor(..., device=x.device)), or register it as a buffer in "
+        "__init__ (self.register_buffer(name, ..., persistent=False)), which vf.deferred_init "
+        "initialises with the model")

@@ -186,18 +186,38 @@ def _is_random_module(root: torch.nn.Module, n: fx.Node) -> bool:
 def _run_fake(gm: fx.GraphModule, bound: BoundInputs, batch: int) -> dict[fx.Node, _Observed]:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = _OpRecorder()
-    # a model on meta (vf.deferred_init, or planning only) computes with meta inputs: the real
-    # ones' device would be another than its weights'
-    on_meta = any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
     with mode:
-        fake = [torch.empty((batch, *t.shape[1:]), dtype=t.dtype,
-                            device="meta" if on_meta else t.device)
+        fake = [torch.empty((batch, *t.shape[1:]), dtype=t.dtype, device=t.device)
                 for t in bound.tensors.values()]
     runner = _FakeRun(gm, recorder)
     # Tracing-time RNG, autograd and module state must not leak into the user's program.
-    with torch.no_grad(), mode, recorder:
+    with torch.no_grad(), _meta_state_faked(gm, mode, fake), mode, recorder:
         runner.run(*fake)
     return runner.observed
+
+
+@contextlib.contextmanager
+def _meta_state_faked(gm: fx.GraphModule, mode: FakeTensorMode,
+                      inputs: list[torch.Tensor]) -> Iterator[None]:
+    """A model on meta (``vf.deferred_init``) runs with fake parameters and buffers on the
+    inputs' device, the device capture traced for (``trace_export.weights_faked_on``): the
+    graph may make tensors on that device (``torch.ones(..., device=x.device)``), which meta
+    weights would not meet. Meta inputs (planning only) keep everything on meta."""
+    device = inputs[0].device if inputs else torch.device("meta")
+    state = {n: t for n, t in [*gm.named_parameters(remove_duplicate=False),
+                               *gm.named_buffers(remove_duplicate=False)] if t.is_meta}
+    if device.type == "meta" or not state:
+        yield
+        return
+    made: dict[int, torch.Tensor] = {}
+    for t in state.values():
+        if id(t) not in made:
+            fake = mode.from_tensor(t)
+            fake.fake_device = device
+            made[id(t)] = fake
+    with torch.nn.utils.stateless._reparametrize_module(
+            gm, {n: made[id(t)] for n, t in state.items()}, tie_weights=True):
+        yield
 
 
 def _observe(gm: fx.GraphModule, bound: BoundInputs, b1: int, b2: int
