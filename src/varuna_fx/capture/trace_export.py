@@ -13,11 +13,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..errors import CaptureError, InputError
+from ..errors import CaptureError, InputError, env_int
+from ..world.where import comm_device, launched_distributed
 from .autograd_functions import functions_kept
 from .captured import Captured
 from .failures import (
@@ -47,7 +49,7 @@ def capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) -> 
     dynamic = {name: ({0: batch} if name in bound.tensors else None) for name in kwargs}
     check_root_pre_hooks(model, alone)
     try:
-        with weights_faked_on(_input_device(bound)), rebinding_recorded(model) as rebound, tensor_hooks_recorded() as hooked, \
+        with weights_faked_on(stage_device(bound)), rebinding_recorded(model) as rebound, tensor_hooks_recorded() as hooked, \
                 attribute_assignments_recorded() as assigned, functions_kept() as functions:
             program = torch.export.export(
                 model, args=(), kwargs=kwargs, dynamic_shapes=dynamic, strict=False
@@ -118,8 +120,19 @@ def capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) -> 
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 
-def _input_device(bound: BoundInputs) -> torch.device | None:
-    return next((t.device for t in bound.tensors.values()), None)
+def stage_device(bound: BoundInputs) -> torch.device | None:
+    """The device a ``vf.deferred_init`` model's stages will run on, which its capture fakes
+    its weights on: the example inputs' (a one-process pipeline allocates there), but in a
+    launched job on GPUs the rank's GPU (``world/where.init_process_group`` picks NCCL and
+    ``LOCAL_RANK``'s device), whatever device the example inputs are on."""
+    device = next((t.device for t in bound.tensors.values()), None)
+    if device is None or device.type != "cpu":
+        return device
+    if dist.is_available() and dist.is_initialized():
+        return comm_device()
+    if launched_distributed() and torch.cuda.is_available():
+        return torch.device("cuda", env_int("LOCAL_RANK", 0))
+    return device
 
 
 @contextlib.contextmanager

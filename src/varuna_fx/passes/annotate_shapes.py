@@ -31,6 +31,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..capture.buffers import buffers_kept
 from ..capture.inputs import BoundInputs
+from ..capture.trace_export import stage_device
 from ..errors import CaptureError
 from ..ir.nodes import Affine, TensorInfo, b, info
 from ..ir.rng import is_random_op, leading_dim
@@ -186,27 +187,27 @@ def _is_random_module(root: torch.nn.Module, n: fx.Node) -> bool:
 def _run_fake(gm: fx.GraphModule, bound: BoundInputs, batch: int) -> dict[fx.Node, _Observed]:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = _OpRecorder()
+    state = {n: t for n, t in [*gm.named_parameters(remove_duplicate=False),
+                               *gm.named_buffers(remove_duplicate=False)] if t.is_meta}
+    device = stage_device(bound) if state else None
     with mode:
-        fake = [torch.empty((batch, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        fake = [torch.empty((batch, *t.shape[1:]), dtype=t.dtype, device=device or t.device)
                 for t in bound.tensors.values()]
     runner = _FakeRun(gm, recorder)
     # Tracing-time RNG, autograd and module state must not leak into the user's program.
-    with torch.no_grad(), _meta_state_faked(gm, mode, fake), mode, recorder:
+    with torch.no_grad(), _meta_state_faked(gm, mode, state, device), mode, recorder:
         runner.run(*fake)
     return runner.observed
 
 
 @contextlib.contextmanager
-def _meta_state_faked(gm: fx.GraphModule, mode: FakeTensorMode,
-                      inputs: list[torch.Tensor]) -> Iterator[None]:
+def _meta_state_faked(gm: fx.GraphModule, mode: FakeTensorMode, state: dict[str, torch.Tensor],
+                      device: torch.device | None) -> Iterator[None]:
     """A model on meta (``vf.deferred_init``) runs with fake parameters and buffers on the
-    inputs' device, the device capture traced for (``trace_export.weights_faked_on``): the
-    graph may make tensors on that device (``torch.ones(..., device=x.device)``), which meta
-    weights would not meet. Meta inputs (planning only) keep everything on meta."""
-    device = inputs[0].device if inputs else torch.device("meta")
-    state = {n: t for n, t in [*gm.named_parameters(remove_duplicate=False),
-                               *gm.named_buffers(remove_duplicate=False)] if t.is_meta}
-    if device.type == "meta" or not state:
+    device its stages will run on, the one capture traced for (``trace_export.stage_device``):
+    the graph may make tensors there (``torch.ones(..., device=x.device)``), which meta weights
+    would not meet. Meta inputs (planning only) keep everything on meta."""
+    if device is None or device.type == "meta" or not state:
         yield
         return
     made: dict[int, torch.Tensor] = {}
