@@ -56,6 +56,17 @@ def compile_module(model: nn.Module, inputs: Any, **kw: Any) -> vf.Pipeline:
     return vf.compile(model, vf.Cluster(gpus=1, device="cpu"), example_inputs=inputs, **kw)
 
 
+class BatchBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.size(0) > 2:  # the batch size: a pipeline's micro-batches differ
+            return self.lin(x).sum()
+        return self.lin(x).mean()
+
+
 class DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -382,6 +393,9 @@ CATALOGUE = [
     row("deferred tensor nothing initialised", lambda _: vf.materialize(_deferred_empty()),
         vf.UninitializedError, "left", "torch.empty", "vf.skip_init"),
     row("deferred_init nested", lambda _: _nested_deferred(), Inp, "do not nest"),
+    row("fx: a Python condition on the batch size", lambda _: compile_module(
+        BatchBranch(), (torch.randn(4, 4),), stages=1, tracer="fx"), Cap, "x.size(0) > 2",
+        "depends on the batch size", "decides on the batch size"),
     row("custom autograd.Function under torch.export", lambda _: vf.compile(
         Quantised(), example_inputs=(torch.randn(8, 4),), stages=2, tracer="export"), Cap,
         "RoundSTE", "drops its backward", "tracer='fx'"),

@@ -57,9 +57,25 @@ def describe_failure(tracer: str, exc: BaseException, model: nn.Module,
         where = f" at {frame.filename}:{frame.lineno} in {frame.name}: `{line}`"
     else:  # the tracer failed before running any of the model's code: name its forward
         where = defined_at(model).replace(" (", " in ", 1).rstrip(")")
-    data_dependent = any(key in f"{type(exc).__name__} {reason}" for key in (
+    shape_python = any(key in reason for key in (
+        "cannot be interpreted as an integer", "Proxy object cannot be iterated",
+        "'len' is not supported", "len() of a traced value"))
+    data_dependent = not shape_python and any(key in f"{type(exc).__name__} {reason}" for key in (
         "control flow", "DataDependent", "data-dependent", "__bool__"))
-    if "cache_utils." in reason and "not a known type" in reason:
+    if "depends on the batch size (dim 0)" in reason:
+        hint = (
+            "forward's Python code decides on the batch size (dim 0), which a pipeline "
+            "changes (it runs micro-batches of other sizes): make the decision depend on "
+            "other dimensions or constants, or compute it with torch operations")
+    elif shape_python and tracer == "torch.fx":
+        hint = (
+            "Python needs a plain value of a traced tensor or size here (range(), int(), "
+            "len(), iterating): torch.fx follows shapes where the example's shapes give the "
+            "value, which they do not here (it depends on tensor values, or on a size fx "
+            "reads as a tensor)"
+            + (": try tracer='export' or 'auto', which traces with concrete sizes"
+               if alone else ""))
+    elif "cache_utils." in reason and "not a known type" in reason:
         hint = (
             "the model returns its key/value cache (a Hugging Face model with use_cache=True, "
             "the default of its config), which is no tensor a pipeline could pass on: set "

@@ -7,6 +7,7 @@ import os
 import sys
 import traceback
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from .grad_mode import check_no_grad_blocks
 from .inputs import BoundInputs
 from .mutations import keep_mutations
 from .outputs import PLAIN_DICTS, flatten_output
+from .shape_values import ShapeValues, Unknown, same_everywhere
+from .trace_export import stage_device
 
 # -- fx ------------------------------------------------------------------------------------------
 
@@ -40,8 +43,9 @@ class Tracer(fx.Tracer):
     # so they may be sliced by traced sizes and are owned by the stages that read them.
     proxy_buffer_attributes = True
 
-    def __init__(self) -> None:
+    def __init__(self, shapes: ShapeValues | None = None) -> None:
         super().__init__()
+        self.shapes = shapes  # concrete values where Python needs one (shape_values.py)
         # nodes made under torch.no_grad() in forward (fx records no grad mode: capture/grad_mode.py)
         self.no_grad_nodes: set[fx.Node] = set()
         self.typed_dicts: list[dict] = []  # see create_arg
@@ -57,6 +61,56 @@ class Tracer(fx.Tracer):
             self.typed_dicts.append(a)
         return super().create_arg(a)
 
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """``assert t <= block_size``, ``if x.device.type == "cpu"``: the value the example's
+        shapes give, the same at every batch size (shape_values.py)."""
+        values = self._known(obj)
+        if values is None:
+            return super().to_bool(obj)
+        if not same_everywhere([bool(v) for v in values]):
+            raise fx.proxy.TraceError(
+                "a condition on shapes depends on the batch size (dim 0): it is "
+                f"{[bool(v) for v in values]} at batch sizes {self.shapes.batches}")
+        return bool(values[0])
+
+    def iter(self, obj: fx.Proxy) -> Iterator[Any]:
+        """``*x.shape[:-1]``, ``for d in x.size()``: the items of a size of known length."""
+        values = self._known(obj)
+        if values is None or not isinstance(values[0], (tuple, list)) or \
+                len({len(v) for v in values}) != 1:
+            return super().iter(obj)
+        return iter([obj[i] for i in range(len(values[0]))])
+
+    def length(self, obj: fx.Proxy) -> int:
+        """``len(x.shape)``, and the length hint Python takes when ``*x.shape[:-1]`` is
+        unpacked into a call."""
+        values = self._known(obj)
+        if values is None or not isinstance(values[0], (tuple, list)) or \
+                len({len(v) for v in values}) != 1:
+            raise fx.proxy.TraceError(
+                "len() of a traced value whose length the example's shapes do not give")
+        return len(values[0])
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ShapeProxy(node, self)
+
+    def _known(self, obj: fx.Proxy) -> list[Any] | None:
+        """The proxy's plain value (sizes, bools, devices) at each batch size, or None."""
+        if self.shapes is None:
+            return None
+        try:
+            values = self.shapes.values(obj.node)
+        except Unknown:
+            return None
+        plain = (bool, int, float, str, torch.device, torch.dtype, torch.Size, tuple, list)
+        if not all(isinstance(v, plain) and not isinstance(v, torch.Tensor) for v in values):
+            return None
+        leaves = [x for v in values for x in (v if isinstance(v, (tuple, list)) else [v])]
+        if not all(isinstance(x, (bool, int, float, str, torch.device, torch.dtype))
+                   for x in leaves):
+            return None
+        return values
+
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any,
                     name: str | None = None, type_expr: Any = None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
@@ -67,6 +121,21 @@ class Tracer(fx.Tracer):
         if self.autocast_node is None and _autocast_state() != self.autocast_start:
             self.autocast_node = node
         return node
+
+
+class _ShapeProxy(fx.Proxy):
+    """A proxy whose ``len()`` the tracer answers from shapes (fx's raises)."""
+
+    def __len__(self) -> int:
+        return self.tracer.length(self)  # type: ignore[attr-defined]
+
+    def __getattr__(self, k: str) -> fx.proxy.Attribute:
+        return _ShapeAttribute(self, k)
+
+
+class _ShapeAttribute(fx.proxy.Attribute):
+    def __len__(self) -> int:
+        return self.tracer.length(self)  # type: ignore[attr-defined]
 
 
 def _autocast_state() -> tuple:
@@ -105,7 +174,9 @@ def capture_fx(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Capt
             if param.default is inspect.Parameter.empty:
                 raise InputError(f"example_inputs give no value for '{name}'")
             concrete[name] = param.default
-    tracer = Tracer()
+    deferred = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    tracer = Tracer(ShapeValues(model, bound, concrete,
+                                stage_device(bound) if deferred else None))
     before = _module_attributes(model)
     try:
         # grad mode as in training (compile may be called under no_grad); forward's own
