@@ -70,9 +70,10 @@ def describe_failure(tracer: str, exc: BaseException, model: nn.Module,
     elif shape_python and tracer == "torch.fx":
         hint = (
             "Python needs a plain value of a traced tensor or size here (range(), int(), "
-            "len(), iterating): torch.fx follows shapes where the example's shapes give the "
-            "value, which they do not here (it depends on tensor values, or on a size fx "
-            "reads as a tensor)"
+            "len(), iterating), which torch.fx cannot give: it gives conditions, lengths and "
+            "items of sizes the example's shapes fix, but keeps a size symbolic where torch "
+            "functions may take it (so range(x.size(1)) gets none), and values that depend on "
+            "data are unknown while tracing"
             + (": try tracer='export' or 'auto', which traces with concrete sizes"
                if alone else ""))
     elif "cache_utils." in reason and "not a known type" in reason:

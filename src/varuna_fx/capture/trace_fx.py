@@ -74,21 +74,32 @@ class Tracer(fx.Tracer):
         return bool(values[0])
 
     def iter(self, obj: fx.Proxy) -> Iterator[Any]:
-        """``*x.shape[:-1]``, ``for d in x.size()``: the items of a size of known length."""
-        values = self._known(obj)
-        if values is None or not isinstance(values[0], (tuple, list)) or \
-                len({len(v) for v in values}) != 1:
+        """``*x.shape[:-1]``, ``for d in x.size()``, ``for y in h.chunk(2)``: the items of a
+        sequence whose length is the same at every batch size."""
+        length = self._length(obj)
+        if length is None:
             return super().iter(obj)
-        return iter([obj[i] for i in range(len(values[0]))])
+        return iter([obj[i] for i in range(length)])
 
     def length(self, obj: fx.Proxy) -> int:
         """``len(x.shape)``, and the length hint Python takes when ``*x.shape[:-1]`` is
         unpacked into a call."""
-        values = self._known(obj)
-        if values is None or not isinstance(values[0], (tuple, list)) or \
-                len({len(v) for v in values}) != 1:
+        length = self._length(obj)
+        if length is None:
             raise fx.proxy.TraceError(
                 "len() of a traced value whose length the example's shapes do not give")
+        return length
+
+    def _length(self, obj: fx.Proxy) -> int | None:
+        if self.shapes is None:
+            return None
+        try:
+            values = self.shapes.values(obj.node)
+        except Unknown:
+            return None
+        if not all(isinstance(v, (tuple, list)) for v in values) or \
+                len({len(v) for v in values}) != 1:
+            return None
         return len(values[0])
 
     def proxy(self, node: fx.Node) -> fx.Proxy:

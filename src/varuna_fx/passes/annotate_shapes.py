@@ -25,7 +25,7 @@ import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -51,6 +51,7 @@ class _Observed:
     random: bool
     draws: list[int]  # each random op's leading dimension (ir/rng.leading_dim; -1: none)
     draw_shapes: list[list[int]]  # each random op's result's shape (its first tensor's)
+    bounded: bool = False  # a size that depends on values, taken at its bound (_bounded_output)
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -61,6 +62,7 @@ class _OpRecorder(TorchDispatchMode):
         self.reset()
 
     def reset(self) -> None:
+        self.bounded = False
         self.matmul = 0
         self.elementwise = 0
         self.random = False
@@ -69,7 +71,11 @@ class _OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            out = _bounded_output(func, args, kwargs)
+            self.bounded = True
         packet = func._overloadpacket
         if is_random_op(func):
             self.random = True
@@ -85,6 +91,21 @@ class _OpRecorder(TorchDispatchMode):
                 t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
             )
         return out
+
+
+def _bounded_output(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The result of an op whose size depends on values (``nonzero``, ``torch.where(mask)``,
+    ``masked_select``: a mixture of experts' routing), at its largest: every element kept.
+    Fake tensors have no values; the bound makes the ops after it cost what they would if all
+    were kept (an upper bound), instead of failing the pass."""
+    if func is torch.ops.aten.nonzero.default:
+        x = args[0]
+        return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+    if func is torch.ops.aten.masked_select.default:
+        x, mask = args[0], args[1]
+        shape = torch.broadcast_shapes(x.shape, mask.shape)
+        return torch.empty((math.prod(shape),), dtype=x.dtype, device=x.device)
+    raise DynamicOutputShapeException(func)
 
 
 class _FakeRun(fx.Interpreter):
@@ -110,6 +131,9 @@ class _FakeRun(fx.Interpreter):
                 f"{type(exc).__name__}: {exc}. Source: {' '.join(s.strip() for s in where)}"
             ) from None
         tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        # downstream of a bounded size, a shape is a bound too (specialize_sizes keeps reads)
+        bounded = self.recorder.bounded or any(
+            self.observed[i].bounded for i in n.all_input_nodes if i in self.observed)
         random = (self.recorder.random or _is_random_module(self.module, n)) \
             and not _is_inactive_dropout(self.module, n)
         self.observed[n] = _Observed(
@@ -122,6 +146,7 @@ class _FakeRun(fx.Interpreter):
             random=random,
             draws=list(self.recorder.draws),
             draw_shapes=list(self.recorder.draw_shapes),
+            bounded=bounded,
         )
         return value
 
@@ -260,7 +285,7 @@ def _decode(nodes: list[fx.Node], stored: list[Any]
                 o.shapes = [tuple(int(d) for d in shape) for shape in o.shapes]
                 o.dtypes = [_dtype(d) for d in o.dtypes]
                 o.draw_shapes = [[int(d) for d in shape] for shape in o.draw_shapes]
-                if not all(isinstance(v, bool) for v in (o.is_tensor, o.random)) or \
+                if not all(isinstance(v, bool) for v in (o.is_tensor, o.random, o.bounded)) or \
                         not all(isinstance(v, int) for v in o.draws) or \
                         len(o.draw_shapes) != len(o.draws) or \
                         not all(isinstance(v, int) for v in (o.out_bytes, o.matmul_flops,
@@ -300,6 +325,8 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
         o1, o2 = first[node], second[node]
         meta.is_tensor = o1.is_tensor
         meta.random = o1.random
+        if o1.bounded or o2.bounded:  # read by specialize_sizes, which runs next
+            node.meta["varuna_bounded_size"] = True
         # every random op, active or not (eager counts them all): drawn per sample where its
         # leading dimension is the batch in both runs (ir/rng.py)
         meta.random_draws = tuple(d1 == b1 and d2 == b2 for d1, d2 in zip(o1.draws, o2.draws))
