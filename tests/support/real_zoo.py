@@ -256,15 +256,15 @@ class Llama(nn.Module):
     """Tokens -> logits; RoPE tables as a non-persistent complex buffer made by torch.polar."""
 
     def __init__(self, dim: int = 16, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2,
-                 max_seq_len: int = 16) -> None:
+                 max_seq_len: int = 16, vocab: int = V) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(V, dim)
+        self.tok_embeddings = nn.Embedding(vocab, dim)
         self.register_buffer("freqs_cis", precompute_freqs_cis(dim // n_heads, max_seq_len * 2),
                              persistent=False)
         self.layers = nn.ModuleDict({str(i): LlamaBlock(dim, n_heads, n_kv_heads)
                                      for i in range(n_layers)})
         self.norm = RMSNorm(dim)
-        self.output = nn.Linear(dim, V, bias=False)
+        self.output = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
@@ -312,11 +312,12 @@ class MinBlock(nn.Module):
 
 
 class MinGPT(nn.Module):
-    def __init__(self, n_embd: int = 16, n_layer: int = 2) -> None:
+    def __init__(self, n_embd: int = 16, n_layer: int = 2, vocab: int = V, block: int = T
+                 ) -> None:
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(V, n_embd), nn.Embedding(T, n_embd)
-        self.blocks = nn.Sequential(*[MinBlock(n_embd, 2, T) for _ in range(n_layer)])
-        self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, V, bias=False)
+        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(block, n_embd)
+        self.blocks = nn.Sequential(*[MinBlock(n_embd, 2, block) for _ in range(n_layer)])
+        self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device).unsqueeze(0)
@@ -561,3 +562,14 @@ ZOO: dict[str, Entry] = {
     "ssm-function": Entry(lambda: StateSpace(custom=True), (IDS,), lm_loss, TARGETS),
     "vit": Entry(ViT, (PIXELS,), class_loss, LABELS),
 }
+
+
+# -- factories for `varuna-fx train --model support.real_zoo:<name>` (byte-level corpus) ------
+
+
+def train_llama() -> nn.Module:
+    return Llama(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, vocab=256)
+
+
+def train_mingpt() -> nn.Module:
+    return MinGPT(n_embd=32, n_layer=2, vocab=256, block=16)
