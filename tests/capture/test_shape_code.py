@@ -102,3 +102,22 @@ def test_a_size_that_depends_on_values_is_read_when_the_stage_runs(tracer: str) 
     # the shape pass prices nonzero at its bound (all 16 kept); the count is not that bound
     assert int((eager.lin(x) > 0).sum()) != 16
     torch.testing.assert_close(torch.as_tensor(pipe.step(x)), want.detach())
+
+
+def test_shape_python_after_batchnorm_traces_and_leaves_the_statistics_alone() -> None:
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.bn(self.lin(x))  # a batch of one fails BatchNorm in training
+            assert h.shape[1] == 4
+            return h.pow(2).mean()
+
+    model = Normed()
+    stats = model.bn.running_mean.clone(), model.bn.num_batches_tracked.clone()
+    vf.compile(model, example_inputs=(torch.randn(8, 4),), stages=1, micro_batch_size=8,
+               tracer="fx")
+    assert torch.equal(model.bn.running_mean, stats[0])
+    assert torch.equal(model.bn.num_batches_tracked, stats[1])

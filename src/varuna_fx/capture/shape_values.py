@@ -4,7 +4,7 @@ torch.fx gives every value a proxy, so Python that needs a real value stops the 
 ``assert t <= self.config.block_size`` (``bool`` of a size), ``if h.device.type == "cpu"``,
 ``xq.reshape(*xq.shape[:-1], -1, 2)`` (iterating a shape). Those values are known from the
 example's shapes: when the tracer asks for one (``Tracer.to_bool`` / ``Tracer.iter``), the
-graph traced so far is run on fake tensors (no data, nothing allocated) at several batch sizes,
+graph traced so far is run on fake tensors (no data, nothing allocated) at several batch sizes (1, 2, 3 and the example's),
 and the answer is taken when it is the same at every one of them. A value that differs with the
 batch size (``if x.size(0) > 2``) is refused: a pipeline runs micro-batches of other sizes.
 One that depends on tensor values is not known (fake tensors have none) and fx's error stands.
@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .buffers import buffers_kept
 from .inputs import BoundInputs
 
 
@@ -42,8 +43,9 @@ class ShapeValues:
     def __init__(self, root: nn.Module, bound: BoundInputs, concrete: dict[str, Any],
                  device: torch.device | None) -> None:
         self.root, self.bound, self.concrete = root, bound, concrete
-        example = bound.batch_size
-        self.batches = sorted({1, 2, example}) if example else [1, 2]
+        # 1 (where BatchNorm in training fails: then left out), 2, 3 and the example's
+        self.batches = sorted({1, 2, 3, bound.batch_size or 2})
+        self.failed: set[int] = set()  # batch sizes whose evaluation failed (only 1 may)
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.envs: list[dict[fx.Node, Any]] = [{} for _ in self.batches]
         self.device = device  # None: the inputs' own devices
@@ -51,15 +53,24 @@ class ShapeValues:
 
     def values(self, node: fx.Node) -> list[Any]:
         """``node``'s value at each batch size; raises :class:`Unknown`."""
-        try:
-            with torch.no_grad(), _module_calls_unpatched(), self._meta_state_faked(), \
-                    self.mode:
-                return [self._value(node, env, batch)
-                        for env, batch in zip(self.envs, self.batches)]
-        except Unknown:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any failure means: not known from shapes
-            raise Unknown(str(exc)) from None
+        values = []
+        with torch.no_grad(), _module_calls_unpatched(), self._meta_state_faked(), \
+                buffers_kept(self.root), self.mode:
+            for env, batch in zip(self.envs, self.batches):
+                if batch in self.failed:
+                    continue
+                try:
+                    values.append(self._value(node, env, batch))
+                except Exception as exc:  # noqa: BLE001 - failed: not known from shapes
+                    if batch != 1:
+                        raise Unknown(str(exc)) from None
+                    self.failed.add(batch)  # a batch of one fails BatchNorm in training
+        return values
+
+    @property
+    def sizes(self) -> list[int]:
+        """The batch sizes :meth:`values` answers for."""
+        return [b for b in self.batches if b not in self.failed]
 
     def _value(self, node: fx.Node, env: dict[fx.Node, Any], batch: int) -> Any:
         if node in env:

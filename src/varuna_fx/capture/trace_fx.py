@@ -70,7 +70,7 @@ class Tracer(fx.Tracer):
         if not same_everywhere([bool(v) for v in values]):
             raise fx.proxy.TraceError(
                 "a condition on shapes depends on the batch size (dim 0): it is "
-                f"{[bool(v) for v in values]} at batch sizes {self.shapes.batches}")
+                f"{[bool(v) for v in values]} at batch sizes {self.shapes.sizes}")
         return bool(values[0])
 
     def iter(self, obj: fx.Proxy) -> Iterator[Any]:
