@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import ast
 import graphlib
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 PACKAGE = Path(__file__).parent.parent / "src" / "varuna_fx"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import varuna_fx as vf
-from support.autograd_models import Quantised
+from support.autograd_models import HandWritten, Quantised
 from tiers import tiered
 
 
@@ -40,6 +40,18 @@ def test_a_straight_through_estimator_and_an_in_place_function_train_like_eager(
 
 def test_export_refuses_a_custom_function_instead_of_dropping_its_backward() -> None:
     with pytest.raises(vf.CaptureError, match=r"RoundSTE \(.*autograd_models\.py:\d+\).*"
-                       r"drops its backward.*tracer='fx'"):
+                       r"drops its backward.*other gradients than autograd.*tracer='fx'"):
         vf.compile(Quantised(), example_inputs=(torch.randn(8, 4),), stages=2,
                    tracer="export")
+
+
+def test_export_inlines_a_function_whose_backward_is_autograds() -> None:
+    # Bloom's GeLUFunction: a derivative written by hand; refusing it would lose the model
+    torch.manual_seed(0)
+    model, x = HandWritten(), torch.randn(8, 4)
+    want_loss, want = _eager(model, x)
+    pipe = vf.compile(model, example_inputs=(x,), stages=2, micro_batch_size=2,
+                      tracer="export")
+    torch.testing.assert_close(torch.as_tensor(pipe.step(x)), want_loss)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], msg=name)

@@ -9,7 +9,9 @@ writes its own buffer in place -- with no word.
 Under torch.fx each call of a user's Function becomes one ``call_function`` node whose target
 calls ``Function.apply`` at run time (:func:`opaque_call`), so the stage runs the real Function
 and autograd calls the user's backward. torch.export cannot keep such a call (non-strict
-export traces below autograd), so a Function it reaches is refused, naming it. torch's own
+export traces below autograd): a Function it reaches is checked once on random inputs of the
+shapes it saw, and refused, naming it, unless its backward gives autograd's gradients through
+its forward (Bloom's GeLU, a backward written only for speed; ``function_inlining.py``). torch's own
 Functions (``torch.utils.checkpoint`` and the like) are traced as before; capture handles
 those it must (``untraced.py``).
 """
@@ -20,6 +22,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,13 +73,27 @@ def _is_users(cls: type) -> bool:
     return not cls.__module__.startswith("torch.")
 
 
+@dataclass
+class Applied:
+    """A user's Function that torch.export traced (and so inlined): where, and its arguments
+    with each tensor as (shape, dtype) -- the fakes are gone once export returns."""
+
+    cls: type[Function]
+    where: str
+    args: list[Any]
+
+    def __str__(self) -> str:
+        return f"{self.cls.__qualname__} ({self.where})"
+
+
 @contextlib.contextmanager
-def functions_kept() -> Iterator[list[str]]:
+def functions_kept() -> Iterator[list[Applied]]:
     """While the body runs, a user's Function applied to an fx proxy becomes one opaque node;
-    applied to the fake tensors of torch.export it is recorded (``'Name (file:line)'``) and
-    run as usual, so that export can be refused afterwards."""
+    applied to the fake tensors of torch.export it is recorded (:class:`Applied`) and run as
+    usual, so that what export made of it can be checked afterwards
+    (``function_inlining.py``)."""
     original = Function.__dict__["apply"]
-    found: list[str] = []
+    found: list[Applied] = []
 
     def apply(cls: type[Function], *args: Any, **kwargs: Any) -> Any:
         if _is_users(cls):
@@ -86,7 +103,7 @@ def functions_kept() -> Iterator[list[str]]:
                 return proxy.tracer.create_proxy("call_function", opaque_call(cls), args,
                                                  kwargs)
             if any(_is_traced(a) for a in leaves):
-                found.append(f"{cls.__qualname__} ({_caller()})")
+                found.append(Applied(cls, _caller(), [_described(a) for a in args]))
         return original.__func__(cls, *args, **kwargs)
 
     Function.apply = classmethod(apply)  # type: ignore[assignment]
@@ -94,6 +111,23 @@ def functions_kept() -> Iterator[list[str]]:
         yield found
     finally:
         Function.apply = original  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def _described(value: Any) -> Any:
+    """A tensor argument as its :class:`TensorArg` (symbolic sizes at their example value);
+    anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = tuple(int(d.node.hint) if isinstance(d, torch.SymInt) else int(d)
+                  for d in value.shape)
+    return TensorArg(shape, value.dtype, value.requires_grad)
 
 
 def _is_traced(value: Any) -> bool:

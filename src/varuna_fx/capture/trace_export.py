@@ -28,6 +28,7 @@ from .failures import (
     meta_constant_refusal,
     plain_meta_tensors,
 )
+from .function_inlining import inlining_differs
 from .inputs import BoundInputs
 from .mutations import keep_mutations, place_write_backs
 from .untraced import (
@@ -60,15 +61,17 @@ def capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) -> 
             raise InputError(meta_constant_refusal("a meta tensor", next(iter(meta.values())))
                              ) from None
         raise CaptureError(describe_failure("torch.export", exc, model, alone)) from None
-    if functions:
-        raise CaptureError(
-            f"{type(model).__name__}.forward applies the custom torch.autograd.Function "
-            f"{functions[0]}: torch.export traces its forward and drops its backward, so the "
-            "pipeline's gradients would silently be autograd's through the forward (zero for "
-            "a straight-through estimator). Use tracer='fx'"
-            + (" or 'auto'" if alone else "") + ", which keeps it as one call with its own "
-            "backward (make the rest of forward traceable by torch.fx), or write its "
-            "backward as differentiable torch code")
+    for applied in {f.cls: f for f in functions}.values():  # each Function once
+        why = inlining_differs(applied)
+        if why is not None:
+            raise CaptureError(
+                f"{type(model).__name__}.forward applies the custom torch.autograd.Function "
+                f"{applied}: torch.export traces its forward and drops its backward, and {why}, "
+                "so the pipeline's gradients would silently differ from eager's (zero for a "
+                "straight-through estimator). Use tracer='fx'" + (" or 'auto'" if alone else "")
+                + ", which keeps it as one call with its own backward (make the rest of "
+                "forward traceable by torch.fx), or write its backward as differentiable "
+                "torch code")
     if hooked:
         raise CaptureError(
             f"{type(model).__name__}.forward registers a gradient hook on a tensor ({hooked[0]}):"
