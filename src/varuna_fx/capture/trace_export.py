@@ -152,7 +152,10 @@ def weights_faked_on(device: torch.device | None) -> Iterator[None]:
         return
     import torch.export._trace as export_trace  # torch.export's own step that fakes them
 
-    original = export_trace._fakify_params_buffers
+    original = getattr(export_trace, "_fakify_params_buffers", None)
+    if original is None:  # another torch: traced on meta, as before
+        yield
+        return
 
     def fakify(fake_mode: Any, module: nn.Module) -> dict[str, torch.Tensor]:
         fakes = original(fake_mode, module)
