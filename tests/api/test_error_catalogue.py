@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import varuna_fx as vf
+from support.autograd_models import Quantised
 from support.registry import CASES
 from varuna_fx.world.switches import read as read_switch
 
@@ -33,29 +34,38 @@ def compile_mlp(cluster: vf.Cluster | None = None, inputs: Any = MLP.inputs,
                       example_inputs=inputs, **kw)
 
 
-class _LastPosition(nn.Module):
-    """nanoGPT's last-position shortcut ``x[:, [-1], :]``: torch.export lifts the index list
-    into a tensor constant made on the model's device, meta under deferred_init (Falcon's
-    ``qkv[:, :, :, [-2]]`` in transformers < 5 did the same, and ran with garbage: loss NaN).
-    Written here so the row does not depend on how a transformers release writes Falcon."""
+class _WeightDerived(nn.Module):
+    """A plain tensor attribute made from the weights while the model is built: under
+    deferred_init it is meta, and its values depend on weights not yet initialised."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.emb, self.lin = nn.Embedding(16, 8), nn.Linear(8, 8)
+        self.lin = nn.Linear(8, 8)
+        self.scale = self.lin.weight.detach().norm()
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.lin(self.emb(idx)[:, [-1], :])
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
 
 
-def _deferred_meta_constant() -> vf.Pipeline:
+def _deferred_meta_constant(tracer: str) -> vf.Pipeline:
     with vf.deferred_init(seed=0):
-        model = _LastPosition()
-    return vf.compile(model, example_inputs=(torch.randint(0, 16, (2, 4)),), stages=1,
-                      tracer="export")
+        model = _WeightDerived()
+    return vf.compile(model, example_inputs=(torch.randn(2, 8),), stages=1, tracer=tracer)
 
 
 def compile_module(model: nn.Module, inputs: Any, **kw: Any) -> vf.Pipeline:
     return vf.compile(model, vf.Cluster(gpus=1, device="cpu"), example_inputs=inputs, **kw)
+
+
+class BatchBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.size(0) > 2:  # the batch size: a pipeline's micro-batches differ
+            return self.lin(x).sum()
+        return self.lin(x).mean()
 
 
 class DataDependent(nn.Module):
@@ -394,9 +404,16 @@ CATALOGUE = [
     row("deferred tensor nothing initialised", lambda _: vf.materialize(_deferred_empty()),
         vf.UninitializedError, "left", "torch.empty", "vf.skip_init"),
     row("deferred_init nested", lambda _: _nested_deferred(), Inp, "do not nest"),
-    row("deferred model whose forward makes a meta constant (x[:, [-1]])",
-        lambda _: _deferred_meta_constant(), Inp, "tensor constant", "lifted_tensor_0", "meta",
-        "without vf.deferred_init"),
+    row("fx: a Python condition on the batch size", lambda _: compile_module(
+        BatchBranch(), (torch.randn(4, 4),), stages=1, tracer="fx"), Cap, "x.size(0) > 2",
+        "depends on the batch size", "decides on the batch size"),
+    row("custom autograd.Function under torch.export", lambda _: vf.compile(
+        Quantised(), example_inputs=(torch.randn(8, 4),), stages=2, tracer="export"), Cap,
+        "RoundSTE", "drops its backward", "tracer='fx'"),
+    *[row(f"deferred model whose forward reads a constant made from its weights ({t})",
+          lambda _, t=t: _deferred_meta_constant(t), Inp, "self.scale", "meta",
+          "register_buffer('scale'", absent=("without vf.deferred_init",))
+      for t in ("fx", "export")],
     row("deferred model bigger than this process", lambda mp: _too_big_to_allocate(mp),
         vf.AllocationError, "would allocate", "bytes)", "can allocate 1.0 KiB",
         "Nothing was allocated", "distributed"),

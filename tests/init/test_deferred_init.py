@@ -18,6 +18,7 @@ from torch.nn.init import trunc_normal_ as imported_trunc_normal_
 import varuna_fx as vf
 from support.deferred import CFG, SEED, batch, deferred_gpt
 from support.dist import launch_ok
+from support.real_zoo import ZOO
 from tiers import tiered
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
 from varuna_fx.init.materialize import materialize_tensors
@@ -371,6 +372,21 @@ def test_each_rank_materialises_only_its_stage_with_the_one_process_values(
             torch.testing.assert_close(g, _grads(eager)[n], msg=n)
     assert seen == set(want)
     assert any(metas)  # (a stage may hold every tensor: a partition can leave a tied head alone)
+    # the zoo's nanoGPT (tests/support/real_zoo.py) on the same ranks equals its eager run
+    entry = ZOO["nanogpt-masked"]
+    with vf.deferred_init(seed=SEED):
+        zoo = vf.materialize(entry.build())
+    zoo_loss = entry.loss_fn(zoo(*entry.inputs), None)
+    zoo_loss.backward()
+    zoo_grads = {n: p.grad for n, p in zoo.named_parameters()}
+    held = set()
+    for r in range(ranks):
+        out = torch.load(tmp_path / f"zoo{r}.pt", weights_only=False)
+        assert out["loss"] == pytest.approx(float(zoo_loss), rel=1e-5)
+        for n, g in out["grads"].items():
+            torch.testing.assert_close(g, zoo_grads[n], msg=n)
+        held |= set(out["grads"])
+    assert held == set(zoo_grads)
 
 
 @pytest.mark.distributed

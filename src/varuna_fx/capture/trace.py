@@ -13,6 +13,13 @@ Tracers: ``"fx"`` is ``torch.fx`` symbolic tracing (keeps ``nn.Linear`` etc. as 
 ``call_module`` nodes); ``"export"`` is non-strict ``torch.export`` (aten-level, for models fx
 cannot trace such as every HuggingFace transformers 5.x model); ``"auto"`` tries fx, then export.
 
+Under torch.fx, Python that needs a plain value (``assert T <= block_size``, ``*x.shape[:-1]``,
+a device branch) gets the example's where it is the same at every batch size
+(``shape_values.py``); a custom ``torch.autograd.Function`` stays one call with its own
+backward (``autograd_functions.py``; torch.export, which would inline it, refuses it). A
+``vf.deferred_init`` model is traced with its weights faked on the device its stages run on
+(``trace_export.stage_device``), so its constants have values and device branches are right.
+
 What capture refuses, keeps or fixes, so that the graph runs as eager does (fx first; what fx
 refuses, ``"auto"`` then captures with torch.export):
 

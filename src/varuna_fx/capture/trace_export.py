@@ -6,18 +6,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..errors import CaptureError
+from ..errors import CaptureError, InputError, env_int
+from ..world.where import comm_device, launched_distributed
+from .autograd_functions import functions_kept
 from .captured import Captured
-from .failures import defined_at, describe_failure
+from .failures import (
+    defined_at,
+    describe_failure,
+    meta_constant_refusal,
+    plain_meta_tensors,
+)
+from .function_inlining import inlining_differs
 from .inputs import BoundInputs
 from .mutations import keep_mutations, place_write_backs
 from .untraced import (
@@ -39,13 +50,28 @@ def capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) -> 
     dynamic = {name: ({0: batch} if name in bound.tensors else None) for name in kwargs}
     check_root_pre_hooks(model, alone)
     try:
-        with rebinding_recorded(model) as rebound, tensor_hooks_recorded() as hooked, \
-                attribute_assignments_recorded() as assigned:
+        with weights_faked_on(stage_device(bound)), rebinding_recorded(model) as rebound, tensor_hooks_recorded() as hooked, \
+                attribute_assignments_recorded() as assigned, functions_kept() as functions:
             program = torch.export.export(
                 model, args=(), kwargs=kwargs, dynamic_shapes=dynamic, strict=False
             )
     except Exception as exc:
+        meta = plain_meta_tensors(model)
+        if meta and "meta" in str(exc):  # one of them met the inputs' device: name it
+            raise InputError(meta_constant_refusal("a meta tensor", next(iter(meta.values())))
+                             ) from None
         raise CaptureError(describe_failure("torch.export", exc, model, alone)) from None
+    for applied in {f.cls: f for f in functions}.values():  # each Function once
+        why = inlining_differs(applied)
+        if why is not None:
+            raise CaptureError(
+                f"{type(model).__name__}.forward applies the custom torch.autograd.Function "
+                f"{applied}: torch.export traces its forward and drops its backward, and {why}, "
+                "so the pipeline's gradients would silently differ from eager's (zero for a "
+                "straight-through estimator). Use tracer='fx'" + (" or 'auto'" if alone else "")
+                + ", which keeps it as one call with its own backward (make the rest of "
+                "forward traceable by torch.fx), or write its backward as differentiable "
+                "torch code")
     if hooked:
         raise CaptureError(
             f"{type(model).__name__}.forward registers a gradient hook on a tensor ({hooked[0]}):"
@@ -95,6 +121,54 @@ def capture_export(model: nn.Module, bound: BoundInputs, alone: bool = True) -> 
 
 
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def stage_device(bound: BoundInputs) -> torch.device | None:
+    """The device a ``vf.deferred_init`` model's stages will run on, which its capture fakes
+    its weights on: the example inputs' (a one-process pipeline allocates there), but in a
+    launched job on GPUs the rank's GPU (``world/where.init_process_group`` picks NCCL and
+    ``LOCAL_RANK``'s device), whatever device the example inputs are on."""
+    device = next((t.device for t in bound.tensors.values()), None)
+    if device is None or device.type != "cpu":
+        return device
+    if dist.is_available() and dist.is_initialized():
+        return comm_device()
+    if launched_distributed() and torch.cuda.is_available():
+        return torch.device("cuda", env_int("LOCAL_RANK", 0))
+    return device
+
+
+@contextlib.contextmanager
+def weights_faked_on(device: torch.device | None) -> Iterator[None]:
+    """While torch.export runs, the fake tensors it makes of meta parameters and buffers
+    (a ``vf.deferred_init`` model) claim ``device``, the inputs' and the stages'. Traced on
+    meta, a model that mixes its outputs with an input (its own loss from ``targets``) failed
+    ("Tensor on device meta is not on the expected device cpu"), a constant it made from
+    Python values (``x[:, [-1]]``'s index) was made on meta, without values, and code that
+    branches on the device (``if x.device.type == "cpu"``) took the meta branch, which then
+    ran on the real device. Nothing is allocated: a fake tensor holds no data."""
+    if device is None or device.type == "meta":
+        yield
+        return
+    import torch.export._trace as export_trace  # torch.export's own step that fakes them
+
+    original = getattr(export_trace, "_fakify_params_buffers", None)
+    if original is None:  # another torch: traced on meta, as before
+        yield
+        return
+
+    def fakify(fake_mode: Any, module: nn.Module) -> dict[str, torch.Tensor]:
+        fakes = original(fake_mode, module)
+        for fake in {id(f): f for f in fakes.values()}.values():
+            if fake.device.type == "meta":
+                fake.fake_device = device
+        return fakes
+
+    export_trace._fakify_params_buffers = fakify
+    try:
+        yield
+    finally:
+        export_trace._fakify_params_buffers = original
 
 
 def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

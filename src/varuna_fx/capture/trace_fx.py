@@ -7,6 +7,7 @@ import os
 import sys
 import traceback
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,12 +17,16 @@ from torch import nn
 
 from ..errors import CaptureError, InputError
 from ..ir.nodes import info as node_info
+from . import autograd_functions
+from .autograd_functions import functions_kept
 from .captured import Captured
 from .failures import defined_at, describe_failure
 from .grad_mode import check_no_grad_blocks
 from .inputs import BoundInputs
 from .mutations import keep_mutations
 from .outputs import PLAIN_DICTS, flatten_output
+from .shape_values import ShapeValues, Unknown, same_everywhere
+from .trace_export import stage_device
 
 # -- fx ------------------------------------------------------------------------------------------
 
@@ -38,8 +43,9 @@ class Tracer(fx.Tracer):
     # so they may be sliced by traced sizes and are owned by the stages that read them.
     proxy_buffer_attributes = True
 
-    def __init__(self) -> None:
+    def __init__(self, shapes: ShapeValues | None = None) -> None:
         super().__init__()
+        self.shapes = shapes  # concrete values where Python needs one (shape_values.py)
         # nodes made under torch.no_grad() in forward (fx records no grad mode: capture/grad_mode.py)
         self.no_grad_nodes: set[fx.Node] = set()
         self.typed_dicts: list[dict] = []  # see create_arg
@@ -55,6 +61,67 @@ class Tracer(fx.Tracer):
             self.typed_dicts.append(a)
         return super().create_arg(a)
 
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """``assert t <= block_size``, ``if x.device.type == "cpu"``: the value the example's
+        shapes give, the same at every batch size (shape_values.py)."""
+        values = self._known(obj)
+        if values is None:
+            return super().to_bool(obj)
+        if not same_everywhere([bool(v) for v in values]):
+            raise fx.proxy.TraceError(
+                "a condition on shapes depends on the batch size (dim 0): it is "
+                f"{[bool(v) for v in values]} at batch sizes {self.shapes.sizes}")
+        return bool(values[0])
+
+    def iter(self, obj: fx.Proxy) -> Iterator[Any]:
+        """``*x.shape[:-1]``, ``for d in x.size()``, ``for y in h.chunk(2)``: the items of a
+        sequence whose length is the same at every batch size."""
+        length = self._length(obj)
+        if length is None:
+            return super().iter(obj)
+        return iter([obj[i] for i in range(length)])
+
+    def length(self, obj: fx.Proxy) -> int:
+        """``len(x.shape)``, and the length hint Python takes when ``*x.shape[:-1]`` is
+        unpacked into a call."""
+        length = self._length(obj)
+        if length is None:
+            raise fx.proxy.TraceError(
+                "len() of a traced value whose length the example's shapes do not give")
+        return length
+
+    def _length(self, obj: fx.Proxy) -> int | None:
+        if self.shapes is None:
+            return None
+        try:
+            values = self.shapes.values(obj.node)
+        except Unknown:
+            return None
+        if not all(isinstance(v, (tuple, list)) for v in values) or \
+                len({len(v) for v in values}) != 1:
+            return None
+        return len(values[0])
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ShapeProxy(node, self)
+
+    def _known(self, obj: fx.Proxy) -> list[Any] | None:
+        """The proxy's plain value (sizes, bools, devices) at each batch size, or None."""
+        if self.shapes is None:
+            return None
+        try:
+            values = self.shapes.values(obj.node)
+        except Unknown:
+            return None
+        plain = (bool, int, float, str, torch.device, torch.dtype, torch.Size, tuple, list)
+        if not all(isinstance(v, plain) and not isinstance(v, torch.Tensor) for v in values):
+            return None
+        leaves = [x for v in values for x in (v if isinstance(v, (tuple, list)) else [v])]
+        if not all(isinstance(x, (bool, int, float, str, torch.device, torch.dtype))
+                   for x in leaves):
+            return None
+        return values
+
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any,
                     name: str | None = None, type_expr: Any = None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
@@ -67,12 +134,28 @@ class Tracer(fx.Tracer):
         return node
 
 
+class _ShapeProxy(fx.Proxy):
+    """A proxy whose ``len()`` the tracer answers from shapes (fx's raises)."""
+
+    def __len__(self) -> int:
+        return self.tracer.length(self)  # type: ignore[attr-defined]
+
+    def __getattr__(self, k: str) -> fx.proxy.Attribute:
+        return _ShapeAttribute(self, k)
+
+
+class _ShapeAttribute(fx.proxy.Attribute):
+    def __len__(self) -> int:
+        return self.tracer.length(self)  # type: ignore[attr-defined]
+
+
 def _autocast_state() -> tuple:
     return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                  for d in ("cpu", "cuda"))
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FUNCTIONS_FILE = autograd_functions.__file__  # the opaque Function call's own frame
 
 
 def _user_stack_trace() -> str:
@@ -88,7 +171,7 @@ def _user_stack_trace() -> str:
     if start is None:  # not inside a forward: nothing useful to point at
         return ""
     kept = [traceback.FrameSummary(file, line, name) for file, line, name in frames[start:]
-            if not file.startswith(_TORCH_DIR)]
+            if not file.startswith(_TORCH_DIR) and file != _FUNCTIONS_FILE]
     return "".join(traceback.StackSummary.from_list(kept).format()).strip()
 
 
@@ -102,12 +185,15 @@ def capture_fx(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Capt
             if param.default is inspect.Parameter.empty:
                 raise InputError(f"example_inputs give no value for '{name}'")
             concrete[name] = param.default
-    tracer = Tracer()
+    deferred = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    tracer = Tracer(ShapeValues(model, bound, concrete,
+                                stage_device(bound) if deferred else None))
     before = _module_attributes(model)
     try:
         # grad mode as in training (compile may be called under no_grad); forward's own
         # no_grad blocks show in tracer.no_grad_nodes
-        with torch.enable_grad(), warnings.catch_warnings():
+        # a user's autograd.Function stays one call with its own backward (autograd_functions)
+        with torch.enable_grad(), warnings.catch_warnings(), functions_kept():
             # a tensor default (a constant of the graph) cannot be guarded: fx says so
             warnings.filterwarnings("ignore", "Was not able to add assertion")
             graph = tracer.trace(model, concrete_args=concrete or None)
@@ -120,6 +206,7 @@ def capture_fx(model: nn.Module, bound: BoundInputs, alone: bool = True) -> Capt
     _drop_concrete_placeholders(graph, bound)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     keep_mutations(gm)  # dead-code elimination that keeps `y.relu_()` statements
+    autograd_functions.mark_writes(gm)
     check_no_grad_blocks(gm, tracer.no_grad_nodes, alone)
     if tracer.autocast_node is not None:
         where = " ".join(x.strip() for x in tracer.autocast_node.stack_trace.splitlines()[-2:])

@@ -35,6 +35,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..errors import CaptureError
 from ..ir.nodes import info as node_info
+from . import autograd_functions
 from .buffers import written_parameters
 from .model_edits import traced_modules
 
@@ -215,8 +216,9 @@ def _first_frame_outside_torch() -> str:
     """file:line of the innermost caller that is not torch's own code (the model's call)."""
     torch_dir = os.path.dirname(torch.__file__)
     frame = sys._getframe(1)
+    ours = (__file__, autograd_functions.__file__)  # the Function.apply patched while tracing
     while frame.f_back is not None and (frame.f_code.co_filename.startswith(torch_dir)
-                                        or frame.f_code.co_filename == __file__):
+                                        or frame.f_code.co_filename in ours):
         frame = frame.f_back
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 

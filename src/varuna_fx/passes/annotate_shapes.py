@@ -25,12 +25,13 @@ import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from ..capture.buffers import buffers_kept
 from ..capture.inputs import BoundInputs
+from ..capture.trace_export import stage_device
 from ..errors import CaptureError
 from ..ir.nodes import Affine, TensorInfo, b, info
 from ..ir.rng import draws, leading_dim
@@ -50,6 +51,7 @@ class _Observed:
     random: bool
     draws: list[int]  # each random op's leading dimension (ir/rng.leading_dim; -1: none)
     draw_shapes: list[list[int]]  # each random op's result's shape (its first tensor's)
+    bounded: bool = False  # a size that depends on values, taken at its bound (_bounded_output)
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -60,6 +62,7 @@ class _OpRecorder(TorchDispatchMode):
         self.reset()
 
     def reset(self) -> None:
+        self.bounded = False
         self.matmul = 0
         self.elementwise = 0
         self.random = False
@@ -68,7 +71,11 @@ class _OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            out = _bounded_output(func, args, kwargs)
+            self.bounded = True
         packet = func._overloadpacket
         if draws(func, args, kwargs):  # a seeded op that draws (not SDPA at dropout_p=0)
             self.random = True
@@ -84,6 +91,21 @@ class _OpRecorder(TorchDispatchMode):
                 t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
             )
         return out
+
+
+def _bounded_output(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The result of an op whose size depends on values (``nonzero``, ``torch.where(mask)``,
+    ``masked_select``: a mixture of experts' routing), at its largest: every element kept.
+    Fake tensors have no values; the bound makes the ops after it cost what they would if all
+    were kept (an upper bound), instead of failing the pass."""
+    if func is torch.ops.aten.nonzero.default:
+        x = args[0]
+        return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+    if func is torch.ops.aten.masked_select.default:
+        x, mask = args[0], args[1]
+        shape = torch.broadcast_shapes(x.shape, mask.shape)
+        return torch.empty((math.prod(shape),), dtype=x.dtype, device=x.device)
+    raise DynamicOutputShapeException(func)
 
 
 class _FakeRun(fx.Interpreter):
@@ -109,6 +131,9 @@ class _FakeRun(fx.Interpreter):
                 f"{type(exc).__name__}: {exc}. Source: {' '.join(s.strip() for s in where)}"
             ) from None
         tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        # downstream of a bounded size, a shape is a bound too (specialize_sizes keeps reads)
+        bounded = self.recorder.bounded or any(
+            self.observed[i].bounded for i in n.all_input_nodes if i in self.observed)
         random = (self.recorder.random or _is_random_module(self.module, n)) \
             and not _is_inactive_dropout(self.module, n)
         self.observed[n] = _Observed(
@@ -121,6 +146,7 @@ class _FakeRun(fx.Interpreter):
             random=random,
             draws=list(self.recorder.draws),
             draw_shapes=list(self.recorder.draw_shapes),
+            bounded=bounded,
         )
         return value
 
@@ -194,18 +220,38 @@ def _is_random_module(root: torch.nn.Module, n: fx.Node) -> bool:
 def _run_fake(gm: fx.GraphModule, bound: BoundInputs, batch: int) -> dict[fx.Node, _Observed]:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = _OpRecorder()
-    # a model on meta (vf.deferred_init, or planning only) computes with meta inputs: the real
-    # ones' device would be another than its weights'
-    on_meta = any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
+    state = {n: t for n, t in [*gm.named_parameters(remove_duplicate=False),
+                               *gm.named_buffers(remove_duplicate=False)] if t.is_meta}
+    device = stage_device(bound) if state else None
     with mode:
-        fake = [torch.empty((batch, *t.shape[1:]), dtype=t.dtype,
-                            device="meta" if on_meta else t.device)
+        fake = [torch.empty((batch, *t.shape[1:]), dtype=t.dtype, device=device or t.device)
                 for t in bound.tensors.values()]
     runner = _FakeRun(gm, recorder)
     # Tracing-time RNG, autograd and module state must not leak into the user's program.
-    with torch.no_grad(), mode, recorder:
+    with torch.no_grad(), _meta_state_faked(gm, mode, state, device), mode, recorder:
         runner.run(*fake)
     return runner.observed
+
+
+@contextlib.contextmanager
+def _meta_state_faked(gm: fx.GraphModule, mode: FakeTensorMode, state: dict[str, torch.Tensor],
+                      device: torch.device | None) -> Iterator[None]:
+    """A model on meta (``vf.deferred_init``) runs with fake parameters and buffers on the
+    device its stages will run on, the one capture traced for (``trace_export.stage_device``):
+    the graph may make tensors there (``torch.ones(..., device=x.device)``), which meta weights
+    would not meet. Meta inputs (planning only) keep everything on meta."""
+    if device is None or device.type == "meta" or not state:
+        yield
+        return
+    made: dict[int, torch.Tensor] = {}
+    for t in state.values():
+        if id(t) not in made:
+            fake = mode.from_tensor(t)
+            fake.fake_device = device
+            made[id(t)] = fake
+    with torch.nn.utils.stateless._reparametrize_module(
+            gm, {n: made[id(t)] for n, t in state.items()}, tie_weights=True):
+        yield
 
 
 def _observe(gm: fx.GraphModule, bound: BoundInputs, b1: int, b2: int
@@ -247,7 +293,7 @@ def _decode(nodes: list[fx.Node], stored: list[Any]
                 o.shapes = [tuple(int(d) for d in shape) for shape in o.shapes]
                 o.dtypes = [_dtype(d) for d in o.dtypes]
                 o.draw_shapes = [[int(d) for d in shape] for shape in o.draw_shapes]
-                if not all(isinstance(v, bool) for v in (o.is_tensor, o.random)) or \
+                if not all(isinstance(v, bool) for v in (o.is_tensor, o.random, o.bounded)) or \
                         not all(isinstance(v, int) for v in o.draws) or \
                         len(o.draw_shapes) != len(o.draws) or \
                         not all(isinstance(v, int) for v in (o.out_bytes, o.matmul_flops,
@@ -287,6 +333,8 @@ def annotate_shapes(gm: fx.GraphModule, bound: BoundInputs) -> None:
         o1, o2 = first[node], second[node]
         meta.is_tensor = o1.is_tensor
         meta.random = o1.random
+        if o1.bounded or o2.bounded:  # read by specialize_sizes, which runs next
+            node.meta["varuna_bounded_size"] = True
         # every random op that draws (ir/rng.draws, as eager's keyed draws count them): drawn
         # per sample where its leading dimension is the batch in both runs (ir/rng.py)
         meta.random_draws = tuple(d1 == b1 and d2 == b2 for d1, d2 in zip(o1.draws, o2.draws))

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..capture import capture_cache
 from ..capture.captured import Captured
+from ..capture.failures import meta_constant_refusal, plain_meta_tensors
 from ..capture.inputs import BoundInputs
 from ..capture.model_key import capture_key
 from ..capture.trace import capture
@@ -119,22 +120,22 @@ def _content(t: torch.Tensor) -> int:
 
 
 def refuse_meta_constants(model: nn.Module, captured: Captured) -> None:
-    """A tensor the forward makes from Python values (Falcon's ``qkv[:, :, :, [-2]]`` index,
-    lifted by torch.export) is created on the model's device: under ``vf.deferred_init`` that
-    is meta, so the graph would hold a constant with no values and every run would read
-    garbage (Falcon's loss came out NaN). Refused, naming it, until such constants are
-    re-made on the run's device."""
+    """A tensor constant of the graph on meta has no values. Capture of a ``vf.deferred_init``
+    model traces on fake tensors of the inputs' device (``trace_export.weights_faked_on``),
+    so what forward makes from Python values (nanoGPT's ``x[:, [-1], :]`` index, an
+    ``arange``, a mask) is captured with its values and travels with the stage that reads it.
+    What remains meta is a tensor the model holds as a plain attribute, made from its
+    uninitialised weights while it was built (``self.scale = w.detach().norm()``): refused,
+    naming it, with a change that works under deferred init (Falcon's loss came out NaN
+    when such a constant was run)."""
     owned = {id(t) for t in [*model.parameters(), *model.buffers()]}
     gm = captured.gm
-    empty = [(n, tuple(t.shape)) for n, t in [*gm.named_parameters(), *gm.named_buffers()]
+    empty = [(n, t) for n, t in [*gm.named_parameters(), *gm.named_buffers()]
              if t.is_meta and id(t) not in owned]
     if empty:
-        name, shape = empty[0]
-        raise InputError(
-            f"the model's forward makes a tensor constant ({name}, shape {shape}; "
-            f"{len(empty)} in all) on the model's device, which under vf.deferred_init is "
-            "meta: its values are unknown when the model is captured. Build this model "
-            "without vf.deferred_init, or vf.materialize(model) before vf.compile")
+        name, t = empty[0]
+        what = f"{name}, shape {tuple(t.shape)}; {len(empty)} in all"
+        raise InputError(meta_constant_refusal(what, plain_meta_tensors(model).get(id(t))))
 
 
 def _module_settings(module: nn.Module) -> tuple:

@@ -49,6 +49,8 @@ def specialize_sizes(gm: fx.GraphModule) -> int:
         if found is None or not isinstance(found[0], fx.Node) or found[0].op == "placeholder":
             continue
         source, dim = found
+        if source.meta.get("varuna_bounded_size"):
+            continue  # its size depends on values (nonzero): only its bound is known
         outputs = info(source).outputs
         if len(outputs) != 1:
             continue
