@@ -10,7 +10,10 @@ from pathlib import Path
 PACKAGE = Path(__file__).parent.parent / "src" / "varuna_fx"
 HIGHER = {"pipe", "runtime", "replan"}  # parameters that stand for a higher layer's object
 # private attributes of torch's own objects that torch offers no other way to set
-TORCH_PRIVATE = {"_codegen", "_pipe_split"}
+# torch's own hooks that have no public form (each written where torch offers nothing else, and
+# guarded for a torch without it): fx's codegen, pipelining's split marker, and the step of
+# torch.export that fakes parameters (capture/trace_export.weights_faked_on)
+TORCH_PRIVATE = {"_codegen", "_pipe_split", "_fakify_params_buffers"}
 
 
 def _trees() -> list[tuple[str, ast.AST]]:
