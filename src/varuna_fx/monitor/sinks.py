@@ -19,6 +19,8 @@ from ..errors import InputError
 from .morph_events import tensorboard_scalars
 
 METRICS = "metrics.jsonl"
+# a record's numbers that are not series: its step, its time, the assumed peak MFU is against
+NOT_SCALARS = ("step", "time", "mfu_assumed_peak")
 
 
 class JsonlSink:
@@ -103,7 +105,7 @@ class TensorBoardSink:
         events = self.writer._get_file_writer()
         for record in self.pending:
             values = [v for key, value in record.items()
-                      if key not in ("step", "time") and isinstance(value, int | float)
+                      if key not in NOT_SCALARS and isinstance(value, int | float)
                       and not isinstance(value, bool) for v in self.scalar(key, value).value]
             summary = self.scalar("loss", 0.0)  # a Summary message to hold them all
             del summary.value[:]
