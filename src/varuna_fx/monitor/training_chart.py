@@ -56,8 +56,8 @@ def ema(values: Sequence[float | None], span: int) -> list[float | None]:
 
 
 def smoothing_span(points: int) -> int:
-    """About a twentieth of the run, between 1 (no smoothing) and 200 steps."""
-    return max(1, min(200, points // 20))
+    """About a fifteenth of the run, from 3 to 200 steps; 1 (none) under 10 points."""
+    return 1 if points < 10 else max(3, min(200, points // 15))
 
 
 def _column(records: Sequence[dict[str, Any]], key: str) -> list[float | None]:

