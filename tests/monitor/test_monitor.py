@@ -177,7 +177,7 @@ def test_mfu_on_a_cpu_is_an_estimate_naming_the_assumed_peak(pipe: vf.Pipeline,
                     console=Console(file=out, width=400)) as m:
         (assumed,) = run(pipe, m, 1)
     assert assumed["mfu_assumed_peak"] == 2 * 5e10
-    assert "MFU ~" in out.getvalue() and "(estimate: assumed peak 100 GFLOP/s per device)" \
+    assert "MFU ~" in out.getvalue() and "(est., peak 100 GFLOP/s assumed)" \
         in out.getvalue() and "an estimate (shown as MFU ~x%)" in out.getvalue()
     out = io.StringIO()  # a peak the user gives is not an estimate
     with vf.Monitor(pipe, tmp_path / "given", tensorboard=False, print_every=1, charts=False,

@@ -151,7 +151,7 @@ def test_report_prints_the_summary_and_draws_the_chart(tmp_path: Path,
     assert "validation loss: best 0.2750 (step 20), last 0.2750 (step 20), 4 evaluation(s)" \
         in text
     assert "5,120 tokens/s | 320.0 samples/s | 20.0 ms/step (plan 10.0 ms) | MFU ~0.4% " \
-           "(estimate: assumed peak 100 GFLOP/s per device)" in text
+           "(est., peak 100 GFLOP/s assumed)" in text
     assert "last learning rate 0.02 (step 20), gradient norm 0.1 (step 20)" in text
     assert "resumed 1 time(s): at step 9 on another layout, P=2 D=1 b=2 m=4 -> P=1 D=2 b=2 " \
            "m=4" in text

@@ -44,12 +44,12 @@ def describe(record: dict[str, Any], total: int | None) -> str:
 
 def mfu_text(record: dict[str, Any]) -> str:
     """``MFU 41.2%`` against a datasheet's (or the user's) peak; against an assumed one (every
-    CPU: no datasheet figure) ``MFU ~1.2% (estimate: assumed peak 100 GFLOP/s per device)``,
+    CPU: no datasheet figure) ``MFU ~1.2% (est., peak 100 GFLOP/s assumed)``,
     so a CPU's percentage is not read as a measured utilisation."""
     assumed = record.get("mfu_assumed_peak")
     if not assumed:
         return f"MFU {record['mfu']:.1%}"
-    return f"MFU ~{record['mfu']:.1%} (estimate: assumed peak {flops_text(assumed)} per device)"
+    return f"MFU ~{record['mfu']:.1%} (est., peak {flops_text(assumed)} assumed)"
 
 
 class Display:

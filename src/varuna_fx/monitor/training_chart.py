@@ -74,6 +74,7 @@ def training_chart(records: Sequence[dict[str, Any]], path: Path,
                    events: Sequence[dict[str, Any]] = (), marks: Sequence[Mark] = (),
                    title: str = "training") -> Path:
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     steps = [r["step"] for r in records]
     lr, norm = _column(records, "lr"), _column(records, "grad_norm")
@@ -88,6 +89,7 @@ def training_chart(records: Sequence[dict[str, Any]], path: Path,
     _speed(speed_ax, steps, records)
     _times(time_ax, steps, records)
     time_ax.set_xlabel("step")
+    time_ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     if steps:  # a little room either side: a mark before the first step stays visible
         time_ax.set_xlim(min(steps) - 0.5 - 0.01 * len(steps),
                          max(steps) + 0.5 + 0.01 * len(steps))
@@ -104,7 +106,7 @@ def _loss(ax: Axes, steps: list[int], records: Sequence[dict[str, Any]],
     loss = _column(records, "loss")
     span = smoothing_span(sum(v is not None for v in loss))
     if span > 1:
-        ax.plot(steps, loss, color=BLUE, alpha=0.3, linewidth=0.8, label="loss (each step)")
+        ax.plot(steps, loss, color=BLUE, alpha=0.4, linewidth=1.0, label="loss (each step)")
         ax.plot(steps, ema(loss, span), color=BLUE, linewidth=1.8,
                 label=f"loss, moving average over ~{span} steps")
     else:
