@@ -176,3 +176,16 @@ def test_report_of_a_run_before_its_first_step_and_of_no_run(
         report(tmp_path / "empty")
     assert main(["report", str(tmp_path / "missing")]) == 1  # said in a line, no traceback
     assert "error: varuna-fx report:" in capsys.readouterr().err
+
+
+def test_report_takes_a_files_values_as_data_of_any_type(tmp_path: Path) -> None:
+    """Nothing read is trusted: fields of the wrong type are left out, never a crash."""
+    odd = {"loss": "low", "mfu": 0.5, "mfu_assumed_peak": "1e11", "time": None, "layout": 5,
+           "tokens_per_second": [1], "lr": True, "val_loss": {"a": 1}}
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, **odd}) + "\n" for s in (1, 2)) + json.dumps(
+        {"event": "morph", "step": 2, "seconds": "long", "old_layout": None}) + "\n")
+    (tmp_path / "summary.json").write_text('["not", "an", "object"]')
+    lines, chart = report(tmp_path)
+    assert chart is not None and "MFU 50.0%" in "\n".join(lines)  # no assumed peak: not "~"
+    assert "loss:" not in "\n".join(lines) and "1 in-place morph(s)" in "\n".join(lines)

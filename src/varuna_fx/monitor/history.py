@@ -131,3 +131,13 @@ def val_points(history_records: list[dict[str, Any]],
         if isinstance(value, int | float) and not isinstance(value, bool):
             points[item["step"]] = float(value)
     return sorted(points.items())
+
+
+def assumed_peak(records: list[dict[str, Any]] | Any) -> float | None:
+    """The assumed peak FLOP/s per device the records' MFU is against (``mfu_assumed_peak``),
+    or None when MFU was against a datasheet's or the user's (or the field is not a number)."""
+    for r in records:
+        value = r.get("mfu_assumed_peak")
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return None

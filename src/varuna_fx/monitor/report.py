@@ -26,6 +26,7 @@ from .history import (
     RESTART_EVENT,
     RESUME_EVENT,
     History,
+    assumed_peak,
     marks,
     read_history,
     val_points,
@@ -146,9 +147,7 @@ def _speed(records: list[dict[str, Any]]) -> str:
                      (f" (plan {predicted * 1e3:.1f} ms)" if predicted else ""))
     mfu = _median(records, "mfu")
     if mfu is not None:
-        assumed = next((r["mfu_assumed_peak"] for r in records if r.get("mfu_assumed_peak")),
-                       None)
-        parts.append(mfu_text({"mfu": mfu, "mfu_assumed_peak": assumed}))
+        parts.append(mfu_text({"mfu": mfu, "mfu_assumed_peak": assumed_peak(records)}))
     return "throughput (medians, the first step left out): " + (" | ".join(parts) or "-")
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .flops import flops_text
-from .history import Mark, val_points
+from .history import Mark, assumed_peak, val_points
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -160,7 +160,7 @@ def _mfu_axis(ax: Axes, steps: list[int], speed: list[float | None], mfu: list[f
               records: Sequence[dict[str, Any]], handles: list[Any]) -> None:
     """MFU on the right: a second scale of the throughput line when the two are proportional
     (one layout: the same FLOPs per token and devices), else a line of its own."""
-    assumed = next((r["mfu_assumed_peak"] for r in records if r.get("mfu_assumed_peak")), None)
+    assumed = assumed_peak(records)
     label = "MFU (%)" if assumed is None else \
         f"MFU (%), an estimate:\nassumed peak {flops_text(assumed)}/device"
     ratios = [m / t for t, m in zip(speed, mfu) if t and m is not None]
