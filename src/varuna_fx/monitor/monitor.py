@@ -139,7 +139,12 @@ class Monitor:
         board = tensorboard_sink(self.out, self._outputs["tensorboard"])
         if board is not None:
             self.sinks.append(board)
-        tracker = wandb_sink(self.out, self._outputs["wandb"], self._run_config())
+        try:
+            tracker = wandb_sink(self.out, self._outputs["wandb"], self._run_config())
+        except Exception:  # (a refusal: the files opened so far are closed, not leaked)
+            for sink in self.sinks:
+                sink.close()
+            raise
         if tracker is not None:
             self.sinks.append(tracker)
         self.display = Display(self._outputs["console"], self._outputs["live"],
