@@ -173,6 +173,8 @@ def _events(events: list[dict[str, Any]]) -> list[str]:
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.1f} s"
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:
