@@ -121,7 +121,7 @@ def _loss(ax: Axes, steps: list[int], records: Sequence[dict[str, Any]],
     if seen and min(seen) > 0 and max(seen) / min(seen) > LOG_LOSS_RATIO:
         ax.set_yscale("log")
         ax.set_ylabel("loss (log scale)")
-    ax.legend(frameon=False, loc="upper right", fontsize=8)
+    ax.legend(frameon=False, loc="best", fontsize=8)  # (where it hides the least)
 
 
 def _optimizer(ax: Axes, steps: list[int], lr: list[float | None],
@@ -184,7 +184,7 @@ def _times(ax: Axes, steps: list[int], records: Sequence[dict[str, Any]]) -> Non
                 label="plan's prediction")
     ax.set_ylabel("seconds per step")
     ax.set_yscale("log")
-    ax.legend(frameon=False, loc="upper right", fontsize=8)
+    ax.legend(frameon=False, loc="best", fontsize=8)  # (where it hides the least)
 
 
 def _marks(fig: Any, axes: list[Axes], marks: Sequence[Mark]) -> None:
