@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from torch import nn
 import varuna_fx as vf
 from support.autograd_models import Quantised
 from support.registry import CASES
+from varuna_fx.monitor.report import report
 from varuna_fx.world.switches import read as read_switch
 
 MLP = CASES["mlp"]
@@ -433,6 +435,15 @@ CATALOGUE = [
     row("Monitor.log before any step", step_after(
         lambda p: vf.Monitor(p, tempfile.mkdtemp(), live=False).log(1.0)), Inp,
         "no pipe.step since the last log"),
+    row("Monitor wandb= neither a bool nor a dict", lambda _: vf.Monitor(
+        None, tempfile.mkdtemp(), wandb="offline"), Inp, "wandb='offline'", "{'project'"),
+    row("Monitor wandb=True without wandb installed", lambda mp: _without_wandb(mp), Inp,
+        "pip install 'varuna_fx[wandb]'"),
+    row("varuna-fx report of a folder that is not there", lambda _: report(
+        os.path.join(tempfile.mkdtemp(), "runs", "train")), Inp, "is not a folder",
+        "the train command's --out"),
+    row("varuna-fx report of a folder without metrics.jsonl", lambda _: report(
+        tempfile.mkdtemp()), Inp, "holds no metrics.jsonl", "Monitor's out_dir"),
     # -- pretrained weights (tests/checkpoint/test_pretrained.py has the rest) -----------------
     row("load_pretrained of pickled weights", lambda _: compile_mlp(stages=1).load_pretrained(
         _weights_dir({"pytorch_model.bin": b"x"})), vf.PretrainedError,
@@ -550,6 +561,12 @@ def _too_big_to_allocate(monkeypatch: pytest.MonkeyPatch) -> None:
     with vf.deferred_init(seed=0):
         model = MLP.model.__class__()
     compile_module(model, MLP.inputs, loss_fn=MLP.loss_fn, stages=1).parameters()
+
+
+def _without_wandb(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # (an import of it fails)
+    return step_after(lambda p: vf.Monitor(p, tempfile.mkdtemp(), wandb=True,
+                                           tensorboard=False))(None)
 
 
 def _nested_deferred() -> None:

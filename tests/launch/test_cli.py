@@ -35,7 +35,8 @@ def test_every_subcommand_and_option_has_help() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     helped = {choice.dest: choice.help for choice in sub._choices_actions}
-    assert set(helped) == {"demo", "inspect", "plan", "run", "train"} and all(helped.values())
+    assert set(helped) == {"demo", "inspect", "plan", "run", "train", "report"} and \
+        all(helped.values())
     for name, command in sub.choices.items():
         for action in command._actions:
             if not isinstance(action, argparse._HelpAction):

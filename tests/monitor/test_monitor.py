@@ -1,13 +1,17 @@
 """vf.Monitor in one process: the JSONL records and their keys, plain lines off a terminal and
-a live line on one, MFU as stated, TensorBoard when installed (and skipped cleanly when not),
-the charts, a resumed run's records, an in-place morph as an event, and the refusals."""
+a live line on one, MFU as stated (an estimate against an assumed peak on a CPU), TensorBoard
+when installed (and skipped cleanly when not), Weights & Biases (a fake module; wandb itself
+when installed), the charts, a resumed run's records and its event, an in-place morph as an
+event, and the refusals."""
 
 from __future__ import annotations
 
 import builtins
 import io
 import json
+import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,8 @@ from rich.console import Console
 
 import varuna_fx as vf
 from varuna_fx.examples import GPT, GPTConfig, lm_loss
+from varuna_fx.monitor import monitor as monitor_module
+from varuna_fx.monitor.charts import simulated, timeline_chart
 from varuna_fx.monitor.flops import step_flops
 from varuna_fx.monitor.sinks import read_jsonl
 from varuna_fx.morph.records import MorphRecord
@@ -162,3 +168,151 @@ def test_a_morph_is_an_event_and_the_stalled_step_is_rated_by_its_own_time(
     assert "in-place morph before step 3 (notice: m1 left): P=2 D=1 b=2 m=2 (2 ranks) -> " \
            "P=1 D=1 b=2 m=2 (1 ranks) in 0.38 s (agree 0.25, transfer 0.12, first step 0.50)" \
            ", 2.0 KiB moved" in out.getvalue()
+
+
+def test_mfu_on_a_cpu_is_an_estimate_naming_the_assumed_peak(pipe: vf.Pipeline,
+                                                             tmp_path: Path) -> None:
+    out = io.StringIO()
+    with vf.Monitor(pipe, tmp_path / "cpu", tensorboard=False, print_every=1, charts=False,
+                    console=Console(file=out, width=400)) as m:
+        (assumed,) = run(pipe, m, 1)
+    assert assumed["mfu_assumed_peak"] == 2 * 5e10
+    assert "MFU ~" in out.getvalue() and "(est., peak 100 GFLOP/s assumed)" \
+        in out.getvalue() and "an estimate (shown as MFU ~x%)" in out.getvalue()
+    out = io.StringIO()  # a peak the user gives is not an estimate
+    with vf.Monitor(pipe, tmp_path / "given", tensorboard=False, print_every=1, charts=False,
+                    console=Console(file=out, width=400), peak_flops=1e12) as m:
+        (given,) = run(pipe, m, 1)
+    assert "mfu_assumed_peak" not in given and "estimate" not in out.getvalue()
+    assert f"MFU {given['mfu']:.1%} |" in out.getvalue()
+
+
+def test_a_resume_is_an_event_naming_its_layout_and_the_charts_mark_it(
+        pipe: vf.Pipeline, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    quiet = Console(file=io.StringIO())
+    with vf.Monitor(pipe, tmp_path, tensorboard=False, console=quiet, charts=False) as m:
+        first = run(pipe, m, 3)
+    layout = "P=2 D=1 b=2 m=2 (1 process)"
+    assert first[0]["layout"] == layout and all("layout" not in r for r in first[1:])
+    resumed = vf.Monitor(pipe, tmp_path, start_step=2, tensorboard=False, console=quiet)
+    run(pipe, resumed, 2)
+    drew = {}
+    monkeypatch.setattr(monitor_module, "training_chart",
+                        lambda records, path, events, marks: drew.update(
+                            steps=[r["step"] for r in records], marks=marks) or path)
+    resumed.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("event", r["step"]) for r in lines] == [1, 2, 3, "resume", 3, 4]
+    assert lines[3] == {"event": "resume", "step": 3, "layout": layout,
+                        "previous_layout": layout}
+    assert lines[4]["layout"] == layout  # each launch's first record
+    assert drew["steps"] == [1, 2, 3, 4]  # the step trained again is drawn once, the new one
+    assert [(k.step, k.label) for k in drew["marks"]] == [(3, "resumed")]
+
+
+def test_the_timelines_panels_share_one_time_axis(pipe: vf.Pipeline, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.figure import Figure
+
+    figures: list[Figure] = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **kw: figures.append(self))
+    x = torch.randint(0, 64, (4, 8))
+    pipe.step(x, target=x)
+    rows = [(f"stage {s}", [a for a in pipe.last_step.timeline if a.stage == s]) for s in (0, 1)]
+    timeline_chart(pipe.plan, rows, tmp_path / "timeline.png")
+    top, bottom = figures[0].axes[:2]
+    assert top.get_shared_x_axes().joined(top, bottom)
+    measured = max(a.end for _, row in rows for a in row)
+    assert top.get_xlim() == bottom.get_xlim() == \
+        (0, max(measured, simulated(pipe.plan).step_time))
+    assert "(ms)" in top.get_xlabel() and "(ms)" in bottom.get_xlabel()
+
+
+class FakeRun:
+    def __init__(self, **kw: Any) -> None:
+        self.init, self.logged, self.finished = kw, [], False
+
+    def log(self, data: dict[str, Any], step: int) -> None:
+        self.logged.append((step, data))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def fake_wandb(monkeypatch: pytest.MonkeyPatch, fail: Exception | None = None) -> list[FakeRun]:
+    """A ``wandb`` module the sink imports: its runs are kept (wandb itself need not be
+    installed: CI has no wandb)."""
+    runs: list[FakeRun] = []
+
+    def init(**kw: Any) -> FakeRun:
+        if fail is not None:
+            raise fail
+        runs.append(FakeRun(**kw))
+        return runs[-1]
+
+    module = types.ModuleType("wandb")
+    module.init = init  # type: ignore[attr-defined]
+    module.Settings = lambda **kw: ("Settings", kw)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return runs
+
+
+def test_the_wandb_sink_logs_each_steps_numbers_offline_by_default(
+        pipe: vf.Pipeline, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = fake_wandb(monkeypatch)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    out = io.StringIO()
+    morphing = Morphing(pipe)
+    with vf.Monitor(morphing, tmp_path, tensorboard=False, wandb=True, memory_every=2,
+                    charts=False, console=Console(file=out, width=400)) as m:
+        records = run(morphing, m, 2)
+        morphing.morphs.append(MorphRecord(1, "notice", time.time(), "a", "b",
+                                           phases={"agree": 0.25}, bytes_moved=8))
+        records += run(morphing, m, 1)
+    (wb,) = runs
+    assert wb.init["mode"] == "offline" and wb.init["dir"] == str(tmp_path)
+    assert wb.init["project"] == "varuna-fx" and wb.init["config"]["stages"] == 2
+    assert wb.init["settings"] == ("Settings", {"quiet": True, "console": "off"})
+    assert "and W&B" in out.getvalue() and wb.finished
+    steps = [step for step, _ in wb.logged]
+    assert steps == [1, 2, 3, 3]  # the morph's numbers at the step it came before
+    first = wb.logged[0][1]
+    assert first["loss"] == records[0]["loss"] and first["lr"] == 0.1
+    # numbers only: no layout (a string), per-rank lists, step or time, nor the assumed peak
+    assert not {"layout", "step", "time", "mfu_assumed_peak"} & set(first)
+    assert "peak_memory_per_rank" in records[1] and "peak_memory_per_rank" not in wb.logged[1][1]
+    assert wb.logged[2][1] == {"morph/seconds": 0.25, "morph/bytes_moved": 8,
+                               "morph/agree_seconds": 0.25}
+    # the user's settings go to wandb.init; WANDB_MODE set: the sink does not choose a mode
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    with vf.Monitor(pipe, tmp_path / "mine", tensorboard=False, charts=False, console=Console(
+            file=io.StringIO()), wandb={"project": "p", "config": {"lr": 1}}) as m:
+        run(pipe, m, 1)
+    assert "mode" not in runs[1].init and runs[1].init["project"] == "p"
+    assert runs[1].init["config"]["lr"] == 1 and runs[1].init["config"]["stages"] == 2
+
+
+def test_wandb_refusals(pipe: vf.Pipeline, tmp_path: Path,
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(vf.InputError, match="wandb='yes'"):
+        vf.Monitor(pipe, tmp_path, wandb="yes")
+    fake_wandb(monkeypatch, fail=RuntimeError("api_key not configured (no-tty)"))
+    with pytest.raises(vf.InputError, match="api_key not configured.*WANDB_MODE=offline"):
+        vf.Monitor(pipe, tmp_path, wandb={"mode": "online"}, tensorboard=False)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: import fails
+    with pytest.raises(vf.InputError, match=r"pip install 'varuna_fx\[wandb\]'"):
+        vf.Monitor(pipe, tmp_path, wandb=True, tensorboard=False)
+
+
+@pytest.mark.slow  # wandb.init starts W&B's service process
+def test_the_wandb_sink_with_wandb_itself_offline(pipe: vf.Pipeline, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline by the sink's default
+    with vf.Monitor(pipe, tmp_path, tensorboard=False, wandb={"name": "t"}, charts=False,
+                    console=Console(file=io.StringIO())) as m:
+        records = run(pipe, m, 3)
+    (folder,) = (tmp_path / "wandb").glob("offline-run-*")  # (uploaded later by wandb sync)
+    (log,) = folder.glob("run-*.wandb")  # W&B's record log: each value held as JSON text
+    held = log.read_bytes()
+    assert all(json.dumps(r["loss"]).encode() in held for r in records)

@@ -24,6 +24,7 @@ from varuna_fx.examples import demo_gpt, lm_loss
 from varuna_fx.launch.plan_command import plan_as_dict, plan_command
 from varuna_fx.launch.torchrun import Ranks, split_flags, start_ranks
 from varuna_fx.launch.train import train_command
+from varuna_fx.monitor.report import add_report_command
 from varuna_fx.schedule import DEFAULT_SCHEDULE, schedule_choices
 from varuna_fx.train.factory import load_factory
 
@@ -342,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="arguments passed on to the script untouched (main() splits them "
                           "off before parsing: --log, --node, ... are the script's)")
     run.set_defaults(func=cmd_run)
+
+    add_report_command(sub)  # varuna-fx report RUN_DIR: monitor/report.py
     return parser
 
 

@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..costs.memory import format_bytes
+from .flops import flops_text
 
 REFRESH = 1.0  # seconds between redraws of the live line (a redraw: about a millisecond)
 
@@ -34,11 +35,21 @@ def describe(record: dict[str, Any], total: int | None) -> str:
         parts.append(f"{record['tokens_per_second']:,.0f} tok/s")
     parts.append(f"{record['samples_per_second']:,.1f} samples/s")
     if record.get("mfu") is not None:
-        parts.append(f"MFU {record['mfu']:.1%}")
+        parts.append(mfu_text(record))
     memory = record.get("peak_memory_per_rank") or [record.get("peak_memory", 0)]
     parts.append(f"peak mem {format_bytes(max(memory))}")
     parts.append(f"sent {format_bytes(record.get('bytes_sent', 0))}/step")
     return " | ".join(parts)
+
+
+def mfu_text(record: dict[str, Any]) -> str:
+    """``MFU 41.2%`` against a datasheet's (or the user's) peak; against an assumed one (every
+    CPU: no datasheet figure) ``MFU ~1.2% (est., peak 100 GFLOP/s assumed)``,
+    so a CPU's percentage is not read as a measured utilisation."""
+    assumed = record.get("mfu_assumed_peak")
+    if not assumed:
+        return f"MFU {record['mfu']:.1%}"
+    return f"MFU ~{record['mfu']:.1%} (est., peak {flops_text(assumed)} assumed)"
 
 
 class Display:

@@ -5,7 +5,9 @@ graph's shapes; recomputation not counted, as MFU does not count it) times the m
 of the step over every replica. The peak is a datasheet's dense figure per device: bf16/fp16
 tensor cores under ``precision="bf16"``/``"fp16"``, TF32 (FP32 on a V100) otherwise. A device
 not listed -- every CPU -- gets twice the roofline's sustained figure (``costs/roofline.py``,
-which takes sustained as about half of peak), and the monitor says that it is assumed.
+which takes sustained as about half of peak): ``Peak.assumed``, and the monitor labels its MFU
+an estimate against that assumed peak, naming it (a CPU has no datasheet figure of this kind:
+its peak depends on the cores, threads and vector units the process gets).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Peak:
     flops: float  # per device
     devices: int
     what: str  # how the figure was arrived at, for the monitor's header
+    assumed: bool = False  # no datasheet or given figure: MFU is an estimate against it
 
     def mfu(self, model_flops: float, seconds: float) -> float | None:
         if seconds <= 0 or self.flops <= 0:
@@ -59,10 +62,19 @@ def peak_of(pipe: Watched, given: float | None = None) -> Peak:
                             f"({kind} dense datasheet peak)")
         flops = 2 * DEVICES["cuda"].flops
         return Peak(flops, devices, f"{flops / 1e12:.0f} TFLOP/s per {name} (assumed: not in "
-                    "the datasheet table; pass peak_flops=)")
+                    "the datasheet table; pass peak_flops=)", assumed=True)
     flops = 2 * DEVICES["cpu"].flops
     return Peak(flops, devices, f"{flops / 1e9:.0f} GFLOP/s per CPU process (assumed, twice "
-                "the roofline's sustained CPU figure; pass peak_flops= for this machine's)")
+                "the roofline's sustained CPU figure; pass peak_flops= for this machine's)",
+                assumed=True)
+
+
+def flops_text(flops: float) -> str:
+    """``100 GFLOP/s``, ``989 TFLOP/s``: a peak as the line and the charts name it."""
+    for scale, unit in ((1e15, "PFLOP/s"), (1e12, "TFLOP/s"), (1e9, "GFLOP/s")):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops / 1e6:.3g} MFLOP/s"
 
 
 def step_flops(plan: Any, samples: int) -> float:

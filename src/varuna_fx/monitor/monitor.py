@@ -6,9 +6,16 @@ time beside the plan's prediction, samples/s and tokens/s, MFU (``flops.py``), t
 peak memory and bytes sent; every ``memory_every`` steps (and at the end) rank 0 gathers the
 peak memory and bytes sent of every rank (one small gather on a gloo group of the monitor's
 own, so it never interleaves with training's messages). Records go to ``metrics.jsonl`` and
-TensorBoard (``sinks.py``) and to the live line (``display.py``). ``charts()`` (collective,
-also run by ``close()``) gathers every rank's timeline of the last step to rank 0, which draws
-``charts/training.png`` and ``charts/timeline.png`` (``charts.py``).
+TensorBoard (``sinks.py``), optionally Weights & Biases (``wandb_sink.py``), and to the live
+line (``display.py``). ``charts()`` (collective, also run by ``close()``) gathers every rank's
+timeline of the last step to rank 0, which draws ``charts/training.png``
+(``training_chart.py``) and ``charts/timeline.png`` (``charts.py``).
+
+Each launch's first record holds the ``layout`` it runs on (``P=2 D=1 b=2 m=2 (2 ranks)``); a
+resumed run (``start_step`` > 0) first writes a ``"resume"`` event with its layout and the one
+the file last named, so the charts and ``varuna-fx report`` mark where it resumed and whether
+on another layout (``history.py``). MFU against an assumed peak (every CPU: ``flops.py``) is
+written with that peak (``mfu_assumed_peak``) and shown as an estimate naming it.
 
 Throughput and MFU are over the loop's time per step (from one ``log`` to the next: the
 optimizer step and data loading included) once there is a previous step, else over
@@ -39,11 +46,14 @@ from ..runtime.step_stats import StepStats
 from ..runtime.traffic import SENT
 from ..world.membership import in_place
 from ..world.where import launched_distributed
-from .charts import timeline_chart, training_chart
+from .charts import timeline_chart
 from .display import Display
 from .flops import peak_of, step_flops
-from .morph_events import describe_morph, morph_event
-from .sinks import METRICS, JsonlSink, finite, read_jsonl, tensorboard_sink
+from .history import RESUME_EVENT, marks, read_history
+from .morph_events import describe_morph, layout_text, morph_event
+from .sinks import METRICS, JsonlSink, finite, tensorboard_sink
+from .training_chart import training_chart
+from .wandb_sink import check_wandb_setting, wandb_sink
 from .watched import Watched
 
 CHARTS = "charts"
@@ -58,13 +68,17 @@ class Monitor:
     ``tensorboard``: None when installed, True required, False never; ``peak_flops``: the
     device's peak FLOP/s for MFU (None: ``flops.py``'s table); ``tokens_per_sample``: when the
     inputs do not hold token ids (None: counted from an integer input); ``charts``: whether
-    ``close`` draws the charts (``charts()`` draws them on demand either way)."""
+    ``close`` draws the charts (``charts()`` draws them on demand either way); ``wandb``:
+    Weights & Biases too -- True, or a dict of ``wandb.init`` arguments (offline unless
+    ``WANDB_MODE`` or ``mode`` says otherwise: ``wandb_sink.py``)."""
 
     def __init__(self, pipe: Watched, out_dir: str | Path, *, total_steps: int | None = None,
                  start_step: int = 0, print_every: int = 10, memory_every: int = 50,
                  live: bool | None = None, tensorboard: bool | None = None,
                  peak_flops: float | None = None, tokens_per_sample: int | None = None,
-                 console: Console | None = None, charts: bool = True) -> None:
+                 console: Console | None = None, charts: bool = True,
+                 wandb: bool | dict[str, Any] = False) -> None:
+        check_wandb_setting(wandb)
         for name, value, low in (("print_every", print_every, 1), ("memory_every", memory_every, 1),
                                  ("start_step", start_step, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -78,7 +92,7 @@ class Monitor:
         self._peak_flops = peak_flops
         self.peak = peak_of(pipe, peak_flops)
         self._outputs = dict(console=console, live=live, total=total_steps,
-                             print_every=print_every, tensorboard=tensorboard)
+                             print_every=print_every, tensorboard=tensorboard, wandb=wandb)
         self.group = None  # the monitor's gloo group, made when first used (``_group``)
         self.distributed = launched_distributed() and dist.is_initialized()
         self.rank, self.world = 0, 1
@@ -87,6 +101,8 @@ class Monitor:
         # in-place morphs seen (a process that joined a running job saw its own join already)
         self._morphs_seen = len(pipe.morphs)
         self.records: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []  # rank 0's: resumes and morphs, for the charts
+        self._layout_said = False  # this launch's first record names its layout
         self._last: StepStats | None = None
         self._logged_at: float | None = None
         self._closed = False
@@ -94,24 +110,61 @@ class Monitor:
         self.sinks: list[Any] = []
         if self.rank == 0:
             self._open_outputs(start_step)
+            if start_step and not getattr(pipe, "joined", False):
+                self._write_line_event({"event": RESUME_EVENT, "step": start_step + 1,
+                                        "layout": self._layout(),
+                                        "previous_layout": self._earlier_layout})
+
+    def _layout(self) -> str:
+        return layout_text(self.pipe.plan, self.world if self.distributed else None)
+
+    def _write_line_event(self, event: dict[str, Any]) -> None:
+        """An event line of metrics.jsonl alone (TensorBoard and W&B take numbers per step)."""
+        for sink in self.sinks:
+            if isinstance(sink, JsonlSink):
+                sink.write_event(event)
+        self.events.append(event)
 
     def _open_outputs(self, start_step: int) -> None:
-        """Rank 0's: the records so far (for the charts), the sinks, the line."""
+        """Rank 0's: the records and events so far (for the charts), the sinks, the line."""
         self.out.mkdir(parents=True, exist_ok=True)
-        self.records = read_jsonl(self.out / METRICS, before_step=start_step + 1) \
-            if start_step else []
+        # (a step logged again supersedes the earlier lines from it on: history.py)
+        earlier = read_history(self.out / METRICS, before_step=start_step + 1) \
+            if start_step else None
+        self.records = earlier.records if earlier is not None else []
+        self.events = earlier.events if earlier is not None else []
+        self._earlier_layout = earlier.layout if earlier is not None else None
         # in place, rank 0 may be killed and another process go on writing: every line is
         # flushed, so the file has no gap where the killed one's unflushed lines were
         self.sinks = [JsonlSink(self.out, 0.0 if in_place() else JsonlSink.FLUSH_SECONDS)]
         board = tensorboard_sink(self.out, self._outputs["tensorboard"])
         if board is not None:
             self.sinks.append(board)
+        try:
+            tracker = wandb_sink(self.out, self._outputs["wandb"], self._run_config())
+        except Exception:  # (a refusal: the files opened so far are closed, not leaked)
+            for sink in self.sinks:
+                sink.close()
+            raise
+        if tracker is not None:
+            self.sinks.append(tracker)
         self.display = Display(self._outputs["console"], self._outputs["live"],
                                self._outputs["total"], self._outputs["print_every"])
+        also = [name for name, sink in (("TensorBoard", board), ("W&B", tracker)) if sink]
+        estimate = ", an estimate (shown as MFU ~x%)" if self.peak.assumed else ""
         self.display.note(f"monitor: {self.out / METRICS}"
-                          f"{' and TensorBoard' if board is not None else ''}; MFU = the "
+                          f"{''.join(f' and {name}' for name in also)}; MFU = the "
                           f"plan's FLOPs per step / ({self.peak.devices} device(s) x "
-                          f"{self.peak.what})")
+                          f"{self.peak.what}){estimate}")
+
+    def _run_config(self) -> dict[str, Any]:
+        """What a tracker shows as the run's configuration: the plan's choices."""
+        plan = self.pipe.plan
+        return {"layout": self._layout(), "schedule": plan.schedule.name,
+                "stages": plan.stages, "data_parallel": plan.data_parallel,
+                "micro_batch_size": plan.micro_batch_size,
+                "num_micro_batches": plan.num_micro_batches,
+                "predicted_step_seconds": plan.predicted_step_time}
 
     def _close_outputs(self) -> None:
         if self.display is not None:
@@ -156,6 +209,7 @@ class Monitor:
             event = morph_event(morph.as_dict(), self.step + 1)
             for sink in self.sinks:
                 sink.write_event(event)
+            self.events.append(event)
             self.display.note(describe_morph(event))
 
     def event(self, event: dict[str, Any], text: str) -> None:
@@ -167,6 +221,7 @@ class Monitor:
         for sink in self.sinks:
             if isinstance(sink, JsonlSink):  # (TensorBoard takes numbers per step only)
                 sink.write_event(event)
+        self.events.append(event)  # the live charts mark it as the report does
         assert self.display is not None
         self.display.note(text)
 
@@ -214,12 +269,15 @@ class Monitor:
             "samples_per_second": stats.samples / seconds,
             "tokens_per_second": tokens / seconds if tokens is not None else None,
             "mfu": finite(self.peak.mfu(step_flops(self.pipe.plan, stats.samples), seconds)),
+            **({"mfu_assumed_peak": self.peak.flops} if self.peak.assumed else {}),
             "peak_memory": stats.peak_memory,
             "bytes_sent": stats.bytes_sent,
             "time": time.time(),
         }
         for key, value in scalars.items():
             record[key] = finite(float(value))
+        if not self._layout_said:  # (the layouts after a morph: its event's)
+            record["layout"], self._layout_said = self._layout(), True
         return record
 
     def _gather_totals(self) -> tuple[list[int], list[int]] | None:
@@ -261,7 +319,8 @@ class Monitor:
         folder.mkdir(exist_ok=True)
         written = []
         if self.records:
-            written.append(training_chart(self.records, folder / "training.png"))
+            written.append(training_chart(self.records, folder / "training.png", self.events,
+                                          marks(self.events)))
         if stats is not None:
             written.append(timeline_chart(self.pipe.plan, self._rows(every), folder /
                                           "timeline.png", self.step))

@@ -17,6 +17,14 @@ _KEPT = ("generation", "reason", "old_layout", "new_layout", "phases", "cpu", "b
          "bytes_received", "joined", "left", "lost", "signal_at", "started", "finished")
 
 
+def layout_text(plan: Any, world: int | None) -> str:
+    """``"P=2 D=1 b=2 m=2 (2 ranks)"`` (``"(1 process)"`` for ``world`` None): a layout as the
+    morphs' records word it (``morph/records.py``, a layer above), so the two compare."""
+    text = (f"P={plan.stages} D={plan.data_parallel} b={plan.micro_batch_size} "
+            f"m={plan.num_micro_batches}")
+    return f"{text} ({'1 process' if world is None else f'{world} ranks'})"
+
+
 def morph_event(record: dict[str, Any], step: int) -> dict[str, Any]:
     """The event line of one morph: what the record says, the step that first ran on the new
     layout, and the morph's seconds (its phases but the first step)."""

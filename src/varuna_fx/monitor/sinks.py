@@ -15,16 +15,16 @@ from __future__ import annotations
 import json
 import math
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..world import safe_json
+from .history import read_history
 from .morph_events import tensorboard_scalars
 
 METRICS = "metrics.jsonl"
-RESTART_EVENT = "restart"  # the job started again from "step": later steps were trained again
+# a record's numbers that are not series: its step, its time, the assumed peak MFU is against
+NOT_SCALARS = ("step", "time", "mfu_assumed_peak")
 
 
 class JsonlSink:
@@ -62,29 +62,9 @@ def finite(value: float | None) -> float | None:
 
 
 def read_jsonl(path: Path, before_step: int | None = None) -> list[dict[str, Any]]:
-    """The records of an earlier run in ``path`` (those with ``step < before_step``)."""
-    records = []
-    if not path.is_file():
-        return records
-    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace")
-                                  .splitlines(), start=1):
-        try:
-            record = safe_json.loads(line)
-        except safe_json.JsonTooDeep as exc:  # not a line the monitor wrote: say so, go on
-            warnings.warn(f"varuna_fx: skipping line {number} of {path}: {exc}", stacklevel=2)
-            continue
-        except ValueError:  # a torn last line (the run was killed mid-write): skipped
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            continue
-        if record.get("event") == RESTART_EVENT:  # what was logged after its step is redone
-            records = [r for r in records if r["step"] <= record["step"]]
-            continue
-        if "event" in record:  # (an event line, not a step's record)
-            continue
-        if before_step is None or record["step"] < before_step:
-            records.append(record)
-    return records
+    """The step records of an earlier run in ``path`` (those with ``step < before_step``), as
+    they stand after resumes and restarts (``history.read_history``, the one reader)."""
+    return read_history(path, before_step).records
 
 
 class TensorBoardSink:
@@ -117,7 +97,7 @@ class TensorBoardSink:
         events = self.writer._get_file_writer()
         for record in self.pending:
             values = [v for key, value in record.items()
-                      if key not in ("step", "time") and isinstance(value, int | float)
+                      if key not in NOT_SCALARS and isinstance(value, int | float)
                       and not isinstance(value, bool) for v in self.scalar(key, value).value]
             summary = self.scalar("loss", 0.0)  # a Summary message to hold them all
             del summary.value[:]

@@ -18,7 +18,7 @@
   move it: ``morph/controller.py``'s restart) resumes like any launch, but says so loudly, on
   the console, in ``summary.json`` (``restarted``) and as a ``"restart"`` event line of
   ``metrics.jsonl``, which names the steps trained again (readers drop the records it
-  supersedes: ``monitor/sinks.read_jsonl``). :class:`Restart` is that note.
+  supersedes: ``monitor/history.read_history``). :class:`Restart` is that note.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from typing import Any
 
 from ..checkpoint.directory import checkpoints_newest_first
 from ..errors import CheckpointError
-from ..monitor.sinks import METRICS, RESTART_EVENT, read_jsonl
+from ..monitor.history import RESTART_EVENT
+from ..monitor.sinks import METRICS, read_jsonl
 from ..pipeline import Pipeline
 
 # the param-group keys the configuration sets (lr goes through the scheduler's base rates)
