@@ -15,11 +15,13 @@ import varuna_fx as vf
 from varuna_fx.capture import capture_cache
 from varuna_fx.checkpoint.directory import MARKER, latest_checkpoint, read_marker
 from varuna_fx.checkpoint.hf.safetensors_files import read_json
+from varuna_fx.monitor.report import _train_summary
 from varuna_fx.monitor.sinks import read_jsonl
 from varuna_fx.passes import shape_cache
 from varuna_fx.planner import cache as plan_cache
 from varuna_fx.planner import partition_cache, profile
 from varuna_fx.world import disk_cache, safe_json
+from varuna_fx.world.membership import Generation
 
 DEEP = "[" * 100_000 + "]" * 100_000  # past the interpreter's recursion limit
 
@@ -94,3 +96,14 @@ def test_a_pretrained_config_is_refused(tmp_path: Path) -> None:
     config.write_text('{"model_type": ' + DEEP + "}")
     with pytest.raises(vf.PretrainedError, match="nested deeper"):
         read_json(str(config))
+
+
+def test_the_train_summary_and_peer_payloads_are_bounded(tmp_path: Path) -> None:
+    """The rest of the class: the train command's summary.json (read by the command and by
+    ``varuna-fx report``) and what a peer writes to the membership store (a generation, a
+    joiner's fingerprint) go through the same reader, so a deep one is a ValueError each
+    reader already answers, never a RecursionError."""
+    (tmp_path / "summary.json").write_text(DEEP)
+    assert _train_summary(tmp_path) == {}  # read as "no summary"
+    with pytest.raises(ValueError, match="nested deeper"):
+        Generation.from_json(DEEP)

@@ -16,7 +16,6 @@ ran.
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from ..errors import VarunaFxError
 from ..train.config import AUTO, TrainConfig, help_text, resolve, to_toml
 from ..train.worker import SUMMARY, encode, run_training
+from ..world import safe_json
 from .in_place import REFUSED_EXIT
 from .torchrun import Ranks, split_flags, start_ranks
 
@@ -116,6 +116,6 @@ def _ranks_were_preempted(cfg: TrainConfig, launched_at: float) -> bool:
     try:
         if path.stat().st_mtime < launched_at:
             return False
-        return bool(json.loads(path.read_text()).get("preempted"))
+        return bool(safe_json.loads(path.read_text()).get("preempted"))
     except (OSError, ValueError):
         return False

@@ -14,12 +14,12 @@ ended, when it is there and reads as expected.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..world import safe_json
 from .display import mfu_text
 from .history import (
     MORPH_EVENT,
@@ -77,7 +77,7 @@ def report(run_dir: str | Path, charts_dir: str | Path | None = None,
 def _train_summary(folder: Path) -> dict[str, Any]:
     """The train command's summary.json when it reads as a JSON object, else {}."""
     try:
-        summary = json.loads((folder / SUMMARY).read_text(encoding="utf-8"))
+        summary = safe_json.loads((folder / SUMMARY).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return summary if isinstance(summary, dict) else {}

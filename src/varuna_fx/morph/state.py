@@ -41,6 +41,7 @@ from ..checkpoint.sharded_state import CHUNK_PREFIX, chunk_key
 from ..init.skip import loaded
 from ..runtime.sync.zero import layout_of, shard_ranges
 from ..runtime.sync.zero_repoint import sharded
+from ..world import safe_json
 from .carried import Carried
 from .morphable import Morphable
 from .transfer import Item, Range, assemble
@@ -88,7 +89,7 @@ class Descriptor:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Descriptor:
-        raw = json.loads(data)
+        raw = safe_json.loads(data)
 
         def item(text: str) -> Item:
             fqn, _, key = text.rpartition("|")

@@ -20,8 +20,9 @@ that offered none) is admitted as before.
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from . import safe_json
 
 PRINT_KEY = "print/{member}"
 REFUSED_KEY = "refused/{member}"
@@ -58,8 +59,8 @@ def registrant_refusal(store: Any, job: str, fingerprint: dict[str, str],
     not a flat object of strings is refused as unreadable."""
     key = PRINT_KEY.format(member=member)
     try:
-        theirs = json.loads(store.get(key)) if store.check([key]) else {}
-    except (ValueError, RecursionError):
+        theirs = safe_json.loads(store.get(key)) if store.check([key]) else {}
+    except ValueError:  # (safe_json: a deep one too)
         theirs = None
     if not isinstance(theirs, dict) or not all(isinstance(v, str) for v in theirs.values()):
         theirs = {"fingerprint": "unreadable"}

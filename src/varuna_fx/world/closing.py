@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from ..errors import PeerTimeoutError
+from . import safe_json
 from .heartbeats import Stopped
 from .membership import Membership
 
@@ -67,7 +68,7 @@ def closing_sum(m: Membership, index: int, rank: int, values: list[float]) -> li
                     f"step {index} of generation {gen.number} and gave up")
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
-        got = [json.loads(v) for v in m.store.multi_get(keys)]
+        got = [safe_json.loads(v) for v in m.store.multi_get(keys)]
     except (RuntimeError, dist.DistError) as exc:  # the store itself went away
         raise PeerTimeoutError(f"{m.member} lost the membership store at "
                                f"{m.address} while closing a step ({exc})") from exc

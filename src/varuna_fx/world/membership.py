@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError, PeerTimeoutError
-from . import sockets
+from . import safe_json, sockets
 from .admission import PRINT_KEY, REFUSED_KEY, registrant_refusal
 from .heartbeats import Stopped
 from .switches import SWITCHES, WorkerEnv, read
@@ -104,7 +104,7 @@ class Generation:
 
     @classmethod
     def from_json(cls, text: bytes | str) -> Generation:
-        data = json.loads(text)
+        data = safe_json.loads(text)
         for key in ("members", "transfer", "joined", "left", "lost"):
             data[key] = tuple(data[key])
         return cls(**data)
