@@ -113,10 +113,13 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--profile", choices=["gpt", "tiny"])
-    args = parser.parse_args()
-    if args.profile:
-        profile(args.profile)
-    else:
-        main()
+    from results import recorded
+
+    with recorded("bench_overhead.py"):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--profile", choices=["gpt", "tiny"])
+        args = parser.parse_args()
+        if args.profile:
+            profile(args.profile)
+        else:
+            main()
