@@ -153,7 +153,7 @@ def main() -> None:
 if __name__ == "__main__":
     from results import recorded
 
-    with recorded("bench_compile.py"):
+    with recorded("bench_compile.py", part="profile" if "--profile" in sys.argv else None):
         parser = argparse.ArgumentParser()
         parser.add_argument("--child", nargs=2, metavar=("TRACER", "DEVICE"))
         parser.add_argument("--profile", metavar="TRACER")

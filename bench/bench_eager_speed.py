@@ -238,5 +238,5 @@ def main() -> None:
 if __name__ == "__main__":
     from results import recorded
 
-    with recorded("bench_eager_speed.py"):
+    with recorded("bench_eager_speed.py", part="keyed" if "--keyed" in sys.argv else None):
         main()

@@ -113,9 +113,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
     from results import recorded
 
-    with recorded("bench_overhead.py"):
+    with recorded("bench_overhead.py", part="profile" if "--profile" in sys.argv else None):
         parser = argparse.ArgumentParser()
         parser.add_argument("--profile", choices=["gpt", "tiny"])
         args = parser.parse_args()

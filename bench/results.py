@@ -102,7 +102,7 @@ class _Tee(io.TextIOBase):
 
 
 @contextmanager
-def recorded(script: str, part: str | None = None) -> Iterator[None]:
+def recorded(script: str, part: str | None = None, *, path: Path = RESULTS) -> Iterator[None]:
     """Run the body (a script's main); with ``--write`` on the command line (taken off
     ``sys.argv`` first, so the script's own parser never sees it) what it printed becomes block
     ``script`` (or ``script part``) under :func:`stamp`'s line. Nothing is written if the body
@@ -120,4 +120,4 @@ def recorded(script: str, part: str | None = None) -> Iterator[None]:
         sys.stdout = tee.out
     command = " ".join(["python", f"bench/{script}", *args, "--write"])
     write_block(script if part is None else f"{script} {part}",
-                f"{stamp(command)}\n\n```\n{tee.kept.getvalue().strip()}\n```")
+                f"{stamp(command)}\n\n```\n{tee.kept.getvalue().strip()}\n```", path=path)
