@@ -119,5 +119,6 @@ def recorded(script: str, part: str | None = None, *, path: Path = RESULTS) -> I
     finally:
         sys.stdout = tee.out
     command = " ".join(["python", f"bench/{script}", *args, "--write"])
+    printed = tee.kept.getvalue().strip("\n").rstrip()  # a centred title keeps its indent
     write_block(script if part is None else f"{script} {part}",
-                f"{stamp(command)}\n\n```\n{tee.kept.getvalue().strip()}\n```", path=path)
+                f"{stamp(command)}\n\n```\n{printed}\n```", path=path)
