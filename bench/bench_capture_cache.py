@@ -59,4 +59,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("bench_capture_cache.py"):
+        main()

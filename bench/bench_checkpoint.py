@@ -240,4 +240,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("bench_checkpoint.py"):
+        main()

@@ -151,13 +151,16 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--child", nargs=2, metavar=("TRACER", "DEVICE"))
-    parser.add_argument("--profile", metavar="TRACER")
-    args = parser.parse_args()
-    if args.child:
-        child(*args.child)
-    elif args.profile:
-        profile(args.profile)
-    else:
-        main()
+    from results import recorded
+
+    with recorded("bench_compile.py", part="profile" if "--profile" in sys.argv else None):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--child", nargs=2, metavar=("TRACER", "DEVICE"))
+        parser.add_argument("--profile", metavar="TRACER")
+        args = parser.parse_args()
+        if args.child:
+            child(*args.child)
+        elif args.profile:
+            profile(args.profile)
+        else:
+            main()

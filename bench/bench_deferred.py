@@ -148,4 +148,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("bench_deferred.py", part=sys.argv[1] if len(sys.argv) > 1 else None):
+        main()

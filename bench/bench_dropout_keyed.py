@@ -123,4 +123,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("bench_dropout_keyed.py"):
+        main()

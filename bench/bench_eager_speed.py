@@ -236,4 +236,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("bench_eager_speed.py", part="keyed" if "--keyed" in sys.argv else None):
+        main()

@@ -109,4 +109,7 @@ def sample(args: argparse.Namespace) -> dict[str, list[float]]:
     return samples
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("bench_machine_noise.py"):
+        main()

@@ -45,4 +45,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("bench_nccl_check.py"):
+        main()

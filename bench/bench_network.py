@@ -322,7 +322,7 @@ def launch(args: argparse.Namespace, link: str | None, cache: str, out: Path | N
              *(["--profile-only"] if profile_only else []), *(["--out", str(out)] if out else []),
              *(["--pin"] if args.pin else []),
              *(["--estimates"] if getattr(args, "estimates", False) else [])]
-    run_pair_in_namespaces(script, extra, link=link, prefix=args.prefix, port=PORT, cache=cache,
+    run_pair_in_namespaces(script, extra, link=link, port=PORT, cache=cache,
                            timeout=args.timeout)
 
 
@@ -511,7 +511,7 @@ def main() -> None:
                         help="put this run's tables into bench/RESULTS.md (replacing the "
                              "previous run's)")
     parser.add_argument("--prefix", default="netb",
-                        help="namespace name prefix (parallel users pick distinct ones)")
+                        help="the scratch folder's name prefix")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     parser.add_argument("--cache", default="", help="keep measured profiles in this folder")
     parser.add_argument("--report", action="store_true",

@@ -113,10 +113,15 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--profile", choices=["gpt", "tiny"])
-    args = parser.parse_args()
-    if args.profile:
-        profile(args.profile)
-    else:
-        main()
+    import sys
+
+    from results import recorded
+
+    with recorded("bench_overhead.py", part="profile" if "--profile" in sys.argv else None):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--profile", choices=["gpt", "tiny"])
+        args = parser.parse_args()
+        if args.profile:
+            profile(args.profile)
+        else:
+            main()

@@ -187,4 +187,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("bench_plan_llama.py"):
+        main()

@@ -139,4 +139,7 @@ def rows(alternatives: list, bounds: list[int]) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("bench_planner.py"):
+        main()

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import threading
@@ -171,14 +170,12 @@ def run(args: argparse.Namespace) -> None:
           + ", ".join(f"{r['seconds'][0]:.2f} / {r['seconds'][1]:.2f} s" for r in loads)
           + f"; peak RSS after the first {min(r['peak'] for r in loads):.0f} MB, with every "
           f"weight read {min(r['touched_peak'] for r in loads):.0f} MB")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from common import free_port, rank_env
+
+    port = free_port()
     procs = []
     for r in range(args.nproc):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env = rank_env(r, args.nproc, port)
         procs.append(subprocess.Popen([*me, "rank", "--dir", args.dir, "--seq", str(args.seq)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
@@ -229,4 +226,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("bench_pretrained.py"):
+        main()

@@ -90,4 +90,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from results import recorded
+
+    with recorded("bench_random_models.py"):
+        code = main()
+    sys.exit(code)

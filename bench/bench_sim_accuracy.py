@@ -239,4 +239,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("bench_sim_accuracy.py"):
+        main()

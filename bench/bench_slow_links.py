@@ -2,7 +2,7 @@
 and DeepSpeed's PipelineModule, training the same GPT on real bytes over shaped links.
 
 Each configuration is a launch of its own: ``--nodes`` network-namespace "machines" on one bridge
-(``netns_links.nodes``), every node's egress and ingress limited by ``tc tbf`` to the ``--links``
+(``tests/support/netns.py``'s ``nodes``), every node's egress and ingress limited by ``tc tbf`` to the ``--links``
 rate (``unshaped``: no limit), rank i inside node i, gloo bound to its interface. Every system
 trains the same model (``slow_links_systems``: the benchmarks' GPT with an untied 16k head, as
 a flat layer list; the same initial weights; bytes use 256 of the head's 16k outputs, the
@@ -128,7 +128,9 @@ def worker(job: dict) -> None:
     x0, y0 = batch(0)
     trainer = build(job, cfg, x0)
     iface = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    from netns_links import interface_bytes
+    import common  # noqa: F401  (puts tests/ on sys.path: the one netns harness)
+
+    from support.netns import interface_bytes
 
     def counters() -> tuple[int, int]:
         return interface_bytes(Path("/proc/net/dev").read_text(), iface)
@@ -222,21 +224,21 @@ def prebuild_deepspeed(timeout: float) -> None:
 
 def launch(args: argparse.Namespace, job: dict, link: str, port: int) -> None:
     """One configuration: ``--nodes`` namespaces, one rank in each, until all exit."""
-    from netns_links import nodes
+    from common import rank_env  # (common puts tests/ on sys.path)
+
+    from support.netns import nodes
 
     rate = None if link == "unshaped" else link
     n = args.nodes
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(n), "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1", "MASTER_PORT": str(port),
-            "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10d's "hostname cannot be retrieved" per socket
-            "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)]),
-            **({"VARUNA_FX_CACHE_DIR": args.cache} if args.cache else {})}
-    with nodes(n, rate, prefix=args.prefix) as cluster:
+    extra = {"TORCH_CPP_LOG_LEVEL": "ERROR",  # c10d's "hostname cannot be retrieved" per socket
+             "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)]),
+             **({"VARUNA_FX_CACHE_DIR": args.cache} if args.cache else {})}
+    with nodes(n, rate) as cluster:
         procs: list[subprocess.Popen] = []
         try:
             for rank in range(n):
-                env = {**base, "RANK": str(rank), "MASTER_ADDR": cluster.addresses[0],
-                       "GLOO_SOCKET_IFNAME": cluster.interfaces[rank]}
+                env = rank_env(rank, n, port, addr=cluster.addresses[0], local=False,
+                               GLOO_SOCKET_IFNAME=cluster.interfaces[rank], **extra)
                 argv = cluster.command(rank, [sys.executable, __file__, "--worker",
                                               json.dumps(job)])
                 procs.append(subprocess.Popen(argv, env=env))
@@ -322,7 +324,6 @@ def main() -> None:
     parser.add_argument("--out", default="", help="run folder (default bench/figures/slow_links)")
     parser.add_argument("--cache", default="", help="VARUNA_FX_CACHE_DIR of the runs "
                         "(profiles, with --setting profile=true)")
-    parser.add_argument("--prefix", default="peers", help="namespace name prefix")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
     parser.add_argument("--keep-going", action="store_true",
                         help="a failed launch is reported and the next one runs")

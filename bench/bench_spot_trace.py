@@ -9,7 +9,7 @@ for ``spot_10min``, half an hour for ``harsh_2min``; ``--write``: the table into
 
 Machines: one namespace per worker machine and one for the membership store (``--nproc 0``:
 it runs no worker and is never preempted, as the machine that must stay), on one bridge
-(``netns_links.nodes``; names start with ``morph``). Each worker machine runs
+(``tests/support/netns.py``'s ``nodes``). Each worker machine runs
 ``varuna-fx run --elastic --in-place --nproc 1``; its worker trains the GPT (float64 for the
 small one, so layouts agree with an uninterrupted one-process run to rounding) with
 ``pipe.optimizer`` (AdamW, optimizer state not sharded by default so that a replica survives an
@@ -191,11 +191,12 @@ class Cluster:
 def replay(trace: dict, args: argparse.Namespace, out: Path, events: bool) -> dict:
     sys.path.insert(0, str(HERE))
     from common import free_port
-    from netns_links import nodes
+
+    from support.netns import nodes
 
     n = args.nodes or trace["nodes"]
     port = free_port()
-    with nodes(n + 1, args.rate, tag="e" if events else "b", prefix="morph") as net:
+    with nodes(n + 1, args.rate) as net:
         cluster = Cluster(net, args, out, port)
         cluster.launch(-1)
         for node in range(n):

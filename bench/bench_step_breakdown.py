@@ -339,4 +339,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("bench_step_breakdown.py"):
+        main()

@@ -43,4 +43,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("bench_step_sim.py"):
+        main()

@@ -2,7 +2,7 @@
 
 Run (root, iproute2): ``python bench/bench_virtual.py --write`` (``--links unshaped,100mbit``
 by default; ``--models gpt,mlp``). Each link gets one launch of two ranks, each rank in its own
-network namespace joined by a veth pair (``netns_links.py``; "unshaped": no ``tc`` limit), gloo
+network namespace joined by a veth pair (``tests/support/netns.py``; "unshaped": no ``tc`` limit), gloo
 bound to the veth, one thread per rank, rank i pinned to core i. Per model (the GPT with a
 16k-vocabulary untied head, and the uniform MLP of ``bench_network.py``), m = 4 micro-batches,
 no recompute, partitions from a measured profile (``profile=True``, measured in a launch of
@@ -86,7 +86,7 @@ def launch(args: argparse.Namespace, link: str, cache: str, out: Path | None,
              *(["--planner"] if args.planner else []),
              *(["--profile-only"] if profile_only else []), *(["--out", str(out)] if out else [])]
     run_pair_in_namespaces(__file__, extra, link=None if link == "unshaped" else link,
-                           prefix="netv", port=PORT, cache=cache, timeout=args.timeout)
+                           port=PORT, cache=cache, timeout=args.timeout)
 
 
 def simulated() -> list[str]:

@@ -1,9 +1,11 @@
 """What several bench scripts share, in one place.
 
-* ``write_block``: a script's tables into its own block of RESULTS.md (``--write``).
-* ``free_port``, ``rank_env``: the environment torchrun would give local rank r.
+* ``write_block``: a script's tables into its own block of RESULTS.md (``--write``; from
+  ``results.py``).
+* ``free_port``, ``rank_env``, ``wait_or_kill``: the environment torchrun would give local rank
+  r, and one deadline for a launch (from ``tests/support/ranks.py``, which the tests use too).
 * ``run_pair_in_namespaces``: a script's two ranks, each in its own network namespace joined by
-  a veth pair (``netns_links.py``), optionally rate-limited; ``wait_or_kill`` for any launch.
+  a veth link (``tests/support/netns.py``'s ``veth_pair``), optionally rate-limited.
 * ``join_as_rank``: a rank's start (one thread, the process group, pinned to a core).
 * ``median_seconds``: the median time of a few calls, on any clock.
 * ``mlp_stack``, ``mse``: the uniform MLP several benchmarks run, and its loss.
@@ -15,7 +17,6 @@ not pay for it.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,66 +30,30 @@ RESULTS = HERE / "RESULTS.md"
 SRC = HERE.parent / "src"
 
 
-# -- RESULTS.md --------------------------------------------------------------------------------
+# -- RESULTS.md, launching ranks: one harness each, shared -----------------------------------
 
-def write_block(script: str, text: str) -> None:
-    """Put ``text`` between ``script``'s markers in RESULTS.md, replacing the previous run's
-    (its section's heading and notes around the markers stay); at the end if there are none."""
-    begin = f"<!-- {script}: begin (replaced by --write) -->"
-    end = f"<!-- {script}: end -->"
-    block = f"{begin}\n\n{text.strip()}\n\n{end}"
-    old = RESULTS.read_text()
-    if begin in old and end in old:
-        head, rest = old.split(begin, 1)
-        RESULTS.write_text(head + block + rest.split(end, 1)[1])
-    else:
-        RESULTS.write_text(old.rstrip("\n") + "\n\n" + block + "\n")
+# tests/support holds the one rank-launch and the one network-namespace harness (the tests use
+# them too); appended, so nothing of tests/ shadows a module of bench/ or src/
+if str(HERE.parent / "tests") not in sys.path:
+    sys.path.append(str(HERE.parent / "tests"))
 
+from results import write_block  # noqa: E402
 
-# -- launching ranks ---------------------------------------------------------------------------
+from support.ranks import free_port, rank_env, wait_or_kill  # noqa: E402
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["HERE", "RESULTS", "SRC", "write_block", "free_port", "rank_env", "wait_or_kill",
+           "run_pair_in_namespaces", "join_as_rank", "median_seconds", "mlp_stack", "mse"]
 
 
-def rank_env(rank: int, world: int, port: int, *, addr: str = "127.0.0.1",
-             local: bool = True, **extra: str) -> dict[str, str]:
-    """This process's environment plus what torchrun gives rank ``rank`` of ``world``;
-    ``local=False``: each rank on a machine of its own (LOCAL_RANK 0 of 1)."""
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=addr,
-               MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-               LOCAL_RANK=str(rank if local else 0), LOCAL_WORLD_SIZE=str(world if local else 1))
-    env.update(extra)
-    return env
-
-
-def wait_or_kill(procs: Sequence[subprocess.Popen], timeout: float, what: str) -> None:
-    """Wait for every process until ``timeout`` seconds from now; then kill what is left (only
-    these processes) and raise SystemExit if any failed."""
-    deadline = time.time() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.time()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"a rank failed {what}")
-
-
-def run_pair_in_namespaces(script: str, argv: Sequence[str], *, link: str | None, prefix: str,
+def run_pair_in_namespaces(script: str, argv: Sequence[str], *, link: str | None,
                            port: int, cache: str, timeout: float) -> None:
     """Both ranks of ``script argv`` (gloo, one thread each), each in its own network namespace
     joined by a veth pair that ``link`` ('100mbit', '1gbit') limits each way, or None: unshaped.
     Rendezvous on rank 0's namespace address; gloo bound to the veth, so every byte between the
     ranks crosses the link. ``cache``: their ``$VARUNA_FX_CACHE_DIR`` (profiles)."""
-    from netns_links import veth_pair
+    from support.netns import veth_pair
 
-    with veth_pair(link, prefix=prefix) as pair:
+    with veth_pair(link) as pair:
         procs: list[subprocess.Popen] = []
         try:
             for rank in (0, 1):

@@ -465,4 +465,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from results import recorded
+
+    with recorded("gpu_check.py"):
+        code = main()
+    raise SystemExit(code)

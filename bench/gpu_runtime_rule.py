@@ -257,4 +257,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from results import recorded
+
+    with recorded("gpu_runtime_rule.py"):
+        main()

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import slow_links_parts as parts  # noqa: E402
-from netns_links import interface_bytes  # noqa: E402
+
+from support.netns import interface_bytes  # noqa: E402
 
 
 class FakeLibrary:

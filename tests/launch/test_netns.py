@@ -106,3 +106,29 @@ def test_shaped_link_gives_about_the_rate(topology: str) -> None:
         assert 0.7 * rate_bits < got < 1.1 * rate_bits, f"{got / 1e6:.1f} Mbit/s"
         net.set_rate(None)
         assert _transfer(net, 0, 1, 5 * 1 << 20) * 8 > 3 * rate_bits
+
+
+def test_per_node_rates_are_checked_before_anything_is_made() -> None:
+    with pytest.raises(ValueError, match="3 rates for 2 nodes"):
+        NetNS(2, rate=["1gbit", None, "1gbit"], topology="bridge")
+    with pytest.raises(ValueError, match="only with topology='bridge'"):
+        NetNS(2, rate="1gbit", ingress=None)  # a pair: ingress is the other end's egress
+    net = NetNS(3, rate=["100mbit", None, 1e9], ingress="10mbit")
+    assert net.egress_bps == (1e8, None, 1e9) and net.ingress_bps == (1e7,) * 3
+    assert net.rate_bps is None  # mixed
+
+
+@pytest.mark.slow
+def test_a_node_sends_at_its_rate_receives_at_its_ingress_and_counts_bytes() -> None:
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    from support.netns import nodes
+
+    rate_bits, nbytes = 40e6, 2 << 20
+    with nodes(2, ["40mbit", None], ingress=[None, None]) as net:  # the benchmarks' bridge
+        received_before = net.counters(1)[0]
+        sent = _transfer(net, 0, 1, nbytes) * 8  # node 0's egress is shaped
+        assert 0.6 * rate_bits < sent < 1.1 * rate_bits, f"{sent / 1e6:.1f} Mbit/s"
+        assert net.counters(1)[0] - received_before >= nbytes  # frames: headers on top
+        assert _transfer(net, 1, 0, nbytes) * 8 > 2 * rate_bits  # node 0's ingress is not

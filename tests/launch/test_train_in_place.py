@@ -29,8 +29,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from support.dist import free_port
 from support.in_place import Lines, launcher_env, worker_pid
+from support.ranks import free_port
 
 STEPS = 40
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16",

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.dist import free_port
 from support.in_place import ROOT, InPlaceJob, launcher_env
+from support.ranks import free_port
 from varuna_fx.morph.controller import RESTART_EXIT
 
 SCRIPT = str(ROOT / "tests" / "dist_scripts" / "in_place_train.py")

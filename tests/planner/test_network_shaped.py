@@ -20,16 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_100_mbit_link_is_measured_as_such(tmp_path: Path) -> None:
     if os.geteuid() != 0 or shutil.which("tc") is None:
         pytest.skip("network namespaces and tc need root and iproute2")
-    sys.path.insert(0, str(ROOT / "bench"))
-    from netns_links import veth_pair
+    from support.netns import veth_pair
+    from support.ranks import free_port, rank_env
 
-    with veth_pair("100mbit", tag="t") as pair:
-        procs = []
+    with veth_pair("100mbit") as pair:
+        procs, port = [], free_port()
         for rank in (0, 1):
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
-                   "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": pair.addresses[0],
-                   "MASTER_PORT": "29613", "GLOO_SOCKET_IFNAME": pair.interfaces[rank],
-                   "PYTHONPATH": str(ROOT / "src")}
+            env = rank_env(rank, 2, port, addr=pair.addresses[0], local=False,
+                           GLOO_SOCKET_IFNAME=pair.interfaces[rank], PYTHONPATH=str(ROOT / "src"))
             argv = pair.command(rank, [sys.executable, __file__, str(tmp_path)])
             procs.append(subprocess.Popen(argv, env=env))
         try:

@@ -7,14 +7,14 @@ script with ``OUT_DIR JOBS_JSON`` and loads ``OUT_DIR/<name>_rank<r>.pt`` per jo
 Each rank is a plain subprocess given the environment torchrun would set (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Unlike torchrun this lets one rank die
 without the launcher killing the others, which the peer-failure tests need, and it starts
-faster. ``varuna-fx run`` (torchrun) is exercised separately.
+faster. ``varuna-fx run`` (torchrun) is exercised separately. The environment and the port
+come from :mod:`support.ranks`, which bench/ shares.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from support.ranks import free_port, rank_env
 from varuna_fx.errors import VarunaFxError
 
 SCRIPTS = Path(__file__).parents[1] / "dist_scripts"
@@ -37,26 +38,17 @@ class RankResult:
     output: str
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    env.pop("VARUNA_FX_TIMEOUT", None)
-    return env
+def cpu_rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """:func:`support.ranks.rank_env` for a test's rank: no GPU, and the test's own timeout
+    rather than one inherited from the shell."""
+    return rank_env(rank, world, port, drop=("VARUNA_FX_TIMEOUT",), CUDA_VISIBLE_DEVICES="")
 
 
 def launch(script: str, nproc: int, args: list[str], *, timeout: float = 120.0) -> list[RankResult]:
     """Run ``dist_scripts/<script>`` on ``nproc`` ranks; kill all at ``timeout`` seconds."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(SCRIPTS / script), *args],
-                              env=rank_env(r, nproc, port), stdout=subprocess.PIPE,
+                              env=cpu_rank_env(r, nproc, port), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(nproc)]
     deadline = time.monotonic() + timeout
     results = []

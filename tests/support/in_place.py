@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from support.dist import free_port
+from support.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,8 +1,8 @@
 """Network namespaces as "nodes" on one machine, joined by (optionally rate-limited) veth links.
 
-Used by tests (elastic morphing: two torchrun agents on two "nodes") and by benchmarks
-(commodity links: 100 Mbit/s between ranks). Import it from a test as ``import netns``
-(``tests`` is on pytest's pythonpath) or from a script after ``sys.path.insert(0, "tests")`` (``from support import netns``).
+The one network-namespace harness of the project: tests (elastic morphing: two torchrun agents
+on two "nodes") and benchmarks (commodity links: 100 Mbit/s between ranks; bench/common.py puts
+``tests/`` on ``sys.path``) both use it, as ``from support import netns``.
 
     ok, why = netns_available()
     with NetNS(2, rate="100mbit") as net:          # two namespaces, one veth pair, tbf each way
@@ -22,7 +22,15 @@ at interpreter exit. Deleting a namespace deletes the veth ends inside it.
 
 Rate limits use ``tc qdisc ... tbf`` (netem is not available on these machines) on the egress
 of both ends of every link, so each direction is limited to ``rate``. ``shaper="htb"`` uses an
-htb class instead. Only processes started with :meth:`NetNS.popen` are killed at teardown.
+htb class instead. On a bridge each node's two directions are shaped apart: its egress on its
+own end, its ingress on the hub's port, so a node is limited like a machine with one NIC of that
+rate each way; ``rate`` may be one per node and ``ingress=`` may differ from it (the benchmarks'
+uneven clusters). Only processes started with :meth:`NetNS.popen` are killed at teardown.
+
+    with nodes(4, "100mbit") as net:             # the benchmarks' form: always a bridge
+        argv = net.command(rank, [...])          # rank i inside node i
+        env["GLOO_SOCKET_IFNAME"] = net.interfaces[rank]
+        received, sent = net.counters(rank)      # that interface's bytes so far
 """
 
 from __future__ import annotations
@@ -36,11 +44,13 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NetNS", "Node", "netns_available", "parse_rate", "cleanup_stale"]
+__all__ = ["NetNS", "Node", "netns_available", "parse_rate", "cleanup_stale", "nodes",
+           "veth_pair", "interface_bytes"]
 
 _counter = itertools.count()
 _live: set[NetNS] = set()
@@ -67,6 +77,29 @@ def parse_rate(rate: str | float | int) -> float:
     if value <= 0:
         raise ValueError(f"rate must be positive, got {rate!r}")
     return value
+
+
+Rate = str | float | None  # one link direction: "100mbit", bit/s, or None (unshaped)
+
+
+def _per_node(rate: Rate | Sequence[Rate], n: int) -> tuple[float | None, ...]:
+    if rate is None or isinstance(rate, (str, int, float)):
+        rates: tuple[Rate, ...] = (rate,) * n
+    else:
+        rates = tuple(rate)
+    if len(rates) != n:
+        raise ValueError(f"{len(rates)} rates for {n} nodes")
+    return tuple(None if r is None else parse_rate(r) for r in rates)
+
+
+def interface_bytes(proc_net_dev: str, iface: str) -> tuple[int, int]:
+    """(received, sent) bytes of ``iface`` in the text of a ``/proc/net/dev``."""
+    for line in proc_net_dev.splitlines():
+        name, sep, rest = line.partition(":")
+        if sep and name.strip() == iface:
+            fields = rest.split()
+            return int(fields[0]), int(fields[8])
+    raise KeyError(f"no interface {iface!r} in /proc/net/dev")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -125,16 +158,19 @@ class NetNS:
     """Create ``n`` namespaces ("nodes") joined by veth links; tear everything down on exit.
 
     n: number of nodes (>= 1).
-    rate: per-direction limit of every link (``"100mbit"``, bit/s as a number) or None.
+    rate: per-direction limit of every link (``"100mbit"``, bit/s as a number) or None; or one
+        per node (what each node sends).
+    ingress: on a bridge, what each node receives (one rate or one per node); default ``rate``.
     topology: ``"pair"`` (2 nodes, one veth pair) or ``"bridge"``; default pair for 2 nodes.
     subnet: private IPv4 /24 (or larger) for the nodes; node i gets host address i + 1.
     shaper: ``"tbf"`` or ``"htb"``.
     burst: tbf bucket in bytes; default max(32 KiB, 4 ms at ``rate``) so a 250 Hz timer keeps up.
     """
 
-    def __init__(self, n: int, *, rate: str | float | None = None, topology: str | None = None,
-                 subnet: str = "10.77.0.0/24", shaper: str = "tbf", burst: int | None = None,
-                 mtu: int | None = None) -> None:
+    def __init__(self, n: int, *, rate: Rate | Sequence[Rate] = None,
+                 topology: str | None = None, subnet: str = "10.77.0.0/24", shaper: str = "tbf",
+                 burst: int | None = None, mtu: int | None = None,
+                 ingress: Rate | Sequence[Rate] | str = "same") -> None:
         if n < 1:
             raise ValueError("NetNS needs at least one node")
         self.topology = topology or ("pair" if n == 2 else "bridge")
@@ -145,7 +181,14 @@ class NetNS:
         if shaper not in ("tbf", "htb"):
             raise ValueError(f"shaper must be 'tbf' or 'htb', got {shaper!r}")
         self.n = n
-        self.rate_bps = parse_rate(rate) if rate is not None else None
+        self.egress_bps = _per_node(rate, n)
+        same = isinstance(ingress, str) and ingress == "same"
+        self.ingress_bps = self.egress_bps if same else _per_node(ingress, n)  # type: ignore[arg-type]
+        if self.topology == "pair" and not same:
+            raise ValueError("a veth pair's ingress is the other end's egress: give ingress= "
+                             "only with topology='bridge'")
+        uniform = set(self.egress_bps) | set(self.ingress_bps)
+        self.rate_bps = uniform.pop() if len(uniform) == 1 else None  # None: unshaped or mixed
         self.shaper = shaper
         self.burst = burst
         self.mtu = mtu
@@ -168,7 +211,8 @@ class NetNS:
         self.close()
 
     def start(self) -> NetNS:
-        ok, why = netns_available(shaping=self.rate_bps is not None)
+        shaped = any(r is not None for r in (*self.egress_bps, *self.ingress_bps))
+        ok, why = netns_available(shaping=shaped)
         if not ok:
             raise RuntimeError(why)
         _live.add(self)
@@ -218,7 +262,7 @@ class NetNS:
             _sh(["ip", "-n", names[0], "link", "add", "elas0", "type", "veth",
                  "peer", "name", "elas1", "netns", names[1]])
             ends = [(names[0], "elas0"), (names[1], "elas1")]
-            shaped = ends
+            shaped = [(*ends[0], self.egress_bps[0]), (*ends[1], self.egress_bps[1])]
         else:
             self.hub = self._add_ns(f"{self.prefix}_hub")
             _sh(["ip", "-n", self.hub, "link", "add", "elasbr", "type", "bridge"])
@@ -232,16 +276,16 @@ class NetNS:
                 _sh(["ip", "-n", self.hub, "link", "set", port, "up"])
                 ends.append((ns, "elas0"))
                 # both directions of node i's link: its own egress and the hub port's egress
-                shaped += [(ns, "elas0"), (self.hub, port)]
+                shaped += [(ns, "elas0", self.egress_bps[i]), (self.hub, port, self.ingress_bps[i])]
         for i, (ns, iface) in enumerate(ends):
             if self.mtu:
                 _sh(["ip", "-n", ns, "link", "set", iface, "mtu", str(self.mtu)])
             _sh(["ip", "-n", ns, "addr", "add", f"{hosts[i]}/{plen}", "dev", iface])
             _sh(["ip", "-n", ns, "link", "set", iface, "up"])
             self.nodes.append(Node(i, ns, iface, str(hosts[i])))
-        if self.rate_bps is not None:
-            for ns, iface in shaped:
-                self._shape(ns, iface, self.rate_bps)
+        for ns, iface, rate_bps in shaped:
+            if rate_bps is not None:
+                self._shape(ns, iface, rate_bps)
 
     def _shape(self, ns: str, iface: str, rate_bps: float) -> None:
         rate = f"{int(rate_bps)}bit"
@@ -259,6 +303,7 @@ class NetNS:
     def set_rate(self, rate: str | float | None) -> None:
         """Change (or with None remove) the limit on every link of a running NetNS."""
         self.rate_bps = parse_rate(rate) if rate is not None else None
+        self.egress_bps = self.ingress_bps = (self.rate_bps,) * self.n
         ends = [(nd.ns, nd.iface) for nd in self.nodes]
         if self.hub is not None:
             ends += [(self.hub, f"elasp{i}") for i in range(self.n)]
@@ -310,6 +355,27 @@ class NetNS:
         """``argv`` prefixed to run inside node i's namespace."""
         return ["ip", "netns", "exec", self.nodes[i].ns, *argv]
 
+    command = cmd  # the benchmarks' name
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        return tuple(nd.ns for nd in self.nodes)
+
+    @property
+    def interfaces(self) -> tuple[str, ...]:
+        """Each node's interface, in its own namespace (what ``GLOO_SOCKET_IFNAME`` names)."""
+        return tuple(nd.iface for nd in self.nodes)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(nd.addr for nd in self.nodes)
+
+    def counters(self, i: int) -> tuple[int, int]:
+        """(received, sent) bytes of node i's interface so far (frames on the wire: Ethernet,
+        IP and TCP headers included)."""
+        out = self.run(i, ["cat", "/proc/net/dev"], check=True)
+        return interface_bytes(out.stdout, self.nodes[i].iface)
+
     def run(self, i: int, argv: Sequence[str], **kw: Any) -> subprocess.CompletedProcess[Any]:
         """subprocess.run inside node i (text output captured unless told otherwise)."""
         kw.setdefault("capture_output", "stdout" not in kw and "stderr" not in kw)
@@ -326,6 +392,20 @@ class NetNS:
     def __repr__(self) -> str:
         rate = f", rate={self.rate_bps:.3g}bit/s" if self.rate_bps else ""
         return f"NetNS({self.n}, {self.topology}{rate}, {[nd.addr for nd in self.nodes]})"
+
+
+@contextmanager
+def nodes(n: int, rate: Rate | Sequence[Rate],
+          ingress: Rate | Sequence[Rate] | str = "same") -> Iterator[NetNS]:
+    """``n`` nodes on one bridge (also for two: the benchmarks measure through a bridge), node
+    i sending at ``rate`` (or ``rate[i]``) and receiving at ``ingress`` (default the same)."""
+    with NetNS(n, rate=rate, topology="bridge", ingress=ingress) as net:
+        yield net
+
+
+def veth_pair(rate: Rate) -> AbstractContextManager[NetNS]:
+    """Two nodes (``nodes(2, rate)``): a two-machine link, rank 0 at ``addresses[0]``."""
+    return nodes(2, rate)
 
 
 def cleanup_stale() -> list[str]:

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from support.dist import free_port
+from support.ranks import free_port
 from varuna_fx.world import where
 
 CHILD = textwrap.dedent("""
