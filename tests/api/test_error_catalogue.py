@@ -258,6 +258,21 @@ CATALOGUE = [
         stages=2, global_batch_size=7), Inp, "8 samples", "global_batch_size=7"),
     row("micro-batch not dividing the batch", lambda _: compile_mlp(
         stages=2, micro_batch_size=3), Plan, "micro_batch_size=3", "batch of 8"),
+    # -- grad_accum_steps: global batch = micro-batch x micro-batches x replicas (issue 44) --
+    row("grad_accum_steps=0", lambda _: compile_mlp(stages=2, grad_accum_steps=0), E,
+        "grad_accum_steps=0", "positive number"),
+    row("grad_accum_steps not dividing the global batch", lambda _: compile_mlp(
+        stages=2, global_batch_size=16, grad_accum_steps=3), E, "does not divide",
+        "global_batch_size=16"),
+    row("grad_accum_steps x micro_batch_size x data_parallel not the global batch",
+        lambda _: compile_mlp(stages=2, global_batch_size=16, micro_batch_size=2,
+                              grad_accum_steps=2, data_parallel=1), E, "global batch of 4",
+        "global_batch_size=16"),
+    row("grad_accum_steps not dividing the example batch", lambda _: compile_mlp(
+        stages=2, grad_accum_steps=3), Plan, "grad_accum_steps=3", "batch of 8"),
+    row("micro_batch_size x grad_accum_steps not the example batch", lambda _: compile_mlp(
+        stages=2, micro_batch_size=2, grad_accum_steps=2), Plan,
+        "micro_batch_size=2 x grad_accum_steps=2", "per-replica batch of 8"),
     row("recompute='yes'", lambda _: compile_mlp(stages=2, recompute="yes"), E,
         "recompute='yes'", "True"),
     row("offload_stash='no'", lambda _: compile_mlp(stages=2, offload_stash="no"), E,

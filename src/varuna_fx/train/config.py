@@ -117,6 +117,10 @@ class TrainConfig:
     # (bench/RESULTS.md, "The train command"); 4 keeps that run near a minute on any layout
     micro_batch_size: Any = key(4, "compile", "samples per micro-batch (auto: the planner's); "
                                 "divides the global batch", "int|auto", low=1)
+    grad_accum_steps: Any = key(AUTO, "compile", "micro-batches per replica per step, their "
+                                "gradients accumulated: global_batch_size = micro_batch_size x "
+                                "grad_accum_steps x data_parallel (auto: the planner's; given "
+                                "alone, micro_batch_size follows from it)", "int|auto", low=1)
     stages_per_rank: Any = key(1, "compile", "virtual stages per rank (auto: the schedule's)",
                                "int|auto", low=1)
     schedule: str = key(DEFAULT_SCHEDULE, "compile", "micro-batch schedule: "
@@ -179,8 +183,8 @@ class TrainConfig:
     def compile_options(self) -> dict[str, Any]:
         """The keyword arguments of ``vf.compile`` these keys set (besides the model's)."""
         auto = {k: (None if getattr(self, k) == AUTO else getattr(self, k))
-                for k in ("stages", "data_parallel", "micro_batch_size", "stages_per_rank",
-                          "timeout")}
+                for k in ("stages", "data_parallel", "micro_batch_size", "grad_accum_steps",
+                          "stages_per_rank", "timeout")}
         return dict(auto, global_batch_size=self.global_batch_size, schedule=self.schedule,
                     recompute=self.recompute, shard_optimizer=self.shard_optimizer,
                     precision=self.precision, tracer=self.tracer,
@@ -377,7 +381,12 @@ def resolve(argv: list[str]) -> tuple[TrainConfig, dict[str, str]]:
     config, flags = split_argv(list(argv))
     from_file = read_toml(config) if config is not None else {}
     source = {k: "config file" for k in from_file} | {k: "command line" for k in flags}
-    cfg = TrainConfig(**(from_file | flags))
+    given = from_file | flags
+    if given.get("grad_accum_steps", AUTO) != AUTO and "micro_batch_size" not in given:
+        # the default micro-batch size (4) is a choice of the run, not the user's: with the
+        # micro-batches given, the micro-batch follows from the equation
+        given["micro_batch_size"] = AUTO
+    cfg = TrainConfig(**given)
     check(cfg, set(source))
     return cfg, source
 
@@ -413,6 +422,7 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
         raise InputError(f"micro_batch_size = {cfg.micro_batch_size} does not divide "
                          f"global_batch_size = {cfg.global_batch_size}: change one, or let "
                          "the planner choose (micro_batch_size = \"auto\")")
+    _check_batch_equation(cfg)
     if cfg.global_batch_size == 1:
         raise InputError("global_batch_size = 1: a pipeline needs at least 2 samples per step")
     elastic_only = [k for k in ("nnodes", "rdzv_endpoint", "local_addr", "in_place")
@@ -422,6 +432,25 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
                          "--elastic --in-place, as `varuna-fx run`); for a fixed multi-machine "
                          "job pass torchrun's flags in torchrun_args")
     check_in_place(cfg)
+
+
+def _check_batch_equation(cfg: TrainConfig) -> None:
+    """global_batch_size = micro_batch_size x grad_accum_steps x data_parallel, for the
+    values given (the planner chooses the others so that it holds)."""
+    if cfg.grad_accum_steps == AUTO:
+        return
+    terms = {k: getattr(cfg, k) for k in ("micro_batch_size", "grad_accum_steps",
+                                          "data_parallel") if getattr(cfg, k) != AUTO}
+    product = math.prod(terms.values())
+    shown = " x ".join(f"{k} = {v}" for k, v in terms.items())
+    if len(terms) == 3 and product != cfg.global_batch_size:
+        raise InputError(f"{shown} is a global batch of {product}, not global_batch_size = "
+                         f"{cfg.global_batch_size}: change one, or set micro_batch_size or "
+                         "data_parallel to auto")
+    if cfg.global_batch_size % product:
+        raise InputError(f"{shown} does not divide global_batch_size = "
+                         f"{cfg.global_batch_size} (global batch = micro-batch x "
+                         "grad_accum_steps x replicas): change one of them")
 
 
 def _check_folder(name: str, value: str, what: str) -> None:
