@@ -97,4 +97,4 @@ def test_the_slurm_script_runs_one_task_per_machine_with_a_shared_out() -> None:
     assert options["signal"].startswith("TERM@")  # the command saves on SIGTERM
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     assert "--nproc 4" in srun and options["gpus-per-node"] == "4"
-    assert "--out /shared/" in srun and "node-rank" not in srun  # one command on every machine
+    assert "--out /nfs/" in srun and "node-rank" not in srun  # one command on every machine
