@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ..capture.trace import TRACERS
+from ..data.documents import TEXT_SUFFIXES, is_document_source
+from ..data.tokens import TOKEN_SUFFIXES
 from ..errors import InputError
 from ..runtime.precision import PRECISIONS
 from ..schedule import DEFAULT_SCHEDULE, schedule_choices
@@ -73,8 +75,16 @@ class TrainConfig:
                          "start from; ignored when --out holds a checkpoint to resume", "path")
     # -- data
     data: str = key(STDLIB_CORPUS, "data", "stdlib (the Python standard library's sources, "
-                    "read as bytes: no download), a token file (.bin of uint16/uint32), or any "
-                    "other file read as bytes")
+                    "read as bytes: no download), a token file (.bin of uint16/uint32), a text "
+                    "(.txt) or JSON Lines (.jsonl) file with --tokenizer, a datasets "
+                    "save_to_disk folder or .parquet file (pip install varuna_fx[datasets]), "
+                    "or any other file read as bytes")
+    tokenizer: str = key("", "data", "a local folder holding a Hugging Face tokenizer "
+                         "(tokenizer.json, or what transformers' AutoTokenizer reads from "
+                         "files): text and .jsonl data are tokenized with it once, cached under "
+                         "$VARUNA_FX_CACHE_DIR/tokens (empty: text is read as bytes)", "path")
+    text_key: str = key("text", "data", ".jsonl data (and datasets folders / .parquet): the "
+                        "field holding each document's text")
     corpus_bytes: int = key(4_000_000, "data", "stdlib: bytes of the corpus (the first files "
                             "in sorted order, cut at this size)", low=1024)
     data_dtype: str = key(AUTO, "data", ".bin token files: uint16 / uint32 / auto (inferred)",
@@ -404,9 +414,11 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
                              "(or a directory holding one), nor module:factory")
     elif cfg.n_embd % cfg.n_head:
         raise InputError(f"n_embd = {cfg.n_embd} is not a multiple of n_head = {cfg.n_head}")
-    if cfg.data != STDLIB_CORPUS and not Path(cfg.data).is_file():
+    if cfg.data != STDLIB_CORPUS and not Path(cfg.data).is_file() and \
+            not is_document_source(cfg.data):
         raise InputError(f"data = {cfg.data!r} is not a file (give a token .bin file, a text "
-                         "file, or stdlib for the built-in corpus)")
+                         "or .jsonl file, or stdlib for the built-in corpus)")
+    _check_tokenizer(cfg)
     _check_folder("out", cfg.out, "the run's folder")
     if cfg.export:
         _check_folder("export", cfg.export, "the directory the model is exported to")
@@ -432,6 +444,22 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
                          "--elastic --in-place, as `varuna-fx run`); for a fixed multi-machine "
                          "job pass torchrun's flags in torchrun_args")
     check_in_place(cfg)
+
+
+def _check_tokenizer(cfg: TrainConfig) -> None:
+    """Documents need a tokenizer (text alone is read as bytes); tokens need none."""
+    if cfg.tokenizer:
+        if not Path(cfg.tokenizer).is_dir():
+            raise InputError(f"tokenizer = {cfg.tokenizer!r} is not a folder: give the local "
+                             "folder holding tokenizer.json (nothing is downloaded)")
+        if cfg.data == STDLIB_CORPUS or Path(cfg.data).suffix in TOKEN_SUFFIXES:
+            raise InputError(f"tokenizer = {cfg.tokenizer!r} with data = {cfg.data!r}, which "
+                             "is already tokens (bytes or a .bin file): give a .txt or .jsonl "
+                             "file, or remove --tokenizer")
+    elif cfg.data != STDLIB_CORPUS and is_document_source(cfg.data) and \
+            Path(cfg.data).suffix not in TEXT_SUFFIXES:
+        raise InputError(f"data = {cfg.data!r} holds documents to tokenize: give the tokenizer's "
+                         "local folder with --tokenizer DIR")
 
 
 def _check_batch_equation(cfg: TrainConfig) -> None:

@@ -152,7 +152,8 @@ class Run:
         start = latest_checkpoint(self.folder) if self.folder.is_dir() else None
         data = open_data(cfg)
         made = build_model(cfg, data.vocab_size, data.largest_token,
-                           initialise=start is None and not cfg.init_from)
+                           initialise=start is None and not cfg.init_from,
+                           tokenizer_vocab=data.tokenizer_vocab)
         example = torch.zeros(min(cfg.global_batch_size, EXAMPLE_BATCH), cfg.seq_len,
                               dtype=torch.long)
         pipe = vf_compile(made.model, example_inputs=(example,), loss_fn=next_token_loss,
