@@ -52,7 +52,11 @@ def train_command(argv: Sequence[str]) -> int:
         print(to_toml(cfg, source), end="")
         return 0
     try:  # documents are tokenized here, once, with a progress bar; the ranks read the cache
-        prepare_data(cfg)
+        made = prepare_data(cfg)
+        if made is not None and not made.cached:
+            print(f"varuna-fx train: tokenized {cfg.data} with {cfg.tokenizer}: "
+                  f"{made.documents:,} documents, {made.count:,} tokens, cached in {made.path}",
+                  flush=True)
     except VarunaFxError as exc:
         print(f"varuna-fx train: error: {exc}", file=sys.stderr)
         return 2

@@ -169,10 +169,10 @@ class Run:
         sharded = pipe.replicas > 1 and cfg.shard_optimizer is not False
         self.say(f"model: {made.description}")
         self.say(f"data: {data.description}")
-        self.say(f"plan: P={plan.stages} x D={plan.data_parallel}, {plan.num_micro_batches} "
-                 f"micro-batch(es) of {plan.micro_batch_size}, schedule {plan.schedule.name}, "
-                 f"optimizer state {'sharded (ZeRO-1)' if sharded else 'not sharded'}, global "
-                 f"batch {loader.global_batch_size}")
+        # the batch in the keys' words: micro_batch_size x grad_accum_steps x data_parallel
+        self.say(f"plan: P={plan.stages} x D={plan.data_parallel}, {plan.batch_equation}, "
+                 f"schedule {plan.schedule.name}, optimizer state "
+                 f"{'sharded (ZeRO-1)' if sharded else 'not sharded'}")
         if pipe.joined:  # the running job's state came with the join: newer than a checkpoint
             print(f"varuna-fx train: rank {self.rank} joined the running job at step "
                   f"{progress.step}", flush=True)
