@@ -278,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fix D (default: searched)")
     plan.add_argument("--micro-batch-size", type=int, default=None,
                       help="fix the micro-batch size (default: searched)")
+    plan.add_argument("--grad-accum-steps", type=int, default=None,
+                      help="fix the micro-batches per replica per step (gradient accumulation): "
+                           "global batch = micro-batch x micro-batches x replicas (default: "
+                           "searched)")
     plan.add_argument("--stages-per-rank", default=None, type=_stages_per_rank,
                       metavar="V|auto",
                       help="model stages on each device, as compile's stages_per_rank (several: "
