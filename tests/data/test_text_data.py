@@ -124,6 +124,10 @@ def test_missing_and_empty_inputs_are_refused_before_training(tmp_path: Path,
         list(read_documents(tmp_path / "notjson.jsonl"))
     with pytest.raises(vf.InputError, match="does not exist"):
         list(read_documents(tmp_path / "gone.jsonl"))
+    (tmp_path / "config_only").mkdir()  # AutoTokenizer would make one of special tokens only
+    (tmp_path / "config_only" / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(vf.InputError, match="no tokenizer.json and no vocabulary file"):
+        LocalTokenizer(tmp_path / "config_only")
     with pytest.raises(vf.InputError, match="is not a folder"):
         resolve(["--data", str(empty), "--tokenizer", str(tmp_path / "no_tok")])
     docs = _jsonl(tmp_path / "docs.jsonl", [{"text": "a b"}])

@@ -118,7 +118,16 @@ def _read_config(path: Path) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
+# what a tokenizer without tokenizer.json keeps its vocabulary in (SentencePiece, WordPiece,
+# BPE): without one, AutoTokenizer makes a tokenizer of its special tokens alone, silently
+_VOCABULARY_FILES = ("*.model", "vocab.txt", "vocab.json", "merges.txt")
+
+
 def _auto_tokenizer(folder: Path) -> Any:
+    if not any(next(folder.glob(pattern), None) for pattern in _VOCABULARY_FILES):
+        raise InputError(f"{folder} holds no tokenizer.json and no vocabulary file "
+                         f"({', '.join(_VOCABULARY_FILES)}): give the folder a Hugging Face "
+                         "tokenizer was saved to (tokenizer.save_pretrained(DIR))")
     try:
         from transformers import AutoTokenizer
     except ImportError:
