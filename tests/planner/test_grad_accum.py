@@ -61,3 +61,15 @@ def test_the_train_key_frees_the_default_micro_batch_and_checks_the_equation() -
     assert cfg.compile_options()["micro_batch_size"] is None  # follows from the equation
     with pytest.raises(vf.VarunaFxError, match="is a global batch of 8, not global_batch_size"):
         resolve(["--grad-accum-steps", "2", "--micro-batch-size", "4", "--data-parallel", "1"])
+
+
+def test_plan_for_takes_grad_accum_steps_and_searches_only_those_micro_batches() -> None:
+    from varuna_fx.planner import analyze, plan_for
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    graph = analyze(model, (torch.randn(4, 8),))
+    result = plan_for(graph, vf.Cluster(gpus=4, device="cpu"), global_batch_size=32,
+                      grad_accum_steps=4)
+    assert result.alternatives and all(a.num_micro_batches == 4 for a in result.alternatives)
+    best = result.best
+    assert best.micro_batch_size * 4 * best.data_parallel == 32

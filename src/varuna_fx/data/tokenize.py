@@ -281,4 +281,6 @@ class _Bar:
 
     def __exit__(self, *_: Any) -> None:
         if self._progress is not None:
+            # (the bar counts the documents' bytes, a little less than a .jsonl file's)
+            self._progress.update(self._task, completed=self.total)
             self._progress.stop()

@@ -126,7 +126,7 @@ def analyze(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Anal
 
 def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None = None,
              stages: int | None = None, data_parallel: int | None = None,
-             micro_batch_size: int | None = None,
+             micro_batch_size: int | None = None, grad_accum_steps: int | None = None,
              schedule: str | ScheduleSpec = DEFAULT_SCHEDULE, recompute: bool | str = True,
              profile: Profile | None = None, top: int = 5, stages_per_rank: int | None = 1,
              shard_optimizer: bool | str = False, compression: str = "off",
@@ -138,7 +138,7 @@ def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None
     return graph.plan(PlanOptions(
         cluster=cluster, global_batch_size=global_batch_size, stages=stages,
         data_parallel=data_parallel, micro_batch_size=micro_batch_size,
-        schedule=schedule if isinstance(schedule, str) else schedule.name, recompute=recompute,
+        grad_accum_steps=grad_accum_steps, schedule=schedule if isinstance(schedule, str) else schedule.name, recompute=recompute,
         profile=profile, stages_per_rank=stages_per_rank, shard_optimizer=shard_optimizer,
         compression=compression, replica_sync=replica_sync), top=top)
 
