@@ -130,6 +130,8 @@ def test_missing_and_empty_inputs_are_refused_before_training(tmp_path: Path,
         LocalTokenizer(tmp_path / "config_only")
     with pytest.raises(vf.InputError, match="is not a folder"):
         resolve(["--data", str(empty), "--tokenizer", str(tmp_path / "no_tok")])
+    with pytest.raises(vf.InputError, match="is not a file"):
+        resolve(["--data", str(tmp_path / "gone.jsonl"), "--tokenizer", str(tokenizer_dir)])
     docs = _jsonl(tmp_path / "docs.jsonl", [{"text": "a b"}])
     with pytest.raises(vf.InputError, match="--tokenizer DIR"):
         resolve(["--data", str(docs)])

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..capture.trace import TRACERS
-from ..data.documents import TEXT_SUFFIXES, is_document_source
+from ..data.documents import TEXT_SUFFIXES, is_document_source, is_saved_dataset
 from ..data.tokens import TOKEN_SUFFIXES
 from ..errors import InputError
 from ..runtime.precision import PRECISIONS
@@ -415,9 +415,10 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
     elif cfg.n_embd % cfg.n_head:
         raise InputError(f"n_embd = {cfg.n_embd} is not a multiple of n_head = {cfg.n_head}")
     if cfg.data != STDLIB_CORPUS and not Path(cfg.data).is_file() and \
-            not is_document_source(cfg.data):
+            not (Path(cfg.data).is_dir() and is_saved_dataset(Path(cfg.data))):
         raise InputError(f"data = {cfg.data!r} is not a file (give a token .bin file, a text "
-                         "or .jsonl file, or stdlib for the built-in corpus)")
+                         "or .jsonl file with --tokenizer, a datasets save_to_disk folder, or "
+                         "stdlib for the built-in corpus)")
     _check_tokenizer(cfg)
     _check_folder("out", cfg.out, "the run's folder")
     if cfg.export:
