@@ -78,6 +78,7 @@ def compile(  # noqa: A001 - the public name in API.md
     stages_per_rank: int | None = 1,
     data_parallel: int | None = None,
     micro_batch_size: int | None = None,
+    grad_accum_steps: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     shard_optimizer: bool | str = "auto",
     recompute: bool | str = "auto",
@@ -99,6 +100,8 @@ def compile(  # noqa: A001 - the public name in API.md
     on the stages whose activations would not fit otherwise (``plan.recompute`` says which).
     ``stages_per_rank``: v stages on each rank (virtual stages: ``schedule="interleaved-1f1b"``
     or ``"zbv"``); the world is then (stages / v) x D ranks. None: the schedule's default.
+    ``grad_accum_steps``: micro-batches per replica per optimizer step (their gradients are
+    accumulated): global batch = micro_batch_size x grad_accum_steps x data_parallel.
     ``compression`` / ``replica_sync``: what slow links carry (docs/API.md, "Slow links";
     anything but "off" / "exact" departs from eager numerics by design, and the plan says so).
     """

@@ -26,6 +26,7 @@ from .checkpoint.save_load import Checkpointer
 from .codegen.modes import Modes, evaluation_stages, module_modes
 from .codegen.stage_module import Stage
 from .data.loader import GlobalBatchLoader, loader_for
+from .data.stream import StreamLoader, stream_loader
 from .errors import InputError, VarunaFxError
 from .init.allocation import DeferredAllocation
 from .init.skip import any_marked, loaded, raise_unloaded, unloaded
@@ -217,13 +218,22 @@ class Pipeline:
 
     def data_loader(self, dataset: Any, *, shuffle: bool = True, seed: int = 0,
                     num_workers: int = 0, collate_fn: Any = None,
-                    **dataloader_kwargs: Any) -> GlobalBatchLoader:
+                    **dataloader_kwargs: Any) -> GlobalBatchLoader | StreamLoader:
         """This replica's share of one global batch per step, over a map-style ``dataset``,
         in an order that depends on (seed, epoch) only; its position is saved with
-        ``save_checkpoint(..., data=loader)`` and restored on any layout (data/loader.py).
+        ``save_checkpoint(..., data=loader)`` and restored on any layout (data/loader.py). An
+        iterable dataset (a stream) gives a ``StreamLoader`` (data/stream.py): the stream's own
+        order, a position in samples consumed, resumed on any layout.
         Other keyword arguments go to ``torch.utils.data.DataLoader`` (pin_memory, ...)."""
         plan = self.plan
         replica_batch = self._replica_batch or plan.micro_batch_size * plan.num_micro_batches
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            # a stream: its own order, every replica reading it and keeping its share
+            # (data/stream.py); shuffle= and seed= do not apply
+            return stream_loader(dataset, replica_batch=replica_batch, replicas=self.replicas,
+                                 replica=self.replica_index, in_place=self._in_place is not None,
+                                 num_workers=num_workers, collate_fn=collate_fn,
+                                 **dataloader_kwargs)
         return self.track(loader_for(dataset, replica_batch=replica_batch,
                                      replicas=self.replicas, replica=self.replica_index,
                                      shuffle=shuffle, seed=seed, num_workers=num_workers,

@@ -6,6 +6,7 @@ tests/launch/test_timeouts_and_loopback.py and the distributed tests.)"""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -22,6 +23,7 @@ from torch import nn
 import varuna_fx as vf
 from support.autograd_models import Quantised
 from support.registry import CASES
+from varuna_fx.data.documents import read_documents
 from varuna_fx.monitor.report import report
 from varuna_fx.world.switches import read as read_switch
 
@@ -260,6 +262,21 @@ CATALOGUE = [
         stages=2, global_batch_size=7), Inp, "8 samples", "global_batch_size=7"),
     row("micro-batch not dividing the batch", lambda _: compile_mlp(
         stages=2, micro_batch_size=3), Plan, "micro_batch_size=3", "batch of 8"),
+    # -- grad_accum_steps: global batch = micro-batch x micro-batches x replicas (issue 44) --
+    row("grad_accum_steps=0", lambda _: compile_mlp(stages=2, grad_accum_steps=0), E,
+        "grad_accum_steps=0", "positive number"),
+    row("grad_accum_steps not dividing the global batch", lambda _: compile_mlp(
+        stages=2, global_batch_size=16, grad_accum_steps=3), E, "does not divide",
+        "global_batch_size=16"),
+    row("grad_accum_steps x micro_batch_size x data_parallel not the global batch",
+        lambda _: compile_mlp(stages=2, global_batch_size=16, micro_batch_size=2,
+                              grad_accum_steps=2, data_parallel=1), E, "global batch of 4",
+        "global_batch_size=16"),
+    row("grad_accum_steps not dividing the example batch", lambda _: compile_mlp(
+        stages=2, grad_accum_steps=3), Plan, "grad_accum_steps=3", "batch of 8"),
+    row("micro_batch_size x grad_accum_steps not the example batch", lambda _: compile_mlp(
+        stages=2, micro_batch_size=2, grad_accum_steps=2), Plan,
+        "micro_batch_size=2 x grad_accum_steps=2", "per-replica batch of 8"),
     row("recompute='yes'", lambda _: compile_mlp(stages=2, recompute="yes"), E,
         "recompute='yes'", "True"),
     row("offload_stash='no'", lambda _: compile_mlp(stages=2, offload_stash="no"), E,
@@ -490,7 +507,41 @@ CATALOGUE = [
         "is a file", "the run's folder, a directory"),
     row("train: --export onto a file", lambda _: _train_config(["--export", _a_file()]), Inp,
         "is a file", "exported to, a directory"),
+    row("train: grad_accum_steps x micro_batch_size x data_parallel not the global batch",
+        lambda _: _train_config(["--grad-accum-steps", "2", "--micro-batch-size", "4",
+                                 "--data-parallel", "1"]), Inp, "is a global batch of 8",
+        "global_batch_size = 16"),
+    # -- documents and tokenizers (issue 44 item 2; tests/data/test_text_data.py has the rest)
+    row("train: .jsonl data without a tokenizer", lambda _: _train_config(
+        ["--data", _jsonl([{"text": "a b"}])]), Inp, "--tokenizer DIR"),
+    row("train: a tokenizer folder that is not there", lambda _: _train_config(
+        ["--data", _jsonl([{"text": "a b"}]), "--tokenizer", "/nonexistent/tokenizer"]), Inp,
+        "is not a folder", "tokenizer.json"),
+    row("an empty document", lambda _: _documents([{"text": "a b"}, {"text": ""}]), Inp,
+        "line 2", "empty"),
+    row("a document without the text key", lambda _: _documents([{"body": "a b"}]), Inp,
+        "no 'text' field", "--text-key"),
+    row("data that does not exist", lambda _: list(read_documents("/nonexistent/docs.jsonl")),
+        Inp, "does not exist"),
+    row("data_loader of a stream with workers", step_after(
+        lambda p: p.data_loader(_Stream(), num_workers=2)), Inp, "takes no num_workers"),
 ]
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self) -> Any:
+        return iter(range(64))
+
+
+def _jsonl(records: list[Any]) -> str:
+    fd, path = tempfile.mkstemp(suffix=".jsonl")
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def _documents(records: list[Any]) -> list[str]:
+    return list(read_documents(_jsonl(records)))
 
 
 _DEEP_JSON = b"[" * 100_000 + b"]" * 100_000  # a crafted file: json.loads would recurse out

@@ -143,18 +143,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     (launch/in_place.py)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    if not args.elastic and (args.nnodes or args.rdzv_endpoint or args.local_addr):
-        raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for "
-                         "a fixed multi-machine job pass torchrun's flags in --torchrun-args")
-    in_place = getattr(args, "in_place", False)  # (a Namespace made by another caller)
-    if in_place and not args.elastic:
-        raise SystemExit("--in-place goes with --elastic")
-    elastic = dict(nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                   local_addr=args.local_addr, max_restarts=args.max_restarts,
-                   rdzv_conf=args.rdzv_conf, in_place=in_place,
-                   store_host=getattr(args, "store_host", None)) if args.elastic else {}
-    ranks = Ranks(nproc=args.nproc, flags=tuple(split_flags(args.torchrun_args)),
-                  elastic=args.elastic, **elastic)
+    ranks = ranks_of_args(args)
     try:
         return start_ranks(ranks, args.script, args.script_args)
     except SignalException as stop:
@@ -165,6 +154,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"varuna-fx run: stopped by {name}; the workers were sent {name} too (a "
               "preemption-safe loop saves a checkpoint and exits)", file=sys.stderr)
         return 128 + int(stop.sigval)
+
+
+def ranks_of_args(args: argparse.Namespace) -> Ranks:
+    """Where ``varuna-fx run``'s ranks run, from its parsed flags, checked (the elastic flags go
+    with --elastic, --in-place with both); docs/multi_node.md's commands are read through it."""
+    if not args.elastic and (args.nnodes or args.rdzv_endpoint or args.local_addr):
+        raise SystemExit("--nnodes / --rdzv-endpoint / --local-addr belong to --elastic; for "
+                         "a fixed multi-machine job pass torchrun's flags in --torchrun-args")
+    in_place = getattr(args, "in_place", False)  # (a Namespace made by another caller)
+    if in_place and not args.elastic:
+        raise SystemExit("--in-place goes with --elastic")
+    elastic = dict(nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                   local_addr=args.local_addr, max_restarts=args.max_restarts,
+                   rdzv_conf=args.rdzv_conf, in_place=in_place,
+                   store_host=getattr(args, "store_host", None)) if args.elastic else {}
+    return Ranks(nproc=args.nproc, flags=tuple(split_flags(args.torchrun_args)),
+                 elastic=args.elastic, **elastic)
 
 
 def _setting(text: str) -> bool | str:
@@ -273,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fix D (default: searched)")
     plan.add_argument("--micro-batch-size", type=int, default=None,
                       help="fix the micro-batch size (default: searched)")
+    plan.add_argument("--grad-accum-steps", type=int, default=None,
+                      help="fix the micro-batches per replica per step (gradient accumulation): "
+                           "global batch = micro-batch x micro-batches x replicas (default: "
+                           "searched)")
     plan.add_argument("--stages-per-rank", default=None, type=_stages_per_rank,
                       metavar="V|auto",
                       help="model stages on each device, as compile's stages_per_rank (several: "

@@ -77,7 +77,7 @@ def plan_command(args: argparse.Namespace, console: Console | None = None) -> in
 
 # compile()'s keyword arguments in the planner's messages -> the options of `varuna-fx plan`
 _OPTIONS = [
-    (re.compile(r"\b(global_batch_size|micro_batch_size|data_parallel|stages)="),
+    (re.compile(r"\b(global_batch_size|micro_batch_size|grad_accum_steps|data_parallel|stages)="),
      lambda m: "--" + m.group(1).replace("_", "-") + "="),
     (re.compile(r"\brecompute=True\b"), lambda m: "--recompute true"),
     (re.compile(r"\brecompute=False\b"), lambda m: "--recompute false"),
@@ -98,7 +98,8 @@ def plan_options(args: argparse.Namespace, cluster: Cluster, profile: Profile | 
     """The command line's constraints as the planner's options (``fixed`` overrides them)."""
     chosen = {"stages": getattr(args, "stages", None),
               "data_parallel": getattr(args, "data_parallel", None),
-              "micro_batch_size": getattr(args, "micro_batch_size", None), **fixed}
+              "micro_batch_size": getattr(args, "micro_batch_size", None),
+              "grad_accum_steps": getattr(args, "grad_accum_steps", None), **fixed}
     return PlanOptions(cluster=cluster, global_batch_size=args.global_batch_size,
                        schedule=args.schedule, recompute=recompute_setting(args),
                        profile=profile, stages_per_rank=stages_per_rank_setting(args),
@@ -198,8 +199,9 @@ def describe(cluster: Cluster, name: str, result: SearchResult, measured: bool,
     return (
         f"[bold]{name}[/bold]: P={best.stages} x D={best.data_parallel}"
         + (f" ({result.stages_per_rank} stages per device)" if result.stages_per_rank > 1
-           else "") + ", micro-batch "
-        f"{best.micro_batch_size} x {best.num_micro_batches}, schedule {best.schedule}, "
+           else "") + f", global batch {best.samples} = micro-batch "
+        f"{best.micro_batch_size} x {best.num_micro_batches} micro-batches x "
+        f"{best.data_parallel} replicas, schedule {best.schedule}, "
         "predicted step "
         f"{_seconds(best.step_time)}\n"
         f"cluster: {cluster.gpus} devices, {cluster.gpus_per_node} per node, "

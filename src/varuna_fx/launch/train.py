@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..errors import VarunaFxError
 from ..train.config import AUTO, TrainConfig, help_text, resolve, to_toml
+from ..train.data import prepare_data
 from ..train.worker import SUMMARY, encode, run_training
 from ..world import safe_json
 from .in_place import REFUSED_EXIT
@@ -50,6 +51,15 @@ def train_command(argv: Sequence[str]) -> int:
     if show:
         print(to_toml(cfg, source), end="")
         return 0
+    try:  # documents are tokenized here, once, with a progress bar; the ranks read the cache
+        made = prepare_data(cfg)
+        if made is not None and not made.cached:
+            print(f"varuna-fx train: tokenized {cfg.data} with {cfg.tokenizer}: "
+                  f"{made.documents:,} documents, {made.count:,} tokens, cached in {made.path}",
+                  flush=True)
+    except VarunaFxError as exc:
+        print(f"varuna-fx train: error: {exc}", file=sys.stderr)
+        return 2
     if cfg.nproc == 1 and not cfg.elastic and not cfg.torchrun_args:
         try:
             return run_training(cfg, launched_at, source)

@@ -27,9 +27,8 @@ from ..world.where import resolve_timeout
 from .candidates import Candidate, SearchResult, Space
 from .cluster import Cluster
 from .configure import (
-    check_micro_batch,
     check_stages_per_rank,
-    default_micro_batch_size,
+    micro_batch_of,
     replica_batch,
 )
 from .cost_table import CostTable
@@ -86,7 +85,8 @@ class Analyzed:
         profile = self.profile() if options.profile is True else options.profile or None
         use = profile if profile is not None and profile.applies_to(cluster) else None
         space = Space(cluster.gpus, self.bound.batch_size, options.global_batch_size,
-                      options.stages, options.data_parallel, options.micro_batch_size)
+                      options.stages, options.data_parallel, options.micro_batch_size,
+                      micro_batches=options.grad_accum_steps)
 
         def search(recompute: bool) -> SearchResult:
             planner = Planner(self.table(use), cluster, schedule=choice,
@@ -126,7 +126,7 @@ def analyze(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Anal
 
 def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None = None,
              stages: int | None = None, data_parallel: int | None = None,
-             micro_batch_size: int | None = None,
+             micro_batch_size: int | None = None, grad_accum_steps: int | None = None,
              schedule: str | ScheduleSpec = DEFAULT_SCHEDULE, recompute: bool | str = True,
              profile: Profile | None = None, top: int = 5, stages_per_rank: int | None = 1,
              shard_optimizer: bool | str = False, compression: str = "off",
@@ -138,7 +138,7 @@ def plan_for(graph: Analyzed, cluster: Cluster, *, global_batch_size: int | None
     return graph.plan(PlanOptions(
         cluster=cluster, global_batch_size=global_batch_size, stages=stages,
         data_parallel=data_parallel, micro_batch_size=micro_batch_size,
-        schedule=schedule if isinstance(schedule, str) else schedule.name, recompute=recompute,
+        grad_accum_steps=grad_accum_steps, schedule=schedule if isinstance(schedule, str) else schedule.name, recompute=recompute,
         profile=profile, stages_per_rank=stages_per_rank, shard_optimizer=shard_optimizer,
         compression=compression, replica_sync=replica_sync), top=top)
 
@@ -182,8 +182,7 @@ def _plan_virtual(pricer: Pricer, space: Space, kind: ScheduleSpec) -> SearchRes
                         f"devices, more than the {space.gpus} there are: choose at most "
                         f"{v * (space.gpus // d)} stages or fewer replicas")
     batch = replica_batch(space.example_batch, space.global_batch_size, d)
-    b = space.micro_batch_size or default_micro_batch_size(batch, stages)
-    check_micro_batch(batch, b)
+    b = micro_batch_of(batch, space.micro_batch_size, space.micro_batches, stages)
     most = pricer.balancer(b).count
     if stages > most:
         raise PartitionError(f"stages={stages} is more than the {most} places the model can "

@@ -79,6 +79,7 @@ class Space:
     data_parallel: int | None = None
     micro_batch_size: int | None = None
     world: int | None = None  # a running job: P x D must use exactly its ranks
+    micro_batches: int | None = None  # grad_accum_steps: m fixed, b = the replica batch / m
 
     def replica_batch(self, replicas: int) -> int | None:
         if self.global_batch_size is None:

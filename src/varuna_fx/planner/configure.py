@@ -163,14 +163,13 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
     if stages is not None and (cluster.gpus == 1 or mismatch or v > 1):  # nothing to search
         p, d = stages, data_parallel or max(1, cluster.gpus // stages)
         batch = replica_batch(example_batch, global_batch_size, d)
-        b = micro_batch_size or default_micro_batch_size(batch, p)
-        check_micro_batch(batch, b)
+        b = micro_batch_of(batch, micro_batch_size, options.grad_accum_steps, p)
         given = Candidate(p, d, b, batch // b)
         name = planner.best_schedule(given)
         shard = given.shard
     else:
         space = Space(cluster.gpus, example_batch, global_batch_size, stages, data_parallel,
-                      micro_batch_size, world=world)
+                      micro_batch_size, world=world, micro_batches=options.grad_accum_steps)
         # the search is a function of these alone (plan_cache.py): a re-plan that saw them
         # before (a restart, a world size seen before) takes its answer from the cache
         key = plan_cache.search_key(pricer, options, space, example_batch, recompute)
@@ -415,6 +414,26 @@ def _searched(costs: PartitionProblem, config: Configuration
             return dataclasses.replace(made, stage_memory=priced.stage_memory), priced
         counts = tuple(max(r, c) for r, c in zip(priced.stash_counts, counts))
     return None
+
+
+def micro_batch_of(batch: int, micro_batch_size: int | None, micro_batches: int | None,
+                   stages: int) -> int:
+    """The micro-batch size for a replica batch of ``batch`` samples: the given one, the one
+    ``grad_accum_steps`` (``micro_batches``) implies, or about 4 micro-batches per stage."""
+    if micro_batches is None:
+        b = micro_batch_size or default_micro_batch_size(batch, stages)
+    else:
+        if batch % micro_batches:
+            raise PlanError(f"grad_accum_steps={micro_batches} does not divide the per-replica "
+                            f"batch of {batch} (global batch = micro-batch x micro-batches x "
+                            f"replicas); choose a divisor of {batch}")
+        b = batch // micro_batches
+        if micro_batch_size is not None and micro_batch_size != b:
+            raise PlanError(f"micro_batch_size={micro_batch_size} x grad_accum_steps="
+                            f"{micro_batches} is not the per-replica batch of {batch}: give "
+                            "one of them, or values whose product is the per-replica batch")
+    check_micro_batch(batch, b)
+    return b
 
 
 def check_micro_batch(batch: int, micro_batch_size: int) -> None:

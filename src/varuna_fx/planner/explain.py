@@ -30,15 +30,16 @@ def smallest_memory(planner: Planner, c: Candidate) -> float:
 def no_candidates(space: Space) -> str:
     fixed = ", ".join(f"{k}={v}" for k, v in (
         ("stages", space.stages), ("data_parallel", space.data_parallel),
-        ("micro_batch_size", space.micro_batch_size)) if v is not None)
+        ("micro_batch_size", space.micro_batch_size),
+        ("grad_accum_steps", space.micro_batches)) if v is not None)
     devices = f"exactly the {space.world} running ranks" if space.world else \
         f"at most {space.gpus} devices"
     batch = f"global_batch_size={space.global_batch_size}" if space.global_batch_size \
         else f"the example batch of {space.example_batch} per replica"
     return (f"no (P, D, micro-batch size) uses {devices} with {batch}"
             + (f" and {fixed}" if fixed else "") + ": P x D must fit the devices, D divide the "
-            "global batch and the micro-batch size divide the per-replica batch; change the "
-            "fixed values or the batch")
+            "global batch and the micro-batch size (or grad_accum_steps, the micro-batches) "
+            "divide the per-replica batch; change the fixed values or the batch")
 
 
 def explain_nothing_fits(planner: Planner, space: Space) -> PlanError:

@@ -34,6 +34,9 @@ class PlanOptions:
     stages_per_rank: int | None = 1  # None: the schedule's default (the planner checks it)
     data_parallel: int | None = None
     micro_batch_size: int | None = None
+    # micro-batches per replica per optimizer step (m): the gradients of m micro-batches are
+    # accumulated before the step, so global batch = micro_batch_size x m x data_parallel
+    grad_accum_steps: int | None = None
     schedule: str = DEFAULT_SCHEDULE
     recompute: bool | str = "auto"
     shard_optimizer: bool | str = "auto"  # ZeRO-1 over each stage's D replicas
@@ -55,6 +58,10 @@ class PlanOptions:
         check_count("data_parallel", self.data_parallel, "data-parallel replicas")
         check_count("micro_batch_size", self.micro_batch_size, "samples per micro-batch")
         check_count("global_batch_size", self.global_batch_size, "samples per optimizer step")
+        check_count("grad_accum_steps", self.grad_accum_steps,
+                    "micro-batches accumulated per optimizer step")
+        check_batch_equation(self.global_batch_size, self.micro_batch_size,
+                             self.grad_accum_steps, self.data_parallel)
         check_flag("recompute", self.recompute, (True, False, "auto"))
         check_flag("shard_optimizer", self.shard_optimizer, (True, False, "auto"))
         resolve_timeout(self.timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
@@ -67,6 +74,30 @@ class PlanOptions:
         """``schedule`` resolved into its registry entry (or "auto"): what the planner reads,
         so that nothing after the options decodes the name."""
         return resolve_schedule(self.schedule)
+
+
+def check_batch_equation(global_batch_size: int | None, micro_batch_size: int | None,
+                         grad_accum_steps: int | None, data_parallel: int | None) -> None:
+    """global batch = micro-batch x micro-batches (grad_accum_steps) x replicas: the values
+    given must be able to meet it (the planner chooses the rest)."""
+    if grad_accum_steps is None or global_batch_size is None:
+        return
+    given = {"micro_batch_size": micro_batch_size, "grad_accum_steps": grad_accum_steps,
+             "data_parallel": data_parallel}
+    product = 1
+    for value in given.values():
+        product *= value or 1
+    shown = " x ".join(f"{k}={v}" for k, v in given.items() if v is not None)
+    if None not in given.values() and product != global_batch_size:
+        raise VarunaFxError(
+            f"{shown} makes a global batch of {product}, not global_batch_size="
+            f"{global_batch_size} (global batch = micro-batch x micro-batches x replicas): "
+            "change one of them, or leave micro_batch_size or data_parallel to the planner")
+    if global_batch_size % product:
+        raise VarunaFxError(
+            f"{shown} does not divide global_batch_size={global_batch_size} (global batch = "
+            "micro-batch x micro-batches (grad_accum_steps) x replicas): choose values whose "
+            f"product divides {global_batch_size}")
 
 
 def check_name(name: str, value: Any, example: str) -> None:

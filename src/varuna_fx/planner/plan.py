@@ -126,6 +126,14 @@ class Plan:
         return self.micro_batch_size * self.num_micro_batches * self.data_parallel
 
     @property
+    def batch_equation(self) -> str:
+        """How the global batch is made, in the words of compile's options: micro-batch
+        (micro_batch_size) x micro-batches (grad_accum_steps) x replicas (data_parallel)."""
+        m, d = self.num_micro_batches, self.data_parallel
+        return (f"global batch {self.global_batch_size} = micro-batch {self.micro_batch_size}"
+                f" x {m} micro-batch{'es' if m != 1 else ''} x {d} replica{'s' if d != 1 else ''}")
+
+    @property
     def stages_per_rank(self) -> int:
         """v: the stages each rank runs (1 but with a virtual schedule)."""
         return self.placement.stages_per_rank if self.placement is not None else 1
@@ -142,8 +150,7 @@ class Plan:
         table = Table(title=(
             f"{self.model_name}: P={self.stages}"
             f"{f' ({self.stages_per_rank} per rank)' if self.stages_per_rank > 1 else ''}"
-            f" x D={self.data_parallel}, micro-batch "
-            f"{self.micro_batch_size} x {self.num_micro_batches}, schedule {self.schedule.name}"
+            f" x D={self.data_parallel}, {self.batch_equation}, schedule {self.schedule.name}"
             f"{_recompute_note(self.recompute)}{step}"
             f"{', optimizer state sharded over D (ZeRO-1)' if self.shard_optimizer else ''}"
         ))

@@ -108,8 +108,13 @@ class Planner:
                 batch = space.replica_batch(d)
                 if batch is None:
                     continue
-                sizes = [space.micro_batch_size] if space.micro_batch_size is not None \
-                    else divisors(batch)
+                if space.micro_batches is not None:  # grad_accum_steps: b follows from D
+                    sizes = [batch // space.micro_batches] if batch % space.micro_batches == 0 \
+                        and space.micro_batch_size in (None, batch // space.micro_batches) \
+                        else []
+                else:
+                    sizes = [space.micro_batch_size] if space.micro_batch_size is not None \
+                        else divisors(batch)
                 found += [Candidate(p, d, b, batch // b) for b in sizes if batch % b == 0]
         return found
 

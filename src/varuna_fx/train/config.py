@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ..capture.trace import TRACERS
+from ..data.documents import TEXT_SUFFIXES, is_document_source, is_saved_dataset
+from ..data.tokens import TOKEN_SUFFIXES
 from ..errors import InputError
 from ..runtime.precision import PRECISIONS
 from ..schedule import DEFAULT_SCHEDULE, schedule_choices
@@ -73,8 +75,16 @@ class TrainConfig:
                          "start from; ignored when --out holds a checkpoint to resume", "path")
     # -- data
     data: str = key(STDLIB_CORPUS, "data", "stdlib (the Python standard library's sources, "
-                    "read as bytes: no download), a token file (.bin of uint16/uint32), or any "
-                    "other file read as bytes")
+                    "read as bytes: no download), a token file (.bin of uint16/uint32), a text "
+                    "(.txt) or JSON Lines (.jsonl) file with --tokenizer, a datasets "
+                    "save_to_disk folder or .parquet file (pip install varuna_fx[datasets]), "
+                    "or any other file read as bytes")
+    tokenizer: str = key("", "data", "a local folder holding a Hugging Face tokenizer "
+                         "(tokenizer.json, or what transformers' AutoTokenizer reads from "
+                         "files): text and .jsonl data are tokenized with it once, cached under "
+                         "$VARUNA_FX_CACHE_DIR/tokens (empty: text is read as bytes)", "path")
+    text_key: str = key("text", "data", ".jsonl data (and datasets folders / .parquet): the "
+                        "field holding each document's text")
     corpus_bytes: int = key(4_000_000, "data", "stdlib: bytes of the corpus (the first files "
                             "in sorted order, cut at this size)", low=1024)
     data_dtype: str = key(AUTO, "data", ".bin token files: uint16 / uint32 / auto (inferred)",
@@ -117,6 +127,10 @@ class TrainConfig:
     # (bench/RESULTS.md, "The train command"); 4 keeps that run near a minute on any layout
     micro_batch_size: Any = key(4, "compile", "samples per micro-batch (auto: the planner's); "
                                 "divides the global batch", "int|auto", low=1)
+    grad_accum_steps: Any = key(AUTO, "compile", "micro-batches per replica per step, their "
+                                "gradients accumulated: global_batch_size = micro_batch_size x "
+                                "grad_accum_steps x data_parallel (auto: the planner's; given "
+                                "alone, micro_batch_size follows from it)", "int|auto", low=1)
     stages_per_rank: Any = key(1, "compile", "virtual stages per rank (auto: the schedule's)",
                                "int|auto", low=1)
     schedule: str = key(DEFAULT_SCHEDULE, "compile", "micro-batch schedule: "
@@ -179,8 +193,8 @@ class TrainConfig:
     def compile_options(self) -> dict[str, Any]:
         """The keyword arguments of ``vf.compile`` these keys set (besides the model's)."""
         auto = {k: (None if getattr(self, k) == AUTO else getattr(self, k))
-                for k in ("stages", "data_parallel", "micro_batch_size", "stages_per_rank",
-                          "timeout")}
+                for k in ("stages", "data_parallel", "micro_batch_size", "grad_accum_steps",
+                          "stages_per_rank", "timeout")}
         return dict(auto, global_batch_size=self.global_batch_size, schedule=self.schedule,
                     recompute=self.recompute, shard_optimizer=self.shard_optimizer,
                     precision=self.precision, tracer=self.tracer,
@@ -377,7 +391,12 @@ def resolve(argv: list[str]) -> tuple[TrainConfig, dict[str, str]]:
     config, flags = split_argv(list(argv))
     from_file = read_toml(config) if config is not None else {}
     source = {k: "config file" for k in from_file} | {k: "command line" for k in flags}
-    cfg = TrainConfig(**(from_file | flags))
+    given = from_file | flags
+    if given.get("grad_accum_steps", AUTO) != AUTO and "micro_batch_size" not in given:
+        # the default micro-batch size (4) is a choice of the run, not the user's: with the
+        # micro-batches given, the micro-batch follows from the equation
+        given["micro_batch_size"] = AUTO
+    cfg = TrainConfig(**given)
     check(cfg, set(source))
     return cfg, source
 
@@ -395,9 +414,12 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
                              "(or a directory holding one), nor module:factory")
     elif cfg.n_embd % cfg.n_head:
         raise InputError(f"n_embd = {cfg.n_embd} is not a multiple of n_head = {cfg.n_head}")
-    if cfg.data != STDLIB_CORPUS and not Path(cfg.data).is_file():
+    if cfg.data != STDLIB_CORPUS and not Path(cfg.data).is_file() and \
+            not (Path(cfg.data).is_dir() and is_saved_dataset(Path(cfg.data))):
         raise InputError(f"data = {cfg.data!r} is not a file (give a token .bin file, a text "
-                         "file, or stdlib for the built-in corpus)")
+                         "or .jsonl file with --tokenizer, a datasets save_to_disk folder, or "
+                         "stdlib for the built-in corpus)")
+    _check_tokenizer(cfg)
     _check_folder("out", cfg.out, "the run's folder")
     if cfg.export:
         _check_folder("export", cfg.export, "the directory the model is exported to")
@@ -413,6 +435,7 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
         raise InputError(f"micro_batch_size = {cfg.micro_batch_size} does not divide "
                          f"global_batch_size = {cfg.global_batch_size}: change one, or let "
                          "the planner choose (micro_batch_size = \"auto\")")
+    _check_batch_equation(cfg)
     if cfg.global_batch_size == 1:
         raise InputError("global_batch_size = 1: a pipeline needs at least 2 samples per step")
     elastic_only = [k for k in ("nnodes", "rdzv_endpoint", "local_addr", "in_place")
@@ -422,6 +445,41 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
                          "--elastic --in-place, as `varuna-fx run`); for a fixed multi-machine "
                          "job pass torchrun's flags in torchrun_args")
     check_in_place(cfg)
+
+
+def _check_tokenizer(cfg: TrainConfig) -> None:
+    """Documents need a tokenizer (text alone is read as bytes); tokens need none."""
+    if cfg.tokenizer:
+        if not Path(cfg.tokenizer).is_dir():
+            raise InputError(f"tokenizer = {cfg.tokenizer!r} is not a folder: give the local "
+                             "folder holding tokenizer.json (nothing is downloaded)")
+        if cfg.data == STDLIB_CORPUS or Path(cfg.data).suffix in TOKEN_SUFFIXES:
+            raise InputError(f"tokenizer = {cfg.tokenizer!r} with data = {cfg.data!r}, which "
+                             "is already tokens (bytes or a .bin file): give a .txt or .jsonl "
+                             "file, or remove --tokenizer")
+    elif cfg.data != STDLIB_CORPUS and is_document_source(cfg.data) and \
+            Path(cfg.data).suffix not in TEXT_SUFFIXES:
+        raise InputError(f"data = {cfg.data!r} holds documents to tokenize: give the tokenizer's "
+                         "local folder with --tokenizer DIR")
+
+
+def _check_batch_equation(cfg: TrainConfig) -> None:
+    """global_batch_size = micro_batch_size x grad_accum_steps x data_parallel, for the
+    values given (the planner chooses the others so that it holds)."""
+    if cfg.grad_accum_steps == AUTO:
+        return
+    terms = {k: getattr(cfg, k) for k in ("micro_batch_size", "grad_accum_steps",
+                                          "data_parallel") if getattr(cfg, k) != AUTO}
+    product = math.prod(terms.values())
+    shown = " x ".join(f"{k} = {v}" for k, v in terms.items())
+    if len(terms) == 3 and product != cfg.global_batch_size:
+        raise InputError(f"{shown} is a global batch of {product}, not global_batch_size = "
+                         f"{cfg.global_batch_size}: change one, or set micro_batch_size or "
+                         "data_parallel to auto")
+    if cfg.global_batch_size % product:
+        raise InputError(f"{shown} does not divide global_batch_size = "
+                         f"{cfg.global_batch_size} (global batch = micro-batch x "
+                         "grad_accum_steps x replicas): change one of them")
 
 
 def _check_folder(name: str, value: str, what: str) -> None:

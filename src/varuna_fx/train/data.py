@@ -1,4 +1,6 @@
-"""The data of ``varuna-fx train``: a token file, a text file's bytes, or the built-in corpus.
+"""The data of ``varuna-fx train``: a token file, a text file's bytes, documents tokenized with
+a local tokenizer (``--tokenizer DIR``: text, JSON Lines, datasets on disk; ``data/tokenize.py``
+caches their tokens), or the built-in corpus.
 
 The built-in corpus needs no download: the Python standard library's own sources read as bytes
 (a vocabulary of 256). It is deterministic on one Python version: every ``*.py`` file under
@@ -18,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ..data.tokenize import TokenFile, tokenized
 from ..data.tokens import TOKEN_SUFFIXES, TokenDataset, refuse_negative
 from ..errors import InputError
 from .config import AUTO, STDLIB_CORPUS, TrainConfig
@@ -32,6 +35,9 @@ class TrainData:
     vocab_size: int | None  # what the source fixes (256 for bytes), else None
     largest_token: int  # the largest id in it: the model's vocabulary must exceed it
     description: str
+    # a tokenizer's vocabulary: every id it can make must have a row in the model's
+    # embedding, not only those this data holds (None: no tokenizer)
+    tokenizer_vocab: int | None = None
 
 
 def stdlib_files(root: Path | None = None) -> list[Path]:
@@ -71,6 +77,8 @@ def open_data(cfg: TrainConfig) -> TrainData:
         return TrainData(dataset, BYTE_VOCAB, int(corpus.max()),
                          f"the Python standard library's sources, {len(corpus):,} bytes "
                          f"(sha256 {digest}), {len(dataset):,} samples of {cfg.seq_len}")
+    if cfg.tokenizer:
+        return _tokenized_data(cfg, prepare_data(cfg, progress=False))
     dtype = None if cfg.data_dtype == AUTO else cfg.data_dtype
     dataset = TokenDataset(cfg.data, cfg.seq_len, dtype=dtype)
     tokens: Any = dataset.tokens
@@ -86,3 +94,28 @@ def open_data(cfg: TrainConfig) -> TrainData:
     return TrainData(dataset, dataset.vocab_size, largest,
                      f"{cfg.data}: {len(tokens):,} {kind}, {len(dataset):,} samples of "
                      f"{cfg.seq_len}")
+
+
+def prepare_data(cfg: TrainConfig, *, progress: bool = True) -> TokenFile | None:
+    """The run's documents tokenized (once: later calls, and the ranks, find them cached), with
+    the checks that need the tokenizer, before anything is launched; None without a
+    tokenizer."""
+    if not cfg.tokenizer:
+        return None
+    made = tokenized(cfg.data, cfg.tokenizer, cfg.text_key, progress=progress)
+    if cfg.vocab_size != AUTO and made.vocab_size > cfg.vocab_size:
+        raise InputError(f"the tokenizer {cfg.tokenizer} has a vocabulary of "
+                         f"{made.vocab_size:,}, more than vocab_size = {cfg.vocab_size:,}: "
+                         f"give --vocab-size {made.vocab_size} or more (or auto)")
+    return made
+
+
+def _tokenized_data(cfg: TrainConfig, made: TokenFile | None) -> TrainData:
+    assert made is not None
+    dataset = TokenDataset(made.path, cfg.seq_len, dtype=made.dtype)
+    largest = int(np.max(dataset.tokens))
+    return TrainData(dataset, made.vocab_size, largest,
+                     f"{cfg.data}: {made.documents:,} documents, {made.count:,} tokens of "
+                     f"{cfg.tokenizer} (vocabulary {made.vocab_size:,}), {len(dataset):,} "
+                     f"samples of {cfg.seq_len}{' (cached)' if made.cached else ''}",
+                     tokenizer_vocab=made.vocab_size)

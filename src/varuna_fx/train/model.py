@@ -41,7 +41,7 @@ def next_token_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
 
 
 def build_model(cfg: TrainConfig, data_vocab: int | None, largest_token: int, *,
-                initialise: bool) -> TrainModel:
+                initialise: bool, tokenizer_vocab: int | None = None) -> TrainModel:
     """The configured model, built deferred; ``initialise`` False skips the random
     initialisers (a checkpoint or pretrained weights will be loaded)."""
     with ExitStack() as stack:
@@ -53,6 +53,12 @@ def build_model(cfg: TrainConfig, data_vocab: int | None, largest_token: int, *,
             made = _factory(cfg.model)
         else:
             made = _hugging_face(cfg)
+    if made.vocab_size is not None and tokenizer_vocab is not None and \
+            tokenizer_vocab > made.vocab_size:
+        raise InputError(f"the tokenizer {cfg.tokenizer} has a vocabulary of "
+                         f"{tokenizer_vocab:,}, but the model's embedding has "
+                         f"{made.vocab_size:,} rows: ids it makes would have none; give a "
+                         "model (or --vocab-size) covering the tokenizer, or its own tokenizer")
     if made.vocab_size is not None and largest_token >= made.vocab_size:
         raise InputError(f"the data holds token id {largest_token}, but the model's vocabulary "
                          f"has {made.vocab_size} entries: give a model whose vocabulary covers "

@@ -152,7 +152,8 @@ class Run:
         start = latest_checkpoint(self.folder) if self.folder.is_dir() else None
         data = open_data(cfg)
         made = build_model(cfg, data.vocab_size, data.largest_token,
-                           initialise=start is None and not cfg.init_from)
+                           initialise=start is None and not cfg.init_from,
+                           tokenizer_vocab=data.tokenizer_vocab)
         example = torch.zeros(min(cfg.global_batch_size, EXAMPLE_BATCH), cfg.seq_len,
                               dtype=torch.long)
         pipe = vf_compile(made.model, example_inputs=(example,), loss_fn=next_token_loss,
@@ -168,10 +169,10 @@ class Run:
         sharded = pipe.replicas > 1 and cfg.shard_optimizer is not False
         self.say(f"model: {made.description}")
         self.say(f"data: {data.description}")
-        self.say(f"plan: P={plan.stages} x D={plan.data_parallel}, {plan.num_micro_batches} "
-                 f"micro-batch(es) of {plan.micro_batch_size}, schedule {plan.schedule.name}, "
-                 f"optimizer state {'sharded (ZeRO-1)' if sharded else 'not sharded'}, global "
-                 f"batch {loader.global_batch_size}")
+        # the batch in the keys' words: micro_batch_size x grad_accum_steps x data_parallel
+        self.say(f"plan: P={plan.stages} x D={plan.data_parallel}, {plan.batch_equation}, "
+                 f"schedule {plan.schedule.name}, optimizer state "
+                 f"{'sharded (ZeRO-1)' if sharded else 'not sharded'}")
         if pipe.joined:  # the running job's state came with the join: newer than a checkpoint
             print(f"varuna-fx train: rank {self.rank} joined the running job at step "
                   f"{progress.step}", flush=True)
