@@ -136,6 +136,10 @@ def test_rank_0_refuses_a_joiner_of_another_configuration_and_admits_its_own(
     assert not launch._refused(worker)
     name = launch.environment(0, 0)["VARUNA_FX_MEMBER"]
     rank0.store.set(REFUSED_KEY.format(member=name), "refused")
+    # a TCPStore set is not answered: read it back on the same connection, so the server has
+    # applied it before the launcher's own connection asks (in a job the joiner reads this
+    # very key before it exits, and the launcher asks only after that exit)
+    assert rank0.store.get(REFUSED_KEY.format(member=name)) == b"refused"
     assert launch._refused(worker)
     # one of the job's own configuration is admitted at the next boundary
     right = member(store, "m2", dict(JOB))
