@@ -40,6 +40,7 @@ from .pricing import Pricer
 from .profile import Profile
 from .resolve import resolve_profile
 from .search import Planner
+from .steady import TIE_TOLERANCE
 from .virtual import on_ranks
 from .virtual import weigh as weigh_virtual
 
@@ -90,7 +91,9 @@ class Analyzed:
 
         def search(recompute: bool) -> SearchResult:
             planner = Planner(self.table(use), cluster, schedule=choice,
-                              recompute=recompute, network=use.network if use else None,
+                              recompute=recompute,
+                              # as compile: the profile's links, else the cluster's
+                              network=(use.network if use else None) or cluster.network,
                               shard_optimizer=options.shard_optimizer,
                               compression=options.compression,
                               replica_sync=options.replica_sync)
@@ -98,7 +101,7 @@ class Analyzed:
                 result = _plan_virtual(planner.pricer, space, dataclasses.replace(
                     planner.pricer.schedules[0], stages_per_rank=v))
             else:
-                result = planner.search(space, top=top)
+                result = planner.search(space, top=top, tolerance=TIE_TOLERANCE)
                 if not result.top:
                     raise explain_nothing_fits(planner, space)
                 if options.stages_per_rank is None and choice == AUTO:  # v chosen too
@@ -152,7 +155,7 @@ def _with_virtual(pricer: Pricer, result: SearchResult) -> SearchResult:
     found = weigh_virtual(pricer, best)
     pick = min(found, key=lambda f: f[0].step_time, default=None)
     rows = list(result.alternatives)
-    if pick is None or pick[0].step_time >= best.step_time:
+    if pick is None or pick[0].step_time >= best.step_time * (1 - TIE_TOLERANCE):
         rows += [c.alternative() for c, _ in found]
         return dataclasses.replace(result, alternatives=sorted(rows, key=lambda a: a.step_time))
     rows = [dataclasses.replace(a, chosen=False) for a in rows]

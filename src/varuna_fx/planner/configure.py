@@ -52,6 +52,7 @@ from .pricing import Pricer
 from .profile import Profile
 from .search import Planner
 from .slow_links import byte_ratio, check_settings, shards_by_default
+from .steady import TIE_TOLERANCE
 from .virtual import weigh as weigh_virtual
 
 
@@ -220,7 +221,7 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
 def _search_once(planner: Planner, space: Space, *, virtual: bool) -> plan_cache.Searched:
     """The search's pick (with virtual stages weighed on it where the planner chooses v too),
     as the plan cache keeps it."""
-    result = planner.search(space)
+    result = planner.search(space, tolerance=TIE_TOLERANCE)
     if not result.top:
         raise explain_nothing_fits(planner, space)
     best, pricer = result.best, planner.pricer
@@ -246,7 +247,7 @@ def _weigh_virtual(pricer: Pricer, best: Candidate, rows: list[Alternative]
     pick, stages, name, v = best, best.stages, best.schedule, 1
     found = weigh_virtual(pricer, best)
     for c, sched in found:
-        if c.step_time < pick.step_time:
+        if c.step_time < pick.step_time * (1 - TIE_TOLERANCE):  # a near-tie: not virtual
             pick, stages, name, v = c, c.stages, c.schedule, sched.stages_per_rank
     rows = [dataclasses.replace(a, chosen=False) if a.chosen and pick is not best else a
             for a in rows] + [c.alternative(c is pick) for c, _ in found]

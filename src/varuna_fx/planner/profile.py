@@ -32,6 +32,7 @@ from ..world.files import cache_dir, write_atomically
 from ..world.network import NetworkProfile
 from .cluster import Cluster
 from .cost_table import CostTable, MeasuredTimes, interpolate, monotone
+from .steady import round_costs
 
 FORMAT = 3  # bump when the JSON layout or the measuring method changes (3: memory counts
 # the saved tensors' own bytes, see measure._memory)
@@ -81,9 +82,9 @@ class Profile:
                             "profile this model again (profile=True)")
         spec = device_spec(self.device)
 
-        def coef(attr: str) -> np.ndarray:
-            return np.array([[getattr(c, attr).const, getattr(c, attr).per_sample]
-                             for c in self.chunks])
+        def coef(attr: str) -> np.ndarray:  # at the stated resolution (steady.py)
+            return round_costs(np.array([[getattr(c, attr).const, getattr(c, attr).per_sample]
+                                         for c in self.chunks]))
 
         sizes = sorted(self.sizes)
         samples = None
@@ -92,12 +93,13 @@ class Profile:
             slots = [0, 1, 2]
             if all(len(c.samples[b]) >= 6 for c in self.chunks for b in sizes):
                 slots += [4, 5]
-            samples = monotone(np.array([[[c.samples[b][i] for i in slots] for b in sizes]
-                                         for c in self.chunks]).transpose(0, 2, 1)
-                               ).transpose(0, 2, 1)
+            measured = round_costs(np.array([[[c.samples[b][i] for i in slots] for b in sizes]
+                                             for c in self.chunks]))
+            samples = monotone(measured.transpose(0, 2, 1)).transpose(0, 2, 1)
         return MeasuredTimes(list(table.names), chunk_of, coef("forward"), coef("recompute"),
                              coef("backward"), coef("memory"),
-                             estimate=lambda b: table.estimate(b, spec), reseed=self.reseed,
+                             estimate=lambda b: table.estimate(b, spec),
+                             reseed=float(round_costs(np.array([self.reseed]))[0]),
                              sizes=np.array(sizes, dtype=float), samples=samples)
 
     def times(self, chunk: int, b: float) -> tuple[float, float, float]:
