@@ -34,6 +34,7 @@ from .configure import (
 )
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
+from .machine import planning_times
 from .measure import ProfileSettings
 from .options import PlanOptions
 from .pricing import Pricer
@@ -55,9 +56,14 @@ class Analyzed:
     tracer: str
     seconds: dict[str, float] = field(default_factory=dict)  # capture + annotate time
 
-    def table(self, profile: Profile | None = None) -> CostTable:
+    def table(self, profile: Profile | None = None, cluster: Cluster | None = None) -> CostTable:
+        """The cost table, priced as compile prices it on ``cluster`` (``machine.planning_times``;
+        without a cluster: ``profile``'s times as measured, or the roofline)."""
         table = CostTable.build(self.gm)
-        if profile is not None:
+        if cluster is not None:
+            dtype = str(next((p.dtype for p in self.gm.parameters()), "float32"))
+            planning_times(table, cluster, profile, dtype.replace("torch.", ""))
+        elif profile is not None:
             table.measured = profile.measured_times(table)
         return table
 
@@ -90,7 +96,7 @@ class Analyzed:
                       options.stages, options.data_parallel, options.micro_batch_size)
 
         def search(recompute: bool) -> SearchResult:
-            planner = Planner(self.table(use), cluster, schedule=choice,
+            planner = Planner(self.table(use, cluster), cluster, schedule=choice,
                               recompute=recompute,
                               # as compile: the profile's links, else the cluster's
                               network=(use.network if use else None) or cluster.network,

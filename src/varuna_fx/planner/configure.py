@@ -46,6 +46,7 @@ from .candidates import Candidate, Space
 from .cluster import Cluster
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
+from .machine import planning_times
 from .options import PlanOptions
 from .plan import Alternative
 from .pricing import Pricer
@@ -283,9 +284,10 @@ def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, rec
     copy is taken: a profile's times are set on it)."""
     table = CostTable.build(gm) if table is None else dataclasses.replace(table)
     network = cluster.network  # measured by Cluster.local() in a launched job
+    dtype = str(next((p.dtype for p in gm.parameters()), "float32")).replace("torch.", "")
+    planning_times(table, cluster, profile, dtype)  # the profile's, this machine's, or none
     if profile is not None:
         if profile.applies_to(cluster):
-            table.measured = profile.measured_times(table)
             network = profile.network or network
         else:
             warnings.warn(f"the profile was measured on {profile.device!r}, the cluster has "

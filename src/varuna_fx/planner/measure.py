@@ -42,8 +42,10 @@ from ..capture.inputs import BoundInputs
 from ..ir.nodes import Affine
 from ..passes.assign_stages import compute_nodes, trainable_names
 from ..passes.split_stages import split_stages
+from ..world.where import in_process_group, local_world_size
 from .cluster import local_device_type
 from .cost_table import CostTable
+from .machine import machine_costs
 from .profile import ChunkProfile, Profile, graph_hash
 
 
@@ -120,7 +122,14 @@ def measure(gm: fx.GraphModule, bound: BoundInputs, key: str,
         key=key, graph=graph_hash(gm), device=local_device_type(), device_name=_device_name(device),
         dtype=str(_dtype_of(gm)).replace("torch.", ""), threads=torch.get_num_threads(),
         sizes=sizes, chunks=profiles, reseed=_reseed_time(device, settings),
+        machine=machine_costs(), ranks=_ranks_measuring(),
     )
+
+
+def _ranks_measuring() -> int:
+    """Ranks of this node profiling at once (``resolve.profile_here``: every rank of a
+    launched job measures together), which shared the cores while they measured."""
+    return local_world_size() if in_process_group() else 1
 
 
 def _reseed_time(device: torch.device, settings: ProfileSettings) -> float:
