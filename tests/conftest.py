@@ -11,6 +11,8 @@
   graphs and profiles (``$VARUNA_FX_CACHE_DIR``, inherited by the processes it launches; the
   old profiles-only alias ``$VARUNA_FX_CACHE`` is dropped from the environment): tests never
   write to ~/.cache and never hit an entry another test wrote.
+* Plans use one stated machine (``$VARUNA_FX_MACHINE`` = ``tests/support/machine.json``),
+  not this host's measured costs (planner/machine.py), so they are the same on every host.
 * matplotlib's font cache is built before the first test: on a fresh install its first
   ``import matplotlib.font_manager`` runs ``fc-list``, which the guard above would count as the
   test launching a process.
@@ -65,6 +67,10 @@ _CACHE_ROOT = tempfile.mkdtemp(prefix="varuna_fx_test_cache_")
 _cache_dirs = itertools.count()
 os.environ["VARUNA_FX_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "session")  # session fixtures
 os.environ.pop("VARUNA_FX_CACHE", None)  # a user's alias must not outlive the isolation above
+# one stated machine for every plan (planner/machine.py): the same plans on every host, and no
+# test (nor a process it launches) spends a quarter second measuring this one
+os.environ["VARUNA_FX_MACHINE"] = os.path.join(os.path.dirname(__file__), "support",
+                                               "machine.json")
 
 
 def _fresh_cache_dir() -> str:

@@ -40,6 +40,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,12 +48,14 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from ..errors import VarunaFxError
 from ..world.files import cache_dir, write_atomically
 from ..world.where import in_process_group
 from .cluster import Cluster, local_device_type
 from .cost_table import CostTable, NodeArrays
 
 FORMAT = 1
+MACHINE_ENV = "VARUNA_FX_MACHINE"  # a JSON file of MachineCosts to plan with instead of measuring
 # (rows, inner, columns) of the timed matmuls: from one row (a micro-batch of one through a
 # small linear layer) to a square matrix large enough to run near the machine's peak
 GEMM_SHAPES = ((1, 256, 256), (4, 256, 256), (16, 256, 256), (64, 256, 256),
@@ -178,6 +181,37 @@ def planning_times(table: CostTable, cluster: Cluster, profile: Any = None,
                                         costs.precision_speedup(dtype))
 
 
+def paper_costs(kind: str, rows: Sequence[int] = (1, 8, 64, 512, 4096)) -> MachineCosts:
+    """A datacenter GPU's terms on paper (docs/gpu_costs.md: the figures and their sources;
+    nothing here was measured on one): ``kind`` "a100", "h100" or "h200". The matmul rate
+    by size is the roofline of a bf16 ``rows x 8192 x 8192`` GEMM at the datasheet's dense
+    peak (times ``GEMM_EFFICIENCY``) and HBM bandwidth (a small micro-batch is bound by
+    reading the weights), plus the launch. Not priced by default (a ``Cluster`` of GPUs keeps its spec's roofline); for
+    planning on paper and for the table in docs/gpu_costs.md."""
+    peak, bandwidth = PAPER[kind]
+    k = n = 8192
+    flops = tuple(2.0 * m * k * n for m in rows)
+    seconds = tuple(GPU_LAUNCH + max(f / (peak * GEMM_EFFICIENCY),
+                                     2.0 * (m * k + k * n + m * n) / bandwidth)
+                    for f, m in zip(flops, rows))
+    return MachineCosts(device=kind, threads=1, cores=1, op_launch=GPU_LAUNCH,
+                        backward_launch=GPU_LAUNCH, action=GPU_ACTION,
+                        memory_bandwidth=bandwidth, gemm_flops=flops, gemm_seconds=seconds,
+                        half_speedup=1.0)
+
+
+# Datasheet figures (docs/gpu_costs.md): dense bf16 tensor-core FLOP/s (without sparsity) and
+# HBM bytes/s of the SXM parts
+PAPER: dict[str, tuple[float, float]] = {
+    "a100": (312e12, 2.039e12),  # A100 80GB SXM
+    "h100": (989e12, 3.35e12),  # H100 SXM
+    "h200": (989e12, 4.8e12),  # H200 SXM: H100's compute, HBM3e
+}
+GEMM_EFFICIENCY = 0.75  # assumed share of the dense peak a large GEMM sustains (docs/gpu_costs.md)
+GPU_LAUNCH = 5e-6  # seconds per kernel as PyTorch eager issues it (launch + dispatch)
+GPU_ACTION = 50e-6  # seconds of fixed cost per stage action (graph call, autograd start)
+
+
 def ranks_sharing(kind: str, ranks_per_node: int) -> int:
     """Ranks that share one machine's cores: all of a node's on a CPU cluster, none on GPUs
     (each rank computes on its own device)."""
@@ -279,8 +313,17 @@ def machine_costs() -> MachineCosts:
     """This machine's costs: from this process's memory, the cache on disk, or measured now
     (and cached). A cached file is used only when every number in it is finite and
     positive (and the key, device, threads and cores are this process's)."""
-    key = _key()
+    stated = os.environ.get(MACHINE_ENV)
+    key = _key() + (f"@{stated}" if stated else "")
     if key in _MEASURED:
+        return _MEASURED[key]
+    if stated:  # a stated machine: the same plans on every host (the test suite's)
+        try:
+            _MEASURED[key] = from_json(Path(stated).read_text())
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise VarunaFxError(f"${MACHINE_ENV}={stated!r} is not a machine's costs ({exc}): "
+                                "give a JSON file as planner/machine.py writes them, or unset "
+                                "it to measure this machine") from exc
         return _MEASURED[key]
     path = cache_dir("machine") / f"{key}.json"
     found = None
