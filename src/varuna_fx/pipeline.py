@@ -32,6 +32,7 @@ from .init.skip import any_marked, loaded, raise_unloaded, unloaded
 from .ir.nodes import info
 from .morph.face import InPlaceFace
 from .passes.manager import dump_dir
+from .planner.drift import DriftCheck
 from .planner.plan import Plan
 from .runtime import preemption
 from .runtime.batching import check_sample_shapes
@@ -56,6 +57,7 @@ class Pipeline(InPlaceFace):
     # what the last step measured (runtime/step_stats.py); None before the first step
     last_step: StepStats | None = None
     _meter: StepMeter | None = None
+    _drift: DriftCheck | None = None
 
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                  canonical: dict[str, str], runtime: Runtime, options: RunOptions,
@@ -160,6 +162,12 @@ class Pipeline(InPlaceFace):
         # step's work is done (a signal during this step stops after this step, not the next)
         loss = self.runtime.step(tensors, target, flags=flags)
         self.last_step = meter.finish(tensors)
+        # after the first steps: the measured step against the plan, said once (drift.py)
+        self._drift = self._drift or DriftCheck(
+            self.plan, not isinstance(self.runtime, LocalRuntime) or self.plan.stages == 1)
+        off = self._drift.observe(self.last_step.seconds, self.last_step._raw)
+        if off is not None:
+            warnings.warn(off, stacklevel=2)
         return loss
 
     @property

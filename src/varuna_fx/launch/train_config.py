@@ -111,10 +111,10 @@ class TrainConfig:
                       low=1)
     data_parallel: Any = key(AUTO, "compile", "data-parallel replicas D (auto: the planner's)",
                              "int|auto", low=1)
-    # 4, not auto, by default: on the 2-core CPU the no-argument run is sized for, the planner
-    # picks micro-batches of 1 on two stages, 2-3x slower than it predicts there
-    # (bench/RESULTS.md, "The train command"); 4 keeps that run near a minute on any layout
-    micro_batch_size: Any = key(4, "compile", "samples per micro-batch (auto: the planner's); "
+    # auto: the planner prices this machine's per-action and per-operation costs
+    # (planner/machine.py), so it no longer picks micro-batches of 1 that run 2-3x slower than
+    # predicted (bench/RESULTS.md, "The planner against the machine")
+    micro_batch_size: Any = key(AUTO, "compile", "samples per micro-batch (auto: the planner's); "
                                 "divides the global batch", "int|auto", low=1)
     stages_per_rank: Any = key(1, "compile", "virtual stages per rank (auto: the schedule's)",
                                "int|auto", low=1)

@@ -113,6 +113,7 @@ class MeasuredTimes:
     # the cores than with the profile's
     action: float = 0.0
     scale: float = 1.0
+    variation: float = 0.0  # the profile's relative spread of repeated timings (Profile.spread)
 
     def arrays(self, b: int) -> NodeArrays:
         est = self.estimate(b)

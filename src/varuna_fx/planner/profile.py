@@ -72,6 +72,9 @@ class Profile:
     # cores as the run's ranks will: contention is priced relative to it)
     machine: MachineCosts | None = None
     ranks: int = 1
+    # the timings' relative spread: per chunk and size, the interquartile range of the
+    # repeats over their median, the median of those (how sure the prediction is)
+    spread: float = 0.0
     from_cache: bool = False
 
     def measured_times(self, table: CostTable, ranks_per_node: int = 1) -> MeasuredTimes:
@@ -117,7 +120,7 @@ class Profile:
                              estimate=lambda b: table.estimate(b, spec),
                              reseed=float(round_costs(np.array([self.reseed]))[0]),
                              sizes=np.array(sizes, dtype=float), samples=samples,
-                             action=action, scale=scale)
+                             action=action, scale=scale, variation=self.spread)
 
     def times(self, chunk: int, b: float) -> tuple[float, float, float]:
         """(forward, recompute, backward) seconds of one chunk at micro-batch size ``b`` as the
@@ -216,7 +219,7 @@ def profile_problem(profile: Profile, key: str, graph: str | None) -> str | None
         return "it has no chunks or invalid batch sizes"
     fits = [fit for chunk in profile.chunks
             for fit in (chunk.forward, chunk.recompute, chunk.backward, chunk.memory)]
-    numbers = [profile.reseed, *(v for fit in fits for v in (fit.const, fit.per_sample)),
+    numbers = [profile.reseed, profile.spread, *(v for fit in fits for v in (fit.const, fit.per_sample)),
                *(v for chunk in profile.chunks for sample in chunk.samples.values()
                  for v in sample)]
     bad = [v for v in numbers if isinstance(v, bool) or not isinstance(v, (int, float))
