@@ -167,7 +167,7 @@ class Pipeline(InPlaceFace):
             self.plan, not isinstance(self.runtime, LocalRuntime) or self.plan.stages == 1)
         off = self._drift.observe(self.last_step.seconds, self.last_step._raw)
         if off is not None:
-            warnings.warn(off, stacklevel=2)
+            warnings.warn(off, stacklevel=3)  # (step -> _step -> here)
         return loss
 
     @property

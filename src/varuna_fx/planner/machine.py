@@ -13,7 +13,8 @@ quarter of a second by :func:`machine_costs`, cached as JSON under
   operations). The planner adds it to every action of every stage, so many small
   micro-batches cost what they cost;
 * the matrix-multiply rate as a function of the operation's size: ``gemm_flops`` /
-  ``gemm_seconds`` at a few shapes (one row up to a square 512 matrix), so a micro-batch of 1
+  ``gemm_seconds`` (and ``gemm_backward_seconds``) of a linear layer 512 -> 512 recorded for
+  autograd, from one row to 1024, forward and backward, so a micro-batch of 1
   runs its matmuls far below the large ones' rate (log-log interpolation between them,
   ``compute_seconds``);
 * ``memory_bandwidth``: bytes/s of a large copy;
@@ -54,12 +55,12 @@ from ..world.where import in_process_group
 from .cluster import Cluster, local_device_type
 from .cost_table import CostTable, NodeArrays
 
-FORMAT = 1
+FORMAT = 2  # 2: the backward of each linear layer timed too
 MACHINE_ENV = "VARUNA_FX_MACHINE"  # a JSON file of MachineCosts to plan with instead of measuring
 # (rows, inner, columns) of the timed matmuls: from one row (a micro-batch of one through a
 # small linear layer) to a square matrix large enough to run near the machine's peak
-GEMM_SHAPES = ((1, 256, 256), (4, 256, 256), (16, 256, 256), (64, 256, 256),
-               (256, 256, 256), (512, 512, 512))
+GEMM_SHAPES = ((1, 512, 512), (4, 512, 512), (16, 512, 512), (64, 512, 512),
+               (256, 512, 512), (1024, 512, 512))
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,14 @@ class MachineCosts:
     gemm_flops: tuple[float, ...]
     gemm_seconds: tuple[float, ...]
     half_speedup: float = 1.0
+    # seconds of each measured linear layer's backward (its input's and weight's gradients,
+    # about twice the forward's FLOPs; slower per FLOP: the weight gradient's inner dimension
+    # is the micro-batch); empty: priced at the forward's rate
+    gemm_backward_seconds: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:  # (read back from JSON: lists)
-        object.__setattr__(self, "gemm_flops", tuple(float(x) for x in self.gemm_flops))
-        object.__setattr__(self, "gemm_seconds", tuple(float(x) for x in self.gemm_seconds))
+        for name in ("gemm_flops", "gemm_seconds", "gemm_backward_seconds"):
+            object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
 
     @property
     def peak_flops(self) -> float:
@@ -85,12 +90,20 @@ class MachineCosts:
         return max(f / max(s - self.op_launch, 1e-12)
                    for f, s in zip(self.gemm_flops, self.gemm_seconds))
 
-    def compute_seconds(self, flops: np.ndarray) -> np.ndarray:
+    def compute_seconds(self, flops: np.ndarray, backward: bool = False) -> np.ndarray:
         """Seconds of operations of ``flops`` each, launch excluded: the rate at that size
         interpolated in log-log between the measured matmuls, below the smallest at the
-        smallest's rate, above the largest at the best rate."""
+        smallest's rate, above the largest at the best rate. ``backward``: ``flops`` of a
+        backward (about twice its forward's), at the measured backwards' rate."""
         f = np.asarray(flops, dtype=float)
         sizes = np.log(np.asarray(self.gemm_flops))
+        if backward and self.gemm_backward_seconds:
+            f = f / 2  # the forward's size: what the backward's rate was measured by
+            rates = np.array([2 * fl / max(s - 2 * self.backward_launch, 1e-12) for fl, s in
+                              zip(self.gemm_flops, self.gemm_backward_seconds)])
+            rates = np.maximum.accumulate(rates)
+            rate = np.exp(np.interp(np.log(np.maximum(f, 1.0)), sizes, np.log(rates)))
+            return np.where(f > 0, 2 * f / rate, 0.0)
         rates = np.array([fl / max(s - self.op_launch, 1e-12)
                           for fl, s in zip(self.gemm_flops, self.gemm_seconds)])
         rates = np.maximum.accumulate(rates)  # a bigger matmul never runs slower per FLOP
@@ -143,8 +156,8 @@ class CalibratedTimes:
         launch = m.op_launch
         fwd = launch + np.maximum(m.compute_seconds(ff), np.where(ff > 0, moved, 0.0)
                                   / m.memory_bandwidth)
-        bwd = np.where(bf > 0, 2 * m.backward_launch + np.maximum(2 * m.compute_seconds(bf / 2),
-                                                       2 * moved / m.memory_bandwidth), 0.0)
+        bwd = np.where(bf > 0, 2 * m.backward_launch + np.maximum(
+            m.compute_seconds(bf, backward=True), 2 * moved / m.memory_bandwidth), 0.0)
         scale = self.contention / max(self.speedup, 1e-9)
         fwd, bwd = fwd * scale, bwd * scale
         return NodeArrays(fwd, fwd, bwd, t.activations[0] + t.activations[1] * b)
@@ -268,12 +281,25 @@ def measure_machine() -> MachineCosts:
         torch.autograd.backward([out["y"]], [seed])
 
     round_trip = _median_time(action, 50)
-    flops, seconds = [], []
-    for rows, inner, cols in GEMM_SHAPES:
-        a, w = torch.randn(rows, inner), torch.randn(inner, cols)
-        work = 2.0 * rows * inner * cols
-        seconds.append(_median_time(lambda a=a, w=w: a @ w, max(1, int(2e7 // work)), 3))
-        flops.append(work)
+    flops, seconds, backwards = [], [], []
+    with torch.enable_grad():  # linear layers as a model runs them: recorded, then backward
+        for rows, inner, cols in GEMM_SHAPES:
+            a = torch.randn(rows, inner, requires_grad=True)
+            w = torch.randn(cols, inner, requires_grad=True)
+            bias = torch.randn(cols, requires_grad=True)
+            seed = torch.ones(rows, cols)
+            work = 2.0 * rows * inner * cols
+            inner_reps = max(1, int(2e7 // work))
+            forward = _median_time(lambda a=a, w=w, bias=bias: torch.nn.functional.linear(
+                a, w, bias), inner_reps, 3)
+
+            def both(a: torch.Tensor = a, w: torch.Tensor = w, bias: torch.Tensor = bias,
+                     seed: torch.Tensor = seed) -> None:
+                torch.autograd.backward([torch.nn.functional.linear(a, w, bias)], [seed])
+
+            backwards.append(max(_median_time(both, inner_reps, 3) - forward, forward))
+            seconds.append(forward)
+            flops.append(work)
     big = torch.empty(2**23)  # 32 MiB: beyond the caches
     src = torch.randn(2**23)
     copy = _median_time(lambda: big.copy_(src), 3, 3)
@@ -286,7 +312,8 @@ def measure_machine() -> MachineCosts:
         device=_device(), threads=torch.get_num_threads(), cores=_cores(),
         op_launch=launch, backward_launch=backward_launch, action=action_cost,
         memory_bandwidth=2 * big.numel() * 4 / max(copy, 1e-12),
-        gemm_flops=tuple(flops), gemm_seconds=tuple(seconds), half_speedup=speedup)
+        gemm_flops=tuple(flops), gemm_seconds=tuple(seconds), half_speedup=speedup,
+        gemm_backward_seconds=tuple(backwards))
 
 
 def _cores() -> int:
@@ -361,10 +388,11 @@ def from_json(text: str) -> MachineCosts:
         raise ValueError("not an object")
     costs = MachineCosts(**data)
     numbers = [costs.op_launch, costs.backward_launch, costs.action, costs.memory_bandwidth, costs.half_speedup,
-               *costs.gemm_flops, *costs.gemm_seconds]
+               *costs.gemm_flops, *costs.gemm_seconds, *costs.gemm_backward_seconds]
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
                and x >= 0 for x in numbers) or not costs.gemm_flops or \
             len(costs.gemm_flops) != len(costs.gemm_seconds) or \
+            len(costs.gemm_backward_seconds) not in (0, len(costs.gemm_flops)) or \
             min(costs.gemm_flops) <= 0 or min(costs.gemm_seconds) <= 0 or \
             costs.memory_bandwidth <= 0 or costs.half_speedup <= 0:
         raise ValueError("a number that is not finite and positive")
