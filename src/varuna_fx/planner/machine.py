@@ -54,6 +54,7 @@ from ..world.files import cache_dir, write_atomically
 from ..world.where import in_process_group
 from .cluster import Cluster, local_device_type
 from .cost_table import CostTable, NodeArrays
+from .steady import round_significant
 
 FORMAT = 2  # 2: the backward of each linear layer timed too
 MACHINE_ENV = "VARUNA_FX_MACHINE"  # a JSON file of MachineCosts to plan with instead of measuring
@@ -308,12 +309,26 @@ def measure_machine() -> MachineCosts:
     speedup = _median_time(lambda: single @ single, 5, 3) / \
         max(_median_time(lambda: half @ half, 5, 3), 1e-12)
     action_cost = max(round_trip - 2 * launch - backward_launch, 0.0)
-    return MachineCosts(
+    return rounded_costs(MachineCosts(
         device=_device(), threads=torch.get_num_threads(), cores=_cores(),
         op_launch=launch, backward_launch=backward_launch, action=action_cost,
         memory_bandwidth=2 * big.numel() * 4 / max(copy, 1e-12),
         gemm_flops=tuple(flops), gemm_seconds=tuple(seconds), half_speedup=speedup,
-        gemm_backward_seconds=tuple(backwards))
+        gemm_backward_seconds=tuple(backwards)))
+
+
+def rounded_costs(costs: MachineCosts) -> MachineCosts:
+    """Every measured number at the links' stated resolution (``steady.SIGNIFICANT``
+    figures): a re-measurement that moves a little prices the same."""
+    def r(x: float) -> float:
+        return round_significant(x)
+
+    return dataclasses.replace(
+        costs, op_launch=r(costs.op_launch), backward_launch=r(costs.backward_launch),
+        action=r(costs.action), memory_bandwidth=r(costs.memory_bandwidth),
+        half_speedup=r(costs.half_speedup),
+        gemm_seconds=tuple(r(x) for x in costs.gemm_seconds),
+        gemm_backward_seconds=tuple(r(x) for x in costs.gemm_backward_seconds))
 
 
 def _cores() -> int:
