@@ -125,3 +125,13 @@ def test_cached_costs_are_checked_when_read(tmp_path, monkeypatch: pytest.Monkey
     path.parent.mkdir()
     path.write_text(json.dumps({**dataclasses.asdict(FAKE), "op_launch": -5.0}))
     assert machine.machine_costs() == FAKE
+
+
+def test_gpus_on_paper_run_small_micro_batches_far_below_peak() -> None:
+    """docs/gpu_costs.md: a bf16 8192 x 8192 layer at 1 row is bound by reading its weight."""
+    for kind, peak in (("a100", 312e12), ("h100", 989e12), ("h200", 989e12)):
+        costs = machine.paper_costs(kind)
+        rates = [f / (s - costs.op_launch) for f, s in zip(costs.gemm_flops, costs.gemm_seconds)]
+        assert rates[0] < 0.02 * peak and rates[-1] == pytest.approx(0.75 * peak)
+        assert rates == sorted(rates)
+    assert machine.paper_costs("h200").gemm_seconds[0] < machine.paper_costs("h100").gemm_seconds[0]

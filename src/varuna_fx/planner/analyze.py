@@ -62,7 +62,8 @@ class Analyzed:
         table = CostTable.build(self.gm)
         if cluster is not None:
             dtype = str(next((p.dtype for p in self.gm.parameters()), "float32"))
-            planning_times(table, cluster, profile, dtype.replace("torch.", ""))
+            # (no collective: plan_for may run on one rank of a job; rank 0 plans as compile)
+            planning_times(table, cluster, profile, dtype.replace("torch.", ""), agree=False)
         elif profile is not None:
             table.measured = profile.measured_times(table)
         return table

@@ -177,11 +177,12 @@ class CalibratedTimes:
 
 
 def planning_times(table: CostTable, cluster: Cluster, profile: Any = None,
-                   dtype: str = "float32") -> None:
+                   dtype: str = "float32", agree: bool = True) -> None:
     """Set ``table.measured`` to what the planner prices ``cluster`` with: ``profile``'s
     times where it applies (scaled for the ranks sharing the cores, plus the action cost);
     else, on this machine's own kind of device with no stated throughput (``Cluster.local``),
-    this machine's calibrated costs (``CalibratedTimes``, rank 0's in a launched job); else
+    this machine's calibrated costs (``CalibratedTimes``; with ``agree``, rank 0's in a
+    launched job, a collective every rank must reach: compile's configure step); else
     nothing (the device spec's roofline)."""
     sharing = ranks_sharing(cluster.kind, cluster.gpus_per_node)
     if profile is not None and profile.applies_to(cluster):
@@ -190,7 +191,7 @@ def planning_times(table: CostTable, cluster: Cluster, profile: Any = None,
     if cluster.flops is not None or cluster.device_type is None or \
             cluster.kind != _device() or cluster.kind != "cpu":
         return
-    costs = agreed_machine_costs()
+    costs = agreed_machine_costs() if agree else machine_costs()
     table.measured = CalibratedTimes.of(table, costs, costs.contention(sharing),
                                         costs.precision_speedup(dtype))
 
@@ -200,8 +201,8 @@ def paper_costs(kind: str, rows: Sequence[int] = (1, 8, 64, 512, 4096)) -> Machi
     nothing here was measured on one): ``kind`` "a100", "h100" or "h200". The matmul rate
     by size is the roofline of a bf16 ``rows x 8192 x 8192`` GEMM at the datasheet's dense
     peak (times ``GEMM_EFFICIENCY``) and HBM bandwidth (a small micro-batch is bound by
-    reading the weights), plus the launch. Not priced by default (a ``Cluster`` of GPUs keeps its spec's roofline); for
-    planning on paper and for the table in docs/gpu_costs.md."""
+    reading the weights), plus the launch. Not priced by default (a ``Cluster`` of GPUs
+    keeps its spec's roofline); for planning on paper and the table in docs/gpu_costs.md."""
     peak, bandwidth = PAPER[kind]
     k = n = 8192
     flops = tuple(2.0 * m * k * n for m in rows)
