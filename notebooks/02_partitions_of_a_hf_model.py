@@ -33,8 +33,10 @@ config = GPT2Config(n_layer=8, n_embd=64, n_head=4, vocab_size=1000, n_positions
 model = GPT2LMHeadModel(config)
 ids = torch.randint(0, config.vocab_size, (4, 32))
 example = {"input_ids": ids, "labels": ids}  # the model computes its own loss
-# recompute=True (Varuna's setting): every split below is priced with the same recompute costs
-pipes = {p: vf.compile(model, example_inputs=example, stages=p, recompute=True)
+# recompute=True (Varuna's setting): every split below is priced with the same recompute costs;
+# a stated CPU (no measured costs: the FLOP roofline), so the cuts are the same on any machine
+cluster = vf.Cluster(gpus=1, device="cpu")
+pipes = {p: vf.compile(model, cluster, example_inputs=example, stages=p, recompute=True)
          for p in range(2, 9)}
 print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, "
       f"traced with {pipes[2].plan.tracer}")
@@ -48,7 +50,6 @@ print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} p
 # %%
 gm = pipes[2].captured.gm
 nodes = compute_nodes(gm)
-cluster = vf.Cluster.local()
 setting = CostSetting(pipes[2].plan.micro_batch_size, cluster.spec,
                       float(cluster.intra_node_bandwidth), float(cluster.gpu_memory), 1, True)
 costs = partition_problem(gm, setting)

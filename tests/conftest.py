@@ -12,6 +12,8 @@
   old profiles-only alias ``$VARUNA_FX_CACHE`` is dropped from the environment): tests never
   write to ~/.cache and never hit an entry another test wrote; the caches' sealing key is a
   temporary file too (``$VARUNA_FX_CACHE_KEY``), never ~/.config's.
+* Plans use one stated machine (``$VARUNA_FX_MACHINE`` = ``tests/support/machine.json``),
+  not this host's measured costs (planner/machine.py), so they are the same on every host.
 * matplotlib's font cache is built before the first test: on a fresh install its first
   ``import matplotlib.font_manager`` runs ``fc-list``, which the guard above would count as the
   test launching a process.
@@ -70,6 +72,10 @@ os.environ.pop("VARUNA_FX_CACHE", None)  # a user's alias must not outlive the i
 _KEY_ROOT = tempfile.mkdtemp(prefix="varuna_fx_test_key_")
 os.environ["VARUNA_FX_CACHE_KEY"] = os.path.join(_KEY_ROOT, "cache.key")
 os.environ.pop("VARUNA_FX_CACHE_MODE", None)  # whatever the caller's shell has
+# one stated machine for every plan (planner/machine.py): the same plans on every host, and no
+# test (nor a process it launches) spends a quarter second measuring this one
+os.environ["VARUNA_FX_MACHINE"] = os.path.join(os.path.dirname(__file__), "support",
+                                               "machine.json")
 
 
 def _fresh_cache_dir() -> str:

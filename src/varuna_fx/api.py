@@ -212,6 +212,8 @@ def plan_of(state: CompileState) -> Plan:
         shard_optimizer_setting=state.planning.shard_optimizer,
         compression=priced.compression, replica_sync=priced.replica_sync,
         boundaries=boundaries(state), shards_by_default=config.shards_by_default,
+        cost_terms=priced.terms, stage_busy=priced.busy, predicted_spread=priced.spread,
+        priced_here=priced.priced_here,
     )
 
 

@@ -34,6 +34,7 @@ from .ir.nodes import info
 from .morph.controller import InPlace
 from .morph.records import MorphRecord
 from .passes.manager import dump_dir
+from .planner.drift import DriftCheck
 from .planner.plan import Plan
 from .runtime import preemption
 from .runtime.batching import check_sample_shapes
@@ -59,6 +60,7 @@ class Pipeline:
     # what the last step measured (runtime/step_stats.py); None before the first step
     last_step: StepStats | None = None
     _meter: StepMeter | None = None
+    _drift: DriftCheck | None = None
 
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                  canonical: dict[str, str], runtime: Runtime, options: RunOptions,
@@ -196,6 +198,12 @@ class Pipeline:
         # step's work is done (a signal during this step stops after this step, not the next)
         loss = self.runtime.step(tensors, target, flags=flags)
         self.last_step = meter.finish(tensors)
+        # after the first steps: the measured step against the plan, said once (drift.py)
+        self._drift = self._drift or DriftCheck(
+            self.plan, not isinstance(self.runtime, LocalRuntime) or self.plan.stages == 1)
+        off = self._drift.observe(self.last_step.seconds, self.last_step._raw)
+        if off is not None:
+            warnings.warn(off, stacklevel=3)  # (step -> _step -> here)
         return loss
 
     @property

@@ -52,7 +52,7 @@ def test_no_arguments_resolve_to_the_documented_defaults() -> None:
         assert rows[name] == _toml_value(f.default), name
     assert (cfg.model, cfg.data, cfg.nproc, cfg.out) == ("gpt", "stdlib", 2, "runs/train")
     assert cfg.compile_options()["stages"] is None  # auto: the planner's
-    assert cfg.compile_options()["micro_batch_size"] == 4
+    assert cfg.compile_options()["micro_batch_size"] is None  # auto: the planner's (issue 41)
     assert cfg.warmup == cfg.steps // 20
 
 
@@ -105,7 +105,8 @@ def test_print_config_reads_back_to_the_same_configuration(tmp_path: Path) -> No
     (["--warmup-steps", "50", "--steps", "10"], ["warmup_steps = 50 is longer than the run"]),
     (["--stop-at", "10", "--steps", "10"], ["not before the last step"]),
     (["--global-batch-size", "1", "--micro-batch-size", "auto"], ["at least 2 samples"]),
-    (["--global-batch-size", "6"], ["micro_batch_size = 4 does not divide global_batch_size = 6"]),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"],
+     ["micro_batch_size = 4 does not divide global_batch_size = 6"]),
     (["--nnodes", "1:2"], ["nnodes belong to elastic = true", "torchrun_args"]),
     (["--in-place"], ["in_place belong to elastic = true", "--elastic --in-place"]),
     (["--elastic", "--in-place", "--torchrun-args=--nnodes=2"],

@@ -246,6 +246,7 @@ def test_plan_command_prints_the_choice(capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     assert code == 0
     assert "predicted step" in out and "simulated" in out and "stages of the chosen" in out
+    assert "decided by:" in out  # what decided the pick (issue 41: plan.explain)
 
 
 @pytest.mark.slow  # searches and generates cost-aware orders

@@ -30,6 +30,7 @@ from ..planner.plan import (
     _count,
     _seconds,
     alternatives_table,
+    explain_pick,
     optimizer_note,
 )
 from ..planner.profile import Profile
@@ -72,6 +73,7 @@ def plan_command(args: argparse.Namespace, console: Console | None = None) -> in
     console.print(alternatives_table(result.alternatives, f"{graph.model_name} on {cluster.gpus}"
                                      f" x {cluster.kind} ({args.schedule} schedule)"))
     console.print(stage_table(result.best))
+    console.print(explain_pick(result.alternatives))  # what decided the pick (plan.explain)
     return 0
 
 
@@ -271,6 +273,7 @@ def search_as_dict(cluster: Cluster, name: str, result: SearchResult, measured: 
                    "predicted_step_time": best.step_time,
                    "samples_per_second": best.samples / best.step_time},
         "note": note,
+        "explain": explain_pick(result.alternatives),
         "options": options or {},
         "alternatives": [alternative_as_dict(a) for a in result.alternatives],
         "stages": [{"stage": s, "forward": float(plan.forward[s]),

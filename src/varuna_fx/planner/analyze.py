@@ -33,12 +33,14 @@ from .configure import (
 )
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
+from .machine import planning_times
 from .measure import ProfileSettings
 from .options import PlanOptions
 from .pricing import Pricer
 from .profile import Profile
 from .resolve import resolve_profile
 from .search import Planner
+from .steady import TIE_TOLERANCE
 from .virtual import on_ranks
 from .virtual import weigh as weigh_virtual
 
@@ -53,9 +55,15 @@ class Analyzed:
     tracer: str
     seconds: dict[str, float] = field(default_factory=dict)  # capture + annotate time
 
-    def table(self, profile: Profile | None = None) -> CostTable:
+    def table(self, profile: Profile | None = None, cluster: Cluster | None = None) -> CostTable:
+        """The cost table, priced as compile prices it on ``cluster`` (``machine.planning_times``;
+        without a cluster: ``profile``'s times as measured, or the roofline)."""
         table = CostTable.build(self.gm)
-        if profile is not None:
+        if cluster is not None:
+            dtype = str(next((p.dtype for p in self.gm.parameters()), "float32"))
+            # (no collective: plan_for may run on one rank of a job; rank 0 plans as compile)
+            planning_times(table, cluster, profile, dtype.replace("torch.", ""), agree=False)
+        elif profile is not None:
             table.measured = profile.measured_times(table)
         return table
 
@@ -89,8 +97,10 @@ class Analyzed:
                       micro_batches=options.grad_accum_steps)
 
         def search(recompute: bool) -> SearchResult:
-            planner = Planner(self.table(use), cluster, schedule=choice,
-                              recompute=recompute, network=use.network if use else None,
+            planner = Planner(self.table(use, cluster), cluster, schedule=choice,
+                              recompute=recompute,
+                              # as compile: the profile's links, else the cluster's
+                              network=(use.network if use else None) or cluster.network,
                               shard_optimizer=options.shard_optimizer,
                               compression=options.compression,
                               replica_sync=options.replica_sync)
@@ -98,7 +108,7 @@ class Analyzed:
                 result = _plan_virtual(planner.pricer, space, dataclasses.replace(
                     planner.pricer.schedules[0], stages_per_rank=v))
             else:
-                result = planner.search(space, top=top)
+                result = planner.search(space, top=top, tolerance=TIE_TOLERANCE)
                 if not result.top:
                     raise explain_nothing_fits(planner, space)
                 if options.stages_per_rank is None and choice == AUTO:  # v chosen too
@@ -152,7 +162,7 @@ def _with_virtual(pricer: Pricer, result: SearchResult) -> SearchResult:
     found = weigh_virtual(pricer, best)
     pick = min(found, key=lambda f: f[0].step_time, default=None)
     rows = list(result.alternatives)
-    if pick is None or pick[0].step_time >= best.step_time:
+    if pick is None or pick[0].step_time >= best.step_time * (1 - TIE_TOLERANCE):
         rows += [c.alternative() for c, _ in found]
         return dataclasses.replace(result, alternatives=sorted(rows, key=lambda a: a.step_time))
     rows = [dataclasses.replace(a, chosen=False) for a in rows]

@@ -373,11 +373,12 @@ class Balancer:
                 holders.append((item.grad, tuple(sorted({first, *np.flatnonzero(held_by)}))))
         cut = np.asarray(self.cut)
         reseed = u.reseed * np.logical_or.reduceat(u.random, starts)  # per action, see costs
+        act = u.action  # every action's fixed cost (planner/machine.py), once per stage
         return PartitionCosts(
             bounds=tuple(bounds),
-            forward=per_stage(u.forward) + reseed,
-            recompute=per_stage(u.recompute) + reseed,
-            backward=per_stage(u.backward),
+            forward=per_stage(u.forward) + reseed + act,
+            recompute=per_stage(u.recompute) + reseed + act,
+            backward=per_stage(u.backward) + act,
             send_bytes=cut[bounds[1:-1]],
             input_bytes=cut[starts],
             weights=self.model.held(starts, ends),
@@ -385,7 +386,7 @@ class Balancer:
             shared_grads=shared_grads,
             activations=self.model.activations(starts, ends),
             workspace=self.model.workspace(starts, ends),
-            input_grad=None if u.input_grad is None else per_stage(u.input_grad),
-            weight_grad=None if u.weight_grad is None else per_stage(u.weight_grad),
+            input_grad=None if u.input_grad is None else per_stage(u.input_grad) + act,
+            weight_grad=None if u.weight_grad is None else per_stage(u.weight_grad) + act,
             shared_holders=tuple((g, tuple(int(x) for x in h)) for g, h in holders),
         )

@@ -62,6 +62,8 @@ class SearchResult:
     alternatives: list[Alternative] = field(default_factory=list)
     stages_per_rank: int = 1  # v of the schedule searched (several stages per rank: virtual)
     recompute: bool = True  # whether it was planned with recomputation (plan_for sets it)
+    # the first row is not the fastest but the simplest within the tie tolerance (steady.py)
+    settled: bool = False
 
     @property
     def best(self) -> Candidate:

@@ -11,9 +11,10 @@ from typing import Any
 
 from ..costs.roofline import DEVICES, DeviceSpec, device_spec
 from ..errors import VarunaFxError
-from ..world import network, where
+from ..world import where
 from ..world.membership import in_place, membership
 from ..world.network import NetworkProfile
+from .steady import steady as steady_links
 
 _BYTE_UNITS = {
     "": 1, "b": 1,
@@ -198,7 +199,7 @@ class Cluster:
         measured = None
         if measure_network and where.launched_distributed():
             where.init_process_group(300.0 if timeout is None else timeout)
-            measured = network.measure_network()
+            measured = steady_links()  # probed up to 3 times, rounded, kept (steady.py)
         world = where.world_size()
         if torch.cuda.is_available():
             memory = torch.cuda.get_device_properties(0).total_memory

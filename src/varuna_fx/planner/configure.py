@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch.fx as fx
 
 from ..costs.roofline import DeviceSpec, NodeTimes
@@ -46,12 +48,14 @@ from .candidates import Candidate, Space
 from .cluster import Cluster
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
+from .machine import planning_times
 from .options import PlanOptions
 from .plan import Alternative
 from .pricing import Pricer
 from .profile import Profile
 from .search import Planner
 from .slow_links import byte_ratio, check_settings, shards_by_default
+from .steady import TIE_TOLERANCE
 from .virtual import weigh as weigh_virtual
 
 
@@ -96,6 +100,11 @@ class Priced:
     stash_counts: tuple[int, ...]  # that schedule's micro-batches held at once, per stage
     compression: tuple[str, ...] = ()  # per boundary, as simulated (slow_links.py)
     replica_sync: tuple = ()  # per stage, as priced
+    # what the step is made of (``cost_terms``) and each stage's busy seconds per micro-batch
+    terms: tuple[tuple[str, float], ...] = ()
+    busy: tuple[float, ...] = ()
+    spread: float | None = None  # the profile's relative spread (None: not measured)
+    priced_here: bool = False  # by this machine's measured costs (profile or machine.py)
 
 
 def replica_batch(example_batch: int, global_batch_size: int | None, data_parallel: int) -> int:
@@ -219,7 +228,7 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
 def _search_once(planner: Planner, space: Space, *, virtual: bool) -> plan_cache.Searched:
     """The search's pick (with virtual stages weighed on it where the planner chooses v too),
     as the plan cache keeps it."""
-    result = planner.search(space)
+    result = planner.search(space, tolerance=TIE_TOLERANCE)
     if not result.top:
         raise explain_nothing_fits(planner, space)
     best, pricer = result.best, planner.pricer
@@ -245,7 +254,7 @@ def _weigh_virtual(pricer: Pricer, best: Candidate, rows: list[Alternative]
     pick, stages, name, v = best, best.stages, best.schedule, 1
     found = weigh_virtual(pricer, best)
     for c, sched in found:
-        if c.step_time < pick.step_time:
+        if c.step_time < pick.step_time * (1 - TIE_TOLERANCE):  # a near-tie: not virtual
             pick, stages, name, v = c, c.stages, c.schedule, sched.stages_per_rank
     rows = [dataclasses.replace(a, chosen=False) if a.chosen and pick is not best else a
             for a in rows] + [c.alternative(c is pick) for c, _ in found]
@@ -281,9 +290,10 @@ def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, rec
     copy is taken: a profile's times are set on it)."""
     table = CostTable.build(gm) if table is None else dataclasses.replace(table)
     network = cluster.network  # measured by Cluster.local() in a launched job
+    dtype = str(next((p.dtype for p in gm.parameters()), "float32")).replace("torch.", "")
+    planning_times(table, cluster, profile, dtype)  # the profile's, this machine's, or none
     if profile is not None:
         if profile.applies_to(cluster):
-            table.measured = profile.measured_times(table)
             network = profile.network or network
         else:
             warnings.warn(f"the profile was measured on {profile.device!r}, the cluster has "
@@ -319,7 +329,31 @@ def price(config: Configuration, bounds: tuple[int, ...],
     step = pricer.simulated(c, sched, rc)
     c.memory = tuple(float(x) for x in c.plan.memory(counts, rc))
     rows = tuple(c.alternative(True) if a.chosen else a for a in config.alternatives)
-    return Priced(step, c.memory, rows, sched, tuple(counts), c.compression, c.sync)
+    busy = c.plan.compute(rc)
+    terms = cost_terms(step, c.allreduce_time, busy, c.plan.flags(rc), m, units.action,
+                       pricer.schedule_costs(c, rc).links or ())
+    spread = getattr(pricer.table.measured, "variation", None)
+    return Priced(step, c.memory, rows, sched, tuple(counts), c.compression, c.sync, terms,
+                  tuple(float(x) for x in busy), spread or None,
+                  pricer.table.measured is not None)
+
+
+def cost_terms(step: float, allreduce: float, busy: np.ndarray, recomputes: np.ndarray,
+               micro_batches: int, action: float, links: Sequence[float]
+               ) -> tuple[tuple[str, float], ...]:
+    """The predicted step as the terms of the cost model, on the busiest stage: its compute
+    (operations), the fixed cost of its actions (``machine.py``), the messages over the
+    slowest link (one each way per micro-batch), the all-reduce, and the rest (the
+    pipeline's fill and drain: the bubble). An account for people and for naming what was
+    off (``drift.py``), not the simulation itself."""
+    s = int(np.argmax(busy))
+    actions = (3 if recomputes[s] else 2) * micro_batches
+    overhead = actions * action
+    compute = max(micro_batches * float(busy[s]) - overhead, 0.0)
+    messages = 2 * micro_batches * max(links, default=0.0)
+    rest = max(step - allreduce - compute - overhead - messages, 0.0)
+    return (("compute", compute), ("action overhead", overhead), ("messages", messages),
+            ("all-reduce", allreduce), ("bubble", rest))
 
 
 def assign_and_price(gm: fx.GraphModule, config: Configuration,

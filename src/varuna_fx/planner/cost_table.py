@@ -108,6 +108,12 @@ class MeasuredTimes:
     reseed: float = 0.0  # seconds per forward/recompute of a stage with random ops
     sizes: np.ndarray | None = None
     samples: np.ndarray | None = None  # [K, S, 3 or 5]: F, R, B (and I, W) per chunk and size
+    # the machine's terms a chunk's time leaves out (planner/machine.py): seconds of fixed
+    # cost per stage action, and how much slower compute runs with the run's ranks sharing
+    # the cores than with the profile's
+    action: float = 0.0
+    scale: float = 1.0
+    variation: float = 0.0  # the profile's relative spread of repeated timings (Profile.spread)
 
     def arrays(self, b: int) -> NodeArrays:
         est = self.estimate(b)
@@ -132,10 +138,13 @@ class MeasuredTimes:
 
         times = (0, 1, 2) if at is not None else (self.fwd, self.rec, self.bwd)
         split = at is not None and len(at) == 5
-        return NodeArrays(spread(times[0], est.forward), spread(times[1], est.forward),
-                          spread(times[2], est.backward), spread(self.mem, est.activations),
-                          spread(3, est.backward) if split else None,
-                          spread(4, est.backward) if split else None)
+        scale = self.scale  # ranks sharing the cores (times only, never bytes)
+        return NodeArrays(spread(times[0], est.forward) * scale,
+                          spread(times[1], est.forward) * scale,
+                          spread(times[2], est.backward) * scale,
+                          spread(self.mem, est.activations),
+                          spread(3, est.backward) * scale if split else None,
+                          spread(4, est.backward) * scale if split else None)
 
     def _select(self, nodes: Sequence[Any], values: np.ndarray) -> np.ndarray:
         index = {name: i for i, name in enumerate(self.names)}
@@ -167,7 +176,9 @@ class CostTable:
     units: np.ndarray  # cut positions worth considering, 0 .. N
     grads: np.ndarray  # [N] gradient bytes, where first read
     shared: tuple[SharedWeight, ...]  # weights read by several nodes
-    measured: MeasuredTimes | None = None
+    # measured costs (a profile's MeasuredTimes, or machine.CalibratedTimes: the machine's
+    # numbers for the graph's FLOPs and bytes); None: the device spec's roofline
+    measured: MeasuredTimes | Any | None = None
     # buffers forward writes: (first, last) node using each (PartitionProblem.written_spans),
     # named when the cuts they forbid leave too few units for the stages asked for
     written_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -257,6 +268,7 @@ class CostTable:
             workspace=np.maximum.reduceat(workspace, starts) if len(starts) else workspace,
             random=np.logical_or.reduceat(self.random, starts) if len(starts) else self.random,
             reseed=self.measured.reseed if self.measured is not None else 0.0,
+            action=self.measured.action if self.measured is not None else 0.0,
             input_grad=None if nodes.input_grad is None else per_unit(nodes.input_grad),
             weight_grad=None if nodes.weight_grad is None else per_unit(nodes.weight_grad),
         )
@@ -278,6 +290,7 @@ class UnitArrays:
     workspace: np.ndarray  # largest single activation in the unit (costs/memory.py)
     random: np.ndarray  # the unit has random ops
     reseed: float = 0.0  # seconds per forward/recompute of a stage with random ops
+    action: float = 0.0  # seconds of fixed cost per stage action (planner/machine.py)
     input_grad: np.ndarray | None = None  # measured split backward (see NodeArrays)
     weight_grad: np.ndarray | None = None
 

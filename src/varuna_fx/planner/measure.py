@@ -42,8 +42,10 @@ from ..capture.inputs import BoundInputs
 from ..ir.nodes import Affine
 from ..passes.assign_stages import compute_nodes, trainable_names
 from ..passes.split_stages import split_stages
+from ..world.where import in_process_group, local_world_size
 from .cluster import local_device_type
 from .cost_table import CostTable
+from .machine import machine_costs
 from .profile import ChunkProfile, Profile, graph_hash
 
 
@@ -107,7 +109,7 @@ def measure(gm: fx.GraphModule, bound: BoundInputs, key: str,
             torch.manual_seed(0)
             bounds = _boundaries(gm, bound, table, sizes[0], device, settings)
             chunks = _build_chunks(gm, bounds)
-            samples = _time_all(chunks, bound, sizes, device, settings)
+            samples, spread = _time_all(chunks, bound, sizes, device, settings)
     finally:
         for p, g in saved_grads.items():
             p.grad = g
@@ -120,7 +122,14 @@ def measure(gm: fx.GraphModule, bound: BoundInputs, key: str,
         key=key, graph=graph_hash(gm), device=local_device_type(), device_name=_device_name(device),
         dtype=str(_dtype_of(gm)).replace("torch.", ""), threads=torch.get_num_threads(),
         sizes=sizes, chunks=profiles, reseed=_reseed_time(device, settings),
+        machine=machine_costs(), ranks=_ranks_measuring(), spread=spread,
     )
+
+
+def _ranks_measuring() -> int:
+    """Ranks of this node profiling at once (``resolve.profile_here``: every rank of a
+    launched job measures together), which shared the cores while they measured."""
+    return local_world_size() if in_process_group() else 1
 
 
 def _reseed_time(device: torch.device, settings: ProfileSettings) -> float:
@@ -248,10 +257,14 @@ def _build_chunks(gm: fx.GraphModule, bounds: list[int]) -> list[_Chunk]:
 
 
 def _time_all(chunks: list[_Chunk], bound: BoundInputs, sizes: list[int], device: torch.device,
-              settings: ProfileSettings) -> dict[int, list[tuple[float, float, float, float]]]:
+              settings: ProfileSettings
+              ) -> tuple[dict[int, list[tuple[float, float, float, float]]], float]:
+    """Per size, each chunk's median times and memory; and the timings' relative spread
+    (``Profile.spread``)."""
     rounds = settings.warmup + settings.repeats
     quiet = not sys.stderr.isatty() or "PYTEST_CURRENT_TEST" in os.environ
     result: dict[int, list[tuple[float, float, float, float]]] = {}
+    spreads: list[float] = []
     with Progress(disable=quiet, transient=True) as progress:
         task = progress.add_task("profiling", total=len(sizes) * rounds * len(chunks))
         for b in sizes:
@@ -269,7 +282,17 @@ def _time_all(chunks: list[_Chunk], bound: BoundInputs, sizes: list[int], device
             result[b] = [(*(statistics.median(t[i] for t in ts) for i in range(3)), mem,
                           *(statistics.median(t[i] for t in ts) for i in range(3, len(ts[0]))))
                          for ts, mem in zip(times, memory)]
-    return result
+            spreads += [_relative_iqr([sum(t[:3]) for t in ts]) for ts in times]
+    return result, statistics.median(spreads) if spreads else 0.0
+
+
+def _relative_iqr(values: list[float]) -> float:
+    """The interquartile range of ``values`` over their median (0 for fewer than 4)."""
+    if len(values) < 4:
+        return 0.0
+    q = statistics.quantiles(values, n=4)
+    middle = statistics.median(values)
+    return (q[2] - q[0]) / middle if middle > 0 else 0.0
 
 
 def _chunk_args(chunks: list[_Chunk], inputs: dict[str, torch.Tensor]) -> list[list[Any]]:

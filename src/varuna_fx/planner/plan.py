@@ -110,6 +110,15 @@ class Plan:
     # replicas: not where its all-gather would add half an all-reduce over a slow link and
     # memory does not need it, nor under DiLoCo (each replica keeps its own optimizer state)
     shards_by_default: bool = True
+    # what the predicted step is made of, by the cost model's terms (configure.cost_terms:
+    # compute, action overhead, messages, all-reduce, bubble), each stage's busy seconds per
+    # micro-batch, and the profile's relative spread (None: planned without one)
+    cost_terms: tuple[tuple[str, float], ...] = ()
+    stage_busy: tuple[float, ...] = ()
+    predicted_spread: float | None = None
+    # whether the prediction is this machine's (a profile, or the machine's own costs:
+    # planner/machine.py), so a measured step may be held against it (drift.py)
+    priced_here: bool = False
 
     def sync_of(self, stage: int) -> ReplicaSync:
         """Stage ``stage``'s replica sync ("exact" where the plan names none)."""
@@ -145,7 +154,8 @@ class Plan:
         return max(times) / (sum(times) / len(times)) if times and sum(times) else 1.0
 
     def table(self) -> Table:
-        step = (f", predicted step {self.predicted_step_time * 1e3:.2f} ms"
+        spread = f" ± {self.predicted_spread:.0%}" if self.predicted_spread else ""
+        step = (f", predicted step {self.predicted_step_time * 1e3:.2f} ms{spread}"
                 if self.predicted_step_time is not None else "")
         table = Table(title=(
             f"{self.model_name}: P={self.stages}"
@@ -203,6 +213,13 @@ class Plan:
             tables.append(other)
         return Group(*tables)
 
+    def explain(self) -> str:
+        """What decided the pick, in words: the configuration, its predicted step and what
+        the cost model says it is made of, and why it won against the runner-up
+        (``explain_pick``)."""
+        return explain_pick(self.alternatives, self.cost_terms, self.predicted_step_time,
+                            self.predicted_spread)
+
     def __str__(self) -> str:
         # As wide as the widest table (at least 120 columns, for the captions): a string has
         # no terminal to fit, and a narrower width would cut cells ("powersg…"). A console
@@ -215,6 +232,61 @@ class Plan:
         Console(file=buffer, width=width, force_terminal=False, force_jupyter=False,
                 color_system=None).print(self)
         return buffer.getvalue().rstrip() + "\n"
+
+
+def _name(row: Alternative) -> str:
+    schedule = f", {row.schedule}" if row.schedule and row.stages > 1 else ""
+    return (f"P={row.stages} x D={row.data_parallel}, {row.num_micro_batches} micro-batch(es) "
+            f"of {row.micro_batch_size}{schedule}")
+
+
+def explain_pick(rows: Sequence[Alternative], terms: Sequence[tuple[str, float]] = (),
+                 predicted: float | None = None, spread: float | None = None) -> str:
+    """The pick among ``rows`` (the chosen one marked), in words: what its predicted step is
+    made of (``terms``: the cost model's, largest first), and what decided it -- the
+    fastest time per sample by how much over the runner-up and in which term
+    (all-reduce or the pipeline part), or a near-tie given to the simpler configuration
+    (``steady.TIE_TOLERANCE``), or nothing weighed (the caller fixed it)."""
+    chosen = next((r for r in rows if r.chosen), rows[0] if rows else None)
+    lines = []
+    if chosen is not None:
+        step = predicted if predicted is not None else chosen.step_time
+        sure = f" ± {spread:.0%} (the profile's spread)" if spread else ""
+        lines.append(f"picked {_name(chosen)}: predicted step {_seconds(step)}{sure}")
+    if terms:
+        total = sum(v for _, v in terms) or 1.0
+        parts = ", ".join(f"{name} {_seconds(v)} ({v / total:.0%})"
+                          for name, v in sorted(terms, key=lambda t: -t[1]) if v > 0)
+        lines.append(f"its step, by the cost model's terms: {parts}")
+    others = [r for r in rows if r is not chosen]
+    if chosen is None or not others:
+        lines.append("decided by: nothing to weigh (one configuration: the given stages, "
+                     "replicas and micro-batch size, or the only one that fits)")
+        return "\n".join(lines)
+
+    def per_sample(r: Alternative) -> float:
+        return r.step_time / max(r.samples, 1)
+
+    fastest = min(rows, key=per_sample)
+    if per_sample(fastest) < per_sample(chosen):
+        lines.append(f"decided by: the tie rule: {_name(fastest)} is predicted "
+                     f"{1 - per_sample(fastest) / per_sample(chosen):.1%} faster per sample, "
+                     "within the tolerance the measurements cannot tell apart; the simpler "
+                     "configuration (fewest devices, then stages, then the largest "
+                     "micro-batch, then the schedule listed first) is picked")
+        return "\n".join(lines)
+    runner = min(others, key=per_sample)
+    gap = per_sample(runner) / per_sample(chosen) - 1
+    scale = chosen.samples / max(runner.samples, 1)  # the runner-up's step per our samples
+    d_sync = runner.allreduce_time * scale - chosen.allreduce_time
+    d_pipe = (runner.step_time - runner.allreduce_time) * scale - \
+        (chosen.step_time - chosen.allreduce_time)
+    why = "the all-reduce" if abs(d_sync) > abs(d_pipe) else \
+        "the pipeline part (compute, messages and bubble)"
+    lines.append(f"decided by: the fastest predicted time per sample of {len(rows)} weighed; "
+                 f"the runner-up {_name(runner)} is {gap:+.1%}, mostly in {why} "
+                 f"({_seconds(d_sync if why == 'the all-reduce' else d_pipe)} more)")
+    return "\n".join(lines)
 
 
 def optimizer_note(setting: bool | str, data_parallel: int, priced_sharded: bool,

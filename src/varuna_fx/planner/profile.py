@@ -33,9 +33,13 @@ from ..world.files import cache_dir, write_atomically
 from ..world.network import NetworkProfile
 from .cluster import Cluster
 from .cost_table import CostTable, MeasuredTimes, interpolate, monotone
+from .machine import MachineCosts
+from .machine import from_json as machine_from_json
+from .steady import round_costs
 
-FORMAT = 3  # bump when the JSON layout or the measuring method changes (3: memory counts
-# the saved tensors' own bytes, see measure._memory)
+FORMAT = 4  # bump when the JSON layout or the measuring method changes (3: memory counts
+# the saved tensors' own bytes, see measure._memory; 4: the machine's costs and the ranks
+# that measured at once)
 
 
 @dataclass
@@ -64,10 +68,21 @@ class Profile:
     # with random ops (dropout replays exactly on recompute); added per action by the planner
     reseed: float = 0.0
     network: NetworkProfile | None = None
+    # the machine's overheads measured with it (planner/machine.py: the fixed cost of an
+    # action, the cores), and how many ranks of this node measured at once (they shared the
+    # cores as the run's ranks will: contention is priced relative to it)
+    machine: MachineCosts | None = None
+    ranks: int = 1
+    # the timings' relative spread: per chunk and size, the interquartile range of the
+    # repeats over their median, the median of those (how sure the prediction is)
+    spread: float = 0.0
     from_cache: bool = False
 
-    def measured_times(self, table: CostTable) -> MeasuredTimes:
-        """Per-node costs for ``table``'s graph (which must be the profiled one)."""
+    def measured_times(self, table: CostTable, ranks_per_node: int = 1) -> MeasuredTimes:
+        """Per-node costs for ``table``'s graph (which must be the profiled one), for a run
+        with ``ranks_per_node`` ranks sharing this machine's cores (``machine.ranks_sharing``):
+        the profile's times scaled by the run's contention over the profile's, and the
+        machine's fixed cost per action."""
         position = {name: i for i, name in enumerate(table.names)}
         chunk_of = np.full(len(table.names), -1, dtype=np.int64)
         for k, chunk in enumerate(self.chunks):
@@ -82,9 +97,9 @@ class Profile:
                             "profile this model again (profile=True)")
         spec = device_spec(self.device)
 
-        def coef(attr: str) -> np.ndarray:
-            return np.array([[getattr(c, attr).const, getattr(c, attr).per_sample]
-                             for c in self.chunks])
+        def coef(attr: str) -> np.ndarray:  # at the stated resolution (steady.py)
+            return round_costs(np.array([[getattr(c, attr).const, getattr(c, attr).per_sample]
+                                         for c in self.chunks]))
 
         sizes = sorted(self.sizes)
         samples = None
@@ -93,13 +108,20 @@ class Profile:
             slots = [0, 1, 2]
             if all(len(c.samples[b]) >= 6 for c in self.chunks for b in sizes):
                 slots += [4, 5]
-            samples = monotone(np.array([[[c.samples[b][i] for i in slots] for b in sizes]
-                                         for c in self.chunks]).transpose(0, 2, 1)
-                               ).transpose(0, 2, 1)
+            measured = round_costs(np.array([[[c.samples[b][i] for i in slots] for b in sizes]
+                                             for c in self.chunks]))
+            samples = monotone(measured.transpose(0, 2, 1)).transpose(0, 2, 1)
+        scale, action = 1.0, 0.0
+        if self.machine is not None:
+            m = self.machine
+            scale = m.contention(ranks_per_node) / m.contention(self.ranks)
+            action = float(round_costs(np.array([m.action * m.contention(ranks_per_node)]))[0])
         return MeasuredTimes(list(table.names), chunk_of, coef("forward"), coef("recompute"),
                              coef("backward"), coef("memory"),
-                             estimate=lambda b: table.estimate(b, spec), reseed=self.reseed,
-                             sizes=np.array(sizes, dtype=float), samples=samples)
+                             estimate=lambda b: table.estimate(b, spec),
+                             reseed=float(round_costs(np.array([self.reseed]))[0]),
+                             sizes=np.array(sizes, dtype=float), samples=samples,
+                             action=action, scale=scale, variation=self.spread)
 
     def times(self, chunk: int, b: float) -> tuple[float, float, float]:
         """(forward, recompute, backward) seconds of one chunk at micro-batch size ``b`` as the
@@ -137,7 +159,9 @@ class Profile:
             samples={int(b): tuple(v) for b, v in c["samples"].items()},
         ) for c in data.pop("chunks")]
         network = data.pop("network")
+        machine = data.pop("machine", None)
         return cls(chunks=chunks, network=NetworkProfile(**network) if network else None,
+                   machine=machine_from_json(json.dumps(machine)) if machine else None,
                    **data)
 
 
@@ -188,12 +212,15 @@ def profile_problem(profile: Profile, key: str, graph: str | None) -> str | None
         return f"it holds the profile {profile.key!r}"
     if graph is not None and profile.graph != graph:
         return "it was measured for another graph"
+    if isinstance(profile.ranks, bool) or not isinstance(profile.ranks, int) or \
+            profile.ranks < 1:
+        return "it has an invalid number of ranks"
     if not profile.chunks or not profile.sizes or any(
             isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in profile.sizes):
         return "it has no chunks or invalid batch sizes"
     fits = [fit for chunk in profile.chunks
             for fit in (chunk.forward, chunk.recompute, chunk.backward, chunk.memory)]
-    numbers = [profile.reseed, *(v for fit in fits for v in (fit.const, fit.per_sample)),
+    numbers = [profile.reseed, profile.spread, *(v for fit in fits for v in (fit.const, fit.per_sample)),
                *(v for chunk in profile.chunks for sample in chunk.samples.values()
                  for v in sample)]
     bad = [v for v in numbers if isinstance(v, bool) or not isinstance(v, (int, float))

@@ -64,6 +64,7 @@ from .candidates import QUICK_SLACK, Candidate, SearchResult, Space, divisors
 from .cluster import Cluster
 from .cost_table import CostTable
 from .pricing import Pricer
+from .steady import simplicity, tied
 
 
 class Planner:
@@ -118,8 +119,11 @@ class Planner:
                 found += [Candidate(p, d, b, batch // b) for b in sizes if batch % b == 0]
         return found
 
-    def search(self, space: Space, top: int = 5, exact: int = 1) -> SearchResult:
-        """The ``top`` fastest candidates, best first. The first ``exact`` are simulated with
+    def search(self, space: Space, top: int = 5, exact: int = 1,
+               tolerance: float = 0.0) -> SearchResult:
+        """The ``top`` fastest candidates, best first. ``tolerance`` > 0 (compile and
+        ``plan_for`` pass ``steady.TIE_TOLERANCE``): the first is the simplest of those
+        within it of the fastest (``settle``), the others follow in order. The first ``exact`` are simulated with
         the order the full generator makes from their own costs (what the plan would run);
         the others may keep a cheaper generator's estimate (``Candidate.estimated``: an
         order at most as fast, so the row is no better than the plan would be).
@@ -197,9 +201,38 @@ class Planner:
                     step = pricer.finish(c, "rough" if self._suspect(c, floor) else "quick")
                     if step is not None:
                         push(step, 4, c)
+        if tolerance > 0:
+            self.settle(result, tolerance)
         result.seconds = time.perf_counter() - start
         result.alternatives = [c.alternative(i == 0) for i, c in enumerate(result.top)]
         return result
+
+    def settle(self, result: SearchResult, tolerance: float) -> None:
+        """Put first, in ``result.top``, the simplest candidate (``steady.simplicity``: fewest
+        devices, stages, then the largest micro-batch, the schedule weighed first) among those
+        whose time per sample is within ``tolerance`` of the fastest: a difference the
+        measurements cannot tell apart does not flip the pick. The one moved first is
+        simulated with the full order where its row was a cheaper estimate (never slower than
+        the estimate, so it stays within the tolerance)."""
+        if len(result.top) < 2:
+            return
+        fastest = result.top[0].step_time / result.top[0].samples
+        per_sample = [c.step_time / c.samples for c in result.top]
+        within = tied(per_sample, tolerance)
+        pick = min(within, key=lambda i: self._simplicity(result.top[i]))
+        if pick == 0:
+            return
+        chosen = result.top[pick]
+        if chosen.estimated:
+            step = self.pricer.finish(chosen)
+            if step is None or step / chosen.samples > fastest * (1 + tolerance):
+                return  # (cannot happen: the full order is never slower than its estimate)
+        result.top.insert(0, result.top.pop(pick))
+        result.settled = True
+
+    def _simplicity(self, c: Candidate) -> tuple[int, int, int, int]:
+        return simplicity(c.stages, c.data_parallel, c.micro_batch_size,
+                          self._rank.get(c.schedule, 0))
 
     def _suspect(self, c: Candidate, floor: float) -> bool:
         """Whether ``c``'s step is above ``floor`` for certain if its partition is not made
@@ -212,7 +245,8 @@ class Planner:
 
     def best_schedule(self, c: Candidate) -> str:
         """The schedule ``c`` (P, D, b, m; given, not searched) runs fastest with, among those
-        that fit (partitioned as the search would); the first weighed when none does."""
+        that fit (partitioned as the search would; within the tie tolerance, the first
+        weighed); the first weighed when none does."""
         pricer = self.pricer
         if len(pricer.schedules) == 1:
             return pricer.schedules[0].name
@@ -225,7 +259,11 @@ class Planner:
             if pricer.fits(one, counts) or pricer.fit(one, counts):
                 timed.append((self._key(pricer.simulated(one, pricer.ordered(one)), one),
                               one.schedule))
-        return min(timed)[1] if timed else pricer.schedules[0].name
+        if not timed:
+            return pricer.schedules[0].name
+        # near-ties (steady.TIE_TOLERANCE) go to the schedule weighed first
+        within = tied([key[0] for key, _ in timed])
+        return min((timed[i] for i in within), key=lambda t: self._rank.get(t[1], 0))[1]
 
     def _branches(self, c: Candidate) -> list[Candidate]:
         """``c`` for each schedule the planner weighs (``c`` itself once it has one)."""

@@ -122,10 +122,10 @@ class TrainConfig:
                       low=1)
     data_parallel: Any = key(AUTO, "compile", "data-parallel replicas D (auto: the planner's)",
                              "int|auto", low=1)
-    # 4, not auto, by default: on the 2-core CPU the no-argument run is sized for, the planner
-    # picks micro-batches of 1 on two stages, 2-3x slower than it predicts there
-    # (bench/RESULTS.md, "The train command"); 4 keeps that run near a minute on any layout
-    micro_batch_size: Any = key(4, "compile", "samples per micro-batch (auto: the planner's); "
+    # auto: the planner prices this machine's per-action and per-operation costs
+    # (planner/machine.py), so it no longer picks micro-batches of 1 that run 2-3x slower than
+    # predicted (bench/RESULTS.md, "The planner against the machine")
+    micro_batch_size: Any = key(AUTO, "compile", "samples per micro-batch (auto: the planner's); "
                                 "divides the global batch", "int|auto", low=1)
     grad_accum_steps: Any = key(AUTO, "compile", "micro-batches per replica per step, their "
                                 "gradients accumulated: global_batch_size = micro_batch_size x "
@@ -392,10 +392,6 @@ def resolve(argv: list[str]) -> tuple[TrainConfig, dict[str, str]]:
     from_file = read_toml(config) if config is not None else {}
     source = {k: "config file" for k in from_file} | {k: "command line" for k in flags}
     given = from_file | flags
-    if given.get("grad_accum_steps", AUTO) != AUTO and "micro_batch_size" not in given:
-        # the default micro-batch size (4) is a choice of the run, not the user's: with the
-        # micro-batches given, the micro-batch follows from the equation
-        given["micro_batch_size"] = AUTO
     cfg = TrainConfig(**given)
     check(cfg, set(source))
     return cfg, source
