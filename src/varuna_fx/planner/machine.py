@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..errors import VarunaFxError
+from ..world import switches
 from ..world.files import cache_dir, write_atomically
 from ..world.where import in_process_group
 from .cluster import Cluster, local_device_type
@@ -356,7 +357,7 @@ def machine_costs() -> MachineCosts:
     """This machine's costs: from this process's memory, the cache on disk, or measured now
     (and cached). A cached file is used only when every number in it is finite and
     positive (and the key, device, threads and cores are this process's)."""
-    stated = os.environ.get(MACHINE_ENV)
+    stated = switches.read(MACHINE_ENV)
     key = _key() + (f"@{stated}" if stated else "")
     if key in _MEASURED:
         return _MEASURED[key]

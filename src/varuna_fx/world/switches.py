@@ -70,6 +70,8 @@ _TABLE = (
     Switch("VARUNA_FX_PLAN_CACHE", "choice", "",
            "older switch of the planner's searches and partitions (wins where set): 1, memory, "
            "0", words=_CACHE_WORDS, otherwise="disk"),
+    Switch("VARUNA_FX_MACHINE", "path", "", "a JSON file of this machine's costs to plan with "
+           "instead of measuring them (planner/machine.py; the test suite states one)"),
     Switch("VARUNA_FX_PREPLAN", "choice", "auto",
            "in place, search the likely next worlds in a child after each layout's first step "
            "(auto: on GPU clusters; 1: on; 0: off)",
