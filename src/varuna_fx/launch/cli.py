@@ -26,6 +26,7 @@ from varuna_fx.launch.torchrun import Ranks, split_flags, start_ranks
 from varuna_fx.launch.train import train_command
 from varuna_fx.schedule import DEFAULT_SCHEDULE, schedule_choices
 from varuna_fx.train.factory import load_factory
+from varuna_fx.world.launch_options import AUTO, LAUNCH_OPTIONS
 
 _load_factory = load_factory  # its home is train/factory.py (launch/plan_command.py uses it too)
 
@@ -191,6 +192,29 @@ _FACTORY_HELP = ("module:function that returns (model, example_inputs[, ...]), e
                  "keyword arguments, dim 0 the batch")
 
 
+def add_launch_options(run: argparse.ArgumentParser) -> None:
+    """``run``'s launch flags, each from its one declaration (world/launch_options.py): the
+    same names and help as ``varuna-fx train``'s ``[launch]`` keys. ``--nproc`` is required
+    here (a script has no default size); the strings are unset (None) by default."""
+    for option in LAUNCH_OPTIONS:
+        if not option.run:
+            continue
+        if option.name == "torchrun_args":
+            run.add_argument(option.flag, action="append", default=[], metavar='"FLAGS"',
+                             help=option.help)
+        elif option.kind.startswith("bool"):  # (store_host: None, not False, when not given)
+            run.add_argument(option.flag, action="store_true",
+                             default=None if option.kind.endswith(AUTO) else False,
+                             help=option.help)
+        elif option.name == "nproc":
+            run.add_argument(option.flag, type=int, required=True, help=option.help)
+        elif option.kind == "int":
+            run.add_argument(option.flag, type=int, default=option.default,
+                             help=option.help)
+        else:
+            run.add_argument(option.flag, default=option.default or None, help=option.help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="varuna-fx", description=__doc__,
@@ -308,35 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "--torchrun-args names --nnodes or --rdzv flags. A multi-machine job: "
                     "varuna-fx run --nproc 4 --torchrun-args=\"--nnodes=2 --node-rank=0 "
                     "--rdzv-endpoint=host:29400\" train.py --lr 1e-3")
-    run.add_argument("--nproc", type=int, required=True,
-                     help="processes to start on this machine (one per device)")
-    run.add_argument("--torchrun-args", action="append", default=[], metavar='"FLAGS"',
-                     help="extra torchrun flags, one or several in one quoted string, split as "
-                          "a shell would: --torchrun-args --nnodes=2 or --torchrun-args "
-                          "\"--nnodes=2 --rdzv-endpoint=host:29400\"; may be repeated")
-    run.add_argument("--elastic", action="store_true",
-                     help="machines may leave and join (torchrun's elastic agent, c10d "
-                          "rendezvous); the script resumes from vf.latest_checkpoint")
-    run.add_argument("--nnodes", default=None, help="with --elastic: MIN:MAX machines")
-    run.add_argument("--rdzv-endpoint", default=None,
-                     help="with --elastic: HOST:PORT of the machine hosting the rendezvous")
-    run.add_argument("--rdzv-id", default="varuna-fx", help="with --elastic: the job's name")
-    run.add_argument("--local-addr", default=None,
-                     help="with --elastic: this machine's address (the rendezvous host is the "
-                          "machine whose address is the endpoint's)")
-    run.add_argument("--max-restarts", type=int, default=100,
-                     help="with --elastic: restarts after worker failures (joins are free)")
-    run.add_argument("--in-place", action="store_true",
-                     help="with --elastic: surviving processes keep running when a machine "
-                          "leaves or joins (they re-plan and move only what changed); the "
-                          "script's state must be the pipeline's (pipe.optimizer, "
-                          "pipe.data_loader, pipe.track); see docs/API.md 'Morphing in place'")
-    run.add_argument("--store-host", action="store_true", default=None,
-                     help="with --in-place: this machine hosts the membership store (default: "
-                          "the machine whose --local-addr is the --rdzv-endpoint's host); it "
-                          "must stay up, so it can run --nproc 0 on a machine that is not spot")
-    run.add_argument("--rdzv-conf", default=None,
-                     help="with --elastic: extra rendezvous settings key=value[,key=value]")
+    add_launch_options(run)
     run.add_argument("script", help="the training script every process runs")
     run.add_argument("script_args", nargs=argparse.REMAINDER,
                      help="arguments passed on to the script untouched (main() splits them "

@@ -27,6 +27,7 @@ from ..capture.trace import TRACERS
 from ..errors import InputError
 from ..runtime.precision import PRECISIONS
 from ..schedule import DEFAULT_SCHEDULE, schedule_choices
+from ..world.launch_options import OPTIONS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,6 +53,12 @@ def key(default: Any, group: str, help: str, kind: str | None = None, *,
         kind = {bool: "bool", int: "int", float: "float", str: "str"}[type(default)]
     return field(default=default, metadata={"group": group, "help": help, "kind": kind,
                                             "choices": choices, "low": low, "high": high})
+
+
+def launch_key(name: str) -> Any:
+    """A ``[launch]`` key: the launch option of that name, as ``varuna-fx run`` takes it."""
+    option = OPTIONS[name]
+    return key(option.default, "launch", option.help, option.kind, low=option.low)
 
 
 @dataclass(frozen=True)
@@ -155,26 +162,17 @@ class TrainConfig:
                        "the end")
     peak_flops: Any = key(AUTO, "monitor", "a device's peak FLOP/s for MFU (auto: the "
                           "monitor's table)", "float|auto", low=0.0)
-    # -- launching (as `varuna-fx run`)
-    nproc: int = key(2, "launch", "processes on this machine (1: this process, no torchrun; "
-                     "0: with in_place, a machine that only hosts the membership store)", low=0)
-    elastic: bool = key(False, "launch", "machines may leave and join (torchrun's elastic "
-                        "agent); every restart resumes from the latest checkpoint")
-    in_place: bool = key(False, "launch", "with elastic: survivors keep running when a machine "
-                         "leaves or joins (they re-plan and move only what changed) instead of "
-                         "every process restarting from the latest checkpoint")
-    store_host: Any = key(AUTO, "launch", "with in_place: this machine hosts the membership "
-                          "store, which must stay up (auto: the machine whose local_addr is "
-                          "the rdzv_endpoint's host; one machine alone hosts it)", "bool|auto")
-    nnodes: str = key("", "launch", "with elastic: MIN:MAX machines")
-    rdzv_endpoint: str = key("", "launch", "with elastic: HOST:PORT of the rendezvous host")
-    rdzv_id: str = key("varuna-fx", "launch", "with elastic: the job's name")
-    local_addr: str = key("", "launch", "with elastic: this machine's address")
-    max_restarts: int = key(100, "launch", "with elastic: restarts after worker failures",
-                            low=0)
-    torchrun_args: str = key("", "launch", "extra torchrun flags in one string (a fixed "
-                             "multi-machine job: \"--nnodes=2 --node-rank=0 "
-                             "--rdzv-endpoint=host:29400\")")
+    # -- launching: `varuna-fx run`'s options, declared once (world/launch_options.py)
+    nproc: int = launch_key("nproc")
+    elastic: bool = launch_key("elastic")
+    in_place: bool = launch_key("in_place")
+    store_host: Any = launch_key("store_host")
+    nnodes: str = launch_key("nnodes")
+    rdzv_endpoint: str = launch_key("rdzv_endpoint")
+    rdzv_id: str = launch_key("rdzv_id")
+    local_addr: str = launch_key("local_addr")
+    max_restarts: int = launch_key("max_restarts")
+    torchrun_args: str = launch_key("torchrun_args")
 
     def compile_options(self) -> dict[str, Any]:
         """The keyword arguments of ``vf.compile`` these keys set (besides the model's)."""
