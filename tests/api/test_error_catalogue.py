@@ -479,6 +479,19 @@ CATALOGUE = [
         "is a file", "the run's folder, a directory"),
     row("train: --export onto a file", lambda _: _train_config(["--export", _a_file()]), Inp,
         "is a file", "exported to, a directory"),
+    row("train: --eval-every without held-out data",
+        lambda _: _train_config(["--eval-every", "50"]), Inp, "needs held-out data",
+        "eval_data", "eval_fraction"),
+    row("train: held-out data without --eval-every",
+        lambda _: _train_config(["--eval-fraction", "0.05"]), Inp, "eval_every = 0",
+        "--eval-every N"),
+    row("train: --keep-best without validation", lambda _: _train_config(["--keep-best"]),
+        Inp, "keep_best keeps", "--eval-every N"),
+    row("train: --eval-data and --eval-fraction both", lambda _: _train_config(
+        ["--eval-every", "5", "--eval-fraction", "0.1", "--eval-data", _a_file()]), Inp,
+        "both name the held-out data", "give one"),
+    row("train: --eval-data not a file", lambda _: _train_config(
+        ["--eval-every", "5", "--eval-data", "no/such/file.bin"]), Inp, "is not a file"),
 ]
 
 

@@ -91,6 +91,11 @@ class TrainConfig:
     num_workers: int = key(0, "data", "data loader worker processes", low=0)
     log_samples: bool = key(False, "data", "write each step's global batch (dataset indices) "
                             "to samples.jsonl in --out")
+    eval_data: str = key("", "data", "held-out data for validation, a file as data takes it "
+                         "(validated every eval_every steps)", "path")
+    eval_fraction: float = key(0.0, "data", "hold out this fraction of data's samples, taken "
+                               "from its end and never trained on, for validation (0: none)",
+                               low=0.0, high=0.5)
     # -- training
     steps: int = key(600, "training", "optimizer steps of the whole run (the LR schedule's "
                      "length)", low=1)
@@ -98,6 +103,11 @@ class TrainConfig:
     seed: int = key(0, "training", "initial weights and the data order", low=0)
     stop_at: int = key(0, "training", "save and stop after this step (0: run to the end); the "
                        "same command without it resumes", low=0)
+    eval_every: int = key(0, "training", "validation loss (val_loss in metrics.jsonl) every "
+                          "this many steps and at the last one, on held-out batches (eval_data "
+                          "or eval_fraction); 0: none", low=0)
+    eval_batches: int = key(8, "training", "global batches of held-out data per validation, "
+                            "the same ones each time (fewer when it holds fewer)", low=1)
     # -- optimizer (AdamW) and LR schedule
     lr: float = key(3e-3, "optimizer", "peak learning rate", low=0.0)
     beta1: float = key(0.9, "optimizer", "AdamW beta1", low=0.0, high=1.0)
@@ -149,6 +159,9 @@ class TrainConfig:
                                 "at least 1, so a job that loses state early restarts from there, "
                                 "not step 0; else none; 0: none)", "int|auto", low=0)
     keep_checkpoints: int = key(2, "checkpoint", "newest checkpoints kept (0: all)", low=0)
+    keep_best: bool = key(False, "checkpoint", "also keep the checkpoint of the lowest "
+                          "validation loss, in best/ under --out (best/best.json says its step "
+                          "and loss); needs eval_every")
     export: str = key("", "checkpoint", "at the end, write the model to this directory as "
                       "Hugging Face safetensors", "path")
     # -- watching
@@ -401,6 +414,7 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
         _check_folder("export", cfg.export, "the directory the model is exported to")
     if cfg.init_from and not Path(cfg.init_from).exists():
         raise InputError(f"init_from = {cfg.init_from!r} does not exist")
+    check_eval(cfg)
     if cfg.warmup_steps != AUTO and cfg.warmup_steps > cfg.steps:
         raise InputError(f"warmup_steps = {cfg.warmup_steps} is longer than the run (steps = "
                          f"{cfg.steps})")
@@ -420,6 +434,26 @@ def check(cfg: TrainConfig, given: set[str]) -> None:
                          "--elastic --in-place, as `varuna-fx run`); for a fixed multi-machine "
                          "job pass torchrun's flags in torchrun_args")
     check_in_place(cfg)
+
+
+def check_eval(cfg: TrainConfig) -> None:
+    """Validation's keys go together: held-out data and how often."""
+    held = [k for k in ("eval_data", "eval_fraction") if getattr(cfg, k)]
+    if len(held) == 2:
+        raise InputError("eval_data and eval_fraction both name the held-out data: give one "
+                         "(a file of its own, or a fraction of data)")
+    if cfg.eval_every and not held:
+        raise InputError(f"eval_every = {cfg.eval_every} needs held-out data: give eval_data "
+                         "= FILE, or eval_fraction = 0.05 (the end of data, never trained on)")
+    if held and not cfg.eval_every:
+        raise InputError(f"{held[0]} is held out for validation, but eval_every = 0: give "
+                         "--eval-every N (validate every N steps)")
+    if cfg.keep_best and not cfg.eval_every:
+        raise InputError("keep_best keeps the checkpoint of the lowest validation loss: give "
+                         "--eval-every N and held-out data (eval_data or eval_fraction)")
+    if cfg.eval_data and not Path(cfg.eval_data).is_file():
+        raise InputError(f"eval_data = {cfg.eval_data!r} is not a file (give a token .bin file "
+                         "or a text file, as data takes them)")
 
 
 def _check_folder(name: str, value: str, what: str) -> None:

@@ -21,26 +21,30 @@ status, Ctrl-C -- is the rank process's (``worker.py``) and the command's (``lau
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import Subset
 
 from ..checkpoint.directory import MARKER
 from ..data.loader import GlobalBatchLoader
+from ..errors import InputError
 from ..monitor.monitor import Monitor
 from ..pipeline import Pipeline
 from ..world.where import launched_distributed, rank
 from .config import AUTO, TrainConfig
 
 SAMPLES = "samples.jsonl"
+BEST = "best"  # keep_best's folder under out
 
 
 def lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
@@ -107,12 +111,14 @@ def prune(folder: Path, keep: int) -> None:
 
 def save_checkpoint(folder: Path, pipe: Pipeline, optimizer: torch.optim.Optimizer,
                     scheduler: LambdaLR, loader: GlobalBatchLoader, step: int,
-                    keep: int) -> str:
+                    keep: int, best_val_loss: float | None = None) -> str:
     """``folder/stepNNNNNNNN`` with everything a resume needs; the oldest beyond ``keep``
     removed."""
     path = str(folder / f"step{step:08d}")
-    pipe.save_checkpoint(path, optimizer, data=loader, scheduler=scheduler,
-                         extra={"step": step})
+    extra: dict[str, Any] = {"step": step}
+    if best_val_loss is not None:  # (a resume carries on keeping the best)
+        extra["best_val_loss"] = best_val_loss
+    pipe.save_checkpoint(path, optimizer, data=loader, scheduler=scheduler, extra=extra)
     if this_rank() == 0:
         prune(folder, keep)
     return path
@@ -125,17 +131,63 @@ def this_rank() -> int:
 
 
 class Progress:
-    """The steps done, as an object ``pipe.track`` hands to a process joining an in-place job
-    (with the scheduler's and the loader's states: it continues the count, not step 0)."""
+    """The steps done (and the best validation loss so far), as an object ``pipe.track``
+    hands to a process joining an in-place job (with the scheduler's and the loader's states:
+    it continues the count, not step 0)."""
 
     def __init__(self, step: int = 0) -> None:
         self.step = step
+        self.best_val_loss: float | None = None
 
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "best_val_loss": self.best_val_loss}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+        best = state.get("best_val_loss")
+        self.best_val_loss = None if best is None else float(best)
+
+
+def held_out(cfg: TrainConfig, dataset: Any, vocab_size: int | None,
+             open_file: Callable[[TrainConfig], Any]) -> tuple[Any, Any, str]:
+    """(the samples trained on, the held-out ones or None, what they are). ``eval_fraction``
+    takes the last samples of ``data`` (one sample between them is dropped, so no token is
+    in both); ``eval_data`` is a file of its own, opened as data is (``open_file``)."""
+    need = cfg.global_batch_size
+    if cfg.eval_fraction:
+        n = len(dataset)
+        k = int(n * cfg.eval_fraction)
+        if k < need or n - k - 1 < need:
+            raise InputError(f"eval_fraction = {cfg.eval_fraction} of {cfg.data}'s {n} samples "
+                             f"leaves {k} held out and {max(0, n - k - 1)} to train on; each "
+                             f"needs a global batch ({need}): change eval_fraction, or give "
+                             "more data")
+        return (Subset(dataset, range(n - k - 1)), Subset(dataset, range(n - k, n)),
+                f"the last {k:,} samples of the data (not trained on)")
+    if cfg.eval_data:
+        held = open_file(dataclasses.replace(cfg, data=cfg.eval_data))
+        if vocab_size is not None and held.largest_token >= vocab_size:
+            raise InputError(f"eval_data {cfg.eval_data} holds token id {held.largest_token}, "
+                             f"but the model's vocabulary has {vocab_size} entries: give "
+                             "held-out data tokenized as data is")
+        if len(held.dataset) < need:
+            raise InputError(f"eval_data {cfg.eval_data} holds {len(held.dataset)} samples of "
+                             f"{cfg.seq_len}, less than one global batch ({need})")
+        return dataset, held.dataset, held.description
+    return dataset, None, ""
+
+
+def validation_batches(cfg: TrainConfig, held: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``eval_batches`` global batches of the held-out samples, in order: the
+    same ones at every validation, whole on every rank (``pipe.evaluate``)."""
+    count = min(cfg.eval_batches, len(held) // cfg.global_batch_size)
+    batches = []
+    for b in range(count):
+        samples = [held[i] for i in range(b * cfg.global_batch_size,
+                                          (b + 1) * cfg.global_batch_size)]
+        batches.append((torch.stack([x for x, _ in samples]),
+                        torch.stack([y for _, y in samples])))
+    return batches
 
 
 @dataclass
@@ -149,20 +201,23 @@ class Trainer:
     loader: GlobalBatchLoader
     progress: Progress
     monitor: Monitor | None = None  # built when the loop starts (it knows the first step)
+    validation: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # what the loop ends with (the summary reads them)
     loss: Any = None
     saved: str | None = None
     last_step_at: float = 0.0
 
     @classmethod
-    def build(cls, cfg: TrainConfig, pipe: Pipeline, dataset: Any) -> Trainer:
+    def build(cls, cfg: TrainConfig, pipe: Pipeline, dataset: Any,
+              held: Any = None) -> Trainer:
         """Every part from its section. Tracked (in place; nothing otherwise) in this order
         on every process: a joining one receives their states in it."""
         optimizer = build_optimizer(pipe, cfg)
         scheduler = pipe.track(build_scheduler(optimizer, cfg))
         loader = build_loader(pipe, dataset, cfg)
         progress = pipe.track(Progress())
-        return cls(cfg, pipe, optimizer, scheduler, loader, progress)
+        validation = validation_batches(cfg, held) if held is not None else []
+        return cls(cfg, pipe, optimizer, scheduler, loader, progress, validation=validation)
 
     @property
     def folder(self) -> Path:
@@ -170,8 +225,26 @@ class Trainer:
 
     def save(self, step: int) -> str:
         self.saved = save_checkpoint(self.folder, self.pipe, self.optimizer, self.scheduler,
-                                     self.loader, step, self.cfg.keep_checkpoints)
+                                     self.loader, step, self.cfg.keep_checkpoints,
+                                     self.progress.best_val_loss)
         return self.saved
+
+    def validate(self, step: int) -> float:
+        """The validation loss now (every rank: a collective); with ``keep_best``, a new
+        lowest one saves its checkpoint under ``best/`` (the previous best removed)."""
+        loss = self.pipe.evaluate(self.validation)
+        best = self.progress.best_val_loss
+        if best is None or loss < best:  # the same float on every rank: they agree
+            self.progress.best_val_loss = loss
+            if self.cfg.keep_best:
+                folder = Path(self.cfg.out) / BEST
+                save_checkpoint(folder, self.pipe, self.optimizer, self.scheduler, self.loader,
+                                step, 1, loss)
+                if this_rank() == 0:
+                    (folder / "best.json").write_text(json.dumps(
+                        {"step": step, "val_loss": loss,
+                         "checkpoint": str(folder / f"step{step:08d}")}) + "\n")
+        return loss
 
     def fit(self, stop: int) -> None:
         """The steps up to ``stop`` (or a preemption: saved after its step)."""
@@ -190,6 +263,8 @@ class Trainer:
             self.scheduler.step()
             self.progress.step += 1
             step = self.progress.step
+            if self.validation and (step % cfg.eval_every == 0 or step == cfg.steps):
+                scalars["val_loss"] = self.validate(step)
             self.last_step_at = time.time()
             monitor.log(self.loss, **scalars)
             if cfg.log_samples and this_rank() == 0:

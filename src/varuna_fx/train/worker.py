@@ -67,6 +67,7 @@ from .trainer import (
     Progress,
     Trainer,
     build_monitor,
+    held_out,
     lr_factor,
     prune,
     save_checkpoint,
@@ -91,6 +92,7 @@ class Run:
         self.folder = self.out / CHECKPOINTS
         self.source = source or {}
         self.restart: Restart | None = None  # this launch restarts an in-place job
+        self.best_val_loss: float | None = None  # the lowest validation loss (eval_every)
 
     @property
     def rank(self) -> int:
@@ -118,15 +120,19 @@ class Run:
         data = open_data(cfg)
         made = build_model(cfg, data.vocab_size, data.largest_token,
                            initialise=start is None and not cfg.init_from)
+        train_set, held, held_text = held_out(cfg, data.dataset, made.vocab_size, open_data)
         example = torch.zeros(min(cfg.global_batch_size, EXAMPLE_BATCH), cfg.seq_len,
                               dtype=torch.long)
         pipe = vf_compile(made.model, example_inputs=(example,), loss_fn=next_token_loss,
                           **cfg.compile_options())
-        trainer = Trainer.build(cfg, pipe, data.dataset)
+        trainer = Trainer.build(cfg, pipe, train_set, held)
         plan = pipe.plan
         sharded = pipe.replicas > 1 and cfg.shard_optimizer is not False
         self.say(f"model: {made.description}")
         self.say(f"data: {data.description}")
+        if held is not None:
+            self.say(f"validation every {cfg.eval_every} steps on "
+                     f"{len(trainer.validation)} batch(es) of {held_text}")
         self.say(f"plan: P={plan.stages} x D={plan.data_parallel}, {plan.num_micro_batches} "
                  f"micro-batch(es) of {plan.micro_batch_size}, schedule {plan.schedule.name}, "
                  f"optimizer state {'sharded (ZeRO-1)' if sharded else 'not sharded'}, global "
@@ -137,9 +143,11 @@ class Run:
             return trainer
         resumed = None
         if start is not None:  # the newest that loads, the launch's hyperparameters on top
+            saved: dict[str, Any] = {}
             resumed = resume(pipe, trainer.optimizer, trainer.scheduler, trainer.loader,
-                             self.folder, self.out, self.say)
+                             self.folder, self.out, self.say, saved)
             trainer.progress.step = 0 if resumed is None else resumed[0]
+            trainer.progress.best_val_loss = saved.get("best_val_loss")
         elif cfg.init_from:
             pipe.load_pretrained(cfg.init_from)
             self.say(f"initialised from {cfg.init_from}")
@@ -189,6 +197,7 @@ class Run:
             self.export(pipe)
         morphs = [m.as_dict() for m in pipe.morphs]
         pipe.close()
+        self.best_val_loss = progress.best_val_loss
         self.finish(first, step, trainer.loss, trainer.saved, preempted, trainer.last_step_at,
                     morphs)
         if not preempted:
@@ -207,6 +216,7 @@ class Run:
                    "final_loss": float(loss) if loss is not None else None,
                    "preempted": preempted, "checkpoint": saved, "morphs": morphs,
                    "restarted": self.restart.as_dict() if self.restart else None,
+                   "best_val_loss": self.best_val_loss,
                    "seconds_from_command_to_last_step":
                        last_step_at - self.launched_at if self.launched_at else None}
         self.write(SUMMARY, json.dumps(summary, indent=1) + "\n")
