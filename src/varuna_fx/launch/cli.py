@@ -215,9 +215,19 @@ def add_launch_options(run: argparse.ArgumentParser) -> None:
             run.add_argument(option.flag, default=option.default or None, help=option.help)
 
 
+# the top-level --help: what a user reads (the module docstring is for the code's readers)
+_DESCRIPTION = """\
+Train a model, inspect its partition and stage code, plan it for a cluster, launch a training
+script on several processes, or run a demo. `varuna-fx COMMAND --help` lists a command's
+options.
+
+On a terminal output is wrapped and coloured; in a log it is plain and unwrapped (stage code
+copied from a log is valid Python). plan --json and inspect --json print JSON."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="varuna-fx", description=__doc__,
+        prog="varuna-fx", description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -335,8 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_options(run)
     run.add_argument("script", help="the training script every process runs")
     run.add_argument("script_args", nargs=argparse.REMAINDER,
-                     help="arguments passed on to the script untouched (main() splits them "
-                          "off before parsing: --log, --node, ... are the script's)")
+                     help="arguments passed on to the script untouched (--log, --node, "
+                          "--help ... after the script are the script's)")
     run.set_defaults(func=cmd_run)
     return parser
 

@@ -57,7 +57,7 @@ from ..checkpoint.directory import latest_checkpoint
 from ..errors import VarunaFxError
 from ..pipeline import Pipeline
 from ..world.membership import in_place, job_restarted, membership
-from ..world.where import launched_distributed, rank
+from ..world.where import launched_distributed
 from .config import TrainConfig, to_toml
 from .data import open_data
 from .model import build_model, next_token_loss
@@ -75,10 +75,12 @@ from .trainer import (
 )
 
 __all__ = ["CHECKPOINTS", "SAMPLES", "SUMMARY", "Progress", "Run", "Trainer", "decode",
-           "encode", "lr_factor", "main", "prune", "run_training", "save_on_ctrl_c"]
+           "encode", "lr_factor", "main", "prune", "rank_errors", "report_error", "run_training",
+           "save_on_ctrl_c"]
 
 CHECKPOINTS = "checkpoints"
 SUMMARY = "summary.json"
+ERRORS = "errors"  # OUT/errors/rankN.txt: a rank's error, for the command (report_error)
 EXAMPLE_BATCH = 8  # the example batch compile traces with (at most the global batch)
 
 
@@ -272,6 +274,37 @@ def encode(cfg: TrainConfig, launched_at: float, source: dict[str, str]) -> str:
                        "source": source})
 
 
+def report_error(cfg: TrainConfig, exc: VarunaFxError) -> None:
+    """One error, printed once: rank 0 prints it; every rank files it as
+    ``OUT/errors/rankN.txt``, where the command finds (and prints) an error of a rank on its
+    machine that rank 0 did not have -- not the same line once per rank."""
+    me = this_rank()
+    text = str(exc)
+    if me == 0:
+        print(f"varuna-fx train: error: {text}", file=sys.stderr, flush=True)
+    try:
+        folder = Path(cfg.out) / ERRORS
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{me}.txt").write_text(text)
+    except OSError:  # no folder to file it in: say it here
+        if me != 0:
+            print(f"varuna-fx train: error (rank {me}): {text}", file=sys.stderr, flush=True)
+
+
+def rank_errors(out: str, since: float) -> dict[int, str]:
+    """The errors the ranks filed (``report_error``) since ``since``, by rank (each cut at
+    2,000 characters: it is printed, never run)."""
+    found: dict[int, str] = {}
+    for path in (Path(out) / ERRORS).glob("rank*.txt"):
+        number = path.stem[len("rank"):]
+        try:
+            if number.isdigit() and path.stat().st_mtime >= since:
+                found[int(number)] = path.read_text(errors="replace")[:2000]
+        except OSError:
+            continue
+    return found
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m varuna_fx.train.worker PAYLOAD (started by "
@@ -287,7 +320,7 @@ def main(argv: list[str]) -> int:
             print(f"varuna-fx train: {membership().member} found the job finished before it "
                   "could join; nothing to do", file=sys.stderr, flush=True)
             return 0
-        print(f"error (rank {rank()}): {exc}", file=sys.stderr, flush=True)
+        report_error(cfg, exc)
         return 1
     # preempted or done, the checkpoint is complete: a rank that exits 0 tells torchrun's agent
     # it finished (the command reads summary.json to say whether it was preempted)
