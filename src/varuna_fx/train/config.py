@@ -68,12 +68,15 @@ class TrainConfig:
     # -- model
     model: str = key(BUILTIN_GPT, "model", "gpt (the built-in GPT, sized by the keys below), a "
                      "Hugging Face config.json (or its directory), or module:factory (returns "
-                     "an nn.Module taking token ids, or a tuple whose first item is one)")
+                     "an nn.Module taking token ids, or a tuple whose first item is one; "
+                     "called with seq_len= and vocab_size= where its signature takes them; a "
+                     "forward(idx, targets) is fed the next tokens and its own loss trained)")
     n_layer: int = key(4, "model", "built-in GPT: transformer blocks", low=1)
     n_head: int = key(4, "model", "built-in GPT: attention heads (divides n_embd)", low=1)
     n_embd: int = key(128, "model", "built-in GPT: embedding width", low=1)
-    vocab_size: Any = key(AUTO, "model", "built-in GPT: vocabulary; auto: the data's (256 for "
-                          "text read as bytes; a .bin token file needs it given)", "int|auto",
+    vocab_size: Any = key(AUTO, "model", "built-in GPT (or a factory taking it): vocabulary; "
+                          "auto: the data's (256 for text read as bytes; a .bin token file "
+                          "needs it given)", "int|auto",
                           low=2)
     dropout: float = key(0.0, "model", "built-in GPT: dropout probability", low=0.0, high=1.0)
     init_from: str = key("", "model", "a Hugging Face checkpoint directory (safetensors) to "
@@ -396,11 +399,12 @@ def resolve(argv: list[str]) -> tuple[TrainConfig, dict[str, str]]:
 def check(cfg: TrainConfig, given: set[str]) -> None:
     """What no single value shows: keys that go together, paths that must exist."""
     if cfg.model != BUILTIN_GPT:
-        stray = [k for k in GPT_KEYS if k in given]
+        is_factory = ":" in cfg.model and not Path(cfg.model).exists()
+        # (a factory is offered vocab_size, as it is seq_len: docs/API.md)
+        stray = [k for k in GPT_KEYS if k in given and not (is_factory and k == "vocab_size")]
         if stray:
             raise InputError(f"{', '.join(stray)} size the built-in GPT, but model = "
                              f"{cfg.model!r} brings its own sizes: remove them")
-        is_factory = ":" in cfg.model and not Path(cfg.model).exists()
         if not is_factory and not hf_config_path(cfg.model).is_file():
             raise InputError(f"model = {cfg.model!r}: neither gpt, a Hugging Face config.json "
                              "(or a directory holding one), nor module:factory")

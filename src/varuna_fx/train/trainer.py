@@ -202,14 +202,15 @@ class Trainer:
     progress: Progress
     monitor: Monitor | None = None  # built when the loop starts (it knows the first step)
     validation: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    targets_in_forward: bool = False  # the model takes the next tokens (nanoGPT): step(x, y)
     # what the loop ends with (the summary reads them)
     loss: Any = None
     saved: str | None = None
     last_step_at: float = 0.0
 
     @classmethod
-    def build(cls, cfg: TrainConfig, pipe: Pipeline, dataset: Any,
-              held: Any = None) -> Trainer:
+    def build(cls, cfg: TrainConfig, pipe: Pipeline, dataset: Any, held: Any = None, *,
+              targets_in_forward: bool = False) -> Trainer:
         """Every part from its section. Tracked (in place; nothing otherwise) in this order
         on every process: a joining one receives their states in it."""
         optimizer = build_optimizer(pipe, cfg)
@@ -217,7 +218,8 @@ class Trainer:
         loader = build_loader(pipe, dataset, cfg)
         progress = pipe.track(Progress())
         validation = validation_batches(cfg, held) if held is not None else []
-        return cls(cfg, pipe, optimizer, scheduler, loader, progress, validation=validation)
+        return cls(cfg, pipe, optimizer, scheduler, loader, progress, validation=validation,
+                   targets_in_forward=targets_in_forward)
 
     @property
     def folder(self) -> Path:
@@ -232,7 +234,8 @@ class Trainer:
     def validate(self, step: int) -> float:
         """The validation loss now (every rank: a collective); with ``keep_best``, a new
         lowest one saves its checkpoint under ``best/`` (the previous best removed)."""
-        loss = self.pipe.evaluate(self.validation)
+        loss = self.pipe.evaluate([((x, y), None) for x, y in self.validation]
+                                  if self.targets_in_forward else self.validation)
         best = self.progress.best_val_loss
         if best is None or loss < best:  # the same float on every rank: they agree
             self.progress.best_val_loss = loss
@@ -255,7 +258,8 @@ class Trainer:
         while self.progress.step < stop:
             x, y = next(batches)
             pipe.zero_grad()
-            self.loss = pipe.step(x, target=y)  # (in place: a morph may run first)
+            # (in place: a morph may run first)
+            self.loss = pipe.step(x, y) if self.targets_in_forward else pipe.step(x, target=y)
             scalars = {"lr": self.scheduler.get_last_lr()[0]}
             if cfg.grad_clip:
                 scalars["grad_norm"] = float(pipe.clip_grad_norm_(cfg.grad_clip))

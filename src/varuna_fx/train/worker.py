@@ -60,7 +60,7 @@ from ..world.membership import in_place, job_restarted, membership
 from ..world.where import launched_distributed
 from .config import TrainConfig, to_toml
 from .data import open_data
-from .model import build_model, next_token_loss
+from .model import build_model, next_token_loss, own_loss
 from .resume import Restart, restart_of, resume
 from .trainer import (
     SAMPLES,
@@ -125,9 +125,11 @@ class Run:
         train_set, held, held_text = held_out(cfg, data.dataset, made.vocab_size, open_data)
         example = torch.zeros(min(cfg.global_batch_size, EXAMPLE_BATCH), cfg.seq_len,
                               dtype=torch.long)
-        pipe = vf_compile(made.model, example_inputs=(example,), loss_fn=next_token_loss,
+        fed = made.targets_in_forward  # forward(idx, targets): fed the next tokens
+        pipe = vf_compile(made.model, example_inputs=(example, example) if fed else (example,),
+                          loss_fn=own_loss if fed else next_token_loss,
                           **cfg.compile_options())
-        trainer = Trainer.build(cfg, pipe, train_set, held)
+        trainer = Trainer.build(cfg, pipe, train_set, held, targets_in_forward=fed)
         plan = pipe.plan
         sharded = pipe.replicas > 1 and cfg.shard_optimizer is not False
         self.say(f"model: {made.description}")
