@@ -241,12 +241,14 @@ class Trainer:
             self.progress.best_val_loss = loss
             if self.cfg.keep_best:
                 folder = Path(self.cfg.out) / BEST
-                save_checkpoint(folder, self.pipe, self.optimizer, self.scheduler, self.loader,
-                                step, 1, loss)
-                if this_rank() == 0:
+                path = save_checkpoint(folder, self.pipe, self.optimizer, self.scheduler,
+                                       self.loader, step, 0, loss)
+                if this_rank() == 0:  # the previous best goes (a later step, after a resume
+                    for old in folder.glob("step*"):  # from an earlier checkpoint, too)
+                        if str(old) != path:
+                            shutil.rmtree(old, ignore_errors=True)
                     (folder / "best.json").write_text(json.dumps(
-                        {"step": step, "val_loss": loss,
-                         "checkpoint": str(folder / f"step{step:08d}")}) + "\n")
+                        {"step": step, "val_loss": loss, "checkpoint": path}) + "\n")
         return loss
 
     def fit(self, stop: int) -> None:
