@@ -34,3 +34,16 @@ def test_docs_launch_table_says_what_the_declaration_says() -> None:
     for option in LAUNCH_OPTIONS:
         if option.train:
             assert rows[option.name] == option.help, option.name
+
+
+def test_ranks_are_built_from_the_options_by_name() -> None:
+    import dataclasses
+
+    from varuna_fx.train.config import TrainConfig
+
+    cfg = TrainConfig(elastic=True, nnodes="1:3", torchrun_args="")
+    ranks = Ranks.of(dataclasses.asdict(cfg))
+    assert ranks == Ranks(nproc=2, elastic=True, nnodes="1:3")  # "" and auto: the defaults
+    parsed = _subcommand(build_parser(), "run").parse_args(
+        ["--nproc", "3", "--torchrun-args=--nnodes=2 --node-rank=1", "x.py"])
+    assert Ranks.of(vars(parsed)) == Ranks(nproc=3, flags=("--nnodes=2", "--node-rank=1"))

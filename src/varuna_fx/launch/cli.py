@@ -22,7 +22,7 @@ from rich.syntax import Syntax
 import varuna_fx as vf
 from varuna_fx.examples import demo_gpt, lm_loss
 from varuna_fx.launch.plan_command import plan_as_dict, plan_command
-from varuna_fx.launch.torchrun import Ranks, split_flags, start_ranks
+from varuna_fx.launch.torchrun import Ranks, start_ranks
 from varuna_fx.launch.train import train_command
 from varuna_fx.schedule import DEFAULT_SCHEDULE, schedule_choices
 from varuna_fx.train.factory import load_factory
@@ -149,12 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     in_place = getattr(args, "in_place", False)  # (a Namespace made by another caller)
     if in_place and not args.elastic:
         raise SystemExit("--in-place goes with --elastic")
-    elastic = dict(nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                   local_addr=args.local_addr, max_restarts=args.max_restarts,
-                   rdzv_conf=args.rdzv_conf, in_place=in_place,
-                   store_host=getattr(args, "store_host", None)) if args.elastic else {}
-    ranks = Ranks(nproc=args.nproc, flags=tuple(split_flags(args.torchrun_args)),
-                  elastic=args.elastic, **elastic)
+    ranks = Ranks.of(vars(args))  # the launch options, by their names
     try:
         return start_ranks(ranks, args.script, args.script_args)
     except SignalException as stop:

@@ -20,11 +20,13 @@ import logging
 import os
 import shlex
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import InputError
+from ..world.launch_options import AUTO, LAUNCH_OPTIONS
 from .elastic import elastic_launch
 from .in_place import InPlaceLaunch
 from .standalone import loopback_interfaces, loopback_stores, standalone_args
@@ -46,6 +48,21 @@ class Ranks:
     rdzv_conf: str | None = None
     in_place: bool = False  # with elastic: the in-place launcher (launch/in_place.py)
     store_host: bool | None = None  # in place: this machine hosts the membership store
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> Ranks:
+        """From the launch options' values by name (world/launch_options.py: ``varuna-fx
+        run``'s parsed flags or ``varuna-fx train``'s ``[launch]`` keys): unset ones (None,
+        "", auto, absent) keep the defaults here; ``torchrun_args`` are split into flags."""
+        given: dict[str, Any] = {}
+        for option in LAUNCH_OPTIONS:
+            value = values.get(option.name)
+            if option.name == "torchrun_args":
+                given["flags"] = tuple(split_flags(
+                    [value] if isinstance(value, str) else list(value or [])))
+            elif value is not None and value not in ("", AUTO):
+                given[option.name] = value
+        return cls(**given)
 
     def __post_init__(self) -> None:
         if self.in_place and (not self.elastic or self.flags or self.rdzv_conf):

@@ -16,6 +16,7 @@ ran.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -24,10 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import VarunaFxError
-from ..train.config import AUTO, TrainConfig, help_text, resolve, to_toml
+from ..train.config import TrainConfig, help_text, resolve, to_toml
 from ..train.worker import SUMMARY, encode, rank_errors, run_training
 from .in_place import REFUSED_EXIT
-from .torchrun import Ranks, split_flags, start_ranks
+from .torchrun import Ranks, start_ranks
 
 WORKER = "varuna_fx.train.worker"
 PREEMPTED = 128 + signal.SIGTERM
@@ -60,12 +61,7 @@ def train_command(argv: Sequence[str]) -> int:
 
 
 def ranks_of(cfg: TrainConfig) -> Ranks:
-    return Ranks(nproc=cfg.nproc, flags=tuple(split_flags([cfg.torchrun_args])),
-                 elastic=cfg.elastic, nnodes=cfg.nnodes or None,
-                 rdzv_endpoint=cfg.rdzv_endpoint or None, rdzv_id=cfg.rdzv_id,
-                 local_addr=cfg.local_addr or None, max_restarts=cfg.max_restarts,
-                 in_place=cfg.in_place,
-                 store_host=None if cfg.store_host == AUTO else cfg.store_host)
+    return Ranks.of(dataclasses.asdict(cfg))  # the [launch] keys, by their names
 
 
 def launch_ranks(cfg: TrainConfig, payload: str, launched_at: float) -> int:
