@@ -228,6 +228,9 @@ class Run:
         timing = f" ({when:.1f} s from the command to the last step)" if when else ""
         self.say(f"steps {first + 1}-{step} of {self.cfg.steps} done{timing}, final loss "
                  f"{summary['final_loss']:.4f}; charts and metrics.jsonl in {self.out}")
+        if self.best_val_loss is not None:
+            kept = f" (its checkpoint in {self.out / 'best'})" if self.cfg.keep_best else ""
+            self.say(f"best validation loss {self.best_val_loss:.4f}{kept}")
         if self.restart is not None:  # (the steps above count from where it restarted)
             self.say(self.restart.text())
         if morphs:
