@@ -91,3 +91,22 @@ def test_validation_keys_that_do_not_go_together_are_refused_before_training(
         flags: list[str], message: str) -> None:
     with pytest.raises(InputError, match=message):
         resolve(flags)
+
+
+def test_validation_goes_off_saying_so_when_a_morph_left_no_eval_stages(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from types import SimpleNamespace
+
+    from varuna_fx.train.trainer import Progress, Trainer
+
+    def refuse(batches: Any) -> float:
+        raise InputError("a distributed rank holds only its stage")
+
+    pipe = SimpleNamespace(evaluate=refuse, morphs=[])
+    trainer = Trainer(tiny(tmp_path), pipe, None, None, None, Progress(),  # type: ignore[arg-type]
+                      validation=[(None, None)])
+    with pytest.raises(InputError):  # no morph: the error is the user's
+        trainer.validate(1)
+    pipe.morphs = ["a morph"]
+    assert trainer.validate(2) is None and trainer.validation == []
+    assert "validation is off from step 2" in capsys.readouterr().out

@@ -231,11 +231,22 @@ class Trainer:
                                      self.progress.best_val_loss)
         return self.saved
 
-    def validate(self, step: int) -> float:
+    def validate(self, step: int) -> float | None:
         """The validation loss now (every rank: a collective); with ``keep_best``, a new
-        lowest one saves its checkpoint under ``best/`` (the previous best removed)."""
-        loss = self.pipe.evaluate([((x, y), None) for x, y in self.validation]
-                                  if self.targets_in_forward else self.validation)
+        lowest one saves its checkpoint under ``best/`` (the previous best removed). None
+        when validation went off: after an in-place morph a rank holding only its stage cannot
+        cut the eval-mode stages of a model whose eval graph differs (every rank alike)."""
+        try:
+            loss = self.pipe.evaluate([((x, y), None) for x, y in self.validation]
+                                      if self.targets_in_forward else self.validation)
+        except InputError as exc:
+            if not self.pipe.morphs:
+                raise
+            self.validation = []
+            if this_rank() == 0:
+                print(f"varuna-fx train: validation is off from step {step} on: after the "
+                      f"morph {exc}", flush=True)
+            return None
         best = self.progress.best_val_loss
         if best is None or loss < best:  # the same float on every rank: they agree
             self.progress.best_val_loss = loss
@@ -270,7 +281,9 @@ class Trainer:
             self.progress.step += 1
             step = self.progress.step
             if self.validation and (step % cfg.eval_every == 0 or step == cfg.steps):
-                scalars["val_loss"] = self.validate(step)
+                val_loss = self.validate(step)
+                if val_loss is not None:
+                    scalars["val_loss"] = val_loss
             self.last_step_at = time.time()
             monitor.log(self.loss, **scalars)
             if cfg.log_samples and this_rank() == 0:
