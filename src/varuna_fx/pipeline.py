@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from .passes.manager import dump_dir
 from .planner.drift import DriftCheck
 from .planner.plan import Plan
 from .runtime import preemption
-from .runtime.batching import check_sample_shapes
+from .runtime.batching import check_sample_shapes, extract_loss
 from .runtime.local import LocalRuntime
 from .runtime.model_state import StateLayout, check_state_dict
 from .runtime.options import RunOptions
@@ -255,6 +255,31 @@ class Pipeline:
             return self.runtime.forward(tensors)
         captured, stages = other
         return self.runtime.forward(tensors, stages=stages, assemble=OutputAssembler(captured))
+
+    def evaluate(self, batches: Iterable[Any]) -> float:
+        """The mean loss over ``batches`` in eval mode, forward only (no gradients, no
+        micro-batching: each batch runs whole): what eager ``model.eval()`` and
+        ``torch.no_grad()`` give over the same batches, averaged per batch. Each batch is
+        ``(inputs, target)`` (inputs a tensor or a tuple of positional inputs; the target
+        goes to compile's ``loss_fn``, or is None for a model that returns its loss). Every
+        rank passes the same batches (the whole batch, not a replica's shard) and gets the
+        same loss. The modules' train/eval modes are put back afterwards."""
+        modes = [(m, m.training) for m in (self.model, *(s.module for s in self.stages))
+                 for m in m.modules()]
+        self.eval()
+        total, count = 0.0, 0
+        try:
+            with torch.no_grad():
+                for inputs, target in batches:
+                    output = self(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+                    total += float(extract_loss(output, self.runtime.loss_fn, target))
+                    count += 1
+        finally:
+            for module, training in modes:
+                module.training = training
+        if not count:
+            raise InputError("pipe.evaluate got no batches: give it (inputs, target) pairs")
+        return total / count
 
     def _mode_graph(self, tensors: dict[str, torch.Tensor]) -> tuple[Captured, list[Stage]] | None:
         """None when the compiled stages are the model in its current modes."""

@@ -529,6 +529,19 @@ CATALOGUE = [
         Inp, "does not exist"),
     row("data_loader of a stream with workers", step_after(
         lambda p: p.data_loader(_Stream(), num_workers=2)), Inp, "takes no num_workers"),
+    row("train: --eval-every without held-out data",
+        lambda _: _train_config(["--eval-every", "50"]), Inp, "needs held-out data",
+        "eval_data", "eval_fraction"),
+    row("train: held-out data without --eval-every",
+        lambda _: _train_config(["--eval-fraction", "0.05"]), Inp, "eval_every = 0",
+        "--eval-every N"),
+    row("train: --keep-best without validation", lambda _: _train_config(["--keep-best"]),
+        Inp, "keep_best keeps", "--eval-every N"),
+    row("train: --eval-data and --eval-fraction both", lambda _: _train_config(
+        ["--eval-every", "5", "--eval-fraction", "0.1", "--eval-data", _a_file()]), Inp,
+        "both name the held-out data", "give one"),
+    row("train: --eval-data not a file", lambda _: _train_config(
+        ["--eval-every", "5", "--eval-data", "no/such/file.bin"]), Inp, "is not a file"),
 ]
 
 
@@ -597,7 +610,7 @@ def _a_file() -> str:
 
 
 def _train_config(argv: list[str]) -> Any:
-    from varuna_fx.train.config import resolve
+    from varuna_fx.train.checks import resolve
 
     return resolve(argv)
 

@@ -18,7 +18,8 @@ import varuna_fx as vf
 from varuna_fx.data import tokenize
 from varuna_fx.data.documents import read_documents
 from varuna_fx.data.tokenize import LocalTokenizer, tokenized
-from varuna_fx.train.config import TrainConfig, resolve
+from varuna_fx.train.checks import resolve
+from varuna_fx.train.config import TrainConfig
 from varuna_fx.train.data import open_data, prepare_data
 
 LINES = ["the cat sat on the mat", "a dog sat on a log", "the end of the story"]

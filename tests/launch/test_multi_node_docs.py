@@ -16,7 +16,7 @@ from varuna_fx.launch.cli import _subcommand, build_parser, ranks_of_args, split
 from varuna_fx.launch.elastic import parse_nnodes
 from varuna_fx.launch.torchrun import Ranks, torchrun_setup
 from varuna_fx.launch.train import ranks_of
-from varuna_fx.train.config import resolve
+from varuna_fx.train.checks import resolve
 
 PAGE = Path(__file__).parents[2] / "docs" / "multi_node.md"
 FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)

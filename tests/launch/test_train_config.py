@@ -18,15 +18,8 @@ from varuna_fx.errors import CheckpointError, InputError
 from varuna_fx.launch.train import train_command
 from varuna_fx.runtime import preemption
 from varuna_fx.train import worker as train_worker
-from varuna_fx.train.config import (
-    FIELDS,
-    GROUPS,
-    TrainConfig,
-    _toml_value,
-    read_toml,
-    resolve,
-    to_toml,
-)
+from varuna_fx.train.checks import resolve
+from varuna_fx.train.config import FIELDS, GROUPS, TrainConfig, _toml_value, read_toml, to_toml
 from varuna_fx.train.data import BYTE_VOCAB, open_data, stdlib_corpus, stdlib_files
 from varuna_fx.train.model import build_model
 from varuna_fx.train.worker import Run, decode, lr_factor, save_on_ctrl_c

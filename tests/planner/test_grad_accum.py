@@ -10,7 +10,7 @@ from torch import nn
 
 import varuna_fx as vf
 from varuna_fx.planner.options import PlanOptions
-from varuna_fx.train.config import resolve
+from varuna_fx.train.checks import resolve
 
 
 def _loss(out: torch.Tensor, _: object) -> torch.Tensor:

@@ -573,3 +573,8 @@ def train_llama() -> nn.Module:
 
 def train_mingpt() -> nn.Module:
     return MinGPT(n_embd=32, n_layer=2, vocab=256, block=16)
+
+
+def train_nanogpt(seq_len: int = 16, vocab_size: int = 256) -> nn.Module:
+    """nanoGPT sized by the run (``varuna-fx train`` offers seq_len and vocab_size)."""
+    return NanoGPT(NanoConfig(block_size=seq_len, vocab_size=vocab_size))

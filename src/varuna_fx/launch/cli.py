@@ -22,11 +22,12 @@ from rich.syntax import Syntax
 import varuna_fx as vf
 from varuna_fx.examples import demo_gpt, lm_loss
 from varuna_fx.launch.plan_command import plan_as_dict, plan_command
-from varuna_fx.launch.torchrun import Ranks, split_flags, start_ranks
+from varuna_fx.launch.torchrun import Ranks, start_ranks
 from varuna_fx.launch.train import train_command
 from varuna_fx.monitor.report import add_report_command
 from varuna_fx.schedule import DEFAULT_SCHEDULE, schedule_choices
 from varuna_fx.train.factory import load_factory
+from varuna_fx.world.launch_options import AUTO, LAUNCH_OPTIONS
 
 _load_factory = load_factory  # its home is train/factory.py (launch/plan_command.py uses it too)
 
@@ -165,12 +166,7 @@ def ranks_of_args(args: argparse.Namespace) -> Ranks:
     in_place = getattr(args, "in_place", False)  # (a Namespace made by another caller)
     if in_place and not args.elastic:
         raise SystemExit("--in-place goes with --elastic")
-    elastic = dict(nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                   local_addr=args.local_addr, max_restarts=args.max_restarts,
-                   rdzv_conf=args.rdzv_conf, in_place=in_place,
-                   store_host=getattr(args, "store_host", None)) if args.elastic else {}
-    return Ranks(nproc=args.nproc, flags=tuple(split_flags(args.torchrun_args)),
-                 elastic=args.elastic, **elastic)
+    return Ranks.of(vars(args))  # the launch options, by their names
 
 
 def _setting(text: str) -> bool | str:
@@ -198,9 +194,42 @@ _FACTORY_HELP = ("module:function that returns (model, example_inputs[, ...]), e
                  "keyword arguments, dim 0 the batch")
 
 
+def add_launch_options(run: argparse.ArgumentParser) -> None:
+    """``run``'s launch flags, each from its one declaration (world/launch_options.py): the
+    same names and help as ``varuna-fx train``'s ``[launch]`` keys. ``--nproc`` is required
+    here (a script has no default size); the strings are unset (None) by default."""
+    for option in LAUNCH_OPTIONS:
+        if not option.run:
+            continue
+        if option.name == "torchrun_args":
+            run.add_argument(option.flag, action="append", default=[], metavar='"FLAGS"',
+                             help=option.help)
+        elif option.kind.startswith("bool"):  # (store_host: None, not False, when not given)
+            run.add_argument(option.flag, action="store_true",
+                             default=None if option.kind.endswith(AUTO) else False,
+                             help=option.help)
+        elif option.name == "nproc":
+            run.add_argument(option.flag, type=int, required=True, help=option.help)
+        elif option.kind == "int":
+            run.add_argument(option.flag, type=int, default=option.default,
+                             help=option.help)
+        else:
+            run.add_argument(option.flag, default=option.default or None, help=option.help)
+
+
+# the top-level --help: what a user reads (the module docstring is for the code's readers)
+_DESCRIPTION = """\
+Train a model, inspect its partition and stage code, plan it for a cluster, launch a training
+script on several processes, or run a demo. `varuna-fx COMMAND --help` lists a command's
+options.
+
+On a terminal output is wrapped and coloured; in a log it is plain and unwrapped (stage code
+copied from a log is valid Python). plan --json and inspect --json print JSON."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="varuna-fx", description=__doc__,
+        prog="varuna-fx", description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -319,39 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "--torchrun-args names --nnodes or --rdzv flags. A multi-machine job: "
                     "varuna-fx run --nproc 4 --torchrun-args=\"--nnodes=2 --node-rank=0 "
                     "--rdzv-endpoint=host:29400\" train.py --lr 1e-3")
-    run.add_argument("--nproc", type=int, required=True,
-                     help="processes to start on this machine (one per device)")
-    run.add_argument("--torchrun-args", action="append", default=[], metavar='"FLAGS"',
-                     help="extra torchrun flags, one or several in one quoted string, split as "
-                          "a shell would: --torchrun-args --nnodes=2 or --torchrun-args "
-                          "\"--nnodes=2 --rdzv-endpoint=host:29400\"; may be repeated")
-    run.add_argument("--elastic", action="store_true",
-                     help="machines may leave and join (torchrun's elastic agent, c10d "
-                          "rendezvous); the script resumes from vf.latest_checkpoint")
-    run.add_argument("--nnodes", default=None, help="with --elastic: MIN:MAX machines")
-    run.add_argument("--rdzv-endpoint", default=None,
-                     help="with --elastic: HOST:PORT of the machine hosting the rendezvous")
-    run.add_argument("--rdzv-id", default="varuna-fx", help="with --elastic: the job's name")
-    run.add_argument("--local-addr", default=None,
-                     help="with --elastic: this machine's address (the rendezvous host is the "
-                          "machine whose address is the endpoint's)")
-    run.add_argument("--max-restarts", type=int, default=100,
-                     help="with --elastic: restarts after worker failures (joins are free)")
-    run.add_argument("--in-place", action="store_true",
-                     help="with --elastic: surviving processes keep running when a machine "
-                          "leaves or joins (they re-plan and move only what changed); the "
-                          "script's state must be the pipeline's (pipe.optimizer, "
-                          "pipe.data_loader, pipe.track); see docs/API.md 'Morphing in place'")
-    run.add_argument("--store-host", action="store_true", default=None,
-                     help="with --in-place: this machine hosts the membership store (default: "
-                          "the machine whose --local-addr is the --rdzv-endpoint's host); it "
-                          "must stay up, so it can run --nproc 0 on a machine that is not spot")
-    run.add_argument("--rdzv-conf", default=None,
-                     help="with --elastic: extra rendezvous settings key=value[,key=value]")
+    add_launch_options(run)
     run.add_argument("script", help="the training script every process runs")
     run.add_argument("script_args", nargs=argparse.REMAINDER,
-                     help="arguments passed on to the script untouched (main() splits them "
-                          "off before parsing: --log, --node, ... are the script's)")
+                     help="arguments passed on to the script untouched (--log, --node, "
+                          "--help ... after the script are the script's)")
     run.set_defaults(func=cmd_run)
 
     add_report_command(sub)  # varuna-fx report RUN_DIR: monitor/report.py

@@ -16,13 +16,17 @@ exit with 128 + the signal's number.
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import InputError
+from ..world.launch_options import AUTO, LAUNCH_OPTIONS
 from .elastic import elastic_launch
 from .in_place import InPlaceLaunch
 from .standalone import loopback_interfaces, loopback_stores, standalone_args
@@ -44,6 +48,21 @@ class Ranks:
     rdzv_conf: str | None = None
     in_place: bool = False  # with elastic: the in-place launcher (launch/in_place.py)
     store_host: bool | None = None  # in place: this machine hosts the membership store
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> Ranks:
+        """From the launch options' values by name (world/launch_options.py: ``varuna-fx
+        run``'s parsed flags or ``varuna-fx train``'s ``[launch]`` keys): unset ones (None,
+        "", auto, absent) keep the defaults here; ``torchrun_args`` are split into flags."""
+        given: dict[str, Any] = {}
+        for option in LAUNCH_OPTIONS:
+            value = values.get(option.name)
+            if option.name == "torchrun_args":
+                given["flags"] = tuple(split_flags(
+                    [value] if isinstance(value, str) else list(value or [])))
+            elif value is not None and value not in ("", AUTO):
+                given[option.name] = value
+        return cls(**given)
 
     def __post_init__(self) -> None:
         if self.in_place and (not self.elastic or self.flags or self.rdzv_conf):
@@ -80,12 +99,13 @@ def torchrun_setup(ranks: Ranks) -> tuple[list[str], dict[str, str]]:
 
 
 def start_ranks(ranks: Ranks, target: str, target_args: Sequence[str], *,
-                module: bool = False) -> int:
+                module: bool = False, quiet: bool = False) -> int:
     """Run ``target`` (a script, or a module) with ``target_args`` on the ranks; returns when
     they all finished, with 0 (torchrun), or the in-place launcher's exit status (128 + the
     signal's number when a signal stopped it). Raises torchrun's ``SignalException`` (a signal
     reached this process) or ``ChildFailedError`` (a rank failed; ``record`` has printed its
-    summary)."""
+    summary). ``quiet``: torchrun's agent does not log the failures (the caller reports
+    them)."""
     if ranks.in_place:
         return InPlaceLaunch(
             nproc=ranks.nproc, nnodes=ranks.nnodes or "1:1", rdzv_endpoint=ranks.rdzv_endpoint,
@@ -97,11 +117,40 @@ def start_ranks(ranks: Ranks, target: str, target_args: Sequence[str], *,
     from torch.distributed.run import parse_args, run
 
     flags, env = torchrun_setup(ranks)
+    env = {**env, **thread_setting(ranks.nproc)}
     parsed = parse_args([*flags, *(["--module"] if module else []), target])
     parsed.training_script_args = list(target_args)  # set after parsing: torchrun never reads them
-    with loopback_stores() if one_machine(ranks) else nullcontext(), environment(env):
+    with loopback_stores() if one_machine(ranks) else nullcontext(), environment(env), \
+            quiet_agent() if quiet else nullcontext():
         record(run)(parsed)
     return 0
+
+
+def thread_setting(nproc: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS=1`` for the ranks when it is unset and several share this machine:
+    torchrun sets the same, but with a four-line banner at every launch; said here in one."""
+    if nproc <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    print(f"varuna-fx: OMP_NUM_THREADS=1 in each of the {nproc} processes (it was unset; "
+          "export OMP_NUM_THREADS=N to choose)", file=sys.stderr, flush=True)
+    return {"OMP_NUM_THREADS": "1"}
+
+
+# torchrun's agent logs a rank's failure ("failed (exitcode: 1) ...") and the signals it then
+# sends the others: said again after the rank's own error, so a command that reports its ranks'
+# errors itself (varuna-fx train) mutes them
+_AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+@contextmanager
+def quiet_agent() -> Iterator[None]:
+    logger = logging.getLogger(_AGENT_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextmanager

@@ -16,6 +16,7 @@ ran.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import time
@@ -23,12 +24,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import VarunaFxError
-from ..train.config import AUTO, TrainConfig, help_text, resolve, to_toml
+from ..train.checks import resolve
+from ..train.config import TrainConfig, help_text, to_toml
 from ..train.data import prepare_data
-from ..train.worker import SUMMARY, encode, run_training
+from ..train.worker import SUMMARY, encode, rank_errors, run_training
 from ..world import safe_json
 from .in_place import REFUSED_EXIT
-from .torchrun import Ranks, split_flags, start_ranks
+from .torchrun import Ranks, start_ranks
 
 WORKER = "varuna_fx.train.worker"
 PREEMPTED = 128 + signal.SIGTERM
@@ -70,12 +72,7 @@ def train_command(argv: Sequence[str]) -> int:
 
 
 def ranks_of(cfg: TrainConfig) -> Ranks:
-    return Ranks(nproc=cfg.nproc, flags=tuple(split_flags([cfg.torchrun_args])),
-                 elastic=cfg.elastic, nnodes=cfg.nnodes or None,
-                 rdzv_endpoint=cfg.rdzv_endpoint or None, rdzv_id=cfg.rdzv_id,
-                 local_addr=cfg.local_addr or None, max_restarts=cfg.max_restarts,
-                 in_place=cfg.in_place,
-                 store_host=None if cfg.store_host == AUTO else cfg.store_host)
+    return Ranks.of(dataclasses.asdict(cfg))  # the [launch] keys, by their names
 
 
 def launch_ranks(cfg: TrainConfig, payload: str, launched_at: float) -> int:
@@ -84,7 +81,7 @@ def launch_ranks(cfg: TrainConfig, payload: str, launched_at: float) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        status = start_ranks(ranks_of(cfg), WORKER, [payload], module=True)
+        status = start_ranks(ranks_of(cfg), WORKER, [payload], module=True, quiet=True)
     except SignalException as stop:
         # torchrun passed the signal on to the ranks, which saved a checkpoint and exited
         name = signal.Signals(stop.sigval).name
@@ -92,15 +89,30 @@ def launch_ranks(cfg: TrainConfig, payload: str, launched_at: float) -> int:
               f"{cfg.out}/checkpoints; the same command resumes", file=sys.stderr)
         return 128 + int(stop.sigval)
     except ChildFailedError as failed:
-        print(f"varuna-fx train: a rank failed ({len(failed.failures)} of {cfg.nproc}; its "
-              "error is above)", file=sys.stderr)
+        if not _print_rank_errors(cfg, launched_at):  # (no error filed: a crash's own output)
+            codes = sorted({f.exitcode for f in failed.failures.values()})
+            print(f"varuna-fx train: {len(failed.failures)} of {cfg.nproc} rank(s) failed "
+                  f"(exit status {', '.join(map(str, codes))}; their output is above)",
+                  file=sys.stderr)
         return 1
     if status:  # the in-place launcher's own status (torchrun's raises instead)
-        return _in_place_stopped(cfg, status)
+        return _in_place_stopped(cfg, status, launched_at)
     return PREEMPTED if _ranks_were_preempted(cfg, launched_at) else 0
 
 
-def _in_place_stopped(cfg: TrainConfig, status: int) -> int:
+def _print_rank_errors(cfg: TrainConfig, launched_at: float) -> bool:
+    """Print the errors this machine's ranks filed that rank 0 has not printed already (each
+    distinct one once); whether any rank filed one."""
+    errors = rank_errors(cfg.out, launched_at)
+    shown = {errors[0]} if 0 in errors else set()
+    for number, text in sorted(errors.items()):
+        if text not in shown:
+            shown.add(text)
+            print(f"varuna-fx train: error (rank {number}): {text}", file=sys.stderr)
+    return bool(errors)
+
+
+def _in_place_stopped(cfg: TrainConfig, status: int, launched_at: float) -> int:
     """What the in-place launcher's non-zero status means: a signal to it (passed on to every
     worker here, which saved and exited: 128 + the signal), or a worker that failed for good."""
     if status == REFUSED_EXIT:
@@ -114,8 +126,9 @@ def _in_place_stopped(cfg: TrainConfig, status: int) -> int:
         print(f"varuna-fx train: stopped by {name}; the ranks saved a checkpoint in "
               f"{cfg.out}/checkpoints; the same command resumes", file=sys.stderr)
         return status
-    print(f"varuna-fx train: a rank failed (exit status {status}; its error is above) after "
-          f"--max-restarts {cfg.max_restarts} restarts", file=sys.stderr)
+    if not _print_rank_errors(cfg, launched_at):
+        print(f"varuna-fx train: a rank failed (exit status {status}; its output is above) "
+              f"after --max-restarts {cfg.max_restarts} restarts", file=sys.stderr)
     return 1
 
 

@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from ..capture.trace import TRACERS
-from ..data.documents import TEXT_SUFFIXES, is_document_source, is_saved_dataset
-from ..data.tokens import TOKEN_SUFFIXES
 from ..errors import InputError
 from ..runtime.precision import PRECISIONS
 from ..schedule import DEFAULT_SCHEDULE, schedule_choices
+from ..world.launch_options import OPTIONS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -56,6 +55,12 @@ def key(default: Any, group: str, help: str, kind: str | None = None, *,
                                             "choices": choices, "low": low, "high": high})
 
 
+def launch_key(name: str) -> Any:
+    """A ``[launch]`` key: the launch option of that name, as ``varuna-fx run`` takes it."""
+    option = OPTIONS[name]
+    return key(option.default, "launch", option.help, option.kind, low=option.low)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run (docs/API.md, "The train command", documents every key)."""
@@ -63,12 +68,15 @@ class TrainConfig:
     # -- model
     model: str = key(BUILTIN_GPT, "model", "gpt (the built-in GPT, sized by the keys below), a "
                      "Hugging Face config.json (or its directory), or module:factory (returns "
-                     "an nn.Module taking token ids, or a tuple whose first item is one)")
+                     "an nn.Module taking token ids, or a tuple whose first item is one; "
+                     "called with seq_len= and vocab_size= where its signature takes them; a "
+                     "forward(idx, targets) is fed the next tokens and its own loss trained)")
     n_layer: int = key(4, "model", "built-in GPT: transformer blocks", low=1)
     n_head: int = key(4, "model", "built-in GPT: attention heads (divides n_embd)", low=1)
     n_embd: int = key(128, "model", "built-in GPT: embedding width", low=1)
-    vocab_size: Any = key(AUTO, "model", "built-in GPT: vocabulary; auto: the data's (256 for "
-                          "text read as bytes; a .bin token file needs it given)", "int|auto",
+    vocab_size: Any = key(AUTO, "model", "built-in GPT (or a factory taking it): vocabulary; "
+                          "auto: the data's (256 for text read as bytes; a .bin token file "
+                          "needs it given)", "int|auto",
                           low=2)
     dropout: float = key(0.0, "model", "built-in GPT: dropout probability", low=0.0, high=1.0)
     init_from: str = key("", "model", "a Hugging Face checkpoint directory (safetensors) to "
@@ -94,6 +102,11 @@ class TrainConfig:
     num_workers: int = key(0, "data", "data loader worker processes", low=0)
     log_samples: bool = key(False, "data", "write each step's global batch (dataset indices) "
                             "to samples.jsonl in --out")
+    eval_data: str = key("", "data", "held-out data for validation, a file as data takes it "
+                         "(validated every eval_every steps)", "path")
+    eval_fraction: float = key(0.0, "data", "hold out this fraction of data's samples, taken "
+                               "from its end and never trained on, for validation (0: none)",
+                               low=0.0, high=0.5)
     # -- training
     steps: int = key(600, "training", "optimizer steps of the whole run (the LR schedule's "
                      "length)", low=1)
@@ -101,6 +114,11 @@ class TrainConfig:
     seed: int = key(0, "training", "initial weights and the data order", low=0)
     stop_at: int = key(0, "training", "save and stop after this step (0: run to the end); the "
                        "same command without it resumes", low=0)
+    eval_every: int = key(0, "training", "validation loss (val_loss in metrics.jsonl) every "
+                          "this many steps and at the last one, on held-out batches (eval_data "
+                          "or eval_fraction); 0: none", low=0)
+    eval_batches: int = key(8, "training", "global batches of held-out data per validation, "
+                            "the same ones each time (fewer when it holds fewer)", low=1)
     # -- optimizer (AdamW) and LR schedule
     lr: float = key(3e-3, "optimizer", "peak learning rate", low=0.0)
     beta1: float = key(0.9, "optimizer", "AdamW beta1", low=0.0, high=1.0)
@@ -156,6 +174,9 @@ class TrainConfig:
                                 "at least 1, so a job that loses state early restarts from there, "
                                 "not step 0; else none; 0: none)", "int|auto", low=0)
     keep_checkpoints: int = key(2, "checkpoint", "newest checkpoints kept (0: all)", low=0)
+    keep_best: bool = key(False, "checkpoint", "also keep the checkpoint of the lowest "
+                          "validation loss, in best/ under --out (best/best.json says its step "
+                          "and loss); needs eval_every")
     export: str = key("", "checkpoint", "at the end, write the model to this directory as "
                       "Hugging Face safetensors", "path")
     # -- watching
@@ -169,26 +190,17 @@ class TrainConfig:
                        "the end")
     peak_flops: Any = key(AUTO, "monitor", "a device's peak FLOP/s for MFU (auto: the "
                           "monitor's table)", "float|auto", low=0.0)
-    # -- launching (as `varuna-fx run`)
-    nproc: int = key(2, "launch", "processes on this machine (1: this process, no torchrun; "
-                     "0: with in_place, a machine that only hosts the membership store)", low=0)
-    elastic: bool = key(False, "launch", "machines may leave and join (torchrun's elastic "
-                        "agent); every restart resumes from the latest checkpoint")
-    in_place: bool = key(False, "launch", "with elastic: survivors keep running when a machine "
-                         "leaves or joins (they re-plan and move only what changed) instead of "
-                         "every process restarting from the latest checkpoint")
-    store_host: Any = key(AUTO, "launch", "with in_place: this machine hosts the membership "
-                          "store, which must stay up (auto: the machine whose local_addr is "
-                          "the rdzv_endpoint's host; one machine alone hosts it)", "bool|auto")
-    nnodes: str = key("", "launch", "with elastic: MIN:MAX machines")
-    rdzv_endpoint: str = key("", "launch", "with elastic: HOST:PORT of the rendezvous host")
-    rdzv_id: str = key("varuna-fx", "launch", "with elastic: the job's name")
-    local_addr: str = key("", "launch", "with elastic: this machine's address")
-    max_restarts: int = key(100, "launch", "with elastic: restarts after worker failures",
-                            low=0)
-    torchrun_args: str = key("", "launch", "extra torchrun flags in one string (a fixed "
-                             "multi-machine job: \"--nnodes=2 --node-rank=0 "
-                             "--rdzv-endpoint=host:29400\")")
+    # -- launching: `varuna-fx run`'s options, declared once (world/launch_options.py)
+    nproc: int = launch_key("nproc")
+    elastic: bool = launch_key("elastic")
+    in_place: bool = launch_key("in_place")
+    store_host: Any = launch_key("store_host")
+    nnodes: str = launch_key("nnodes")
+    rdzv_endpoint: str = launch_key("rdzv_endpoint")
+    rdzv_id: str = launch_key("rdzv_id")
+    local_addr: str = launch_key("local_addr")
+    max_restarts: int = launch_key("max_restarts")
+    torchrun_args: str = launch_key("torchrun_args")
 
     def compile_options(self) -> dict[str, Any]:
         """The keyword arguments of ``vf.compile`` these keys set (besides the model's)."""
@@ -383,136 +395,6 @@ def split_argv(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
             raise InputError(f"{where} is given twice")
         values[name] = convert(name, value, where)
     return config, values
-
-
-def resolve(argv: list[str]) -> tuple[TrainConfig, dict[str, str]]:
-    """The run's configuration from the command line, and where each key set came from
-    ("config file" or "command line"; keys left at their default are absent)."""
-    config, flags = split_argv(list(argv))
-    from_file = read_toml(config) if config is not None else {}
-    source = {k: "config file" for k in from_file} | {k: "command line" for k in flags}
-    given = from_file | flags
-    cfg = TrainConfig(**given)
-    check(cfg, set(source))
-    return cfg, source
-
-
-def check(cfg: TrainConfig, given: set[str]) -> None:
-    """What no single value shows: keys that go together, paths that must exist."""
-    if cfg.model != BUILTIN_GPT:
-        stray = [k for k in GPT_KEYS if k in given]
-        if stray:
-            raise InputError(f"{', '.join(stray)} size the built-in GPT, but model = "
-                             f"{cfg.model!r} brings its own sizes: remove them")
-        is_factory = ":" in cfg.model and not Path(cfg.model).exists()
-        if not is_factory and not hf_config_path(cfg.model).is_file():
-            raise InputError(f"model = {cfg.model!r}: neither gpt, a Hugging Face config.json "
-                             "(or a directory holding one), nor module:factory")
-    elif cfg.n_embd % cfg.n_head:
-        raise InputError(f"n_embd = {cfg.n_embd} is not a multiple of n_head = {cfg.n_head}")
-    if cfg.data != STDLIB_CORPUS and not Path(cfg.data).is_file() and \
-            not (Path(cfg.data).is_dir() and is_saved_dataset(Path(cfg.data))):
-        raise InputError(f"data = {cfg.data!r} is not a file (give a token .bin file, a text "
-                         "or .jsonl file with --tokenizer, a datasets save_to_disk folder, or "
-                         "stdlib for the built-in corpus)")
-    _check_tokenizer(cfg)
-    _check_folder("out", cfg.out, "the run's folder")
-    if cfg.export:
-        _check_folder("export", cfg.export, "the directory the model is exported to")
-    if cfg.init_from and not Path(cfg.init_from).exists():
-        raise InputError(f"init_from = {cfg.init_from!r} does not exist")
-    if cfg.warmup_steps != AUTO and cfg.warmup_steps > cfg.steps:
-        raise InputError(f"warmup_steps = {cfg.warmup_steps} is longer than the run (steps = "
-                         f"{cfg.steps})")
-    if cfg.stop_at and cfg.stop_at >= cfg.steps:
-        raise InputError(f"stop_at = {cfg.stop_at} is not before the last step (steps = "
-                         f"{cfg.steps}): leave it out to run to the end")
-    if cfg.micro_batch_size != AUTO and cfg.global_batch_size % cfg.micro_batch_size:
-        raise InputError(f"micro_batch_size = {cfg.micro_batch_size} does not divide "
-                         f"global_batch_size = {cfg.global_batch_size}: change one, or let "
-                         "the planner choose (micro_batch_size = \"auto\")")
-    _check_batch_equation(cfg)
-    if cfg.global_batch_size == 1:
-        raise InputError("global_batch_size = 1: a pipeline needs at least 2 samples per step")
-    elastic_only = [k for k in ("nnodes", "rdzv_endpoint", "local_addr", "in_place")
-                    if getattr(cfg, k)]
-    if elastic_only and not cfg.elastic:
-        raise InputError(f"{', '.join(elastic_only)} belong to elastic = true (in_place: "
-                         "--elastic --in-place, as `varuna-fx run`); for a fixed multi-machine "
-                         "job pass torchrun's flags in torchrun_args")
-    check_in_place(cfg)
-
-
-def _check_tokenizer(cfg: TrainConfig) -> None:
-    """Documents need a tokenizer (text alone is read as bytes); tokens need none."""
-    if cfg.tokenizer:
-        if not Path(cfg.tokenizer).is_dir():
-            raise InputError(f"tokenizer = {cfg.tokenizer!r} is not a folder: give the local "
-                             "folder holding tokenizer.json (nothing is downloaded)")
-        if cfg.data == STDLIB_CORPUS or Path(cfg.data).suffix in TOKEN_SUFFIXES:
-            raise InputError(f"tokenizer = {cfg.tokenizer!r} with data = {cfg.data!r}, which "
-                             "is already tokens (bytes or a .bin file): give a .txt or .jsonl "
-                             "file, or remove --tokenizer")
-    elif cfg.data != STDLIB_CORPUS and is_document_source(cfg.data) and \
-            Path(cfg.data).suffix not in TEXT_SUFFIXES:
-        raise InputError(f"data = {cfg.data!r} holds documents to tokenize: give the tokenizer's "
-                         "local folder with --tokenizer DIR")
-
-
-def _check_batch_equation(cfg: TrainConfig) -> None:
-    """global_batch_size = micro_batch_size x grad_accum_steps x data_parallel, for the
-    values given (the planner chooses the others so that it holds)."""
-    if cfg.grad_accum_steps == AUTO:
-        return
-    terms = {k: getattr(cfg, k) for k in ("micro_batch_size", "grad_accum_steps",
-                                          "data_parallel") if getattr(cfg, k) != AUTO}
-    product = math.prod(terms.values())
-    shown = " x ".join(f"{k} = {v}" for k, v in terms.items())
-    if len(terms) == 3 and product != cfg.global_batch_size:
-        raise InputError(f"{shown} is a global batch of {product}, not global_batch_size = "
-                         f"{cfg.global_batch_size}: change one, or set micro_batch_size or "
-                         "data_parallel to auto")
-    if cfg.global_batch_size % product:
-        raise InputError(f"{shown} does not divide global_batch_size = "
-                         f"{cfg.global_batch_size} (global batch = micro-batch x "
-                         "grad_accum_steps x replicas): change one of them")
-
-
-def _check_folder(name: str, value: str, what: str) -> None:
-    """A folder the run creates or writes into must not be a file, nor under one (found only
-    after compile, or after the whole run for ``export``, otherwise)."""
-    path = Path(value)
-    if path.exists() and not path.is_dir():
-        raise InputError(f"{name} = {value!r} is a file; {name} is {what}, a directory "
-                         "(created when missing): give another path")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise InputError(f"{name} = {value!r} is under {str(parent)!r}, which is a "
-                                 f"file; {name} is {what}, a directory: give another path")
-            break
-
-
-def check_in_place(cfg: TrainConfig) -> None:
-    """What in-place morphing does not go with, refused before anything is launched."""
-    if not cfg.in_place:
-        if cfg.store_host != AUTO:
-            raise InputError("store_host belongs to in_place = true (the membership store of "
-                             "an in-place job): remove it, or add --in-place")
-        if cfg.nproc == 0:
-            raise InputError("nproc = 0 (a machine running no training process) only hosts "
-                             "the membership store of an in-place job: give --nproc 1 or more, "
-                             "or add --elastic --in-place")
-        return
-    if cfg.torchrun_args:
-        raise InputError(
-            "torchrun_args do not go with in_place = true: an in-place job is started by "
-            "varuna_fx's own launcher, not torchrun; describe the machines with nnodes, "
-            "rdzv_endpoint and local_addr, or remove in_place for torchrun's restart path")
-    if cfg.nproc == 0 and cfg.store_host is False:
-        raise InputError(
-            "nproc = 0 with store_host = false: this machine would neither train nor host the "
-            "membership store; give --nproc 1 or more, or --store-host true")
 
 
 def hf_config_path(model: str) -> Path:

@@ -10,6 +10,7 @@ entropy over the model's logits, whatever form they come in (a tensor, an output
 
 from __future__ import annotations
 
+import inspect
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,49 @@ class TrainModel:
     model: nn.Module
     vocab_size: int | None  # the input embedding's rows, when found
     description: str
+    # forward takes the next tokens itself (nanoGPT's forward(idx, targets=None) -> (logits,
+    # loss), whose logits without targets are the last position's only): fed them, and its
+    # own loss is the loss
+    targets_in_forward: bool = False
+
+
+TARGETS = "targets"  # nanoGPT's name; Hugging Face's labels are shifted inside, so not these
+
+
+def takes_targets(model: nn.Module) -> bool:
+    """Whether ``model.forward`` has a ``targets`` parameter (besides the token ids)."""
+    try:
+        return TARGETS in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def own_loss(output: Any, _target: Any) -> torch.Tensor:
+    """The loss a model fed its targets returns: ``(logits, loss)``, ``.loss`` or
+    ``{"loss": ...}`` (``loss_fn`` of those models: the output tensor itself, so micro-batches
+    are weighted as eager's mean over the whole batch)."""
+    if isinstance(output, tuple | list) and len(output) > 1:
+        return output[1]
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        raise InputError(f"the model takes targets, but given them it returned "
+                         f"{type(output).__name__} with no loss: return (logits, loss)")
+    return loss
+
+
+def factory_arguments(factory: Any, **offered: Any) -> dict[str, Any]:
+    """Of ``offered`` (the run's seq_len and vocab_size), the ones the factory's signature
+    accepts by name (or all with ``**kwargs``); None values are left to its defaults."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in offered.items()
+            if v is not None and (anything or (k in params and params[k].kind not in (
+                inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL)))}
 
 
 def next_token_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -50,7 +94,8 @@ def build_model(cfg: TrainConfig, data_vocab: int | None, largest_token: int, *,
         if cfg.model == BUILTIN_GPT:
             made = _gpt(cfg, data_vocab)
         elif ":" in cfg.model and not hf_config_path(cfg.model).is_file():
-            made = _factory(cfg.model)
+            made = _factory(cfg.model, seq_len=cfg.seq_len,
+                            vocab_size=data_vocab if cfg.vocab_size == AUTO else cfg.vocab_size)
         else:
             made = _hugging_face(cfg)
     if made.vocab_size is not None and tokenizer_vocab is not None and \
@@ -104,16 +149,19 @@ def _hugging_face(cfg: TrainConfig) -> TrainModel:
                       f"{type(model).__name__} from {path}: {params / 1e6:.2f}M parameters")
 
 
-def _factory(spec: str) -> TrainModel:
-    made = load_factory(spec)()  # a missing module or function: InputError, saying which
+def _factory(spec: str, **run: Any) -> TrainModel:
+    factory = load_factory(spec)  # a missing module or function: InputError, saying which
+    made = factory(**factory_arguments(factory, **run))
     model = made[0] if isinstance(made, tuple | list) and made else made
     if not isinstance(model, nn.Module):
         raise InputError(f"--model {spec}: the factory returned {type(made).__name__}; return "
                          "an nn.Module taking token ids (batch, seq_len), or a tuple whose "
                          "first item is one")
     params = sum(p.numel() for p in model.parameters())
+    fed = takes_targets(model)
     return TrainModel(model, _embedding_rows(model),
-                      f"{type(model).__name__} from {spec}: {params / 1e6:.2f}M parameters")
+                      f"{type(model).__name__} from {spec}: {params / 1e6:.2f}M parameters"
+                      + (" (fed its targets; its own loss)" if fed else ""), fed)
 
 
 def _embedding_rows(model: nn.Module) -> int | None:

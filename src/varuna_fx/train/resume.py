@@ -39,10 +39,11 @@ _GROUP_KEYS = ("betas", "eps", "weight_decay")
 
 
 def resume(pipe: Pipeline, opt: Any, sched: Any, loader: Any, folder: Path, out: Path,
-           say: Callable[[str], None]) -> tuple[int, str] | None:
+           say: Callable[[str], None], extra: dict[str, Any] | None = None
+           ) -> tuple[int, str] | None:
     """Load the newest checkpoint under ``folder`` that loads; (its step, its path), or None
     when there is none. The launch's hyperparameters are put back on ``opt`` and ``sched``
-    after it."""
+    after it. ``extra`` (a dict) receives what the checkpoint saved beside the step."""
     candidates = checkpoints_newest_first(folder) if folder.is_dir() else []
     if not candidates:
         return None
@@ -50,7 +51,8 @@ def resume(pipe: Pipeline, opt: Any, sched: Any, loader: Any, folder: Path, out:
     failed: list[tuple[str, str]] = []
     for path in candidates:
         try:
-            step = int(pipe.load_checkpoint(path, opt, data=loader, scheduler=sched)["step"])
+            saved = pipe.load_checkpoint(path, opt, data=loader, scheduler=sched)
+            step = int(saved["step"])
         except CheckpointError as exc:
             failed.append((path, str(exc)))
             continue
@@ -58,6 +60,8 @@ def resume(pipe: Pipeline, opt: Any, sched: Any, loader: Any, folder: Path, out:
             say(f"{newer} cannot be resumed ({_without(newer, why)}); it is skipped, and the "
                 f"steps after {path} are trained again")
         say(f"resumed from {path} (step {step})")
+        if extra is not None:
+            extra.update(saved)
         changes = take_launch_hyperparameters(opt, sched, fresh)
         if changes:
             say(f"resumed with {', '.join(changes)} (this launch's flags win over the "

@@ -2,8 +2,10 @@
 
 ``varuna-fx train`` runs :func:`run_training` in its own process (``nproc = 1``) or starts this
 module under torchrun on every rank, with the resolved configuration as JSON (``PAYLOAD``), so
-every rank trains on exactly the configuration the command checked. The loop is the
-preemption-safe one of docs/checkpoints.md, with the pipeline owning what it can:
+every rank trains on exactly the configuration the command checked. The loop
+(``trainer.py``'s :class:`Trainer`, its parts typed fields) is the preemption-safe one of
+docs/checkpoints.md, with the pipeline owning what it can; this module is the rank's process
+around it (resume or join, config.toml, summary.json, the exit status, Ctrl-C):
 
 - the model built deferred (each rank allocates its stage), initialised, or left for the load
   when resuming or starting from pretrained weights (``train_model.py``);
@@ -41,87 +43,45 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-import shutil
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..api import compile as vf_compile
-from ..checkpoint.directory import MARKER, latest_checkpoint
+from ..checkpoint.directory import latest_checkpoint
 from ..errors import VarunaFxError
-from ..monitor.monitor import Monitor
 from ..pipeline import Pipeline
 from ..world.membership import in_place, job_restarted, membership
-from ..world.where import launched_distributed, rank
-from .config import AUTO, TrainConfig, to_toml
+from ..world.where import launched_distributed
+from .config import TrainConfig, to_toml
 from .data import open_data
-from .model import build_model, next_token_loss
+from .model import build_model, next_token_loss, own_loss
 from .resume import Restart, restart_of, resume
+from .trainer import (
+    SAMPLES,
+    Progress,
+    Trainer,
+    build_monitor,
+    held_out,
+    lr_factor,
+    prune,
+    save_checkpoint,
+    this_rank,
+)
+
+__all__ = ["CHECKPOINTS", "SAMPLES", "SUMMARY", "Progress", "Run", "Trainer", "decode",
+           "encode", "lr_factor", "main", "prune", "rank_errors", "report_error", "run_training",
+           "save_on_ctrl_c"]
 
 CHECKPOINTS = "checkpoints"
 SUMMARY = "summary.json"
-SAMPLES = "samples.jsonl"
+ERRORS = "errors"  # OUT/errors/rankN.txt: a rank's error, for the command (report_error)
 EXAMPLE_BATCH = 8  # the example batch compile traces with (at most the global batch)
-
-
-def lr_factor(cfg: TrainConfig) -> Any:
-    """The LR multiplier of step s (0-based; ``LambdaLR``): a linear warmup to 1, then down
-    to ``min_lr_ratio`` at the last step (cosine or linear) or constant."""
-    warmup, steps, floor = cfg.warmup, cfg.steps, cfg.min_lr_ratio
-
-    def factor(s: int) -> float:
-        if s < warmup:
-            return (s + 1) / warmup
-        if cfg.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (s - warmup) / max(1, steps - warmup))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" \
-            else 1 - progress
-        return floor + (1 - floor) * shape
-
-    return factor
-
-
-def adamw(pipe: Pipeline, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over this rank's parameters (sharded over the replicas when compile shards):
-    weight decay on weights of two or more dimensions only, as nanoGPT and Megatron do. In
-    place both groups are kept, even empty: a morph files each parameter under its group's
-    index, which must mean the same group on every rank."""
-    decay = [p for _, p in pipe.named_parameters() if p.dim() >= 2]
-    rest = [p for _, p in pipe.named_parameters() if p.dim() < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
-                          {"params": rest, "weight_decay": 0.0})
-              if g["params"] or cfg.in_place]
-    return pipe.optimizer(torch.optim.AdamW, groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                          eps=cfg.eps)
-
-
-def prune(folder: Path, keep: int) -> None:
-    """Remove all but the newest ``keep`` complete checkpoints (rank 0, after a save)."""
-    done = sorted(p for p in folder.glob("step*") if (p / MARKER).is_file())
-    for old in done[:-keep] if keep else []:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-class Progress:
-    """The steps done, as an object ``pipe.track`` hands to a process joining an in-place job
-    (with the scheduler's and the loader's states: it continues the count, not step 0)."""
-
-    def __init__(self, step: int = 0) -> None:
-        self.step = step
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
 
 
 class Run:
@@ -134,18 +94,27 @@ class Run:
         self.folder = self.out / CHECKPOINTS
         self.source = source or {}
         self.restart: Restart | None = None  # this launch restarts an in-place job
+        self.best_val_loss: float | None = None  # the lowest validation loss (eval_every)
 
     @property
     def rank(self) -> int:
         """This process's rank now (in place, a morph may change it; before compile, in place,
         it is not known yet: 0)."""
-        return rank() if launched_distributed() else 0
+        return this_rank()
 
     def say(self, text: str) -> None:
         if self.rank == 0:
             print(f"varuna-fx train: {text}", flush=True)
 
     def build(self) -> tuple[Pipeline, Any, Any, Any, Progress]:
+        """The trainer's parts (pipe, optimizer, scheduler, loader, progress)."""
+        t = self.build_trainer()
+        return t.pipe, t.optimizer, t.scheduler, t.loader, t.progress
+
+    def build_trainer(self) -> Trainer:
+        """The model compiled, the trainer's parts built; resumed from the newest checkpoint
+        that loads, or joined to the running in-place job, or initialised from pretrained
+        weights."""
         cfg = self.cfg
         if in_place():  # a running job refuses a joiner whose configuration differs
             membership().offer(cfg.fingerprint())
@@ -154,46 +123,46 @@ class Run:
         made = build_model(cfg, data.vocab_size, data.largest_token,
                            initialise=start is None and not cfg.init_from,
                            tokenizer_vocab=data.tokenizer_vocab)
+        train_set, held, held_text = held_out(cfg, data.dataset, made.vocab_size, open_data)
         example = torch.zeros(min(cfg.global_batch_size, EXAMPLE_BATCH), cfg.seq_len,
                               dtype=torch.long)
-        pipe = vf_compile(made.model, example_inputs=(example,), loss_fn=next_token_loss,
+        fed = made.targets_in_forward  # forward(idx, targets): fed the next tokens
+        pipe = vf_compile(made.model, example_inputs=(example, example) if fed else (example,),
+                          loss_fn=own_loss if fed else next_token_loss,
                           **cfg.compile_options())
-        opt = adamw(pipe, cfg)
-        # tracked (in place; nothing otherwise) in this order on every process: a joining
-        # one receives their states in it
-        sched = pipe.track(torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg)))
-        loader = pipe.data_loader(data.dataset, shuffle=cfg.shuffle, seed=cfg.seed,
-                                  num_workers=cfg.num_workers)
-        progress = pipe.track(Progress())
+        trainer = Trainer.build(cfg, pipe, train_set, held, targets_in_forward=fed)
         plan = pipe.plan
         sharded = pipe.replicas > 1 and cfg.shard_optimizer is not False
         self.say(f"model: {made.description}")
         self.say(f"data: {data.description}")
+        if held is not None:
+            self.say(f"validation every {cfg.eval_every} steps on "
+                     f"{len(trainer.validation)} batch(es) of {held_text}")
         # the batch in the keys' words: micro_batch_size x grad_accum_steps x data_parallel
         self.say(f"plan: P={plan.stages} x D={plan.data_parallel}, {plan.batch_equation}, "
                  f"schedule {plan.schedule.name}, optimizer state "
                  f"{'sharded (ZeRO-1)' if sharded else 'not sharded'}")
         if pipe.joined:  # the running job's state came with the join: newer than a checkpoint
             print(f"varuna-fx train: rank {self.rank} joined the running job at step "
-                  f"{progress.step}", flush=True)
-            return pipe, opt, sched, loader, progress
+                  f"{trainer.progress.step}", flush=True)
+            return trainer
         resumed = None
         if start is not None:  # the newest that loads, the launch's hyperparameters on top
-            resumed = resume(pipe, opt, sched, loader, self.folder, self.out, self.say)
-            progress.step = 0 if resumed is None else resumed[0]
+            saved: dict[str, Any] = {}
+            resumed = resume(pipe, trainer.optimizer, trainer.scheduler, trainer.loader,
+                             self.folder, self.out, self.say, saved)
+            trainer.progress.step = 0 if resumed is None else resumed[0]
+            trainer.progress.best_val_loss = saved.get("best_val_loss")
         elif cfg.init_from:
             pipe.load_pretrained(cfg.init_from)
             self.say(f"initialised from {cfg.init_from}")
         if in_place() and job_restarted():  # said loudly (the monitor's first line, the
             self.restart = restart_of(resumed, self.out)  # last one, summary.json)
-        return pipe, opt, sched, loader, progress
+        return trainer
 
     def save(self, pipe: Pipeline, opt: Any, sched: Any, loader: Any, step: int) -> str:
-        path = str(self.folder / f"step{step:08d}")
-        pipe.save_checkpoint(path, opt, data=loader, scheduler=sched, extra={"step": step})
-        if self.rank == 0:
-            prune(self.folder, self.cfg.keep_checkpoints)
-        return path
+        return save_checkpoint(self.folder, pipe, opt, sched, loader, step,
+                               self.cfg.keep_checkpoints)
 
     def write(self, name: str, text: str, mode: str = "w") -> None:
         if self.rank == 0:
@@ -204,7 +173,8 @@ class Run:
         """Train to ``stop_at`` or the end; returns 128 + the signal when one stopped it
         (143, or 130 for Ctrl-C), else 0."""
         cfg = self.cfg
-        pipe, opt, sched, loader, progress = self.build()
+        trainer = self.build_trainer()
+        pipe, progress = trainer.pipe, trainer.progress
         pipe.install_preemption_handlers()  # (torchrun's ranks have them already)
         save_on_ctrl_c()
         stop = cfg.stop_at or cfg.steps
@@ -219,24 +189,22 @@ class Run:
             pipe.close()
             return 0
         first = progress.step
-        monitor = Monitor(pipe, self.out, total_steps=cfg.steps, start_step=first,
-                          print_every=cfg.print_every, live=_auto(cfg.live),
-                          tensorboard=_auto(cfg.tensorboard), charts=cfg.charts,
-                          peak_flops=None if cfg.peak_flops == AUTO else cfg.peak_flops)
+        trainer.monitor = build_monitor(pipe, cfg, first)
         if self.restart is not None:  # before the steps it trains again
-            monitor.event(self.restart.as_dict(), self.restart.text())
+            trainer.monitor.event(self.restart.as_dict(), self.restart.text())
         # (an error, or this process leaving an in-place job -- SystemExit from pipe.step once
         # its state moved -- closes the monitor's files without a collective)
-        with monitor:
-            loss, saved, last_step_at = self.loop(pipe, opt, sched, loader, progress, monitor,
-                                                  stop)
+        with trainer.monitor:
+            trainer.fit(stop)
         preempted = pipe.preempted
         step = progress.step
         if cfg.export and step == cfg.steps:
             self.export(pipe)
         morphs = [m.as_dict() for m in pipe.morphs]
         pipe.close()
-        self.finish(first, step, loss, saved, preempted, last_step_at, morphs)
+        self.best_val_loss = progress.best_val_loss
+        self.finish(first, step, trainer.loss, trainer.saved, preempted, trainer.last_step_at,
+                    morphs)
         if not preempted:
             return 0
         return 128 + (signal.SIGINT if _INTERRUPTED else signal.SIGTERM)
@@ -244,36 +212,6 @@ class Run:
     def export(self, pipe: Pipeline) -> None:
         pipe.save_pretrained(self.cfg.export)
         self.say(f"exported the model to {self.cfg.export} (Hugging Face safetensors)")
-
-    def loop(self, pipe: Pipeline, opt: Any, sched: Any, loader: Any, progress: Progress,
-             monitor: Monitor, stop: int) -> tuple[Any, str | None, float]:
-        """The steps up to ``stop``: (the last loss, the last checkpoint saved, when the last
-        step ended)."""
-        cfg = self.cfg
-        batches = loader.forever()
-        loss, saved, last_step_at = None, None, time.time()
-        while progress.step < stop:
-            x, y = next(batches)
-            pipe.zero_grad()
-            loss = pipe.step(x, target=y)  # (in place: a morph may run first)
-            scalars = {"lr": sched.get_last_lr()[0]}
-            if cfg.grad_clip:
-                scalars["grad_norm"] = float(pipe.clip_grad_norm_(cfg.grad_clip))
-            pipe.optimizer_step(opt)
-            sched.step()
-            progress.step += 1
-            step = progress.step
-            last_step_at = time.time()
-            monitor.log(loss, **scalars)
-            if cfg.log_samples:
-                self.write(SAMPLES, json.dumps({"step": step,
-                                                "ids": loader.last_global_batch()}) + "\n", "a")
-            if pipe.preempted or step == stop or step == cfg.first_checkpoint_step or \
-                    (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                saved = self.save(pipe, opt, sched, loader, step)
-            if pipe.preempted:
-                break
-        return loss, saved, last_step_at
 
     def finish(self, first: int, step: int, loss: Any, saved: str | None, preempted: bool,
                last_step_at: float, morphs: list[dict[str, Any]]) -> None:
@@ -283,6 +221,7 @@ class Run:
                    "final_loss": float(loss) if loss is not None else None,
                    "preempted": preempted, "checkpoint": saved, "morphs": morphs,
                    "restarted": self.restart.as_dict() if self.restart else None,
+                   "best_val_loss": self.best_val_loss,
                    "seconds_from_command_to_last_step":
                        last_step_at - self.launched_at if self.launched_at else None}
         self.write(SUMMARY, json.dumps(summary, indent=1) + "\n")
@@ -290,6 +229,9 @@ class Run:
         timing = f" ({when:.1f} s from the command to the last step)" if when else ""
         self.say(f"steps {first + 1}-{step} of {self.cfg.steps} done{timing}, final loss "
                  f"{summary['final_loss']:.4f}; charts and metrics.jsonl in {self.out}")
+        if self.best_val_loss is not None:
+            kept = f" (its checkpoint in {self.out / 'best'})" if self.cfg.keep_best else ""
+            self.say(f"best validation loss {self.best_val_loss:.4f}{kept}")
         if self.restart is not None:  # (the steps above count from where it restarted)
             self.say(self.restart.text())
         if morphs:
@@ -321,10 +263,6 @@ def save_on_ctrl_c() -> None:
         signal.signal(signal.SIGINT, first)
 
 
-def _auto(value: Any) -> bool | None:
-    return None if value == AUTO else value
-
-
 def run_training(cfg: TrainConfig, launched_at: float | None = None,
                  source: dict[str, str] | None = None) -> int:
     """Train as configured on this process (every rank calls it); the exit status."""
@@ -342,6 +280,37 @@ def encode(cfg: TrainConfig, launched_at: float, source: dict[str, str]) -> str:
                        "source": source})
 
 
+def report_error(cfg: TrainConfig, exc: VarunaFxError) -> None:
+    """One error, printed once: rank 0 prints it; every rank files it as
+    ``OUT/errors/rankN.txt``, where the command finds (and prints) an error of a rank on its
+    machine that rank 0 did not have -- not the same line once per rank."""
+    me = this_rank()
+    text = str(exc)
+    if me == 0:
+        print(f"varuna-fx train: error: {text}", file=sys.stderr, flush=True)
+    try:
+        folder = Path(cfg.out) / ERRORS
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{me}.txt").write_text(text)
+    except OSError:  # no folder to file it in: say it here
+        if me != 0:
+            print(f"varuna-fx train: error (rank {me}): {text}", file=sys.stderr, flush=True)
+
+
+def rank_errors(out: str, since: float) -> dict[int, str]:
+    """The errors the ranks filed (``report_error``) since ``since``, by rank (each cut at
+    2,000 characters: it is printed, never run)."""
+    found: dict[int, str] = {}
+    for path in (Path(out) / ERRORS).glob("rank*.txt"):
+        number = path.stem[len("rank"):]
+        try:
+            if number.isdigit() and path.stat().st_mtime >= since:
+                found[int(number)] = path.read_text(errors="replace")[:2000]
+        except OSError:
+            continue
+    return found
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m varuna_fx.train.worker PAYLOAD (started by "
@@ -357,7 +326,7 @@ def main(argv: list[str]) -> int:
             print(f"varuna-fx train: {membership().member} found the job finished before it "
                   "could join; nothing to do", file=sys.stderr, flush=True)
             return 0
-        print(f"error (rank {rank()}): {exc}", file=sys.stderr, flush=True)
+        report_error(cfg, exc)
         return 1
     # preempted or done, the checkpoint is complete: a rank that exits 0 tells torchrun's agent
     # it finished (the command reads summary.json to say whether it was preempted)
