@@ -26,6 +26,8 @@ from varuna_fx.monitor.charts import simulated, timeline_chart
 from varuna_fx.monitor.flops import step_flops
 from varuna_fx.monitor.sinks import read_jsonl
 from varuna_fx.morph.records import MorphRecord
+from varuna_fx.train.config import TrainConfig
+from varuna_fx.train.trainer import build_monitor
 
 REQUIRED = {"step", "loss", "step_seconds", "predicted_step_seconds", "tokens_per_second", "mfu"}
 
@@ -290,6 +292,18 @@ def test_the_wandb_sink_logs_each_steps_numbers_offline_by_default(
         run(pipe, m, 1)
     assert "mode" not in runs[1].init and runs[1].init["project"] == "p"
     assert runs[1].init["config"]["lr"] == 1 and runs[1].init["config"]["stages"] == 2
+
+
+def test_the_train_commands_wandb_key_reaches_the_monitor(
+        pipe: vf.Pipeline, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = fake_wandb(monkeypatch)
+    for wandb in (False, True):
+        cfg = TrainConfig(out=str(tmp_path / str(wandb)), wandb=wandb, live=False,
+                          tensorboard=False, charts=False)
+        with build_monitor(pipe, cfg, start_step=0) as m:
+            run(pipe, m, 1)
+    (wb,) = runs  # only where the key is true
+    assert wb.init["dir"] == str(tmp_path / "True") and wb.finished
 
 
 def test_wandb_refusals(pipe: vf.Pipeline, tmp_path: Path,

@@ -186,6 +186,8 @@ class TrainConfig:
                     "terminal)", "bool|auto")
     tensorboard: Any = key(AUTO, "monitor", "TensorBoard under --out: true / false / auto "
                            "(when installed)", "bool|auto")
+    wandb: bool = key(False, "monitor", "log to Weights & Biases too (pip install "
+                      "'varuna_fx[wandb]'; offline unless WANDB_MODE says otherwise)")
     charts: bool = key(True, "monitor", "draw charts/training.png and charts/timeline.png at "
                        "the end")
     peak_flops: Any = key(AUTO, "monitor", "a device's peak FLOP/s for MFU (auto: the "
@@ -237,7 +239,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # shows; every other key is the job's (a joiner that differs in one is refused)
 PER_MACHINE = frozenset({"nproc", "local_addr", "store_host", "rdzv_endpoint", "nnodes",
                          "max_restarts", "torchrun_args", "timeout", "out", "num_workers",
-                         "print_every", "live", "tensorboard", "charts", "peak_flops",
+                         "print_every", "live", "tensorboard", "wandb", "charts", "peak_flops",
                          "profile"})
 
 

@@ -91,10 +91,10 @@ def build_loader(pipe: Pipeline, dataset: Any, cfg: TrainConfig) -> GlobalBatchL
 
 
 def build_monitor(pipe: Pipeline, cfg: TrainConfig, start_step: int) -> Monitor:
-    """The live line, metrics.jsonl, TensorBoard and the charts, under ``out``."""
+    """The live line, metrics.jsonl, TensorBoard, W&B and the charts, under ``out``."""
     return Monitor(pipe, Path(cfg.out), total_steps=cfg.steps, start_step=start_step,
                    print_every=cfg.print_every, live=_auto(cfg.live),
-                   tensorboard=_auto(cfg.tensorboard), charts=cfg.charts,
+                   tensorboard=_auto(cfg.tensorboard), wandb=cfg.wandb, charts=cfg.charts,
                    peak_flops=None if cfg.peak_flops == AUTO else cfg.peak_flops)
 
 
