@@ -50,7 +50,7 @@ from .passes.sample_mixing import (
 from .pipeline import Pipeline
 from .planner.cluster import Cluster
 from .planner.network import rank_links
-from .planner.plan import Boundary, Plan
+from .planner.plan import Boundary, Plan, resolve_compile_stages
 from .runtime.compress import transfer_mode, wire_nbytes
 from .runtime.distributed import make_distributed_runtime
 from .runtime.local import LocalRuntime
@@ -89,6 +89,7 @@ def compile(  # noqa: A001 - the public name in API.md
     dump: str | None = None,
     compression: str = "off",
     replica_sync: ReplicaSync = "exact",
+    compile_stages: str = "auto",
 ) -> Pipeline:
     """Trace ``model``, cut it into balanced stages and return a runnable :class:`Pipeline`.
 
@@ -101,6 +102,9 @@ def compile(  # noqa: A001 - the public name in API.md
     or ``"zbv"``); the world is then (stages / v) x D ranks. None: the schedule's default.
     ``compression`` / ``replica_sync``: what slow links carry (docs/API.md, "Slow links";
     anything but "off" / "exact" departs from eager numerics by design, and the plan says so).
+    ``compile_stages``: "on" runs every stage's forward and backward through torch.compile /
+    inductor, "off" eagerly; "auto" compiles on CUDA clusters (``plan.compile_stages`` and the
+    plan's title say which, ``plan.compile_note`` why).
     """
     # every keyword but the model and its inputs (CompileOptions' fields are exactly these:
     # tests/api/test_options.py), so a new option is a field of its part and a keyword here
@@ -187,6 +191,8 @@ def plan_of(state: CompileState) -> Plan:
     config, partition, priced = state.config, state.partition, state.priced
     assert config is not None and partition is not None and priced is not None
     assert state.built is not None and state.captured is not None and state.setting is not None
+    compiled, why = resolve_compile_stages(state.planning.compile_stages,
+                                           state.planning.cluster)
     holders: dict[str, list[int]] = {}
     for s in state.built:
         for p in s.parameter_names:
@@ -209,6 +215,7 @@ def plan_of(state: CompileState) -> Plan:
         shard_optimizer_setting=state.planning.shard_optimizer,
         compression=priced.compression, replica_sync=priced.replica_sync,
         boundaries=boundaries(state), shards_by_default=config.shards_by_default,
+        compile_stages=compiled, compile_note=why,
     )
 
 

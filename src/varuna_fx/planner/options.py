@@ -43,6 +43,9 @@ class PlanOptions:
     # and the runtimes read the plan
     compression: str = "off"
     replica_sync: ReplicaSync = "exact"
+    # whether each stage's forward and backward run through torch.compile / inductor
+    # ("auto": where a step pays for the compile; the plan resolves it: plan.compile_stages)
+    compile_stages: str = "auto"
 
     def __post_init__(self) -> None:
         if self.cluster is not None and not isinstance(self.cluster, Cluster):
@@ -60,6 +63,7 @@ class PlanOptions:
         resolve_timeout(self.timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
         check_compression(self.compression)
         check_replica_sync(self.replica_sync)
+        check_compile_stages(self.compile_stages)
         _ = self.schedule_choice  # the name resolved once, now: an unknown one is refused
 
     @cached_property
@@ -67,6 +71,19 @@ class PlanOptions:
         """``schedule`` resolved into its registry entry (or "auto"): what the planner reads,
         so that nothing after the options decodes the name."""
         return resolve_schedule(self.schedule)
+
+
+COMPILE_STAGES = ("off", "on", "auto")
+
+
+def check_compile_stages(value: Any) -> None:
+    """``compile_stages`` is one of :data:`COMPILE_STAGES` (a bool is refused: which of "on"
+    and "auto" True would mean is not clear)."""
+    if not isinstance(value, str) or value not in COMPILE_STAGES:
+        raise VarunaFxError(
+            f"compile_stages={short(value)} is unknown: pass 'on' (every stage's forward and "
+            "backward through torch.compile / inductor), 'off' (eager stages) or 'auto' (on "
+            "for CUDA clusters, off on CPU)")
 
 
 def check_name(name: str, value: Any, example: str) -> None:

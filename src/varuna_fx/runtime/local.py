@@ -52,7 +52,7 @@ class LocalRuntime(StepLoop):
         last = len(stages) - 1
         self.workers = [StageWorker(s, recompute=plan.recompute[s.index],
                                     is_last=s.index == last, offload_stash=options.offload_stash,
-                                    autocast=self.autocast)
+                                    autocast=self.autocast, compiled=plan.compile_stages)
                         for s in stages]
         self._orders: dict[int, list[Action]] = {}
         # (src, dst) -> how a transfer between those stages would travel between their ranks

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..codegen.stage_module import Stage
 from ..ir.rng import RandomKey, rng_context
+from .compiled_stage import CompiledStage
 from .split_backward import Deferred, input_grads
 
 LossFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
@@ -51,8 +52,14 @@ def _leaf(value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 class StageWorker:
     def __init__(self, stage: Stage, *, recompute: bool, is_last: bool,
                  offload_stash: bool = False,
-                 autocast: Callable[[], Any] = contextlib.nullcontext) -> None:
+                 autocast: Callable[[], Any] = contextlib.nullcontext,
+                 compiled: bool = False) -> None:
+        """``compiled``: run the stage through torch.compile / inductor (compiled_stage.py)."""
         self.stage = stage
+        self.compiled = compiled
+        # what forward and recompute call: the stage, or the stage compiled
+        self.call: Callable[[dict[str, Any]], dict[str, Any]] = \
+            CompiledStage(stage) if compiled else stage
         self.autocast = autocast  # mixed precision: the context stage compute runs in
         self.spec = stage.spec
         self.recompute = recompute and not is_last  # the last stage never recomputes
@@ -77,9 +84,9 @@ class StageWorker:
     def _run(self, mb: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not self.random:
             with self.autocast():
-                return self.stage(inputs)
+                return self.call(inputs)
         with rng_context(self.key, mb), self.autocast():
-            return self.stage(inputs)
+            return self.call(inputs)
 
     def _track(self, delta: int) -> None:
         self.stash_bytes += delta
@@ -153,7 +160,13 @@ class StageWorker:
                 tensors.append(value)
                 # under autocast the value may be bf16 while the gradient travelled as planned
                 seeds.append(grad if grad.dtype == value.dtype else grad.to(value.dtype))
-        if split:
+        if split and self.compiled:
+            # AOTAutograd made the stage's backward one compiled node: its input and weight
+            # gradients come out of one call, so B runs it whole and W has nothing left to do
+            if tensors:
+                torch.autograd.backward(tensors, seeds)
+            self._weights[mb] = (Deferred([]), stash.nbytes)
+        elif split:
             leaves = [stash.inputs[t.name] for t in self.grad_recvs]
             params = list(self.stage.module.parameters())
             self._weights[mb] = (input_grads(tensors, seeds, leaves, params), stash.nbytes)
