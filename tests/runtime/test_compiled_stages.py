@@ -8,7 +8,6 @@ of a tiny MLP, the later ones from inductor's cache); the rest replace the compi
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Callable
 from pathlib import Path
