@@ -138,6 +138,30 @@ def test_the_models_own_error_is_raised_not_hidden(monkeypatch: pytest.MonkeyPat
         stage({name: torch.randn(4, 3) for name in pipe.stages[0].arg_names})
 
 
+def test_a_stage_with_keyed_dropout_runs_eagerly_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Keyed random ops are not compiled: such a stage runs eagerly, said once, and draws
+    the masks an eager-stage pipeline draws."""
+    _replace_compile(monkeypatch, lambda module: module, tmp_path)
+    grads, caught = [], []
+    for setting in ("off", "on"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 4))
+        pipe = vf.compile(model, vf.Cluster(gpus=2, device="cpu"), example_inputs=(X,),
+                          loss_fn=_mse, stages=2, micro_batch_size=1, compile_stages=setting)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.manual_seed(5)
+            pipe.step(X, target=Y)
+        grads.append({n: p.grad.clone() for n, p in pipe.named_parameters()})
+        caught.append([str(w.message) for w in seen
+                       if issubclass(w.category, CompiledStageWarning)])
+    assert caught[0] == [] and len(caught[1]) >= 1
+    assert all("runs eagerly" in t and "dropout" in t for t in caught[1])
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=0, atol=0)
+
+
 def test_graph_breaks_and_recompiles_are_warned(monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:
     """dynamo's counters, moved as a stage with one graph break would move them."""

@@ -81,9 +81,20 @@ class CompiledStage:
         self.breaks: dict[str, int] = {}  # graph breaks by reason
         self.recompiles = 0  # compiles after the first (a new grad mode, shape or dtype)
         self._modes: set[bool] = set()  # grad modes compiled for
+        if stage.random:
+            # keyed draws read the micro-batch's key (ir/rng.py) from Python state and seed a
+            # generator per sample, which dynamo guards on or breaks at; eager keeps their
+            # numbers exact (the stage's other ops are not compiled either, for now)
+            self.failed = ("its keyed random ops (dropout) are not compiled yet: they read "
+                           "each micro-batch's key from Python state")
+        self._said = False
 
     def __call__(self, values: dict[str, Any]) -> dict[str, Any]:
         if self.failed is not None:
+            if not self._said:
+                self._said = True
+                warnings.warn(f"stage {self.stage.index} runs eagerly under compile_stages: "
+                              f"{self.failed}", CompiledStageWarning, stacklevel=3)
             return self.stage(values)
         args = [values[name] for name in self.stage.arg_names]
         graphs, breaks = _counts()
@@ -95,6 +106,7 @@ class CompiledStage:
         except Exception as exc:  # noqa: BLE001 - compiled failed: eager tells whose fault
             result = self.stage(values)  # the model's own error is raised from here
             self.failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+            self._said = True
             warnings.warn(
                 f"stage {self.stage.index}: torch.compile / inductor could not compile it "
                 f"({self.failed}); the stage runs eagerly from now on (its numbers are eager's; "
