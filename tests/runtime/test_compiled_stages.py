@@ -87,6 +87,18 @@ def test_the_plan_says_whether_stages_are_compiled() -> None:
     assert "compiled (inductor)" not in str(pipe.plan)
 
 
+def test_the_train_command_passes_compile_stages_on() -> None:
+    from varuna_fx.errors import InputError
+    from varuna_fx.train.config import resolve
+
+    cfg, source = resolve(["--compile-stages", "on"])
+    assert cfg.compile_options()["compile_stages"] == "on" and source == {
+        "compile_stages": "command line"}
+    assert resolve([])[0].compile_options()["compile_stages"] == "auto"
+    with pytest.raises(InputError, match="compile_stages"):
+        resolve(["--compile-stages", "max"])
+
+
 # -- the compiled path without inductor's cost ----------------------------------------------------
 
 @pytest.mark.parametrize("schedule,recompute", [("1f1b-zb", False), ("1f1b", True)])
