@@ -48,13 +48,15 @@ def _eager() -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _step(schedule: str, recompute: bool, **tol: float) -> list[str]:
-    """One step of a compiled P=2 pipeline against eager; returns the warnings' texts."""
+    """One step of a compiled P=2 pipeline (zbv: 4 stages, 2 per rank) against eager;
+    returns the warnings' texts."""
     want_loss, want = _eager()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pipe = vf.compile(_mlp(), vf.Cluster(gpus=2, device="cpu"), example_inputs=(X,),
-                          loss_fn=_mse, stages=2, schedule=schedule, micro_batch_size=1,
-                          recompute=recompute, compile_stages="on")
+                          loss_fn=_mse, stages=4 if schedule == "zbv" else 2,
+                          stages_per_rank=2 if schedule == "zbv" else 1, schedule=schedule,
+                          micro_batch_size=1, recompute=recompute, compile_stages="on")
         assert pipe.plan.compile_stages and pipe.plan.recompute[0] == recompute
         loss = pipe.step(X, target=Y)
     torch.testing.assert_close(float(loss), want_loss, **(tol or TOLERANCE))
@@ -101,7 +103,8 @@ def test_the_train_command_passes_compile_stages_on() -> None:
 
 # -- the compiled path without inductor's cost ----------------------------------------------------
 
-@pytest.mark.parametrize("schedule,recompute", [("1f1b-zb", False), ("1f1b", True)])
+@pytest.mark.parametrize("schedule,recompute", [("1f1b-zb", False), ("1f1b", True),
+                                                ("zbv", False)])
 def test_the_compiled_path_is_exact_with_an_identity_compile(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, schedule: str, recompute: bool) -> None:
     """The worker's compiled path (a split backward run whole at B, W empty; the recompute
