@@ -19,7 +19,7 @@ from torch import nn
 
 import varuna_fx as vf
 from varuna_fx.planner.plan import resolve_compile_stages
-from varuna_fx.runtime import compiled_stage
+from varuna_fx.runtime import compiled_stage, split_compile, worker
 from varuna_fx.runtime.compiled_stage import CompiledStageWarning
 
 # inductor fuses and reorders float32 sums: equal to eager within rounding (docs/API.md)
@@ -67,7 +67,7 @@ def _step(schedule: str, recompute: bool, **tol: float) -> list[str]:
 
 
 def _replace_compile(monkeypatch: pytest.MonkeyPatch,
-                     fn: Callable[[nn.Module], Callable[..., Any]], tmp_path: Path) -> None:
+                     fn: Callable[..., Callable[..., Any]], tmp_path: Path) -> None:
     monkeypatch.setenv(compiled_stage.INDUCTOR_CACHE_VAR, str(tmp_path / "inductor"))
     monkeypatch.setattr(compiled_stage, "inductor", fn)
 
@@ -109,13 +109,13 @@ def test_the_compiled_path_is_exact_with_an_identity_compile(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, schedule: str, recompute: bool) -> None:
     """The worker's compiled path (a split backward run whole at B, W empty; the recompute
     through the compiled call) with the compile call replaced by the module itself."""
-    _replace_compile(monkeypatch, lambda module: module, tmp_path)
+    _replace_compile(monkeypatch, lambda module, *_: module, tmp_path)
     assert _step(schedule, recompute) == []
 
 
 def test_a_stage_inductor_cannot_compile_runs_eagerly_with_a_warning(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    def failing(module: nn.Module) -> Callable[..., Any]:
+    def failing(module: nn.Module, *_: Any) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
             raise RuntimeError("LoweringException: no lowering for aten.frobnicate.default")
         return run
@@ -129,7 +129,7 @@ def test_a_stage_inductor_cannot_compile_runs_eagerly_with_a_warning(
 
 def test_a_compile_call_that_raises_falls_back_too(monkeypatch: pytest.MonkeyPatch,
                                                   tmp_path: Path) -> None:
-    def refuses(module: nn.Module) -> Callable[..., Any]:
+    def refuses(module: nn.Module, *_: Any) -> Callable[..., Any]:
         raise RuntimeError("inductor is not available here")
 
     _replace_compile(monkeypatch, refuses, tmp_path)
@@ -140,7 +140,7 @@ def test_a_compile_call_that_raises_falls_back_too(monkeypatch: pytest.MonkeyPat
 def test_the_models_own_error_is_raised_not_hidden(monkeypatch: pytest.MonkeyPatch,
                                                    tmp_path: Path) -> None:
     """A call that fails eagerly too is the model's (here: a wrong shape), raised as such."""
-    def failing(module: nn.Module) -> Callable[..., Any]:
+    def failing(module: nn.Module, *_: Any) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
             raise RuntimeError("compiled failed")
         return run
@@ -157,7 +157,7 @@ def test_a_stage_with_keyed_dropout_runs_eagerly_with_a_warning(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Keyed random ops are not compiled: such a stage runs eagerly, said once, and draws
     the masks an eager-stage pipeline draws."""
-    _replace_compile(monkeypatch, lambda module: module, tmp_path)
+    _replace_compile(monkeypatch, lambda module, *_: module, tmp_path)
     grads, caught = [], []
     for setting in ("off", "on"):
         torch.manual_seed(0)
@@ -182,7 +182,7 @@ def test_graph_breaks_and_recompiles_are_warned(monkeypatch: pytest.MonkeyPatch,
     """dynamo's counters, moved as a stage with one graph break would move them."""
     from torch._dynamo.utils import counters
 
-    def breaking(module: nn.Module) -> Callable[..., Any]:
+    def breaking(module: nn.Module, *_: Any) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
             if not getattr(run, "done", {}).get(torch.is_grad_enabled()):
                 counters["stats"]["unique_graphs"] += 2
@@ -210,7 +210,17 @@ def test_inductor_stages_equal_eager_under_1f1b_split_backward_and_recompute(
     cache = tmp_path_factory.mktemp("inductor")
     monkeypatch.setenv(compiled_stage.INDUCTOR_CACHE_VAR, str(cache))
     assert _step("1f1b", False) == []
+    taken: list[int] = []
+
+    def spy(mark: int) -> split_compile.CompiledWeights:
+        weights = split_compile.take_pending(mark)
+        taken.append(len(weights.work))
+        return weights
+
+    monkeypatch.setattr(worker, "take_pending", spy)
     assert _step("1f1b-zb", False) == []
+    # every B of both stages queued its compiled weight half for its W
+    assert taken == [1] * 8, taken
     texts = _step("1f1b", True)
     assert len(texts) == 1 and "stage 0: compiled again" in texts[0], texts
     assert any(cache.rglob("*")), "inductor's artefacts land in the cache folder"

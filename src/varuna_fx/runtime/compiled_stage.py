@@ -32,6 +32,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..codegen.stage_module import Stage
 from ..world.files import cache_dir
+from .split_compile import split_backend
 
 INDUCTOR_CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -53,14 +54,16 @@ def use_cache_dir() -> str:
     return str(folder)
 
 
-def inductor(module: torch.nn.Module) -> Callable[..., Any]:
+def inductor(module: torch.nn.Module, split: bool = False) -> Callable[..., Any]:
     """The compile call (tests replace it to make a stage fail to compile). Static shapes:
-    every micro-batch of a plan has the same size."""
+    every micro-batch of a plan has the same size. ``split``: its backward in two halves, for
+    a split-backward schedule (split_compile.py)."""
     if isinstance(module, _LazyGraphModule):
         # its Python is made on the first call, by a function dynamo skips (a graph break):
         # make it now, so dynamo traces the stage's own forward in one graph
         module.real_recompile()
-    return torch.compile(module, backend="inductor", dynamic=False)
+    backend: Any = split_backend if split else "inductor"
+    return torch.compile(module, backend=backend, dynamic=False)
 
 
 def _counts() -> tuple[int, dict[str, int]]:
@@ -73,8 +76,10 @@ def _counts() -> tuple[int, dict[str, int]]:
 class CompiledStage:
     """``stage`` called through torch.compile, with the stats and the fallback above."""
 
-    def __init__(self, stage: Stage) -> None:
+    def __init__(self, stage: Stage, split: bool = False) -> None:
+        """``split``: the stage's backward in an input half and a weight half."""
         self.stage = stage
+        self.split = split
         self._fn: Callable[..., Any] | None = None
         self.failed: str | None = None  # why the stage runs eagerly, once it does
         self.graphs = 0  # dynamo graphs made for this stage (more than one per mode: breaks)
@@ -101,7 +106,7 @@ class CompiledStage:
         try:
             if self._fn is None:
                 use_cache_dir()
-                self._fn = inductor(self.stage.module)
+                self._fn = inductor(self.stage.module, self.split)
             result = self._fn(*args)
         except Exception as exc:  # noqa: BLE001 - compiled failed: eager tells whose fault
             result = self.stage(values)  # the model's own error is raised from here

@@ -102,7 +102,8 @@ class DistributedRuntime(StepLoop):
         self.mean_loss = mean_loss
         self.workers = [StageWorker(stages[s], recompute=plan.recompute[s], is_last=s == last,
                                     offload_stash=options.offload_stash, autocast=self.autocast,
-                                    compiled=plan.compile_stages)
+                                    compiled=plan.compile_stages,
+                                    split_backward=plan.schedule.split_backward)
                         for s in self.local_stages]
         self.worker = self.workers[0]
         self.executor = StageExecutor(self.workers, stages, placement, self.replica,
