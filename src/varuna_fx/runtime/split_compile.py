@@ -68,10 +68,11 @@ def _accumulate(params: list[nn.Parameter], grads: Sequence[torch.Tensor]) -> No
 
 
 def split_backward_graph(bw: fx.GraphModule, params: list[nn.Parameter | None]
-                         ) -> Callable[[list[Any]], list[Any]]:
+                         ) -> Callable[[list[Any]], Any]:
     """``bw``: AOTAutograd's backward graph, one output per forward input; ``params``: per
     forward input, the parameter it is (None: an activation or model input)."""
-    from torch._inductor.compile_fx import compile_fx_inner  # inductor: imported when compiling
+    from torch._functorch.aot_autograd import make_boxed_func  # imported when compiling
+    from torch._inductor.compile_fx import compile_fx_inner
 
     output = next(n for n in bw.graph.nodes if n.op == "output")
     outs = list(output.args[0])
@@ -108,9 +109,8 @@ def split_backward_graph(bw: fx.GraphModule, params: list[nn.Parameter | None]
                           is_backward=True)
     owners = [params[k] for k in w_idx]
 
-    def run(args: list[Any]) -> list[Any]:
+    def run(*args: Any) -> list[Any]:
         kept = list(args)  # the saved values the weight pass still reads
-        args.clear()  # the boxed convention: the caller's list is ours to free
         result = list(dI(list(kept)))
         grads, handed = result[:len(a_idx)], result[len(a_idx):]
 
@@ -123,8 +123,7 @@ def split_backward_graph(bw: fx.GraphModule, params: list[nn.Parameter | None]
             full[k] = g
         return full
 
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
+    return make_boxed_func(run)  # AOTAutograd's calling convention: one list of arguments
 
 
 def split_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
