@@ -26,14 +26,28 @@ from varuna_fx.runtime.compiled_stage import CompiledStageWarning
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 
+class _Residual(nn.Module):
+    """Four layers with a skip: under a split backward with several micro-batches, inductor's
+    donated buffers let the input half overwrite values the weight half reads (wrong weight
+    gradients until split_compile turned donation off)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h)) + h
+        return self.d(torch.tanh(self.c(h)))
+
+
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                         nn.Linear(16, 4))
+    return _Residual()
 
 
 X, Y = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), \
-    torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+    torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
 
 
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -161,7 +175,7 @@ def test_a_stage_with_keyed_dropout_runs_eagerly_with_a_warning(
     grads, caught = [], []
     for setting in ("off", "on"):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 4))
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 8))
         pipe = vf.compile(model, vf.Cluster(gpus=2, device="cpu"), example_inputs=(X,),
                           loss_fn=_mse, stages=2, micro_batch_size=1, compile_stages=setting)
         with warnings.catch_warnings(record=True) as seen:
@@ -204,9 +218,10 @@ def test_graph_breaks_and_recompiles_are_warned(monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.slow
 def test_inductor_stages_equal_eager_under_1f1b_split_backward_and_recompute(
         monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Three compiled P=2 pipelines (the later ones mostly from inductor's cache): loss and
+    """Three compiled P=2 pipelines (the later ones partly from inductor's cache): loss and
     every gradient within TOLERANCE of eager; no graph break, and the only recompile is the
-    recomputing stage's no_grad / autograd pair."""
+    recomputing stage's no_grad / autograd pair; under the split backward every B queues its
+    compiled weight half (4 micro-batches: the donated-buffer case)."""
     cache = tmp_path_factory.mktemp("inductor")
     monkeypatch.setenv(compiled_stage.INDUCTOR_CACHE_VAR, str(cache))
     assert _step("1f1b", False) == []

@@ -128,6 +128,7 @@ def split_backward_graph(bw: fx.GraphModule, params: list[nn.Parameter | None]
 
 def split_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     """The torch.compile backend of a compiled stage under a split backward."""
+    from torch._functorch import config as functorch_config
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.compile_fx import compile_fx_inner
@@ -139,8 +140,12 @@ def split_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[...
             arg = n.meta.get("grapharg")
             real = arg.example if arg is not None else None
             params.append(real if isinstance(real, nn.Parameter) else None)
-    return aot_module_simplified(
-        gm, example_inputs, fw_compiler=compile_fx_inner,
-        bw_compiler=lambda g, _: split_backward_graph(g, params),
-        partition_fn=min_cut_rematerialization_partition,
-        decompositions=select_decomp_table())
+    # no donated buffers: inductor may otherwise reuse a saved value's memory in the input
+    # half, and the weight half, run later, reads those values (measured: wrong weight
+    # gradients with several micro-batches)
+    with functorch_config.patch(donated_buffer=False):
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=compile_fx_inner,
+            bw_compiler=lambda g, _: split_backward_graph(g, params),
+            partition_fn=min_cut_rematerialization_partition,
+            decompositions=select_decomp_table())
