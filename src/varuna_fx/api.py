@@ -216,6 +216,7 @@ def plan_of(state: CompileState) -> Plan:
         compression=priced.compression, replica_sync=priced.replica_sync,
         boundaries=boundaries(state), shards_by_default=config.shards_by_default,
         compile_stages=compiled, compile_note=why,
+        compile_setting=state.planning.compile_stages,
     )
 
 

@@ -96,6 +96,21 @@ def test_auto_compiles_on_cuda_clusters_and_not_on_cpu() -> None:
     assert resolve_compile_stages("off", vf.Cluster(gpus=1, device="cuda")) == (False, "")
 
 
+def test_auto_on_a_cuda_plan_stepped_on_cpu_runs_eager_stages(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A plan for a CUDA cluster compiles ("auto"), but stepped on CPU (tests, notebooks) its
+    stages run eagerly; "on" compiles wherever it runs."""
+    calls: list[int] = []
+    _replace_compile(monkeypatch, lambda module, *_: calls.append(1) or module, tmp_path)
+    for setting, compiled in (("auto", False), ("on", True)):
+        calls.clear()
+        pipe = vf.compile(_mlp(), vf.Cluster(gpus=2, device="cuda"), example_inputs=(X,),
+                          loss_fn=_mse, stages=2, micro_batch_size=1, compile_stages=setting)
+        assert pipe.plan.compile_stages and pipe.plan.compiles_on("cuda")
+        pipe.step(X, target=Y)
+        assert bool(calls) is compiled, setting
+
+
 def test_the_plan_says_whether_stages_are_compiled() -> None:
     pipe = vf.compile(_mlp(), vf.Cluster(gpus=1, device="cpu"), example_inputs=(X,),
                       loss_fn=_mse, stages=1)

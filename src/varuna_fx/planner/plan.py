@@ -115,6 +115,13 @@ class Plan:
     # resolved: ``resolve_compile_stages``) and why
     compile_stages: bool = False
     compile_note: str = ""
+    compile_setting: str = "auto"  # compile's compile_stages, as given
+
+    def compiles_on(self, device_type: str) -> bool:
+        """Whether stages run compiled on a device of ``device_type`` ("cpu", "cuda"): as
+        the plan says, but "auto" only on CUDA (a plan for a CUDA cluster stepped on CPU, as
+        tests and notebooks do, runs eager stages)."""
+        return self.compile_stages and (self.compile_setting == "on" or device_type == "cuda")
 
     def sync_of(self, stage: int) -> ReplicaSync:
         """Stage ``stage``'s replica sync ("exact" where the plan names none)."""

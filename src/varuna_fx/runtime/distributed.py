@@ -102,7 +102,7 @@ class DistributedRuntime(StepLoop):
         self.mean_loss = mean_loss
         self.workers = [StageWorker(stages[s], recompute=plan.recompute[s], is_last=s == last,
                                     offload_stash=options.offload_stash, autocast=self.autocast,
-                                    compiled=plan.compile_stages,
+                                    compiled=plan.compiles_on(device.type),
                                     split_backward=plan.schedule.split_backward)
                         for s in self.local_stages]
         self.worker = self.workers[0]
