@@ -50,7 +50,7 @@ from .passes.sample_mixing import (
 from .pipeline import Pipeline
 from .planner.cluster import Cluster
 from .planner.network import rank_links
-from .planner.plan import Boundary, Plan
+from .planner.plan import Boundary, Plan, resolve_compile_stages
 from .runtime.compress import transfer_mode, wire_nbytes
 from .runtime.distributed import make_distributed_runtime
 from .runtime.local import LocalRuntime
@@ -90,6 +90,7 @@ def compile(  # noqa: A001 - the public name in API.md
     dump: str | None = None,
     compression: str = "off",
     replica_sync: ReplicaSync = "exact",
+    compile_stages: str = "auto",
 ) -> Pipeline:
     """Trace ``model``, cut it into balanced stages and return a runnable :class:`Pipeline`.
 
@@ -104,6 +105,9 @@ def compile(  # noqa: A001 - the public name in API.md
     accumulated): global batch = micro_batch_size x grad_accum_steps x data_parallel.
     ``compression`` / ``replica_sync``: what slow links carry (docs/API.md, "Slow links";
     anything but "off" / "exact" departs from eager numerics by design, and the plan says so).
+    ``compile_stages``: "on" runs every stage's forward and backward through torch.compile /
+    inductor, "off" eagerly; "auto" compiles on CUDA clusters (``plan.compile_stages`` and the
+    plan's title say which, ``plan.compile_note`` why).
     """
     # every keyword but the model and its inputs (CompileOptions' fields are exactly these:
     # tests/api/test_options.py), so a new option is a field of its part and a keyword here
@@ -190,6 +194,8 @@ def plan_of(state: CompileState) -> Plan:
     config, partition, priced = state.config, state.partition, state.priced
     assert config is not None and partition is not None and priced is not None
     assert state.built is not None and state.captured is not None and state.setting is not None
+    compiled, why = resolve_compile_stages(state.planning.compile_stages,
+                                           state.planning.cluster)
     holders: dict[str, list[int]] = {}
     for s in state.built:
         for p in s.parameter_names:
@@ -214,6 +220,8 @@ def plan_of(state: CompileState) -> Plan:
         boundaries=boundaries(state), shards_by_default=config.shards_by_default,
         cost_terms=priced.terms, stage_busy=priced.busy, predicted_spread=priced.spread,
         priced_here=priced.priced_here,
+        compile_stages=compiled, compile_note=why,
+        compile_setting=state.planning.compile_stages,
     )
 
 

@@ -222,6 +222,8 @@ CATALOGUE = [
         "precision=['fp32']", "string"),
     row("unknown precision", lambda _: compile_mlp(stages=1, precision="fp8"), E,
         "precision='fp8'", "bf16"),
+    row("unknown compile_stages", lambda _: compile_mlp(stages=1, compile_stages="max"), E,
+        "compile_stages='max'", "'on'", "'auto'"),
     # -- what slow links carry (issue 31) -------------------------------------------------
     row("unknown compression", lambda _: compile_mlp(stages=2, compression="int4"), E,
         "compression='int4'", "'bf16'", "'int8'"),

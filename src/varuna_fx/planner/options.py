@@ -46,6 +46,9 @@ class PlanOptions:
     # and the runtimes read the plan
     compression: str = "off"
     replica_sync: ReplicaSync = "exact"
+    # whether each stage's forward and backward run through torch.compile / inductor
+    # ("auto": where a step pays for the compile; the plan resolves it: plan.compile_stages)
+    compile_stages: str = "auto"
 
     def __post_init__(self) -> None:
         if self.cluster is not None and not isinstance(self.cluster, Cluster):
@@ -67,6 +70,7 @@ class PlanOptions:
         resolve_timeout(self.timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
         check_compression(self.compression)
         check_replica_sync(self.replica_sync)
+        check_compile_stages(self.compile_stages)
         _ = self.schedule_choice  # the name resolved once, now: an unknown one is refused
 
     @cached_property
@@ -98,6 +102,19 @@ def check_batch_equation(global_batch_size: int | None, micro_batch_size: int | 
             f"{shown} does not divide global_batch_size={global_batch_size} (global batch = "
             "micro-batch x micro-batches (grad_accum_steps) x replicas): choose values whose "
             f"product divides {global_batch_size}")
+
+
+COMPILE_STAGES = ("off", "on", "auto")
+
+
+def check_compile_stages(value: Any) -> None:
+    """``compile_stages`` is one of :data:`COMPILE_STAGES` (a bool is refused: which of "on"
+    and "auto" True would mean is not clear)."""
+    if not isinstance(value, str) or value not in COMPILE_STAGES:
+        raise VarunaFxError(
+            f"compile_stages={short(value)} is unknown: pass 'on' (every stage's forward and "
+            "backward through torch.compile / inductor), 'off' (eager stages) or 'auto' (on "
+            "for CUDA clusters, off on CPU)")
 
 
 def check_name(name: str, value: Any, example: str) -> None:

@@ -18,6 +18,7 @@ from ..costs.memory import format_bytes
 from ..costs.wire import ReplicaSync, departs, sync_name
 from ..schedule import Schedule
 from ..schedule.placement import Placement
+from .cluster import Cluster
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,17 @@ class Plan:
     # whether the prediction is this machine's (a profile, or the machine's own costs:
     # planner/machine.py), so a measured step may be held against it (drift.py)
     priced_here: bool = False
+    # whether the stages run through torch.compile / inductor (compile's compile_stages,
+    # resolved: ``resolve_compile_stages``) and why
+    compile_stages: bool = False
+    compile_note: str = ""
+    compile_setting: str = "auto"  # compile's compile_stages, as given
+
+    def compiles_on(self, device_type: str) -> bool:
+        """Whether stages run compiled on a device of ``device_type`` ("cpu", "cuda"): as
+        the plan says, but "auto" only on CUDA (a plan for a CUDA cluster stepped on CPU, as
+        tests and notebooks do, runs eager stages)."""
+        return self.compile_stages and (self.compile_setting == "on" or device_type == "cuda")
 
     def sync_of(self, stage: int) -> ReplicaSync:
         """Stage ``stage``'s replica sync ("exact" where the plan names none)."""
@@ -163,6 +175,7 @@ class Plan:
             f" x D={self.data_parallel}, {self.batch_equation}, schedule {self.schedule.name}"
             f"{_recompute_note(self.recompute)}{step}"
             f"{', optimizer state sharded over D (ZeRO-1)' if self.shard_optimizer else ''}"
+            f"{', stages compiled (inductor)' if self.compile_stages else ''}"
         ))
         replicas = self.data_parallel > 1  # then each stage's replica sync has a column
         for name in ("stage", "nodes", "parameters", "FLOPs/mb", "activations/mb",
@@ -181,7 +194,8 @@ class Plan:
                               self.shard_optimizer, self.shards_by_default)
         table.caption = f"balance max/mean {self.balance:.3f}" + (f"; tied: {tied}" if tied else "") \
             + (f"\n{note}" if note else "") + (f"\n{DEPARTS}" if self.departs_from_eager else "") \
-            + ("\nsync: how the stage's replicas agree (replica_sync)" if replicas else "")
+            + ("\nsync: how the stage's replicas agree (replica_sync)" if replicas else "") \
+            + (f"\n{self.compile_note}" if self.compile_note else "")
         return table
 
     def boundaries_table(self) -> Table | None:
@@ -323,6 +337,25 @@ _WIDE = 10_000  # a width no table reaches: what str(plan) measures its tables a
 
 DEPARTS = ("departs from eager numerics by design: compressed boundaries and/or a replica sync "
            "other than exact (docs/API.md, \"Slow links\")")
+
+
+def resolve_compile_stages(setting: str, cluster: Cluster | None) -> tuple[bool, str]:
+    """Whether a plan's stages run compiled under compile's ``compile_stages`` (checked
+    already) on ``cluster`` (a ``Cluster``; None: this machine, a CPU unless CUDA is there),
+    and the plan's note saying why. "auto" compiles on CUDA, where inductor's fused kernels
+    repay a compile of seconds within a few steps; not on CPU, where the compile takes tens of
+    seconds for a gain of about 10% (bench/bench_compiled_stages.py) that the profiler does not
+    measure yet."""
+    if setting == "on":
+        return True, "stages: compiled with torch.compile / inductor (compile_stages='on')"
+    if setting == "off":
+        return False, ""
+    device = cluster.device if cluster is not None else "cpu"
+    if device == "cuda":
+        return True, ("stages: compiled with torch.compile / inductor (compile_stages='auto' "
+                      "on a CUDA cluster: fused kernels repay the compile within a few steps)")
+    return False, ("stages: eager (compile_stages='auto' on CPU: inductor's compile takes tens "
+                   "of seconds for ~10% per step; pass compile_stages='on' to compile)")
 
 
 def _rate(bandwidth: float) -> str:

@@ -101,7 +101,9 @@ class DistributedRuntime(StepLoop):
         self.scaler = scaler or LossScaler(enabled=options.precision == "fp16")
         self.mean_loss = mean_loss
         self.workers = [StageWorker(stages[s], recompute=plan.recompute[s], is_last=s == last,
-                                    offload_stash=options.offload_stash, autocast=self.autocast)
+                                    offload_stash=options.offload_stash, autocast=self.autocast,
+                                    compiled=plan.compiles_on(device.type),
+                                    split_backward=plan.schedule.split_backward)
                         for s in self.local_stages]
         self.worker = self.workers[0]
         self.executor = StageExecutor(self.workers, stages, placement, self.replica,

@@ -52,7 +52,9 @@ class LocalRuntime(StepLoop):
         last = len(stages) - 1
         self.workers = [StageWorker(s, recompute=plan.recompute[s.index],
                                     is_last=s.index == last, offload_stash=options.offload_stash,
-                                    autocast=self.autocast)
+                                    autocast=self.autocast,
+                                    compiled=plan.compiles_on("cuda" if on_cuda else "cpu"),
+                                    split_backward=plan.schedule.split_backward)
                         for s in stages]
         self._orders: dict[int, list[Action]] = {}
         # (src, dst) -> how a transfer between those stages would travel between their ranks

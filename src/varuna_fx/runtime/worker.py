@@ -28,7 +28,9 @@ from torch import nn
 
 from ..codegen.stage_module import Stage
 from ..ir.rng import RandomKey, rng_context
+from .compiled_stage import CompiledStage
 from .split_backward import Deferred, input_grads
+from .split_compile import PENDING, CompiledWeights, take_pending
 
 LossFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
@@ -51,8 +53,16 @@ def _leaf(value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 class StageWorker:
     def __init__(self, stage: Stage, *, recompute: bool, is_last: bool,
                  offload_stash: bool = False,
-                 autocast: Callable[[], Any] = contextlib.nullcontext) -> None:
+                 autocast: Callable[[], Any] = contextlib.nullcontext,
+                 compiled: bool = False, split_backward: bool = False) -> None:
+        """``compiled``: run the stage through torch.compile / inductor (compiled_stage.py);
+        ``split_backward``: the schedule splits backwards (then a compiled stage's backward
+        is compiled in an input half and a weight half: split_compile.py)."""
         self.stage = stage
+        self.compiled = compiled
+        # what forward and recompute call: the stage, or the stage compiled
+        self.call: Callable[[dict[str, Any]], dict[str, Any]] = \
+            CompiledStage(stage, split_backward) if compiled else stage
         self.autocast = autocast  # mixed precision: the context stage compute runs in
         self.spec = stage.spec
         self.recompute = recompute and not is_last  # the last stage never recomputes
@@ -62,7 +72,8 @@ class StageWorker:
         self.key = RandomKey(0, 0, 1)  # the step's (step.py)
         self.grad_recvs = [t for t in self.spec.recvs if t.requires_grad]
         self._stash: dict[int, _Stash] = {}
-        self._weights: dict[int, tuple[Deferred, int]] = {}  # split: W still to run, bytes
+        # split: W still to run, bytes
+        self._weights: dict[int, tuple[Deferred | CompiledWeights, int]] = {}
         self._devices: dict[int, dict[str, torch.device]] = {}  # of offloaded stashes
         self.stash_bytes = 0
         self.peak_stash_bytes = 0
@@ -77,9 +88,9 @@ class StageWorker:
     def _run(self, mb: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not self.random:
             with self.autocast():
-                return self.stage(inputs)
+                return self.call(inputs)
         with rng_context(self.key, mb), self.autocast():
-            return self.stage(inputs)
+            return self.call(inputs)
 
     def _track(self, delta: int) -> None:
         self.stash_bytes += delta
@@ -153,7 +164,15 @@ class StageWorker:
                 tensors.append(value)
                 # under autocast the value may be bf16 while the gradient travelled as planned
                 seeds.append(grad if grad.dtype == value.dtype else grad.to(value.dtype))
-        if split:
+        if split and self.compiled:
+            # the compiled backward computes the input gradients and queues its weight half
+            # (split_compile.py), which W runs; a stage that runs eagerly (its compile failed,
+            # or it draws keyed) gets every gradient here and an empty W
+            mark = len(PENDING)
+            if tensors:
+                torch.autograd.backward(tensors, seeds)
+            self._weights[mb] = (take_pending(mark), stash.nbytes)
+        elif split:
             leaves = [stash.inputs[t.name] for t in self.grad_recvs]
             params = list(self.stage.module.parameters())
             self._weights[mb] = (input_grads(tensors, seeds, leaves, params), stash.nbytes)

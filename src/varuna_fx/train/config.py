@@ -160,6 +160,9 @@ class TrainConfig:
     precision: str = key("fp32", "compile", "fp32 / bf16 / fp16", choices=tuple(PRECISIONS))
     tracer: str = key(AUTO, "compile", "fx / export / auto", choices=TRACERS)
     offload_stash: bool = key(False, "compile", "keep stashed activations in host memory")
+    compile_stages: str = key(AUTO, "compile", "run each stage through torch.compile / "
+                              "inductor: on / off / auto (auto: on CUDA, off on CPU)",
+                              choices=("on", "off", AUTO))
     timeout: Any = key(AUTO, "compile", "seconds a rank waits for a peer (auto: "
                        "$VARUNA_FX_TIMEOUT or the default)", "float|auto", low=0.0)
     profile: bool = key(False, "compile", "measure this device for planning (cached) instead "
@@ -212,7 +215,8 @@ class TrainConfig:
         return dict(auto, global_batch_size=self.global_batch_size, schedule=self.schedule,
                     recompute=self.recompute, shard_optimizer=self.shard_optimizer,
                     precision=self.precision, tracer=self.tracer,
-                    offload_stash=self.offload_stash, profile=self.profile)
+                    offload_stash=self.offload_stash, profile=self.profile,
+                    compile_stages=self.compile_stages)
 
     @property
     def warmup(self) -> int:

@@ -1,0 +1,156 @@
+"""Compiled stages against eager stages, side by side in one process (issue 43 item 6).
+
+Run: ``OMP_NUM_THREADS=1 python bench/bench_compiled_stages.py [--layers 4] [--repeats 15]
+[--write]``. The GPT of ``varuna_fx.examples.demo_gpt`` (d=64, 8 x 64 tokens, ``--layers``
+blocks), training mode, one process, micro-batches of 2 (4 per step):
+
+* step time of ``compile_stages="off"`` against ``"on"`` at P=1 (``1f1b``), P=2 ``1f1b`` and
+  P=2 ``1f1b-zb`` (a split backward), in interleaved rounds (rotating order). CPU time
+  (``time.process_time``, one thread): the machine is shared, wall time would measure the
+  neighbours. A ratio is the median over rounds of the round's eager/compiled ratio;
+* compile time: the first compiled step minus an eager step, with inductor's caches cold
+  (a fresh ``TORCHINDUCTOR_CACHE_DIR``), and the same in a new process on that cache (what a
+  restarted or joining process pays; wall seconds, the child's whole first step).
+
+Targets: compiled >= 1.08x eager at P=2 on the GPT, compiled zero-bubble faster than eager
+zero-bubble, <= 3 s compile from the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+from common import SRC, write_block
+
+CASES = (("P=1", 1, "1f1b"), ("P=2 1f1b", 2, "1f1b"), ("P=2 1f1b-zb", 2, "1f1b-zb"))
+
+
+def build(layers: int, stages: int, schedule: str, compiled: bool) -> tuple[Any, Any, Any]:
+    import varuna_fx as vf
+    from varuna_fx.examples import demo_gpt, lm_loss
+
+    model, x, y = demo_gpt(n_layer=layers)
+    pipe = vf.compile(model, vf.Cluster(gpus=stages, device="cpu"), example_inputs=(x,),
+                      loss_fn=lm_loss, stages=stages, schedule=schedule, micro_batch_size=2,
+                      recompute=False, compile_stages="on" if compiled else "off")
+    return pipe, x, y
+
+
+def step_seconds(pipe: Any, x: torch.Tensor, y: torch.Tensor, clock: Any) -> float:
+    start = clock()
+    pipe.zero_grad()
+    pipe.step(x, target=y)
+    return clock() - start
+
+
+def first_step(layers: int, child: bool = False) -> dict[str, float]:
+    """A new process's first compiled step at P=2 (its cache dir set by the parent), and an
+    eager step of the same pipeline shape for the difference; in a child, inductor's modules
+    are imported first, timed on their own."""
+    began = time.perf_counter()
+    if child:
+        import torch._inductor.compile_fx  # noqa: F401 - what the first compile imports
+    imports = time.perf_counter() - began
+    eager, x, y = build(layers, 2, "1f1b", False)
+    for _ in range(2):
+        step_seconds(eager, x, y, time.perf_counter)
+    eager_s = min(step_seconds(eager, x, y, time.perf_counter) for _ in range(3))
+    pipe, x, y = build(layers, 2, "1f1b", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = step_seconds(pipe, x, y, time.perf_counter)
+    return {"first": first, "eager": eager_s, "imports": imports}
+
+
+def child_first_step(layers: int, cache: str, **more: str) -> dict[str, float]:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PYTHONPATH=str(SRC), **more)
+    out = subprocess.run([sys.executable, __file__, "--child", "--layers", str(layers)],
+                         env=env, capture_output=True, text=True, timeout=900, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.child:
+        print(json.dumps(first_step(args.layers, child=True)))
+        return
+    cache = tempfile.mkdtemp(prefix="vf_inductor_bench_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # cold: nothing compiled there yet
+
+    # compile cold: the first compiled P=2 step in this process, fresh cache
+    cold = first_step(args.layers)
+    pipes: dict[tuple[str, bool], tuple[Any, Any, Any]] = {}
+    for name, stages, schedule in CASES:
+        for compiled in (False, True):
+            pipes[(name, compiled)] = build(args.layers, stages, schedule, compiled)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for pipe, x, y in pipes.values():  # warm-up (the compiled ones compile here)
+            for _ in range(2):
+                step_seconds(pipe, x, y, time.process_time)
+    times: dict[tuple[str, bool], list[float]] = {k: [] for k in pipes}
+    keys = list(pipes)
+    for r in range(args.repeats):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            pipe, x, y = pipes[k]
+            times[k].append(step_seconds(pipe, x, y, time.process_time))
+    warm = child_first_step(args.layers, cache)
+    # inductor's pool of compile workers starts on the first compile: one thread skips it
+    warm_one = child_first_step(args.layers, cache, TORCHINDUCTOR_COMPILE_THREADS="1")
+
+    rows = ["| case | eager stages | compiled stages | eager / compiled (median of rounds) "
+            "| fastest / fastest |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, _, _ in CASES:
+        e, c = times[(name, False)], times[(name, True)]
+        ratio = statistics.median(a / b for a, b in zip(e, c))
+        rows.append(f"| {name} | {statistics.median(e) * 1e3:.1f} ms | "
+                    f"{statistics.median(c) * 1e3:.1f} ms | {ratio:.3f}x | "
+                    f"{min(e) / min(c):.3f}x |")
+    zb_eager = statistics.median(times[("P=2 1f1b-zb", False)])
+    zb_compiled = statistics.median(times[("P=2 1f1b-zb", True)])
+    p2 = statistics.median(a / b for a, b in zip(times[("P=2 1f1b", False)],
+                                                times[("P=2 1f1b", True)]))
+    cold_s = cold["first"] - cold["eager"]
+    warm_s = warm["first"] - warm["eager"]
+    warm_one_s = warm_one["first"] - warm_one["eager"]
+    text = "\n".join([
+        f"`OMP_NUM_THREADS=1 python bench/bench_compiled_stages.py --layers {args.layers} "
+        f"--repeats {args.repeats}` (torch {torch.__version__}, CPU, one thread; CPU time per "
+        "step, medians over interleaved rounds; the machine is shared by other agents)",
+        "", f"demo GPT, {args.layers} layers, d=64, 8 x 64 tokens, micro-batch 2 x 4", "",
+        *rows, "",
+        f"- compile (P=2, both stages, forward + backward; wall): cold {cold_s:.1f} s (first "
+        f"compiled step {cold['first']:.1f} s, inductor's imports included); from the cache in "
+        f"a new process {warm_s:.1f} s after {warm['imports']:.1f} s importing inductor, "
+        f"{warm_one_s:.1f} s with TORCHINDUCTOR_COMPILE_THREADS=1 (no compile-worker pool "
+        f"to start; imports {warm_one['imports']:.1f} s)",
+        f"- target P=2 >= 1.08x: {'met' if p2 >= 1.08 else 'missed'} ({p2:.3f}x); compiled "
+        f"zero-bubble faster than eager zero-bubble: "
+        f"{'met' if zb_compiled < zb_eager else 'missed'} ({zb_eager * 1e3:.1f} -> "
+        f"{zb_compiled * 1e3:.1f} ms); <= 3 s from the cache: "
+        f"{'met' if warm_s <= 3.0 else 'missed'} ({warm_s:.1f} s; {warm_one_s:.1f} s on one "
+        "compile thread)",
+    ])
+    print(text)
+    if args.write:
+        write_block("bench_compiled_stages.py", text)
+
+
+if __name__ == "__main__":
+    main()
