@@ -1,7 +1,8 @@
 """``varuna-fx train --model module:factory`` over a zoo model (tests/support/real_zoo.py):
 torchtitan-style Llama (its RoPE table a complex buffer from torch.polar, view_as_complex, GQA)
-on two gloo ranks, two stages, 20 steps, under the deferred init the command always uses.
-(``support.real_zoo:train_mingpt`` trains the same way; one launch keeps CI short.)"""
+minGPT (its MLP called through a lambda) and nanoGPT (its own loss from the targets the command
+feeds it), each on two gloo ranks, two stages, 20 steps, under the deferred init the command
+always uses."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ TESTS = Path(__file__).parent.parent
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_zoo_llama_trains_twenty_steps_on_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("factory", ["train_llama", "train_mingpt", "train_nanogpt"])
+def test_a_zoo_model_trains_twenty_steps_on_two_ranks(tmp_path: Path, factory: str) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
         [sys.executable, "-m", "varuna_fx.launch.cli", "train",
-         "--model", "support.real_zoo:train_llama", "--seq-len", "16",
+         "--model", f"support.real_zoo:{factory}", "--seq-len", "16",
          "--global-batch-size", "8", "--corpus-bytes", "100000", "--steps", "20",
          "--checkpoint-every", "0", "--charts", "false", "--tensorboard", "false",
          "--nproc", "2", "--stages", "2", "--out", str(tmp_path)],
