@@ -1,8 +1,9 @@
 """``varuna-fx train --model module:factory`` over a zoo model (tests/support/real_zoo.py):
 torchtitan-style Llama (its RoPE table a complex buffer from torch.polar, view_as_complex, GQA)
-minGPT (its MLP called through a lambda) and nanoGPT (its own loss from the targets the command
-feeds it), each on two gloo ranks, two stages, 20 steps, under the deferred init the command
-always uses."""
+minGPT (its MLP called through a lambda), nanoGPT (its own loss from the targets the command
+feeds it), a mixture of experts routed by torch.where(mask) and a state-space scan as a custom
+autograd Function, each on two gloo ranks, two stages, 20 steps, under the deferred init the
+command always uses."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ TESTS = Path(__file__).parent.parent
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("factory", ["train_llama", "train_mingpt", "train_nanogpt"])
+@pytest.mark.parametrize("factory", ["train_llama", "train_mingpt", "train_nanogpt",
+                                     "train_moe", "train_ssm"])
 def test_a_zoo_model_trains_twenty_steps_on_two_ranks(tmp_path: Path, factory: str) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))

@@ -388,13 +388,13 @@ class TopKMoE(nn.Module):
     """Top-k routing: each token's k experts by torch.topk; experts' outputs summed back into
     the tokens with index_add_ (routing by ``torch.where(mask)``: ``by_where``)."""
 
-    def __init__(self, dim: int = 16, experts: int = 4, k: int = 2, by_where: bool = False
-                 ) -> None:
+    def __init__(self, dim: int = 16, experts: int = 4, k: int = 2, by_where: bool = False,
+                 vocab: int = V) -> None:
         super().__init__()
-        self.emb = nn.Embedding(V, dim)
+        self.emb = nn.Embedding(vocab, dim)
         self.router = nn.Linear(dim, experts, bias=False)
         self.experts = nn.ModuleList(Expert(dim) for _ in range(experts))
-        self.head = nn.Linear(dim, V)
+        self.head = nn.Linear(dim, vocab)
         self.k, self.by_where = k, by_where
 
     def moe(self, x: torch.Tensor) -> torch.Tensor:
@@ -467,14 +467,15 @@ class StateSpace(nn.Module):
     """A diagonal linear recurrence with gates, over time as a Python loop or (``custom``)
     through :class:`LinearScan`; the quantised read-out uses a straight-through estimator."""
 
-    def __init__(self, dim: int = 8, layers: int = 2, custom: bool = False) -> None:
+    def __init__(self, dim: int = 8, layers: int = 2, custom: bool = False,
+                 vocab: int = V) -> None:
         super().__init__()
-        self.emb = nn.Embedding(V, dim)
+        self.emb = nn.Embedding(vocab, dim)
         self.inp = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
         self.decay = nn.ParameterList(nn.Parameter(torch.linspace(-1, 1, dim))
                                       for _ in range(layers))
         self.out = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
-        self.head = nn.Linear(dim, V)
+        self.head = nn.Linear(dim, vocab)
         self.custom = custom
 
     def scan(self, u: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -578,3 +579,13 @@ def train_mingpt() -> nn.Module:
 def train_nanogpt(seq_len: int = 16, vocab_size: int = 256) -> nn.Module:
     """nanoGPT sized by the run (``varuna-fx train`` offers seq_len and vocab_size)."""
     return NanoGPT(NanoConfig(block_size=seq_len, vocab_size=vocab_size))
+
+
+def train_moe(vocab_size: int = 256) -> nn.Module:
+    """Top-k routing by torch.where(mask): data-dependent sizes inside a stage."""
+    return TopKMoE(dim=32, by_where=True, vocab=vocab_size)
+
+
+def train_ssm(vocab_size: int = 256) -> nn.Module:
+    """The state-space scan as a custom autograd Function (its own backward, fx keeps it)."""
+    return StateSpace(dim=16, custom=True, vocab=vocab_size)
