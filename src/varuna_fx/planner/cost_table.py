@@ -88,8 +88,32 @@ def monotone(values: np.ndarray) -> np.ndarray:
     return out
 
 
+class PerNodeTimes:
+    """``costs.roofline.NodeTimes`` from per-node arrays: a subclass gives ``names`` (the
+    graph's nodes in order) and ``arrays(b)`` at micro-batch size ``b``; the partition pass's
+    two questions are read from them by node name (``MeasuredTimes`` from a profile,
+    ``machine.CalibratedTimes`` from this machine's costs)."""
+
+    names: list[str]
+
+    def arrays(self, b: int) -> NodeArrays:
+        raise NotImplementedError
+
+    def _select(self, nodes: Sequence[Any], values: np.ndarray) -> np.ndarray:
+        index = {name: i for i, name in enumerate(self.names)}
+        return values[[index[n.name] for n in nodes]]
+
+    def step_times(self, nodes: Sequence[Any], batch: int, recompute: bool) -> np.ndarray:
+        a = self.arrays(batch)
+        total = a.forward + a.recompute + a.backward if recompute else a.recompute + a.backward
+        return self._select(nodes, total)
+
+    def activation_bytes(self, nodes: Sequence[Any], batch: int) -> np.ndarray:
+        return self._select(nodes, self.arrays(batch).activations)
+
+
 @dataclass
-class MeasuredTimes:
+class MeasuredTimes(PerNodeTimes):
     """Chunk-level measurements spread over the chunk's nodes in proportion to their estimates.
 
     Implements ``costs.roofline.NodeTimes`` so the partition pass can use it. ``fwd``/``rec``/``bwd``/
@@ -146,17 +170,6 @@ class MeasuredTimes:
                           spread(3, est.backward) * scale if split else None,
                           spread(4, est.backward) * scale if split else None)
 
-    def _select(self, nodes: Sequence[Any], values: np.ndarray) -> np.ndarray:
-        index = {name: i for i, name in enumerate(self.names)}
-        return values[[index[n.name] for n in nodes]]
-
-    def step_times(self, nodes: Sequence[Any], batch: int, recompute: bool) -> np.ndarray:
-        a = self.arrays(batch)
-        total = a.forward + a.recompute + a.backward if recompute else a.recompute + a.backward
-        return self._select(nodes, total)
-
-    def activation_bytes(self, nodes: Sequence[Any], batch: int) -> np.ndarray:
-        return self._select(nodes, self.arrays(batch).activations)
 
 
 @dataclass

@@ -54,7 +54,7 @@ from ..world import switches
 from ..world.files import cache_dir, write_atomically
 from ..world.where import in_process_group
 from .cluster import Cluster, local_device_type
-from .cost_table import CostTable, NodeArrays
+from .cost_table import CostTable, NodeArrays, PerNodeTimes
 from .steady import round_significant
 
 FORMAT = 2  # 2: the backward of each linear layer timed too
@@ -122,7 +122,7 @@ class MachineCosts:
 
 
 @dataclass
-class CalibratedTimes:
+class CalibratedTimes(PerNodeTimes):
     """Per-node costs from a graph's FLOPs and bytes priced with this machine's numbers: an
     operation costs ``op_launch`` plus the larger of its FLOPs at the rate of its size and
     its bytes over the memory bandwidth; a backward twice the forward's operations, each
@@ -163,18 +163,6 @@ class CalibratedTimes:
         scale = self.contention / max(self.speedup, 1e-9)
         fwd, bwd = fwd * scale, bwd * scale
         return NodeArrays(fwd, fwd, bwd, t.activations[0] + t.activations[1] * b)
-
-    def _select(self, nodes: Sequence[Any], values: np.ndarray) -> np.ndarray:
-        index = {name: i for i, name in enumerate(self.names)}
-        return values[[index[n.name] for n in nodes]]
-
-    def step_times(self, nodes: Sequence[Any], batch: int, recompute: bool) -> np.ndarray:
-        a = self.arrays(batch)
-        total = a.forward + a.recompute + a.backward if recompute else a.recompute + a.backward
-        return self._select(nodes, total)
-
-    def activation_bytes(self, nodes: Sequence[Any], batch: int) -> np.ndarray:
-        return self._select(nodes, self.arrays(batch).activations)
 
 
 def planning_times(table: CostTable, cluster: Cluster, profile: Any = None,
