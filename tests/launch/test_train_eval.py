@@ -4,8 +4,6 @@ metrics.jsonl, ``--keep-best``; the keys refused when they do not go together.""
 from __future__ import annotations
 
 import json
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +11,6 @@ import pytest
 
 from varuna_fx.checkpoint.directory import MARKER
 from varuna_fx.errors import InputError
-from varuna_fx.runtime import preemption
-from varuna_fx.train import worker as train_worker
 from varuna_fx.train.checks import resolve
 from varuna_fx.train.config import TrainConfig
 from varuna_fx.train.data import open_data
@@ -29,15 +25,6 @@ def tiny(tmp_path: Path, **changes: Any) -> TrainConfig:
                           "out": str(tmp_path / "run"), "live": False, "tensorboard": False,
                           "charts": False, **changes})
 
-
-@pytest.fixture
-def handlers() -> Iterator[None]:
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-    preemption.clear()
-    train_worker._INTERRUPTED.clear()
 
 
 def test_validation_logs_val_loss_and_keeps_the_best(tmp_path: Path, handlers: None) -> None:

@@ -5,29 +5,13 @@ without targets) is fed its targets and trained on its own loss."""
 from __future__ import annotations
 
 import json
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from varuna_fx.runtime import preemption
-from varuna_fx.train import worker as train_worker
 from varuna_fx.train.checks import resolve
 from varuna_fx.train.config import TrainConfig
 from varuna_fx.train.model import build_model, factory_arguments
 from varuna_fx.train.worker import Run
-
-
-@pytest.fixture
-def handlers() -> Iterator[None]:
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-    preemption.clear()
-    train_worker._INTERRUPTED.clear()
 
 
 def test_the_factory_gets_the_keyword_arguments_its_signature_accepts() -> None:

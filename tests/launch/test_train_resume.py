@@ -8,9 +8,7 @@ take an early first checkpoint."""
 from __future__ import annotations
 
 import json
-import signal
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +17,6 @@ import pytest
 
 from varuna_fx.errors import CheckpointError
 from varuna_fx.monitor.sinks import METRICS, read_jsonl
-from varuna_fx.runtime import preemption
 from varuna_fx.train import worker as train_worker
 from varuna_fx.train.config import TrainConfig
 from varuna_fx.train.worker import CHECKPOINTS, Run, lr_factor
@@ -46,16 +43,6 @@ def saved_at(tmp_path: Path, *steps: int, **changes: Any) -> None:
         run.save(pipe, opt, sched, loader, step)
     pipe.close()
 
-
-@pytest.fixture
-def handlers() -> Iterator[None]:
-    """Run.train installs the preemption and Ctrl-C handlers: put this process's back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-    preemption.clear()
-    train_worker._INTERRUPTED.clear()
 
 
 def test_a_resume_with_other_optimizer_flags_takes_the_flags(
