@@ -90,12 +90,18 @@ class Tracer(fx.Tracer):
                 "len() of a traced value whose length the example's shapes do not give")
         return length
 
-    def _length(self, obj: fx.Proxy) -> int | None:
+    def _values(self, obj: fx.Proxy) -> list[Any] | None:
+        """The proxy's value at each batch size the shapes were run at, or None."""
         if self.shapes is None:
             return None
         try:
-            values = self.shapes.values(obj.node)
+            return self.shapes.values(obj.node)
         except Unknown:
+            return None
+
+    def _length(self, obj: fx.Proxy) -> int | None:
+        values = self._values(obj)
+        if values is None:
             return None
         if not all(isinstance(v, (tuple, list)) for v in values) or \
                 len({len(v) for v in values}) != 1:
@@ -107,11 +113,8 @@ class Tracer(fx.Tracer):
 
     def _known(self, obj: fx.Proxy) -> list[Any] | None:
         """The proxy's plain value (sizes, bools, devices) at each batch size, or None."""
-        if self.shapes is None:
-            return None
-        try:
-            values = self.shapes.values(obj.node)
-        except Unknown:
+        values = self._values(obj)
+        if values is None:
             return None
         plain = (bool, int, float, str, torch.device, torch.dtype, torch.Size, tuple, list)
         if not all(isinstance(v, plain) and not isinstance(v, torch.Tensor) for v in values):
