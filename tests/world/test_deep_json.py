@@ -19,8 +19,9 @@ from varuna_fx.monitor.report import _train_summary
 from varuna_fx.monitor.sinks import read_jsonl
 from varuna_fx.passes import shape_cache
 from varuna_fx.planner import cache as plan_cache
-from varuna_fx.planner import partition_cache, profile
+from varuna_fx.planner import machine, partition_cache, profile, steady
 from varuna_fx.world import disk_cache, safe_json
+from varuna_fx.world.files import cache_dir
 from varuna_fx.world.membership import Generation
 
 DEEP = "[" * 100_000 + "]" * 100_000  # past the interpreter's recursion limit
@@ -107,3 +108,14 @@ def test_the_train_summary_and_peer_payloads_are_bounded(tmp_path: Path) -> None
     assert _train_summary(tmp_path) == {}  # read as "no summary"
     with pytest.raises(ValueError, match="nested deeper"):
         Generation.from_json(DEEP)
+
+
+def test_the_machine_and_link_caches_read_a_deep_file_as_unusable(tmp_path: Path) -> None:
+    """The planner's kept machine costs and kept links (planner/machine.py, steady.py) are
+    measured again rather than read from a deep file."""
+    with pytest.raises(ValueError, match="nested deeper"):
+        machine.from_json(DEEP)
+    path = cache_dir("links") / "k.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(DEEP)
+    assert steady.load("k") is None

@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..errors import VarunaFxError
-from ..world import switches
+from ..world import safe_json, switches
 from ..world.files import cache_dir, write_atomically
 from ..world.where import in_process_group
 from .cluster import Cluster, local_device_type
@@ -388,7 +388,7 @@ def agreed_machine_costs() -> MachineCosts:
 def from_json(text: str) -> MachineCosts:
     """A ``MachineCosts`` from its JSON, refused (ValueError) unless every number is finite
     and positive where it must be."""
-    data = json.loads(text)
+    data = safe_json.loads(text)
     if not isinstance(data, dict):
         raise ValueError("not an object")
     costs = MachineCosts(**data)

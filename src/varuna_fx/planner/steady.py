@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch.distributed as dist
 
+from ..world import safe_json
 from ..world.files import cache_dir, write_atomically
 from ..world.network import NetworkProfile, measure_network
 from ..world.where import local_world_size
@@ -141,7 +142,7 @@ def load(key: str) -> NetworkProfile | None:
     numbers: measured again)."""
     path = cache_dir("links") / f"{key}.json"
     try:
-        data = json.loads(path.read_text())
+        data = safe_json.loads(path.read_text())
         net = NetworkProfile(**data)
     except (OSError, ValueError, TypeError):
         return None
