@@ -220,6 +220,7 @@ def plan_of(state: CompileState) -> Plan:
         boundaries=boundaries(state), shards_by_default=config.shards_by_default,
         cost_terms=priced.terms, stage_busy=priced.busy, predicted_spread=priced.spread,
         priced_here=priced.priced_here,
+        learn_key=priced.learn_key,
         compile_stages=compiled, compile_note=why,
         compile_setting=state.planning.compile_stages,
     )
