@@ -38,7 +38,7 @@ from ..world.network import NetworkProfile
 from .steady import KEEP_FACTOR, round_significant
 
 FORMAT = 1
-STEPS = 3  # steps after the first whose median is kept
+STEPS = 5  # steps after the first whose median is kept (robust to two slow ones)
 KEEP_ABSOLUTE = 1e-3  # seconds: a newly learned overhead this close to the kept one keeps it
 
 Timeline = Sequence[tuple[int, str, int, float, float]]
