@@ -43,7 +43,7 @@ RankLists = list[list[Action]]
 VirtualFn = Callable[[int, int, int, Sequence[bool]], RankLists]
 
 
-def _with_recompute(acts: list[Action], recompute: Sequence[bool]) -> list[Action]:
+def with_recompute(acts: list[Action], recompute: Sequence[bool]) -> list[Action]:
     """``acts`` with an ``R`` inserted right before each ``B`` of a stage that recomputes."""
     out: list[Action] = []
     for a in acts:
@@ -74,7 +74,7 @@ def interleaved_1f1b(ranks: int, per_rank: int, m: int, recompute: Sequence[bool
         for k in range(len(forwards) - warmup):
             acts += [forwards[warmup + k], backwards[k]]
         acts += backwards[len(forwards) - warmup:]
-        out.append(_with_recompute(acts, recompute))
+        out.append(with_recompute(acts, recompute))
     return out
 
 
@@ -83,7 +83,7 @@ def zbv(ranks: int, per_rank: int, m: int, recompute: Sequence[bool]) -> RankLis
     if per_rank != 2:
         raise ScheduleError(f"zbv runs exactly 2 stages per rank, not {per_rank}")
     n = max(m, 2 * ranks - 1)
-    return [_with_recompute([a for a in _zbv_rank(ranks, r, n) if a.mb < m], recompute)
+    return [with_recompute([a for a in _zbv_rank(ranks, r, n) if a.mb < m], recompute)
             for r in range(ranks)]
 
 
