@@ -48,17 +48,21 @@ pairs remain; the planner's simulation prices that. Recompute: an ``R`` right be
 of a stage that recomputes (``virtual.with_recompute``).
 
 Peak stash (structure only, ``structure.peak_stash``): the first chunk of rank r holds
-``min(m, 2R-r)`` micro-batches at once, the second ``min(m, r+1)``: ``2R+1`` half-size stages'
-worth per rank, where ZB-V's first chunk holds up to ``2R-1``... (the test of this module
-compares both with the simulator's counts).
+``min(m, 2R-r)`` micro-batches at once, the second ``min(m, r+1)``, as under ZB-V: the pairs
+change the order, not how much is in flight (``tests/schedule/test_dualpipev.py`` checks the
+counts against the simulator's and the planner's).
 
-A rendered order, R = 2 ranks (4 stages, placement 0,1,1,0), m = 4, no recompute (one column
-is one unit; F = 1, B = 2 split into B = W = 1; each ``xF`` followed by a ``yB`` of the other
-chunk is a pair)::
+The order for R = 2 ranks (4 stages, placement 0,1,1,0) and m = 4, phases apart by ``|``, the
+overlapped pairs in brackets (``str(build_schedule("dualpipev", 4, 4, False))`` without them;
+``text_grid`` draws it timed)::
 
-    rank 0: 0F0 0F1 0F2 3F0 3B0 3W0 3F1 0F3 3B1 3W1 3F2 0B0 0W0 3B2 3W2 ...
+    rank 0: 0F0 0F1 | 0F2 3F0 | 3B0 3W0 3F1 | [0F3 3B1] 3W1 [3F2 0B0] 0W0 |
+            3B2 3W2 [3F3 0B1] 0W1 | 3B3 3W3 0B2 | 0W2 0B3 | 0W3
+    rank 1: 1F0 2F0 1F1 2F1 | [1F2 2B0] 2W0 [2F2 1B0] 1W0 [1F3 2B1] 2W1 [2F3 1B1] 1W1 |
+            2B2 2W2 1B2 1W2 2B3 1B3 | 2W3 1W3
 
-(``tests/schedule/test_dualpipev.py`` pins the full text of P=2 and P=3.)
+ZB-V's rank 0 for the same sizes never follows a forward by the other chunk's backward
+(``0F3 0B0``, ``3F2 3B2``: the same stage's).
 """
 
 from __future__ import annotations
