@@ -79,7 +79,7 @@ def test_errors_name_the_fix() -> None:
     kw = dict(example_inputs=case.inputs, loss_fn=case.loss_fn)
     with pytest.raises(PlanError, match="stages_per_rank=2"):
         vf.compile(case.model, stages=4, schedule="zbv", **kw)
-    with pytest.raises(PlanError, match="interleaved-1f1b' or 'zbv'"):
+    with pytest.raises(PlanError, match="interleaved-1f1b', 'zbv' or 'dualpipev'"):
         vf.compile(case.model, stages=4, stages_per_rank=2, schedule="1f1b", **kw)
     with pytest.raises(PlanError, match="multiple of stages_per_rank=2"):
         vf.compile(case.model, stages=3, stages_per_rank=2, schedule="interleaved-1f1b", **kw)

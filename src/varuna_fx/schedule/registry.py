@@ -204,7 +204,7 @@ def virtual_choices() -> tuple[ScheduleSpec, ...]:
 
 
 def is_split(name: str) -> bool:
-    """Whether ``name`` is a split-backward schedule (``<base>-zb``, or ``zbv``)."""
+    """Whether ``name`` is a split-backward schedule (``<base>-zb``, ``zbv``, ``dualpipev``)."""
     found = SCHEDULES.get(name)
     return found is not None and found.split_backward
 

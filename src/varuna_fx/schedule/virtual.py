@@ -1,4 +1,5 @@
-"""Virtual stages: schedules whose ranks run several stages each (interleaved 1F1B, ZB-V).
+"""Virtual stages: schedules whose ranks run several stages each (interleaved 1F1B, ZB-V;
+DualPipeV, on ZB-V's placement, is ``dualpipev.py``).
 
 With ``v`` stages per rank a micro-batch passes each rank ``v`` times, every stage is ``1/v`` of
 the work a rank would otherwise hold, and the fill and drain of the pipeline shrink with it: the
