@@ -15,10 +15,13 @@ backward of the other chunk.
 
 **What "overlap" means here.** varuna_fx runs one action at a time per rank, so a pair is two
 adjacent actions of the rank's list, forward first: ``F(chunk a, i)`` then ``B(chunk b, j)``
-(with its ``R`` in between where that stage recomputes). The forward's send is asynchronous
-in the runtime, so its activations travel while the paired backward computes, and the
-backward's gradient travels while the next pair's forward runs. No fused kernel and no
-action kind beyond F / R / B / W is needed; the order is the schedule.
+(with its ``R`` in between where that stage recomputes). Under torchrun sends are
+asynchronous and receives are posted a few actions ahead (``lowering.LOOKAHEAD``), so the
+forward's activations travel while the paired backward computes, and the backward's gradient
+while the next pair's forward runs; the simulator times exactly that (a message on its wire,
+the rank computing meanwhile), which is how the planner prices it against ZB-V. In one
+process there is nothing to hide. No fused kernel and no action kind beyond F / R / B / W is
+needed: the order is the schedule.
 
 **Split backward.** The paired backwards, and those of the warm-up and early cool-down, run
 whole: ``B`` followed at once by its ``W``. The cool-down splits the rest (as DeepSeek's
