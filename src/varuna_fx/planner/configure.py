@@ -134,7 +134,7 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
     """The configuration for ``options`` (its ``cluster`` given): what it fixes is kept, the
     rest chosen. ``options.schedule``: a name (resolved into its entry), or "auto" (the planner picks the fastest that
     fits, per candidate). ``options.stages_per_rank``: v, stages each rank runs (a virtual
-    schedule: ``interleaved-1f1b``, ``zbv``); None: that schedule's default.
+    schedule: ``interleaved-1f1b``, ``zbv``, ``dualpipev``); None: that schedule's default.
     ``options.shard_optimizer``: True counts the optimizer state split over D wherever D > 1;
     "auto" only where a candidate does not fit otherwise; False never. ``recompute``: the
     setting planned for (compile decides it for ``options.recompute="auto"``). ``profile``:
@@ -279,7 +279,8 @@ def check_stages_per_rank(schedule: ScheduleChoice, stages_per_rank: int | None)
                         "interleaved-1f1b), or choose a schedule for one stage per rank")
     if not virtual and stages_per_rank > 1:
         raise PlanError(f"stages_per_rank={stages_per_rank} needs a schedule that runs several "
-                        "stages per rank: schedule='interleaved-1f1b' or 'zbv'")
+                        "stages per rank: schedule='interleaved-1f1b', 'zbv' or "
+                        "'dualpipev'")
     return stages_per_rank
 
 
