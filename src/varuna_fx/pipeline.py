@@ -198,9 +198,11 @@ class Pipeline:
         # step's work is done (a signal during this step stops after this step, not the next)
         loss = self.runtime.step(tensors, target, flags=flags)
         self.last_step = meter.finish(tensors)
-        # after the first steps: the measured step against the plan, said once (drift.py)
+        # after the first steps: the measured step against the plan, said once per job, by
+        # rank 0 (drift.py)
         self._drift = self._drift or DriftCheck(
-            self.plan, not isinstance(self.runtime, LocalRuntime) or self.plan.stages == 1)
+            self.plan, not isinstance(self.runtime, LocalRuntime) or self.plan.stages == 1,
+            speaks=self.runtime.rank == 0)
         off = self._drift.observe(self.last_step.seconds, self.last_step._raw)
         if off is not None:
             warnings.warn(off, stacklevel=3)  # (step -> _step -> here)
