@@ -80,7 +80,7 @@ FULL = {"models": ALL_MODELS, "sizes": SIZES, "schedules": SCHEDULES, "steps": 5
 # (every size at 4 ranks is 21 configurations a model, ~10 minutes): 12 a model, ~5 minutes
 FULL_4 = {**FULL, "sizes": "1,4,16"}
 # on shaped links every step carries the all-reduce over them: the GPT alone, fewer sizes
-NODES = {"models": "gpt", "sizes": "2,8", "schedules": SCHEDULES, "steps": 3}
+NODES = {"models": "gpt", "sizes": "2,8", "schedules": SCHEDULES, "steps": 5}
 
 
 # -- models ------------------------------------------------------------------------------------
