@@ -89,3 +89,14 @@ def test_each_mode_writes_its_own_block() -> None:
     assert name(nodes=4, link="100mbit") == "bench_planner_truth.py nodes4-100mbit"
     held = results.block_names(results.RESULTS.read_text())
     assert {name(), name(nproc=4), name(nodes=4, link="100mbit")} <= set(held)
+
+
+def test_nodes_need_root_and_say_so(monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    import bench_planner_truth as truth
+
+    monkeypatch.setattr(truth.os, "geteuid", lambda: 1000)
+    assert "run it as root" in (truth.nodes_unavailable() or "")
+    args = argparse.Namespace(nodes=4, link="100mbit")
+    truth.launch(args)  # a clear skip, nothing launched, nothing written
+    assert "--nodes: skipped: --nodes creates network namespaces" in capsys.readouterr().err
