@@ -384,22 +384,21 @@ def launch(args: argparse.Namespace) -> None:
         if why is not None:
             print(f"bench_planner_truth.py --nodes: skipped: {why}", file=sys.stderr)
             return
-    # a fresh cache (profile, machine costs, kept links) unless given: on namespace nodes
-    # always, so no loopback run's kept links are planned with
-    cache = os.environ.get("VARUNA_FX_CACHE_DIR") if not args.nodes else None
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "VARUNA_FX_CACHE_DIR": cache or tempfile.mkdtemp(prefix="varuna_fx_truth_")}
-    with tempfile.TemporaryDirectory() as tmp:
+    # a fresh cache (profile, machine costs, kept links), deleted at the end, unless given; on
+    # namespace nodes always, so no loopback run's kept links are planned with
+    given = os.environ.get("VARUNA_FX_CACHE_DIR") if not args.nodes else None
+    with tempfile.TemporaryDirectory(prefix="varuna_fx_truth_") as tmp:
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "VARUNA_FX_CACHE_DIR": given or os.path.join(tmp, "cache")}
         out = os.path.join(tmp, "rows.json")
         start = time.time()
         (launch_nodes if args.nodes else launch_local)(args, out, env)
         data = json.loads(Path(out).read_text())
-    load = os.getloadavg()[0]
-    text = report(data, setting_text(args))
-    text = links_line(data.get("_links")) + "\n\n" + text
-    if args.one_process:
-        os.environ["VARUNA_FX_CACHE_DIR"] = env["VARUNA_FX_CACHE_DIR"]
-        text += "\n\n" + one_process(args)
+        load = os.getloadavg()[0]
+        text = links_line(data.get("_links")) + "\n\n" + report(data, setting_text(args))
+        if args.one_process:
+            os.environ["VARUNA_FX_CACHE_DIR"] = env["VARUNA_FX_CACHE_DIR"]
+            text += "\n\n" + one_process(args)
     head = (f"Command: `{' '.join(['python', 'bench/bench_planner_truth.py', *sys.argv[1:]])}`"
             f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"{time.time() - start:.0f} s, load average {load:.1f} at the end).\n\n")

@@ -11,8 +11,10 @@ A step is split four ways, measured and predicted alike:
 * **messages + waits**: sends and the waits for messages, against ``messages`` + ``bubble``
   (a wait is either a message in flight or the pipeline's fill and drain);
 * **outside**: the step's wall time outside every recorded action (the pipeline's own Python
-  around the schedule: binding inputs, splitting micro-batches, the meter), against any term
-  the plan lists that is none of the above (the cost model prices nothing there today: 0).
+  around the schedule: binding inputs, splitting micro-batches, posting receives, the meter;
+  and the step's closing world all-reduce of the loss and flags, ``finish`` in
+  ``runtime/distributed.py``, with its wait for the last rank), against any term the plan
+  lists that is none of the above (the cost model prices nothing there today: 0).
 """
 
 from __future__ import annotations
