@@ -50,7 +50,6 @@ from .runtime.shard import shard_batch
 from .runtime.step import Runtime
 from .runtime.step_stats import StepMeter, StepStats
 from .runtime.sync.zero_repoint import build_optimizer
-from .world.where import rank
 
 
 class Pipeline:
@@ -206,16 +205,18 @@ class Pipeline:
         # step's work is done (a signal during this step stops after this step, not the next)
         loss = self.runtime.step(tensors, target, flags=flags)
         self.last_step = meter.finish(tensors)
-        # after the first steps: the measured step against the plan, said once (drift.py)
+        # after the first steps: the measured step against the plan, said once per job, by
+        # rank 0 (drift.py)
         as_planned = not isinstance(self.runtime, LocalRuntime) or self.plan.stages == 1
-        self._drift = self._drift or DriftCheck(self.plan, as_planned)
+        self._drift = self._drift or DriftCheck(self.plan, as_planned,
+                                                speaks=self.runtime.rank == 0)
         off = self._drift.observe(self.last_step.seconds, self.last_step._raw)
         if off is not None:
             warnings.warn(off, stacklevel=3)  # (step -> _step -> here)
         # and what a step spends outside its actions, kept by rank 0 for later plans
         # (learned.py): from the step's start, its checks included
         self._learner = self._learner or StepLearner(self.plan.learn_key,
-                                                     as_planned and rank() == 0)
+                                                     as_planned and self.runtime.rank == 0)
         self._learner.observe(time.perf_counter() - self._began, self.last_step._raw)
         return loss
 
