@@ -225,8 +225,12 @@ def worker(args: argparse.Namespace) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     out: dict[str, Any] = {}
     for name in args.models.split(","):
-        # compile's defaults first (it measures the profile and the links the others reuse)
+        # compile's defaults first (it measures the profile and the links the others reuse,
+        # and its first steps teach the step's overhead: planner/learned.py); every other
+        # configuration is predicted with that run's learning alone, not the one before it
+        os.environ["VARUNA_FX_LEARN"] = "on"
         pick = run_one(name, args.global_batch_size, args.steps)
+        os.environ["VARUNA_FX_LEARN"] = "use"
         if rank == 0 and "_links" not in out:
             out["_links"] = kept_links()
         rows = []

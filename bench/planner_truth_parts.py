@@ -152,9 +152,14 @@ def model_report(name: str, got: Mapping[str, Any], setting: str) -> tuple[list[
     rho = spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
     rho_n = spearman([r["predicted"] for r in rows], [r["normal"] for r in rows])
     gap = pick["measured"] / best["measured"] - 1
+    # the same predictions less the step overhead the defaults' run taught (learned.py)
+    unlearned = [abs((r["predicted"] - r.get("terms", {}).get("step overhead", 0.0))
+                     / r["measured"] - 1) for r in rows]
     lines += ["",
               f"- wall: median |error| {statistics.median(errors):.1%}, max "
               f"{max(errors):.1%}, Spearman {rho:.2f} over {len(rows)} configurations",
+              f"- without the step overhead learned from the defaults' run: median |error| "
+              f"{statistics.median(unlearned):.1%}, max {max(unlearned):.1%}",
               f"- load-normalised: median |error| {statistics.median(normal):.1%}, max "
               f"{max(normal):.1%}, Spearman {rho_n:.2f}",
               f"- compile's defaults picked P={pick['P']} D={pick['D']} b={pick['b']} "

@@ -12,6 +12,7 @@ from torch import nn
 
 import varuna_fx as vf
 from varuna_fx.planner import learned, machine
+from varuna_fx.world import switches
 
 
 class Regression(nn.Module):
@@ -32,7 +33,8 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
 def learning(monkeypatch: pytest.MonkeyPatch) -> None:
     """Plans learn (the suite states its machine, which turns learning off); the process's
     memory of learned values starts empty."""
-    monkeypatch.setattr(machine, "learns", lambda: True)
+    monkeypatch.setattr(machine, "learns",  # as on a machine not stated
+                        lambda: switches.read(learned.LEARN_ENV) != "off")
     learned.CACHE.clear()
 
 
@@ -117,3 +119,20 @@ def test_a_distributed_step_is_estimated_from_the_links_before_it_is_learned() -
     assert learned.estimated_step_overhead(2, net) == pytest.approx(3e-4)
     assert learned.estimated_step_overhead(1, net) == 0.0
     assert learned.estimated_step_overhead(4, None) == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:the step took")
+def test_the_learn_switch(learning: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    x, y = _inputs()
+    monkeypatch.setenv("VARUNA_FX_LEARN", "use")  # uses what is kept, learns nothing new
+    pipe = vf.compile(Regression(), example_inputs=(x, y), micro_batch_size=4)
+    assert pipe.plan.learn_key is not None
+    for _ in range(2 + learned.STEPS):
+        pipe.step(x, y)
+    assert learned.recall(pipe.plan.learn_key) is None
+    assert learned.remember(pipe.plan.learn_key, 0.25)
+    used = vf.compile(Regression(), example_inputs=(x, y), micro_batch_size=4)
+    assert dict(used.plan.cost_terms)["step overhead"] == pytest.approx(0.25)
+    monkeypatch.setenv("VARUNA_FX_LEARN", "off")  # neither
+    off = vf.compile(Regression(), example_inputs=(x, y), micro_batch_size=4)
+    assert off.plan.learn_key is None and dict(off.plan.cost_terms)["step overhead"] == 0.0

@@ -33,12 +33,14 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..world import switches
 from ..world.disk_cache import DiskCache
 from ..world.network import NetworkProfile
 from .steady import KEEP_FACTOR, round_significant
 
 FORMAT = 1
 STEPS = 5  # steps after the first whose median is kept (robust to two slow ones)
+LEARN_ENV = "VARUNA_FX_LEARN"  # on (default) | use | off: see StepLearner, machine.learns
 KEEP_ABSOLUTE = 1e-3  # seconds: a newly learned overhead this close to the kept one keeps it
 
 Timeline = Sequence[tuple[int, str, int, float, float]]
@@ -126,7 +128,9 @@ class StepLearner:
 
     def __post_init__(self) -> None:
         self.samples: list[float] = []
-        self.done = self.done or self.key is None or not self.keeps
+        # (``$VARUNA_FX_LEARN=use``: plans use what is kept, learn nothing new)
+        self.done = self.done or self.key is None or not self.keeps or \
+            switches.read(LEARN_ENV) == "use"
 
     def observe(self, seconds: float, timeline: Timeline) -> float | None:
         """The overhead learned at this step (then kept), or None."""

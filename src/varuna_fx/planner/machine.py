@@ -200,9 +200,10 @@ def planning_times(table: CostTable, cluster: Cluster, profile: Any = None,
 
 
 def learns() -> bool:
-    """Whether plans learn from their first steps (``learned.py``): not on a stated machine
-    (``$VARUNA_FX_MACHINE``: the same plans on every host, whatever ran before)."""
-    return not switches.read(MACHINE_ENV)
+    """Whether plans use what their first steps taught (``learned.py``): not on a stated
+    machine (``$VARUNA_FX_MACHINE``: the same plans on every host, whatever ran before), nor
+    with ``$VARUNA_FX_LEARN=off``."""
+    return not switches.read(MACHINE_ENV) and switches.read(learned.LEARN_ENV) != "off"
 
 
 def _agreed(value: float | None) -> float | None:

@@ -72,6 +72,10 @@ _TABLE = (
            "0", words=_CACHE_WORDS, otherwise="disk"),
     Switch("VARUNA_FX_MACHINE", "path", "", "a JSON file of this machine's costs to plan with "
            "instead of measuring them (planner/machine.py; the test suite states one)"),
+    Switch("VARUNA_FX_LEARN", "choice", "on",
+           "plans learn the step's overhead from their first steps (on), only use what was "
+           "learned (use), or neither (off) (planner/learned.py)",
+           words=_words("on", "off", use="use"), otherwise="on"),
     Switch("VARUNA_FX_PREPLAN", "choice", "auto",
            "in place, search the likely next worlds in a child after each layout's first step "
            "(auto: on GPU clusters; 1: on; 0: off)",
