@@ -61,7 +61,11 @@ class ProfileSettings:
     largest: int = 128
     repeats: int = 7
     warmup: int = 2
-    min_piece: float = 1e-3  # seconds: smaller pieces are too noisy to time
+    # seconds: smaller pieces are too noisy to time. At 1 ms a 4-layer GPT measured at b=1
+    # (3 ms forward) made 2 chunks, so a stage boundary cut inside one and its time was
+    # spread by FLOP estimates: the second stage of a Llama came out 23% over its prediction
+    # at small micro-batches; at 0.2 ms (CPU time, ns resolution) 9.5% (bench_planner_truth)
+    min_piece: float = 2e-4
     max_chunks: int = 48
     # "wall", or "cpu": this process's CPU time, immune to other processes competing for the
     # cores -- equal to wall time for single-threaded CPU work. "auto": cpu when torch runs
