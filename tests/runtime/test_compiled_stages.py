@@ -3,6 +3,8 @@ the plan, compiled pipelines equal eager within compiled tolerance under 1F1B, a
 backward and recompute, graph breaks and recompiles are warned, and a stage inductor cannot
 compile runs eagerly with a warning naming the error.
 
+These pass ``compile_wait=True``: the first call compiles (torch.compile), as they check;
+tests/runtime/test_background_compile.py has the default, a compile in the background.
 Inductor compiles take seconds each on CPU: one slow test compiles for real (three pipelines
 of a tiny MLP, the later ones from inductor's cache); the rest replace the compile call."""
 
@@ -70,7 +72,8 @@ def _step(schedule: str, recompute: bool, **tol: float) -> list[str]:
         pipe = vf.compile(_mlp(), vf.Cluster(gpus=2, device="cpu"), example_inputs=(X,),
                           loss_fn=_mse, stages=4 if schedule == "zbv" else 2,
                           stages_per_rank=2 if schedule == "zbv" else 1, schedule=schedule,
-                          micro_batch_size=1, recompute=recompute, compile_stages="on")
+                          micro_batch_size=1, recompute=recompute, compile_stages="on",
+                          compile_wait=True)
         assert pipe.plan.compile_stages and pipe.plan.recompute[0] == recompute
         loss = pipe.step(X, target=Y)
     torch.testing.assert_close(float(loss), want_loss, **(tol or TOLERANCE))
@@ -105,7 +108,8 @@ def test_auto_on_a_cuda_plan_stepped_on_cpu_runs_eager_stages(
     for setting, compiled in (("auto", False), ("on", True)):
         calls.clear()
         pipe = vf.compile(_mlp(), vf.Cluster(gpus=2, device="cuda"), example_inputs=(X,),
-                          loss_fn=_mse, stages=2, micro_batch_size=1, compile_stages=setting)
+                          loss_fn=_mse, stages=2, micro_batch_size=1, compile_stages=setting,
+                          compile_wait=True)
         assert pipe.plan.compile_stages and pipe.plan.compiles_on("cuda")
         pipe.step(X, target=Y)
         assert bool(calls) is compiled, setting

@@ -8,12 +8,13 @@ first), so the first step never waits for a compile and every micro-batch of one
 the same version. ``compile_wait=True`` compiles in the foreground on the first call instead
 (``compiled_stage.CompiledStage``: torch.compile).
 
-Why not ``torch.compile`` in a thread: PT2 is not thread safe, and worse for a thread beside
-a training loop, dynamo restores torch's and Python's global random state when a compile
-ends (``convert_frame.preserve_global_state``): every number the main thread drew during
-the tens of seconds of a compile would be drawn again. So the background path does not use
-dynamo: varuna_fx owns the stage's fx graph already, and compiles it directly with
-AOTAutograd and inductor (``compile_fx``):
+Why not ``torch.compile`` in a thread: PT2 is not thread safe (pytorch/pytorch#105943,
+#118260), and worse for a thread beside a training loop, dynamo restores torch's and
+Python's global random state when a compile ends (``convert_frame.preserve_global_state``):
+every number the main thread drew during the tens of seconds of a compile would be drawn
+again; it also patches module-level state while it traces. So the background path does not
+use dynamo: varuna_fx owns the stage's fx graph already, and compiles it directly with
+AOTAutograd and inductor (``compile_fx``), one compile at a time:
 
 1. in the calling thread, at the stage's first call (cheap, no tracing): the stage module is
    copied as a *shell* (every submodule copied, its parameter, buffer and submodule dicts its
@@ -30,9 +31,13 @@ AOTAutograd and inductor (``compile_fx``):
    was compiled (shape, stride, dtype, device, requires_grad; grad mode): a call that differs
    runs eagerly, with a warning once.
 
-No side effects: the compile runs nothing on real tensors, so parameters' ``.grad``, buffers
-(BatchNorm statistics) and every random generator are untouched; the tests check a pipeline
-stepping while its stages compile against eager step for step.
+No side effects: the compile runs nothing on real tensors, so parameters' ``.grad`` and
+buffers (BatchNorm statistics) are untouched. Random state: AOTAutograd and inductor, like
+dynamo, save torch's global generator before a compile and restore it after, which from a
+thread rewinds the training loop's draws; :func:`_guard_random_state` skips that save and
+restore in the compiling thread only (the compile draws nothing). The slow test checks a
+loop drawing its batches from the global generator while its stages compile, step for step
+against eager stages.
 
 Every wait has a limit: a compile that has not finished ``$VARUNA_FX_COMPILE_TIMEOUT``
 seconds after it began leaves the stage eager with a :class:`CompiledStageWarning`, as does a
@@ -44,6 +49,7 @@ compile that hangs never holds the process at exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import operator
 import queue
@@ -51,7 +57,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from typing import Any
 
@@ -211,6 +217,34 @@ class _Compiler:
 COMPILER = _Compiler()
 
 
+def _guard_random_state() -> None:
+    """AOTAutograd and inductor save torch's global random state before a compile and put it
+    back after (``torch._dynamo.utils.preserve_rng_state``), as dynamo does: in a thread
+    beside a training loop that rewinds every draw the loop made meanwhile (measured: the
+    loop's batches repeated). Their compile draws nothing itself, so in the compiling thread
+    the save and restore are skipped; elsewhere they are as they were. Installed once, on
+    the names those modules call it by."""
+    import torch._dynamo.utils as dynamo_utils
+    import torch._functorch.aot_autograd as aot_autograd
+
+    original = dynamo_utils.preserve_rng_state
+    if getattr(original, "varuna_fx_guard", False):
+        return
+
+    @contextlib.contextmanager
+    def preserve_rng_state() -> Iterator[None]:
+        if threading.current_thread() is COMPILER.thread:
+            yield
+        else:
+            with original():
+                yield
+
+    preserve_rng_state.varuna_fx_guard = True  # type: ignore[attr-defined]
+    dynamo_utils.preserve_rng_state = preserve_rng_state  # type: ignore[assignment]
+    if getattr(aot_autograd, "preserve_rng_state", None) is original:
+        aot_autograd.preserve_rng_state = preserve_rng_state  # type: ignore[assignment]
+
+
 def _signature(tensors: Sequence[Any]) -> tuple[Any, ...] | None:
     """What a compiled variant assumes of its inputs (None: a non-tensor input)."""
     out = []
@@ -234,8 +268,6 @@ class BackgroundStage:
                  autocast: Callable[[], Any] | None = None) -> None:
         """``grad_modes``: the grad modes the worker calls the stage in; ``split``: its
         backward in an input half and a weight half (split_compile.py)."""
-        import contextlib
-
         self.stage = stage
         self.split = split
         self.grad_modes = tuple(dict.fromkeys(grad_modes))
@@ -314,6 +346,7 @@ class BackgroundStage:
             return
         marks = [True] * len(params) + [False] * (len(buffers) + len(args))
         use_cache_dir()
+        _guard_random_state()
         grad_modes, split, autocast = self.grad_modes, self.split, self.autocast
         box = self._live
         self._job = _Job(lambda: compile_flat(gm, examples, grad_modes, marks, split, autocast,
@@ -351,8 +384,13 @@ class BackgroundStage:
 
     @property
     def pending(self) -> bool:
-        """Whether a background compile is queued or running."""
+        """Whether a background compile is queued or running (or done, not yet adopted)."""
         return self._job is not None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the background compile has ended (the next step boundary adopts it)."""
+        return self._job is not None and self._job.future.done()
 
     # -- warnings ---------------------------------------------------------------------------------
 
