@@ -68,6 +68,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from ..codegen.stage_module import Stage
 from ..world import switches
 from .compiled_stage import CompiledStageWarning, use_cache_dir
+from .split_compile import aot_split
 
 # what a compiled variant is called with (flat: parameters, buffers, arguments) and returns
 Compiled = Callable[..., Sequence[torch.Tensor]]
@@ -127,8 +128,6 @@ def compile_flat(gm: fx.GraphModule, examples: list[torch.Tensor], grad_modes: S
     from torch._functorch import config as functorch_config  # compile-time imports
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .split_compile import aot_split
 
     result: dict[bool, Compiled] = {}
     for grad in grad_modes:
