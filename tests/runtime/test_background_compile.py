@@ -178,6 +178,51 @@ def test_recompute_and_a_split_backward_stay_exact_across_the_switch(
     assert fake.modes == want
 
 
+class _Dropping(nn.Module):
+    """Keyed dropouts of the three kinds a stage calls: nn.Dropout, F.dropout (in place too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(8, 8) for _ in range(3))
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.tanh(self.a(x)))
+        h = torch.nn.functional.dropout(torch.tanh(self.b(h)), 0.2, self.training)
+        h = torch.nn.functional.dropout(self.c(h), 0.1, self.training, inplace=True)
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_keyed_dropout_compiles_with_eagers_masks(gated: Any, recompute: bool) -> None:
+    """A stage with keyed dropouts compiles (their masks drawn eagerly, inputs of the graph):
+    the compiled steps draw exactly the eager-stage pipeline's masks (loss and gradients
+    equal bit for bit through the flat graph), the recompute replaying them."""
+    fake = gated()
+    fake.gate.set()
+    pipes = []
+    for setting in ("off", "on"):
+        torch.manual_seed(0)
+        pipes.append(vf.compile(_Dropping(), vf.Cluster(gpus=2, device="cpu"),
+                                example_inputs=(X,), loss_fn=_mse, stages=2,
+                                micro_batch_size=2, recompute=recompute,
+                                compile_stages=setting))
+    eager, pipe = pipes
+    assert all(s.stage.random and s.failed is None for s in _stages(pipe))
+    for step in range(3):
+        for p in pipes:
+            p.zero_grad()
+        torch.manual_seed(10 + step)
+        want = eager.step(X, target=Y)
+        torch.manual_seed(10 + step)
+        torch.testing.assert_close(pipe.step(X, target=Y), want, **EXACT)
+        for n, g in _grads(eager).items():
+            torch.testing.assert_close(_grads(pipe)[n], g, **EXACT)
+        if step == 0:
+            _until(lambda: all(s.ready for s in _stages(pipe)))
+    assert all(s.compiled is not None for s in _stages(pipe)) and fake.calls
+
+
 def _warned(run: Callable[[], Any]) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -231,7 +276,7 @@ def test_the_flat_graph_never_rebinds_the_stage_modules_tensors(gated: Any) -> N
     before = {n: t for n, t in [*stage.module.named_parameters(), *stage.module.named_buffers()]}
     values = {n: X[:2] for n in stage.arg_names}
     keys = list(stage(values))
-    gm = background_compile.flat_graph(stage, names, len(stage.arg_names), keys)
+    gm = background_compile.flat_graph(stage.module, names, len(stage.arg_names), keys)
     others = [torch.zeros_like(before[n]) for n in names]
     out = gm(*others, *[values[n] for n in stage.arg_names])
     assert len(out) == len(keys)

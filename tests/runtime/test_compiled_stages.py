@@ -188,15 +188,17 @@ def test_the_models_own_error_is_raised_not_hidden(monkeypatch: pytest.MonkeyPat
 
 def test_a_stage_with_keyed_dropout_runs_eagerly_with_a_warning(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Keyed random ops are not compiled: such a stage runs eagerly, said once, and draws
-    the masks an eager-stage pipeline draws."""
+    """Under torch.compile (compile_wait=True) keyed random ops are not compiled: such a stage
+    runs eagerly, said once, and draws the masks an eager-stage pipeline draws (the
+    background path compiles keyed dropout: test_background_compile.py)."""
     _replace_compile(monkeypatch, lambda module, *_: module, tmp_path)
     grads, caught = [], []
     for setting in ("off", "on"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 8))
         pipe = vf.compile(model, vf.Cluster(gpus=2, device="cpu"), example_inputs=(X,),
-                          loss_fn=_mse, stages=2, micro_batch_size=1, compile_stages=setting)
+                          loss_fn=_mse, stages=2, micro_batch_size=1, compile_stages=setting,
+                          compile_wait=True)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             torch.manual_seed(5)

@@ -68,6 +68,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from ..codegen.stage_module import Stage
 from ..world import switches
 from .compiled_stage import CompiledStageWarning, use_cache_dir
+from .keyed_inputs import DropoutSite, draw_noise, dropout_sites, record_call, with_noise_inputs
 from .split_compile import aot_split
 
 # what a compiled variant is called with (flat: parameters, buffers, arguments) and returns
@@ -104,12 +105,13 @@ class _ShellCall:
         return tuple(out[key] for key in self.keys)
 
 
-def flat_graph(stage: Stage, names: list[str], nargs: int, keys: list[str]) -> fx.GraphModule:
-    """A graph taking the stage's ``names`` (parameters, then buffers) and its ``nargs``
+def flat_graph(module: nn.Module, names: list[str], nargs: int, keys: list[str]
+               ) -> fx.GraphModule:
+    """A graph taking ``module``'s ``names`` (parameters, then buffers) and its ``nargs``
     arguments as inputs, returning its outputs ``keys`` in that order."""
-    if isinstance(stage.module, _LazyGraphModule):
-        stage.module.real_recompile()  # its Python made here, not in the compiling thread
-    call = _ShellCall(_shell(stage.module, {}), names, keys)
+    if isinstance(module, _LazyGraphModule):
+        module.real_recompile()  # its Python made here, not in the compiling thread
+    call = _ShellCall(_shell(module, {}), names, keys)
     graph = fx.Graph()
     inputs = [graph.placeholder(f"in_{i}") for i in range(len(names) + nargs)]
     node = graph.call_function(call, tuple(inputs))
@@ -129,6 +131,7 @@ def compile_flat(gm: fx.GraphModule, examples: list[torch.Tensor], grad_modes: S
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    _guard_random_state()  # here: its imports (a second or two) not in a step
     result: dict[bool, Compiled] = {}
     for grad in grad_modes:
         mode = FakeTensorMode()
@@ -282,9 +285,13 @@ class BackgroundStage:
         # accumulates): a box the compile's closure reads, so it holds no reference to self
         self._live: list[list[nn.Parameter | None]] = [[]]
         self._said: set[str] = set()
-        if stage.random:
-            self.failed = ("its keyed random ops (dropout) are not compiled yet: they read "
-                           "each micro-batch's key from Python state")
+        # keyed dropouts: their masks drawn eagerly, inputs of the compiled graph
+        sites = dropout_sites(stage) if stage.random else []
+        self.sites: list[DropoutSite] = sites or []
+        if sites is None:
+            self.failed = ("its random ops other than dropout (an attention with dropout, "
+                           "randn_like, ...) are not compiled: they read each micro-batch's "
+                           "key from Python state")
 
     # -- the calls --------------------------------------------------------------------------------
 
@@ -294,9 +301,12 @@ class BackgroundStage:
                        f"compile_stages: {self.failed}")
             return self.stage(values)
         if self.compiled is None:
-            result = self.stage(values)
-            if self._job is None:
-                self._submit(values, result)
+            if self._job is not None:
+                return self.stage(values)
+            # the first call: the keyed dropouts' input shapes recorded as it runs
+            result = record_call(self.stage, self.sites, values) if self.sites else \
+                self.stage(values)
+            self._submit(values, result)
             return result
         return self._call_compiled(values)
 
@@ -308,6 +318,11 @@ class BackgroundStage:
         tensors = dict(module.named_parameters())
         tensors.update(module.named_buffers())
         flat = [tensors.get(n) for n in self._names] + [values[n] for n in self.stage.arg_names]
+        if self.sites:
+            noise = draw_noise(self.stage, self.sites)
+            if noise is None:  # a dropout that draws nothing now (eval, p of 0): as eager
+                return self.stage(values)
+            flat += noise
         fn = self.compiled.get(torch.is_grad_enabled())
         if fn is None or len(tensors) != len(self._names) or _signature(flat) != self._expected:
             self._warn("differs", f"stage {self.stage.index}: a call differs from what was "
@@ -332,6 +347,7 @@ class BackgroundStage:
         buffers = dict(module.named_buffers())
         self._names = [*params, *buffers]
         args = [values[n] for n in self.stage.arg_names]
+        args += [torch.empty(s.shape or (), dtype=s.dtype, device=s.device) for s in self.sites]
         self._keys = list(result)
         examples = [*params.values(), *buffers.values(), *args]
         self._expected = _signature(examples)
@@ -339,13 +355,14 @@ class BackgroundStage:
             self._fail("an input or output is not a tensor")
             return
         try:
-            gm = flat_graph(self.stage, self._names, len(args), self._keys)
+            module = with_noise_inputs(self.stage, self.sites) if self.sites else \
+                self.stage.module
+            gm = flat_graph(module, self._names, len(args), self._keys)
         except Exception as exc:  # noqa: BLE001 - the stage stays eager, said
             self._fail(f"its flat graph could not be made ({_first_line(exc)})")
             return
         marks = [True] * len(params) + [False] * (len(buffers) + len(args))
         use_cache_dir()
-        _guard_random_state()
         grad_modes, split, autocast = self.grad_modes, self.split, self.autocast
         box = self._live
         self._job = _Job(lambda: compile_flat(gm, examples, grad_modes, marks, split, autocast,
