@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +79,10 @@ class _Gated:
         self.calls = 0
         self.modes: list[tuple[bool, ...]] = []
 
-    def __call__(self, gm: torch.fx.GraphModule, examples: list[torch.Tensor],
-                 grad_modes: Sequence[bool], *_: Any) -> dict[bool, Callable[..., Any]]:
-        self.modes.append(tuple(grad_modes))
+    def __call__(self, gm: torch.fx.GraphModule, examples: dict[bool, list[torch.Tensor]],
+                 *_: Any) -> dict[bool, Callable[..., Any]]:
+        grad_modes = tuple(examples)
+        self.modes.append(grad_modes)
         self.gate.wait(self.hold)
         if self.fail:
             raise RuntimeError(self.fail)
@@ -156,6 +157,13 @@ def test_the_first_step_runs_eagerly_and_the_switch_waits_for_a_step_boundary(
     assert fake.modes == [(True,), (True,)]
 
 
+def _warned(run: Callable[[], Any]) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if issubclass(w.category, CompiledStageWarning)]
+
+
 @pytest.mark.parametrize("schedule,recompute", [("1f1b", True), ("1f1b-zb", False)])
 def test_recompute_and_a_split_backward_stay_exact_across_the_switch(
         gated: Any, schedule: str, recompute: bool) -> None:
@@ -168,12 +176,16 @@ def test_recompute_and_a_split_backward_stay_exact_across_the_switch(
     for step in range(3):
         for p in (eager, pipe):
             p.zero_grad()
-        torch.testing.assert_close(pipe.step(X, target=Y), eager.step(X, target=Y), **EXACT)
+        texts = _warned(lambda: torch.testing.assert_close(
+            pipe.step(X, target=Y), eager.step(X, target=Y), **EXACT))
+        assert texts == []  # every call as compiled: no eager fallback
         for n, g in _grads(eager).items():
             torch.testing.assert_close(_grads(pipe)[n], g, **EXACT)
         if step == 0:
             _until(lambda: all(s.ready for s in _stages(pipe)))
-    assert all(s.compiled is not None for s in _stages(pipe)) and fake.calls
+    assert all(s.compiled is not None for s in _stages(pipe))
+    # steps 2 and 3 compiled: 4 forwards per stage, and the first stage's 4 recomputes
+    assert fake.calls == 2 * (8 + 4 * recompute), fake.calls
     want = [(False, True), (True,)] if recompute else [(True,), (True,)]
     assert fake.modes == want
 
@@ -221,13 +233,6 @@ def test_keyed_dropout_compiles_with_eagers_masks(gated: Any, recompute: bool) -
         if step == 0:
             _until(lambda: all(s.ready for s in _stages(pipe)))
     assert all(s.compiled is not None for s in _stages(pipe)) and fake.calls
-
-
-def _warned(run: Callable[[], Any]) -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        run()
-    return [str(w.message) for w in caught if issubclass(w.category, CompiledStageWarning)]
 
 
 def test_a_background_compile_that_fails_leaves_the_stage_eager_with_a_warning(

@@ -120,22 +120,26 @@ def flat_graph(module: nn.Module, names: list[str], nargs: int, keys: list[str]
     return fx.GraphModule(nn.Module(), graph)
 
 
-def compile_flat(gm: fx.GraphModule, examples: list[torch.Tensor], grad_modes: Sequence[bool],
+def compile_flat(gm: fx.GraphModule, examples: dict[bool, list[torch.Tensor]],
                  params: list[bool], split: bool, autocast: Callable[[], Any],
                  live: Callable[[], list[nn.Parameter | None]]) -> dict[bool, Compiled]:
     """The compile the background thread runs (tests replace it): inductor on ``gm`` for each
-    grad mode, on fakes of ``examples``. ``params``: per input, whether it is a parameter (a
-    split backward leaves their gradients to ``W``); ``live()``: per input, the parameter it
-    is at the call (where a split backward's weight half accumulates)."""
+    grad mode of ``examples``, on fakes of its inputs there. ``params``: per input, whether it
+    is a parameter (a split backward leaves their gradients to ``W``); ``live()``: per input,
+    the parameter it is at the call (where a split backward's weight half accumulates)."""
     from torch._functorch import config as functorch_config  # compile-time imports
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _guard_random_state()  # here: its imports (a second or two) not in a step
     result: dict[bool, Compiled] = {}
-    for grad in grad_modes:
+    cuda = next((t.device for t in examples[True if True in examples else False]
+                 if t.is_cuda), None)
+    if cuda is not None:  # the current device is per thread: the stage's, not device 0
+        torch.cuda.set_device(cuda)
+    for grad, inputs in examples.items():
         mode = FakeTensorMode()
-        fakes = [mode.from_tensor(t) for t in examples]
+        fakes = [mode.from_tensor(t) for t in inputs]
         # the backward compiled now, not at the first backward (that would stall a step)
         with functorch_config.patch(force_non_lazy_backward_lowering=True), \
                 torch.set_grad_enabled(grad), autocast():
@@ -280,7 +284,8 @@ class BackgroundStage:
         self._job: _Job | None = None
         self._names: list[str] = []  # the parameters' and buffers' FQNs, inputs first
         self._keys: list[str] = []  # the outputs' names, in the compiled order
-        self._expected: tuple[Any, ...] | None = None  # the compiled inputs' signature
+        # what each grad mode's compiled variant assumes of its inputs
+        self._expected: dict[bool, tuple[Any, ...] | None] = {}
         # per input, the parameter at the latest call (where a split backward's weight half
         # accumulates): a box the compile's closure reads, so it holds no reference to self
         self._live: list[list[nn.Parameter | None]] = [[]]
@@ -323,8 +328,10 @@ class BackgroundStage:
             if noise is None:  # a dropout that draws nothing now (eval, p of 0): as eager
                 return self.stage(values)
             flat += noise
-        fn = self.compiled.get(torch.is_grad_enabled())
-        if fn is None or len(tensors) != len(self._names) or _signature(flat) != self._expected:
+        grad = torch.is_grad_enabled()
+        fn = self.compiled.get(grad)
+        if fn is None or len(tensors) != len(self._names) or \
+                _signature(flat) != self._expected.get(grad):
             self._warn("differs", f"stage {self.stage.index}: a call differs from what was "
                        "compiled (grad mode, or a tensor's shape, stride, dtype, device or "
                        "requires_grad); such calls run eagerly")
@@ -347,13 +354,20 @@ class BackgroundStage:
         buffers = dict(module.named_buffers())
         self._names = [*params, *buffers]
         args = [values[n] for n in self.stage.arg_names]
-        args += [torch.empty(s.shape or (), dtype=s.dtype, device=s.device) for s in self.sites]
-        self._keys = list(result)
-        examples = [*params.values(), *buffers.values(), *args]
-        self._expected = _signature(examples)
-        if self._expected is None or _signature(list(result.values())) is None:
+        if _signature(args) is None or _signature(list(result.values())) is None:
             self._fail("an input or output is not a tensor")
             return
+        # the arguments as each grad mode sees them: a received value needs a gradient under
+        # autograd (a recomputing stage's forward runs under no_grad, its recompute not)
+        needs = {t.name: t.requires_grad for t in self.stage.spec.recvs}
+        noise = [torch.empty(s.shape or (), dtype=s.dtype, device=s.device) for s in self.sites]
+        examples = {g: [*params.values(), *buffers.values(),
+                        *[a.detach().requires_grad_(g and needs.get(n, False))
+                          for n, a in zip(self.stage.arg_names, args)], *noise]
+                    for g in self.grad_modes}
+        self._expected = {g: _signature(e) for g, e in examples.items()}
+        args += noise
+        self._keys = list(result)
         try:
             module = with_noise_inputs(self.stage, self.sites) if self.sites else \
                 self.stage.module
@@ -363,9 +377,8 @@ class BackgroundStage:
             return
         marks = [True] * len(params) + [False] * (len(buffers) + len(args))
         use_cache_dir()
-        grad_modes, split, autocast = self.grad_modes, self.split, self.autocast
-        box = self._live
-        self._job = _Job(lambda: compile_flat(gm, examples, grad_modes, marks, split, autocast,
+        split, autocast, box = self.split, self.autocast, self._live
+        self._job = _Job(lambda: compile_flat(gm, examples, marks, split, autocast,
                                               lambda: box[0]), self)
         COMPILER.submit(self._job)
 
