@@ -382,17 +382,12 @@ class BackgroundStage:
                                               lambda: box[0]), self)
         COMPILER.submit(self._job)
 
-    def at_step_boundary(self, wait: float = 0.0) -> bool:
-        """Adopt the compiled version if it is ready (waiting up to ``wait`` seconds for it);
-        give up on a compile past its time limit. Returns whether the stage runs compiled."""
+    def at_step_boundary(self) -> bool:
+        """Adopt the compiled version if it is ready (never waits); give up on a compile past
+        its time limit. Returns whether the stage runs compiled."""
         job = self._job
         if self.compiled is not None or job is None or self.failed is not None:
             return self.compiled is not None
-        if wait > 0 and not job.future.done():
-            try:
-                job.future.exception(timeout=wait)
-            except TimeoutError:
-                pass
         if job.future.done():
             self._job = None
             error = job.future.exception()
