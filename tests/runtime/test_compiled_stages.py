@@ -130,6 +130,8 @@ def test_the_train_command_passes_compile_stages_on() -> None:
     assert cfg.compile_options()["compile_stages"] == "on" and source == {
         "compile_stages": "command line"}
     assert resolve([])[0].compile_options()["compile_stages"] == "auto"
+    assert resolve([])[0].compile_options()["compile_wait"] is False
+    assert resolve(["--compile-wait"])[0].compile_options()["compile_wait"] is True
     with pytest.raises(InputError, match="compile_stages"):
         resolve(["--compile-stages", "max"])
 
