@@ -271,6 +271,28 @@ def test_a_background_compile_that_hangs_times_out(gated: Any,
     assert all(s.failed and not s.pending for s in _stages(pipe))
 
 
+def test_a_new_pipeline_compiles_its_own_stages_and_a_dropped_ones_queue_is_skipped(
+        gated: Any) -> None:
+    """A morph or restart makes new stages: they compile in the background in turn, while
+    the queued compile of a pipeline no longer held (its stages gone) never runs."""
+    import gc
+
+    fake = gated()
+    old = _pipe("on")
+    old.step(X, target=Y)  # stage 0's compile starts (held at the gate), stage 1's waits
+    _until(lambda: len(fake.modes) == 1)
+    del old
+    gc.collect()
+    new = _pipe("on")
+    new.step(X, target=Y)  # the first step after the "morph": eager, no wait
+    assert all(s.pending and s.compiled is None for s in _stages(new))
+    fake.gate.set()
+    _until(lambda: all(s.ready for s in _stages(new)))
+    new.step(X, target=Y)
+    assert all(s.compiled is not None for s in _stages(new))
+    assert len(fake.modes) == 3  # the old stage 0's, then the new two: not the old stage 1's
+
+
 def test_the_flat_graph_never_rebinds_the_stage_modules_tensors(gated: Any) -> None:
     """The compile traces a shell of the stage module: running the flat graph on other
     tensors leaves the stage's own parameters and buffers where they were."""
