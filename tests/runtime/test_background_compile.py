@@ -293,6 +293,22 @@ def test_a_new_pipeline_compiles_its_own_stages_and_a_dropped_ones_queue_is_skip
     assert len(fake.modes) == 3  # the old stage 0's, then the new two: not the old stage 1's
 
 
+def test_the_compiling_thread_ends_when_idle_and_starts_again(
+        gated: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its wait for work is bounded too: idle, it ends; the next compile starts another."""
+    fake = gated()
+    fake.gate.set()
+    monkeypatch.setattr(background_compile._Compiler, "IDLE", 0.05)
+    compiler = background_compile.COMPILER
+    for _ in range(2):
+        pipe = _pipe("on")
+        pipe.step(X, target=Y)
+        stages = _stages(pipe)
+        _until(lambda stages=stages: all(s.ready for s in stages))
+        _until(lambda: compiler.thread is None)
+    assert len(fake.modes) == 4
+
+
 def test_the_flat_graph_never_rebinds_the_stage_modules_tensors(gated: Any) -> None:
     """The compile traces a shell of the stage module: running the flat graph on other
     tensors leaves the stage's own parameters and buffers where they were."""

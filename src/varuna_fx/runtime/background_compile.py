@@ -172,18 +172,31 @@ class _Compiler:
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
 
+    IDLE = 60.0  # seconds the thread waits for another job before it ends
+
     def submit(self, job: _Job) -> None:
-        with self.lock:
+        with self.lock:  # one with _loop's ending: a job is never left without a thread
+            self.jobs.put(job)
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._loop, name="varuna-fx-compile",
                                                daemon=True)
                 self.thread.start()
-                atexit.register(self.at_exit)
-        self.jobs.put(job)
+                if not self.registered:
+                    self.registered = True
+                    atexit.register(self.at_exit)
+
+    registered = False  # at_exit registered
 
     def _loop(self) -> None:
         while True:
-            job = self.jobs.get()
+            try:
+                job = self.jobs.get(timeout=self.IDLE)
+            except queue.Empty:
+                with self.lock:
+                    if self.jobs.empty():
+                        self.thread = None
+                        return
+                continue
             self.current = job
             # abandoned before it began (its stage gave up on it, or is gone)
             if job.owner() is None:
