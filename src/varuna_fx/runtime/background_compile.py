@@ -52,6 +52,7 @@ import atexit
 import contextlib
 import copy
 import operator
+import os
 import queue
 import threading
 import time
@@ -188,6 +189,11 @@ class _Compiler:
     registered = False  # at_exit registered
 
     def _loop(self) -> None:
+        if NICE:
+            try:  # Linux: a thread's own niceness (the compile workers it starts inherit it)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+            except (AttributeError, OSError):
+                pass
         while True:
             try:
                 job = self.jobs.get(timeout=self.IDLE)
@@ -234,6 +240,10 @@ class _Compiler:
 
 
 COMPILER = _Compiler()
+# the compiling thread's niceness (Linux): the training loop's steps keep the CPU. Measured
+# on 2 shared cores (GPT 4 layers, P=2, cold cache): eager steps while compiling 56 ms at 0,
+# 26 ms at 10 (24 ms without a compile), the switch 41 s -> 56 s after the first step
+NICE = 10
 
 
 def _guard_random_state() -> None:
