@@ -12,6 +12,9 @@ blocks), training mode, one process, micro-batches of 2 (4 per step):
   (a fresh ``TORCHINDUCTOR_CACHE_DIR``), and the same in a new process on that cache (what a
   restarted or joining process pays; wall seconds, the child's whole first step).
 
+``--restart`` measures only the first step after a restart (a new process, P=2): the compile
+waited for (``compile_wait=True``) against in the background (the default), cold and warm.
+
 Targets: compiled >= 1.08x eager at P=2 on the GPT, compiled zero-bubble faster than eager
 zero-bubble, <= 3 s compile from the cache.
 """
@@ -35,14 +38,18 @@ from common import SRC, write_block
 CASES = (("P=1", 1, "1f1b"), ("P=2 1f1b", 2, "1f1b"), ("P=2 1f1b-zb", 2, "1f1b-zb"))
 
 
-def build(layers: int, stages: int, schedule: str, compiled: bool) -> tuple[Any, Any, Any]:
+def build(layers: int, stages: int, schedule: str, compiled: bool,
+          wait: bool = True) -> tuple[Any, Any, Any]:
+    """``wait``: the first step compiles (compile_wait=True), so the steps after it are the
+    compiled ones; False: compiled in the background (the default of compile_stages="on")."""
     import varuna_fx as vf
     from varuna_fx.examples import demo_gpt, lm_loss
 
     model, x, y = demo_gpt(n_layer=layers)
     pipe = vf.compile(model, vf.Cluster(gpus=stages, device="cpu"), example_inputs=(x,),
                       loss_fn=lm_loss, stages=stages, schedule=schedule, micro_batch_size=2,
-                      recompute=False, compile_stages="on" if compiled else "off")
+                      recompute=False, compile_stages="on" if compiled else "off",
+                      compile_wait=wait)
     return pipe, x, y
 
 
@@ -79,16 +86,73 @@ def child_first_step(layers: int, cache: str, **more: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def restart(layers: int, wait: bool, limit: float = 400.0) -> dict[str, Any]:
+    """A restarted process's steps at P=2 (wall seconds): its first step, with the compile
+    waited for or in the background; then steps until every stage runs compiled (background:
+    when the switch came, and the eager steps meanwhile), and a few compiled steps."""
+    pipe, x, y = build(layers, 2, "1f1b", True, wait=wait)
+    calls = [w.call for w in pipe.runtime.workers]
+    began = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = step_seconds(pipe, x, y, time.perf_counter)
+        during: list[float] = []
+        while not all(getattr(c, "compiled", True) is not None for c in calls) and \
+                time.perf_counter() - began < limit:
+            during.append(step_seconds(pipe, x, y, time.perf_counter))
+        switched = time.perf_counter() - began
+        after = [step_seconds(pipe, x, y, time.perf_counter) for _ in range(5)]
+    return {"first": first, "during": during, "switched": switched,
+            "after": statistics.median(after),
+            "compile": [getattr(c, "compile_seconds", None) for c in calls]}
+
+
+def child_restart(layers: int, cache: str, wait: bool) -> dict[str, Any]:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PYTHONPATH=str(SRC))
+    out = subprocess.run([sys.executable, __file__, "--restart-child", "wait" if wait else "bg",
+                          "--layers", str(layers)],
+                         env=env, capture_output=True, text=True, timeout=900, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def restarts(layers: int) -> None:
+    """``--restart``: the first step after a restart, the compile waited for against in the
+    background, each in a new process, on a cold inductor cache and then on the warm one."""
+    print(f"| demo GPT {layers} layers, P=2 1f1b, new process | first step | eager steps "
+          "while compiling | switched after | compiled step | background compile |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    # each mode its own cache: cold at first, then as its cold run left it
+    caches = {w: tempfile.mkdtemp(prefix="vf_inductor_restart_") for w in (True, False)}
+    for cache_state in ("cold", "warm"):
+        for wait in (True, False):
+            r = child_restart(layers, caches[wait], wait)
+            during = (f"{len(r['during'])} x {statistics.median(r['during']) * 1e3:.0f} ms"
+                      if r["during"] else "-")
+            comp = ", ".join(f"{c:.1f} s" for c in r["compile"] if c is not None) or "-"
+            print(f"| {cache_state}, {'compile_wait=True' if wait else 'background'} | "
+                  f"{r['first']:.2f} s | {during} | {r['switched']:.1f} s | "
+                  f"{r['after'] * 1e3:.0f} ms | {comp} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--restart", action="store_true",
+                    help="only the first step after a restart: background compile vs waiting")
+    ap.add_argument("--restart-child", choices=("wait", "bg"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.child:
         print(json.dumps(first_step(args.layers, child=True)))
+        return
+    if args.restart_child:
+        print(json.dumps(restart(args.layers, args.restart_child == "wait")))
+        return
+    if args.restart:
+        restarts(args.layers)
         return
     cache = tempfile.mkdtemp(prefix="vf_inductor_bench_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # cold: nothing compiled there yet

@@ -91,6 +91,7 @@ def compile(  # noqa: A001 - the public name in API.md
     compression: str = "off",
     replica_sync: ReplicaSync = "exact",
     compile_stages: str = "auto",
+    compile_wait: bool = False,
 ) -> Pipeline:
     """Trace ``model``, cut it into balanced stages and return a runnable :class:`Pipeline`.
 
@@ -107,7 +108,9 @@ def compile(  # noqa: A001 - the public name in API.md
     anything but "off" / "exact" departs from eager numerics by design, and the plan says so).
     ``compile_stages``: "on" runs every stage's forward and backward through torch.compile /
     inductor, "off" eagerly; "auto" compiles on CUDA clusters (``plan.compile_stages`` and the
-    plan's title say which, ``plan.compile_note`` why).
+    plan's title say which, ``plan.compile_note`` why). Compiled stages run eagerly while
+    they compile in a background thread and switch at a step boundary once compiled, so no
+    step waits for a compile; ``compile_wait=True`` compiles at the first call instead.
     """
     # every keyword but the model and its inputs (CompileOptions' fields are exactly these:
     # tests/api/test_options.py), so a new option is a field of its part and a keyword here

@@ -3,6 +3,8 @@ the plan, compiled pipelines equal eager within compiled tolerance under 1F1B, a
 backward and recompute, graph breaks and recompiles are warned, and a stage inductor cannot
 compile runs eagerly with a warning naming the error.
 
+These pass ``compile_wait=True``: the first call compiles (torch.compile), as they check;
+tests/runtime/test_background_compile.py has the default, a compile in the background.
 Inductor compiles take seconds each on CPU: one slow test compiles for real (three pipelines
 of a tiny MLP, the later ones from inductor's cache); the rest replace the compile call."""
 
@@ -71,7 +73,8 @@ def _step(schedule: str, recompute: bool, ranks: int = 2, **tol: float) -> list[
         warnings.simplefilter("always")
         pipe = vf.compile(_mlp(), vf.Cluster(gpus=ranks, device="cpu"), example_inputs=(X,),
                           loss_fn=_mse, stages=v * ranks, stages_per_rank=v, schedule=schedule,
-                          micro_batch_size=1, recompute=recompute, compile_stages="on")
+                          micro_batch_size=1, recompute=recompute, compile_stages="on",
+                          compile_wait=True)
         assert pipe.plan.compile_stages and pipe.plan.recompute[0] == recompute
         loss = pipe.step(X, target=Y)
     torch.testing.assert_close(float(loss), want_loss, **(tol or TOLERANCE))
@@ -106,7 +109,8 @@ def test_auto_on_a_cuda_plan_stepped_on_cpu_runs_eager_stages(
     for setting, compiled in (("auto", False), ("on", True)):
         calls.clear()
         pipe = vf.compile(_mlp(), vf.Cluster(gpus=2, device="cuda"), example_inputs=(X,),
-                          loss_fn=_mse, stages=2, micro_batch_size=1, compile_stages=setting)
+                          loss_fn=_mse, stages=2, micro_batch_size=1, compile_stages=setting,
+                          compile_wait=True)
         assert pipe.plan.compile_stages and pipe.plan.compiles_on("cuda")
         pipe.step(X, target=Y)
         assert bool(calls) is compiled, setting
@@ -127,6 +131,8 @@ def test_the_train_command_passes_compile_stages_on() -> None:
     assert cfg.compile_options()["compile_stages"] == "on" and source == {
         "compile_stages": "command line"}
     assert resolve([])[0].compile_options()["compile_stages"] == "auto"
+    assert resolve([])[0].compile_options()["compile_wait"] is False
+    assert resolve(["--compile-wait"])[0].compile_options()["compile_wait"] is True
     with pytest.raises(InputError, match="compile_stages"):
         resolve(["--compile-stages", "max"])
 
@@ -186,15 +192,17 @@ def test_the_models_own_error_is_raised_not_hidden(monkeypatch: pytest.MonkeyPat
 
 def test_a_stage_with_keyed_dropout_runs_eagerly_with_a_warning(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Keyed random ops are not compiled: such a stage runs eagerly, said once, and draws
-    the masks an eager-stage pipeline draws."""
+    """Under torch.compile (compile_wait=True) keyed random ops are not compiled: such a stage
+    runs eagerly, said once, and draws the masks an eager-stage pipeline draws (the
+    background path compiles keyed dropout: test_background_compile.py)."""
     _replace_compile(monkeypatch, lambda module, *_: module, tmp_path)
     grads, caught = [], []
     for setting in ("off", "on"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 8))
         pipe = vf.compile(model, vf.Cluster(gpus=2, device="cpu"), example_inputs=(X,),
-                          loss_fn=_mse, stages=2, micro_batch_size=1, compile_stages=setting)
+                          loss_fn=_mse, stages=2, micro_batch_size=1, compile_stages=setting,
+                          compile_wait=True)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             torch.manual_seed(5)

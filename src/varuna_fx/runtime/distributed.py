@@ -103,7 +103,8 @@ class DistributedRuntime(StepLoop):
         self.workers = [StageWorker(stages[s], recompute=plan.recompute[s], is_last=s == last,
                                     offload_stash=options.offload_stash, autocast=self.autocast,
                                     compiled=plan.compiles_on(device.type),
-                                    split_backward=plan.schedule.split_backward)
+                                    split_backward=plan.schedule.split_backward,
+                                    compile_wait=options.compile_wait)
                         for s in self.local_stages]
         self.worker = self.workers[0]
         self.executor = StageExecutor(self.workers, stages, placement, self.replica,

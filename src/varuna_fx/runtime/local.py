@@ -54,7 +54,8 @@ class LocalRuntime(StepLoop):
                                     is_last=s.index == last, offload_stash=options.offload_stash,
                                     autocast=self.autocast,
                                     compiled=plan.compiles_on("cuda" if on_cuda else "cpu"),
-                                    split_backward=plan.schedule.split_backward)
+                                    split_backward=plan.schedule.split_backward,
+                                    compile_wait=options.compile_wait)
                         for s in stages]
         self._orders: dict[int, list[Action]] = {}
         # (src, dst) -> how a transfer between those stages would travel between their ranks

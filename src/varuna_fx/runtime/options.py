@@ -34,6 +34,10 @@ class RunOptions:
     # pass dumps (None: $VARUNA_FX_DUMP): a model run in another train/eval mode is compiled
     # again at run time (codegen/modes.py), and dumps there too
     dump: str | None = None
+    # compile_stages on: True compiles each stage at its first call, the first step waiting
+    # for it; False (the default) compiles in the background, the stage eager until a step
+    # boundary after its compile (runtime/background_compile.py)
+    compile_wait: bool = False
 
     def __post_init__(self) -> None:
         if self.loss_fn is not None and not callable(self.loss_fn):
@@ -42,6 +46,7 @@ class RunOptions:
         check_name("precision", self.precision, "fp32")
         check_count("global_batch_size", self.global_batch_size, "samples per optimizer step")
         check_flag("offload_stash", self.offload_stash)
+        check_flag("compile_wait", self.compile_wait)
         check_flag("shard_optimizer", self.shard_optimizer, (True, False, "auto"))
         resolve_timeout(self.timeout)  # the keyword or $VARUNA_FX_TIMEOUT: wrong values fail here
         check_precision(self.precision)  # before capture and planning, not after

@@ -67,18 +67,23 @@ def _accumulate(params: list[nn.Parameter], grads: Sequence[torch.Tensor]) -> No
             p.grad += g
 
 
-def split_backward_graph(bw: fx.GraphModule, params: list[nn.Parameter | None]
+def split_backward_graph(bw: fx.GraphModule, params: Sequence[nn.Parameter | bool | None],
+                         live: Callable[[], Sequence[nn.Parameter | None]] | None = None
                          ) -> Callable[[list[Any]], Any]:
     """``bw``: AOTAutograd's backward graph, one output per forward input; ``params``: per
-    forward input, the parameter it is (None: an activation or model input)."""
+    forward input, the parameter it is (None: an activation or model input). ``live``: where
+    the parameters are passed in as inputs (background_compile.py), per forward input the
+    parameter of the latest call, read when the weight half runs (``params`` then only marks
+    which inputs are parameters)."""
     from torch._functorch.aot_autograd import make_boxed_func  # imported when compiling
     from torch._inductor.compile_fx import compile_fx_inner
 
     output = next(n for n in bw.graph.nodes if n.op == "output")
     outs = list(output.args[0])
     assert len(outs) == len(params), "one gradient per forward input"
-    a_idx = [k for k, o in enumerate(outs) if params[k] is None and isinstance(o, fx.Node)]
-    w_idx = [k for k, o in enumerate(outs) if params[k] is not None and isinstance(o, fx.Node)]
+    is_param = [p is not None and p is not False for p in params]
+    a_idx = [k for k, o in enumerate(outs) if not is_param[k] and isinstance(o, fx.Node)]
+    w_idx = [k for k, o in enumerate(outs) if is_param[k] and isinstance(o, fx.Node)]
     in_i, in_w = _ancestors([outs[k] for k in a_idx]), _ancestors([outs[k] for k in w_idx])
     inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
     # computed by the input-gradient graph and read by the weight-gradient graph
@@ -107,12 +112,13 @@ def split_backward_graph(bw: fx.GraphModule, params: list[nn.Parameter | None]
     dI = compile_fx_inner(modules[0], example, is_backward=True)
     dW = compile_fx_inner(modules[1], example + [f.meta["val"] for f in frontier],
                           is_backward=True)
-    owners = [params[k] for k in w_idx]
+    fixed = [params[k] for k in w_idx]
 
     def run(*args: Any) -> list[Any]:
         kept = list(args)  # the saved values the weight pass still reads
         result = list(dI(list(kept)))
         grads, handed = result[:len(a_idx)], result[len(a_idx):]
+        owners = fixed if live is None else [live()[k] for k in w_idx]
 
         def weights() -> None:
             with torch.no_grad():
@@ -128,24 +134,33 @@ def split_backward_graph(bw: fx.GraphModule, params: list[nn.Parameter | None]
 
 def split_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     """The torch.compile backend of a compiled stage under a split backward."""
-    from torch._functorch import config as functorch_config
-    from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
-
     params: list[nn.Parameter | None] = []
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             arg = n.meta.get("grapharg")
             real = arg.example if arg is not None else None
             params.append(real if isinstance(real, nn.Parameter) else None)
+    return aot_split(gm, example_inputs, params)
+
+
+def aot_split(gm: fx.GraphModule, example_inputs: list[Any],
+              params: Sequence[nn.Parameter | bool | None],
+              live: Callable[[], Sequence[nn.Parameter | None]] | None = None
+              ) -> Callable[..., Any]:
+    """AOTAutograd and inductor on ``gm``, its backward split (``split_backward_graph``'s
+    ``params`` and ``live``, per input of ``gm``)."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+
     # no donated buffers: inductor may otherwise reuse a saved value's memory in the input
     # half, and the weight half, run later, reads those values (measured: wrong weight
     # gradients with several micro-batches)
     with functorch_config.patch(donated_buffer=False):
         return aot_module_simplified(
             gm, example_inputs, fw_compiler=compile_fx_inner,
-            bw_compiler=lambda g, _: split_backward_graph(g, params),
+            bw_compiler=lambda g, _: split_backward_graph(g, params, live),
             partition_fn=min_cut_rematerialization_partition,
             decompositions=select_decomp_table())

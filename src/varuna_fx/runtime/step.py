@@ -37,6 +37,7 @@ from .loss_fn_mixing import loss_fn_findings
 from .loss_weights import MeanLoss, warn_uneven_ignored_targets
 from .precision import LossScaler
 from .sync.grad_sync import GradSync
+from .worker import StageWorker
 
 # (micro-batch, the last stage's outputs for it) -> the scaled loss to back-propagate
 LossOf = Callable[[int, dict[str, torch.Tensor]], torch.Tensor]
@@ -96,6 +97,7 @@ class StepLoop:
     stage_index: int = 0
     replica_index: int = 0
     local_stages: list[int]
+    workers: list[StageWorker]  # this process's stages, as the step runs them
     # one process: rank 0, no peers to wait on, nothing to synchronise or close through a store
     rank: int = 0
     timeout: float | None = None
@@ -124,6 +126,8 @@ class StepLoop:
     def step(self, inputs: dict[str, torch.Tensor], target: Any = None,
              flags: Sequence[bool | Callable[[], bool]] = ()) -> torch.Tensor:
         b = self.plan.micro_batch_size
+        for worker in self.workers:  # a stage compiled in the background switches here
+            worker.at_step_boundary()
         inputs = self.prepare(inputs)
         micro = split_batch(inputs, b)
         m = len(micro)

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..codegen.stage_module import Stage
 from ..ir.rng import RandomKey, rng_context
+from .background_compile import BackgroundStage
 from .compiled_stage import CompiledStage
 from .split_backward import Deferred, input_grads
 from .split_compile import PENDING, CompiledWeights, take_pending
@@ -54,18 +55,25 @@ class StageWorker:
     def __init__(self, stage: Stage, *, recompute: bool, is_last: bool,
                  offload_stash: bool = False,
                  autocast: Callable[[], Any] = contextlib.nullcontext,
-                 compiled: bool = False, split_backward: bool = False) -> None:
-        """``compiled``: run the stage through torch.compile / inductor (compiled_stage.py);
+                 compiled: bool = False, split_backward: bool = False,
+                 compile_wait: bool = False) -> None:
+        """``compiled``: run the stage compiled by inductor: eagerly while it compiles in the
+        background, then compiled from a step boundary on (background_compile.py), or with
+        ``compile_wait`` compiled by torch.compile at its first call (compiled_stage.py);
         ``split_backward``: the schedule splits backwards (then a compiled stage's backward
         is compiled in an input half and a weight half: split_compile.py)."""
         self.stage = stage
         self.compiled = compiled
-        # what forward and recompute call: the stage, or the stage compiled
-        self.call: Callable[[dict[str, Any]], dict[str, Any]] = \
-            CompiledStage(stage, split_backward) if compiled else stage
         self.autocast = autocast  # mixed precision: the context stage compute runs in
         self.spec = stage.spec
         self.recompute = recompute and not is_last  # the last stage never recomputes
+        # what forward and recompute call: the stage, or the stage compiled
+        self.call: Callable[[dict[str, Any]], dict[str, Any]] = stage
+        if compiled and compile_wait:
+            self.call = CompiledStage(stage, split_backward)
+        elif compiled:  # a recomputing stage's forward runs under no_grad, its recompute not
+            self.call = BackgroundStage(stage, split_backward, autocast=autocast,
+                                        grad_modes=(False, True) if self.recompute else (True,))
         self.is_last = is_last
         self.offload = offload_stash
         self.random = stage.random
@@ -98,6 +106,12 @@ class StageWorker:
 
     def reset_peak(self) -> None:
         self.peak_stash_bytes = self.stash_bytes
+
+    def at_step_boundary(self) -> None:
+        """Before a step: a stage compiling in the background switches to its compiled
+        version here once it is ready, so every micro-batch of a step runs one version."""
+        if isinstance(self.call, BackgroundStage):
+            self.call.at_step_boundary()
 
     # -- actions -------------------------------------------------------------------------------
 

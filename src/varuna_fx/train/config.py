@@ -163,6 +163,9 @@ class TrainConfig:
     compile_stages: str = key(AUTO, "compile", "run each stage through torch.compile / "
                               "inductor: on / off / auto (auto: on CUDA, off on CPU)",
                               choices=("on", "off", AUTO))
+    compile_wait: bool = key(False, "compile", "compiled stages: compile each at its first "
+                             "call, the first step waiting (false: eager while they compile "
+                             "in the background, compiled from a later step)")
     timeout: Any = key(AUTO, "compile", "seconds a rank waits for a peer (auto: "
                        "$VARUNA_FX_TIMEOUT or the default)", "float|auto", low=0.0)
     profile: bool = key(False, "compile", "measure this device for planning (cached) instead "
@@ -216,7 +219,7 @@ class TrainConfig:
                     recompute=self.recompute, shard_optimizer=self.shard_optimizer,
                     precision=self.precision, tracer=self.tracer,
                     offload_stash=self.offload_stash, profile=self.profile,
-                    compile_stages=self.compile_stages)
+                    compile_stages=self.compile_stages, compile_wait=self.compile_wait)
 
     @property
     def warmup(self) -> int:

@@ -53,6 +53,9 @@ _CACHE_WORDS = {**{w: "off" for w in OFF}, "memory": "memory"}
 _TABLE = (
     Switch("VARUNA_FX_TIMEOUT", "seconds", "300",
            "seconds any wait on a peer may take (compile's timeout= wins)"),
+    Switch("VARUNA_FX_COMPILE_TIMEOUT", "seconds", "1800",
+           "seconds a stage's background compile (compile_stages='on') may take from when it "
+           "is queued; past it the stage stays eager, with a warning"),
     Switch("VARUNA_FX_DUMP", "path", "",
            "folder every compiler pass's graph is written to (compile's dump= wins)"),
     Switch("VARUNA_FX_CACHE_DIR", "path", "", "the one folder of every on-disk cache "
