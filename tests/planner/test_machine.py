@@ -139,3 +139,28 @@ def test_gpus_on_paper_run_small_micro_batches_far_below_peak() -> None:
         assert rates[0] < 0.02 * peak and rates[-1] == pytest.approx(0.75 * peak)
         assert rates == sorted(rates)
     assert machine.paper_costs("h200").gemm_seconds[0] < machine.paper_costs("h100").gemm_seconds[0]
+
+
+def test_only_the_ranks_a_candidate_keeps_busy_contend(graph: vf.planner.Analyzed) -> None:
+    """4 ranks on the stated machine's 2 cores: every rank busy (D = 4) computes 2x slower,
+    as the times were priced; a 4-stage pipeline of one micro-batch runs one rank at a time
+    (no contention: half the priced times); with 16 micro-batches ~3.4 ranks are busy."""
+    from varuna_fx.planner.candidates import Candidate
+    from varuna_fx.planner.pricing import Pricer
+
+    cluster = vf.Cluster(gpus=4, gpus_per_node=4, device="cpu", device_type="cpu")
+    table = CostTable.build(graph.gm)
+    machine.planning_times(table, cluster, None, agree=False)
+    assert table.measured is not None and table.measured.sharing is not None
+    assert table.measured.sharing.applied == 2.0
+    pricer = Pricer.build(table, cluster, schedule="1f1b", recompute=False)
+    assert pricer.contention_factor(Candidate(1, 4, 4, 1, schedule="1f1b")) == 1.0
+    assert pricer.contention_factor(Candidate(4, 1, 16, 1, schedule="1f1b")) == 0.5
+    assert pricer.contention_factor(Candidate(4, 1, 1, 16, schedule="1f1b")) == \
+        pytest.approx(4 * 16 / 19 / 2 / 2)
+    # one rank per core: nothing to share
+    alone = CostTable.build(graph.gm)
+    machine.planning_times(alone, vf.Cluster(gpus=2, gpus_per_node=2, device="cpu",
+                                             device_type="cpu"), None, agree=False)
+    two = Pricer.build(alone, cluster, schedule="1f1b", recompute=False)
+    assert two.contention_factor(Candidate(2, 1, 16, 1, schedule="1f1b")) == 1.0

@@ -332,8 +332,9 @@ def price(config: Configuration, bounds: tuple[int, ...],
     step = pricer.simulated(c, sched, rc)
     c.memory = tuple(float(x) for x in c.plan.memory(counts, rc))
     rows = tuple(c.alternative(True) if a.chosen else a for a in config.alternatives)
-    busy = c.plan.compute(rc)
-    terms = cost_terms(step, c.allreduce_time, busy, c.plan.flags(rc), m, units.action,
+    k = pricer.contention_factor(c, sched)  # as the simulation priced the compute
+    busy = c.plan.compute(rc) * k
+    terms = cost_terms(step, c.allreduce_time, busy, c.plan.flags(rc), m, units.action * k,
                        pricer.schedule_costs(c, rc).links or (), pricer.step_overhead)
     measured = pricer.table.measured
     spread = getattr(measured, "variation", None)

@@ -112,6 +112,25 @@ class PerNodeTimes:
         return self._select(nodes, self.arrays(batch).activations)
 
 
+@dataclass(frozen=True)
+class CoreSharing:
+    """How the ranks of a node share its cores, as measured times were priced: ``threads``
+    torch threads per rank on ``cores`` cores, the times holding the contention of
+    ``applied`` (``machine.MachineCosts.contention`` of every rank of the node). A schedule
+    keeps fewer ranks busy at once than it has (a pipeline's fill and drain: ``P = 4`` with
+    one micro-batch runs one rank at a time), so the pricer prices each candidate's compute
+    with the contention of the ranks it keeps busy (:meth:`factor`)."""
+
+    threads: int
+    cores: int
+    applied: float
+
+    def factor(self, busy_ranks: float) -> float:
+        """What the times are multiplied by for ``busy_ranks`` computing at once, on average."""
+        busy = max(1.0, busy_ranks * self.threads / max(self.cores, 1))
+        return busy / max(self.applied, 1.0)
+
+
 @dataclass
 class MeasuredTimes(PerNodeTimes):
     """Chunk-level measurements spread over the chunk's nodes in proportion to their estimates.
@@ -142,6 +161,7 @@ class MeasuredTimes(PerNodeTimes):
     # or estimated), and the key it is learned under (None: nothing is learned)
     step: float = 0.0
     learn_key: str | None = None
+    sharing: CoreSharing | None = None  # ranks sharing the cores (None: not priced)
 
     def arrays(self, b: int) -> NodeArrays:
         est = self.estimate(b)

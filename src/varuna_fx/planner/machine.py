@@ -55,7 +55,7 @@ from ..world.files import cache_dir, write_atomically
 from ..world.where import in_process_group
 from . import learned
 from .cluster import Cluster, local_device_type
-from .cost_table import CostTable, NodeArrays, PerNodeTimes
+from .cost_table import CoreSharing, CostTable, NodeArrays, PerNodeTimes
 from .steady import round_significant
 
 FORMAT = 2  # 2: the backward of each linear layer timed too
@@ -139,13 +139,15 @@ class CalibratedTimes(PerNodeTimes):
     reseed: float = 0.0
     step: float = 0.0  # seconds outside the step's actions (learned.py)
     learn_key: str | None = None
+    sharing: CoreSharing | None = None  # ranks sharing the cores (cost_table.CoreSharing)
     # (the table it prices: not a setting of its own, and it holds this object)
     table: CostTable | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, table: CostTable, machine: MachineCosts, contention: float = 1.0,
            speedup: float = 1.0) -> CalibratedTimes:
-        made = cls(list(table.names), machine, contention, speedup)
+        made = cls(list(table.names), machine, contention, speedup,
+                   sharing=CoreSharing(machine.threads, machine.cores, contention))
         made.table = table
         return made
 

@@ -405,16 +405,23 @@ class Pricer:
         # cost-free ones, timed for many candidates, keep theirs); the same floats either way
         made = c.stages > 1 and sched.spec.cost_aware
 
+        # the ranks this candidate keeps busy at once share the cores (not all of a node's)
+        k = self.contention_factor(c, sched)
+
         def run(modes: tuple[str, ...]) -> object:
             forward, back = plan.sim_forward(rc), backward
             if any(m != "off" for m in modes):  # wire bytes, and the codec on both sides
                 extra = codec_per_stage(plan.send_bytes, modes, self.spec)
                 forward, back = forward + extra, [b + e for b, e in zip(backward, extra)]
+            if k != 1.0:
+                forward, back = forward * k, [b * k for b in back]
             return (simulate_step if made else simulate)(
                 sched, forward=forward, backward=back,
-                recompute=plan.recompute, send_bytes=compressed(plan.send_bytes, modes)
+                recompute=plan.recompute * k if k != 1.0 else plan.recompute,
+                send_bytes=compressed(plan.send_bytes, modes)
                 if modes else plan.send_bytes, latency=net.latency,
-                bandwidth=net.bandwidths if c.stages > 1 else math.inf, weight_grad=weight,
+                bandwidth=net.bandwidths if c.stages > 1 else math.inf,
+                weight_grad=[w * k for w in weight] if k != 1.0 else weight,
             )
 
         modes = self.modes(c, net) if c.stages > 1 else ()
@@ -435,6 +442,22 @@ class Pricer:
         # candidate of this world, so it moves predictions, not which one is fastest
         c.step_time = sim.step_time + c.allreduce_time + self.step_overhead  # type: ignore[attr-defined]
         return c.step_time
+
+    def contention_factor(self, c: Candidate, sched: Schedule | None = None) -> float:
+        """What ``c``'s compute times are multiplied by for the ranks it keeps busy at once,
+        against the contention the times were priced with (``cost_table.CoreSharing``): all
+        of a node's ranks when every one computes, fewer in a pipeline's fill and drain. On
+        average a rank of ``P`` pipeline ranks is busy ``m / (m + P - 1)`` of the step, and
+        the ``D`` replicas run at once: ``D x P x m / (m + P - 1)`` ranks, at most the node's.
+        1 where the cores are not shared (GPUs, one rank per core)."""
+        measured = self.table.measured
+        sharing = getattr(measured, "sharing", None)
+        if sharing is None:
+            return 1.0
+        ranks = sched.num_ranks if sched is not None and sched.is_virtual else c.stages
+        node = max(1, self.cluster.gpus_per_node)
+        fill = c.num_micro_batches / (c.num_micro_batches + ranks - 1)
+        return sharing.factor(min(node, ranks * c.data_parallel) * fill)
 
     @property
     def step_overhead(self) -> float:

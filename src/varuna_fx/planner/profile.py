@@ -32,7 +32,7 @@ from ..world import safe_json
 from ..world.files import cache_dir, write_atomically
 from ..world.network import NetworkProfile
 from .cluster import Cluster
-from .cost_table import CostTable, MeasuredTimes, interpolate, monotone
+from .cost_table import CoreSharing, CostTable, MeasuredTimes, interpolate, monotone
 from .machine import MachineCosts
 from .machine import from_json as machine_from_json
 from .steady import round_costs
@@ -114,7 +114,7 @@ class Profile:
             measured = round_costs(np.array([[[c.samples[b][i] for i in slots] for b in sizes]
                                              for c in self.chunks]))
             samples = monotone(measured.transpose(0, 2, 1)).transpose(0, 2, 1)
-        scale, action = 1.0, 0.0
+        scale, action, sharing = 1.0, 0.0, None
         if self.machine is not None:
             m = self.machine
             # wall times hold the contention of the ranks that measured together; CPU times
@@ -123,12 +123,14 @@ class Profile:
             scale = m.contention(ranks_per_node) / \
                 (1.0 if self.cpu_clock else m.contention(self.ranks))
             action = float(round_costs(np.array([m.action * m.contention(ranks_per_node)]))[0])
+            sharing = CoreSharing(m.threads, m.cores, m.contention(ranks_per_node))
         return MeasuredTimes(list(table.names), chunk_of, coef("forward"), coef("recompute"),
                              coef("backward"), coef("memory"),
                              estimate=lambda b: table.estimate(b, spec),
                              reseed=float(round_costs(np.array([self.reseed]))[0]),
                              sizes=np.array(sizes, dtype=float), samples=samples,
-                             action=action, scale=scale, variation=self.spread)
+                             action=action, scale=scale, variation=self.spread,
+                             sharing=sharing)
 
     def times(self, chunk: int, b: float) -> tuple[float, float, float]:
         """(forward, recompute, backward) seconds of one chunk at micro-batch size ``b`` as the
