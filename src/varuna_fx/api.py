@@ -51,6 +51,7 @@ from .pipeline import Pipeline
 from .planner.cluster import Cluster
 from .planner.network import rank_links
 from .planner.plan import Boundary, Plan, resolve_compile_stages
+from .runtime import compiled_stage
 from .runtime.compress import transfer_mode, wire_nbytes
 from .runtime.distributed import make_distributed_runtime
 from .runtime.local import LocalRuntime
@@ -91,6 +92,7 @@ def compile(  # noqa: A001 - the public name in API.md
     compression: str = "off",
     replica_sync: ReplicaSync = "exact",
     compile_stages: str = "auto",
+    planned_steps: int | None = None,
 ) -> Pipeline:
     """Trace ``model``, cut it into balanced stages and return a runnable :class:`Pipeline`.
 
@@ -106,8 +108,12 @@ def compile(  # noqa: A001 - the public name in API.md
     ``compression`` / ``replica_sync``: what slow links carry (docs/API.md, "Slow links";
     anything but "off" / "exact" departs from eager numerics by design, and the plan says so).
     ``compile_stages``: "on" runs every stage's forward and backward through torch.compile /
-    inductor, "off" eagerly; "auto" compiles on CUDA clusters (``plan.compile_stages`` and the
-    plan's title say which, ``plan.compile_note`` why).
+    inductor, "off" eagerly; "auto" compiles on CUDA clusters, and on CPU where the profiler
+    measured a gain that ``planned_steps`` steps (default 1000) pay the compile back
+    (``planner/compiled_speed.py``; ``plan.compile_stages`` and the plan's title say which,
+    ``plan.compile_note`` why, with the measured factor). Where stages run compiled and their
+    speed was measured (``profile=True``, or cached from an earlier one), the plan is priced
+    with it.
     """
     # every keyword but the model and its inputs (CompileOptions' fields are exactly these:
     # tests/api/test_options.py), so a new option is a field of its part and a keyword here
@@ -124,7 +130,8 @@ def compile(  # noqa: A001 - the public name in API.md
     # partition, split and codegen on this compile's own copy of the graph
     dump = dump_dir(o.dump)
     state = CompileState(model=model, bound=bound, tracer=o.tracer,
-                         canonical=canonical_names(model), profile_split=input_grads)
+                         canonical=canonical_names(model), profile_split=input_grads,
+                         profile_compile=compile_for_profile)
     run_front_end(state, dump)
     if in_place():  # what this process runs: a running job refuses a joiner that differs
         assert state.captured is not None
@@ -185,7 +192,16 @@ class Replan:
         return CompileState(model=self.model, bound=self.bound, tracer=o.tracer,
                             canonical=self.canonical,
                             planning=dataclasses.replace(o.planning, cluster=cluster),
-                            profile_split=input_grads, captured=self.captured), o
+                            profile_split=input_grads, profile_compile=compile_for_profile,
+                            captured=self.captured), o
+
+
+def compile_for_profile(module: nn.Module) -> Callable[..., Any]:
+    """A module compiled as the runtime compiles a stage (``compiled_stage.inductor``, looked
+    up at each call so tests may replace it; inductor's caches under the cache service's
+    folder): what the profiler times the compiled model with (planner/compiled_speed.py)."""
+    compiled_stage.use_cache_dir()
+    return compiled_stage.inductor(module)
 
 
 def plan_of(state: CompileState) -> Plan:
@@ -194,8 +210,9 @@ def plan_of(state: CompileState) -> Plan:
     config, partition, priced = state.config, state.partition, state.priced
     assert config is not None and partition is not None and priced is not None
     assert state.built is not None and state.captured is not None and state.setting is not None
-    compiled, why = resolve_compile_stages(state.planning.compile_stages,
-                                           state.planning.cluster)
+    decision = config.compile
+    compiled, why = (decision.compiled, decision.note) if decision is not None else \
+        resolve_compile_stages(state.planning.compile_stages, state.planning.cluster)
     holders: dict[str, list[int]] = {}
     for s in state.built:
         for p in s.parameter_names:
@@ -221,6 +238,7 @@ def plan_of(state: CompileState) -> Plan:
         cost_terms=priced.terms, stage_busy=priced.busy, predicted_spread=priced.spread,
         priced_here=priced.priced_here,
         compile_stages=compiled, compile_note=why,
+        compile_speedup=decision.speedup if decision is not None and compiled else None,
         compile_setting=state.planning.compile_stages,
     )
 

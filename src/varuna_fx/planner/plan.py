@@ -125,12 +125,18 @@ class Plan:
     compile_stages: bool = False
     compile_note: str = ""
     compile_setting: str = "auto"  # compile's compile_stages, as given
+    # the compiled stages' speed-up the plan was priced with (planner/compiled_speed.py;
+    # None: priced as eager stages)
+    compile_speedup: float | None = None
 
     def compiles_on(self, device_type: str) -> bool:
         """Whether stages run compiled on a device of ``device_type`` ("cpu", "cuda"): as
         the plan says, but "auto" only on CUDA (a plan for a CUDA cluster stepped on CPU, as
-        tests and notebooks do, runs eager stages)."""
-        return self.compile_stages and (self.compile_setting == "on" or device_type == "cuda")
+        tests and notebooks do, runs eager stages), or on a CPU where "auto" decided it from
+        this machine's measured speed (``compile_speedup``)."""
+        return self.compile_stages and (
+            self.compile_setting == "on" or device_type == "cuda"
+            or (device_type == "cpu" and self.compile_speedup is not None))
 
     def sync_of(self, stage: int) -> ReplicaSync:
         """Stage ``stage``'s replica sync ("exact" where the plan names none)."""

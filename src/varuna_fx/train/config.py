@@ -161,7 +161,8 @@ class TrainConfig:
     tracer: str = key(AUTO, "compile", "fx / export / auto", choices=TRACERS)
     offload_stash: bool = key(False, "compile", "keep stashed activations in host memory")
     compile_stages: str = key(AUTO, "compile", "run each stage through torch.compile / "
-                              "inductor: on / off / auto (auto: on CUDA, off on CPU)",
+                              "inductor: on / off / auto (auto: on CUDA; on CPU where profile=true "
+                              "measured a gain that the run's steps pay the compile back for)",
                               choices=("on", "off", AUTO))
     timeout: Any = key(AUTO, "compile", "seconds a rank waits for a peer (auto: "
                        "$VARUNA_FX_TIMEOUT or the default)", "float|auto", low=0.0)
@@ -216,7 +217,7 @@ class TrainConfig:
                     recompute=self.recompute, shard_optimizer=self.shard_optimizer,
                     precision=self.precision, tracer=self.tracer,
                     offload_stash=self.offload_stash, profile=self.profile,
-                    compile_stages=self.compile_stages)
+                    compile_stages=self.compile_stages, planned_steps=self.steps)
 
     @property
     def warmup(self) -> int:
