@@ -8,13 +8,14 @@ profiler's own chunk builder with one chunk: what a one-stage plan runs) and tim
 (capped by the example batch), interleaved, medians of repeats, on the profiler's clock (CPU
 time with one torch thread). The result, :class:`CompiledSpeed`, is a speed-up per size for the
 forward and one for the backward, and the compile's own seconds (the first compiled calls less
-an eager one, every measured size included: ``dynamic=False`` compiles each size). Every stage is
-priced with these factors (:class:`CompiledTimes`: each node's forward and recompute time over
-the forward factor, its backward, input-gradient and weight passes over the backward factor, at
-the micro-batch size interpolated between the measured ones; activation bytes as eager's). What
-this leaves out, knowingly: fusion lost at a stage's boundary and the compiled call's fixed cost
-paid per stage rather than once (both small beside a stage's compute on the models benched:
-bench/bench_compiled_stages.py prints the prediction against the measured compiled step).
+an eager one, in wall seconds, every measured size included: ``dynamic=False`` compiles each
+size). Every stage is priced with these factors (:class:`CompiledTimes`: each node's forward
+and recompute time over the forward factor, its backward, input-gradient and weight passes over
+the backward factor, at the micro-batch size interpolated between the measured ones;
+activation bytes as eager's). What this leaves out, knowingly: fusion lost at a stage's
+boundary and the compiled call's fixed cost paid per stage rather than once (small beside a
+stage's compute on the models benched: bench/bench_compiled_stages.py prints the prediction
+against the measured compiled step).
 
 **When it is measured.** Only where the user asked the profiler to measure
 (``profile=True``) and compile is on or "auto" deciding, on the cluster's kind of device being
@@ -47,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -253,7 +255,7 @@ def decide(setting: str, cluster: Cluster, speed: CompiledSpeed | None,
 
 
 def _steps(n: float) -> str:
-    return "never" if not math.isfinite(n) else f"{math.ceil(n)}"
+    return "never" if not math.isfinite(n) else f"{math.ceil(n - 1e-9)}"  # (float dust)
 
 
 def eager_seconds_per_sample(arrays: Callable[[int], NodeArrays], b: int) -> float:
@@ -369,9 +371,14 @@ def measure_speed(gm: fx.GraphModule, bound: BoundInputs,
             for b in wanted:
                 (args,) = _chunk_args([chunk], _inputs(bound, b, device))
                 once(chunk.module, args)  # warm
-                eager_first = sum(once(chunk.module, args))
-                first = sum(once(compiled, args))  # compiles (forward and backward) at b
-                compile_seconds += max(first - eager_first, 0.0)
+                # the compile in wall seconds: inductor compiles in worker processes too,
+                # which this process's CPU time does not see
+                began = time.perf_counter()
+                once(chunk.module, args)
+                eager_wall = time.perf_counter() - began
+                began = time.perf_counter()
+                once(compiled, args)  # compiles (forward and backward) at b
+                compile_seconds += max(time.perf_counter() - began - eager_wall, 0.0)
                 timed = _Timings()
                 for r in range(repeats + 1):  # interleaved, so drift hits both alike
                     pair = [(timed.eager, chunk.module), (timed.compiled, compiled)]

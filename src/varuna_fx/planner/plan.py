@@ -236,9 +236,10 @@ class Plan:
     def explain(self) -> str:
         """What decided the pick, in words: the configuration, its predicted step and what
         the cost model says it is made of, and why it won against the runner-up
-        (``explain_pick``)."""
-        return explain_pick(self.alternatives, self.cost_terms, self.predicted_step_time,
+        (``explain_pick``); where the stages were priced compiled, with which speed-up."""
+        text = explain_pick(self.alternatives, self.cost_terms, self.predicted_step_time,
                             self.predicted_spread)
+        return text + (f"\n{self.compile_note}" if self.compile_speedup is not None else "")
 
     def __str__(self) -> str:
         # As wide as the widest table (at least 120 columns, for the captions): a string has
