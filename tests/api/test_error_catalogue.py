@@ -224,6 +224,8 @@ CATALOGUE = [
         "precision='fp8'", "bf16"),
     row("unknown compile_stages", lambda _: compile_mlp(stages=1, compile_stages="max"), E,
         "compile_stages='max'", "'on'", "'auto'"),
+    row("planned_steps not a count", lambda _: compile_mlp(stages=1, planned_steps=0), E,
+        "planned_steps=0", "positive number of optimizer steps"),
     # -- what slow links carry (issue 31) -------------------------------------------------
     row("unknown compression", lambda _: compile_mlp(stages=2, compression="int4"), E,
         "compression='int4'", "'bf16'", "'int8'"),
