@@ -82,7 +82,7 @@ def _configure(state: CompileState) -> None:
         # the compiled stages' speed, where they may run compiled: measured with the profile
         # (profile=True), else a cached or stated one
         speed = resolve_speed(state.gm, state.bound, o.compile_stages, o.cluster,
-                              o.profile is True, state.profile_compile)
+                              o.profile is True, state.profile_compile, o.timeout)
         return choose_configuration(state.gm, o, example_batch=state.bound.batch_size,
                                     recompute=recompute, profile=profile, table=table,
                                     compiled=speed)

@@ -64,7 +64,12 @@ from ..capture.inputs import BoundInputs
 from ..passes.assign_stages import compute_nodes
 from ..world import switches
 from ..world.disk_cache import DiskCache
-from ..world.where import in_process_group
+from ..world.where import (
+    in_process_group,
+    init_process_group,
+    launched_distributed,
+    resolve_timeout,
+)
 from .cluster import Cluster, local_device_type
 from .cost_table import NodeArrays, PerNodeTimes
 from .machine import MACHINE_ENV, _cores, machine_costs
@@ -296,13 +301,14 @@ def _decode(entry: dict[str, Any]) -> CompiledSpeed:
 
 
 def resolve_speed(gm: fx.GraphModule, bound: BoundInputs, setting: str, cluster: Cluster,
-                  measure: bool, compile_fn: Callable[[torch.nn.Module], Any] | None
-                  ) -> CompiledSpeed | None:
+                  measure: bool, compile_fn: Callable[[torch.nn.Module], Any] | None,
+                  timeout: float | None = None) -> CompiledSpeed | None:
     """The factor to price ``setting`` on ``cluster`` with: None under "off" or where it
     cannot apply; else the stated machine's, else the cache's, else (``measure``: the user
     asked the profiler to measure, and ``compile_fn`` compiles a module as the runtime
     does) measured now and cached. In a process group every rank measures if any must
-    (the cores busy as in training) and rank 0's factor is used by all."""
+    (the cores busy as in training) and rank 0's factor is used by all (``timeout``: the
+    user's, for joining the other ranks)."""
     if setting == "off" or not applies_here(cluster):
         return None
     stated = stated_speed()
@@ -311,6 +317,8 @@ def resolve_speed(gm: fx.GraphModule, bound: BoundInputs, setting: str, cluster:
     key = speed_key(gm)
     found = CACHE.load(key, _decode)
     need = found is None and measure and compile_fn is not None
+    if launched_distributed():  # join first: ranks deciding apart would plan apart
+        init_process_group(timeout=resolve_timeout(timeout))
     group = in_process_group()
     if group:
         flag = torch.tensor([float(need)])
