@@ -115,6 +115,7 @@ def test_auto_on_cpu_compiles_where_the_gain_pays_the_compile(
 def test_auto_on_cuda_compiles_as_before() -> None:
     decision = decide("auto", vf.Cluster(gpus=8, device="cuda"), None, 0.0, 8, None)
     assert decision.compiled and "CUDA" in decision.note and decision.speed is None
+    assert "measured on the cluster's own kind of device only" in decision.note
 
 
 def test_auto_decided_on_cpu_runs_compiled_there_and_says_why(stated: Any) -> None:
@@ -209,3 +210,28 @@ def test_a_model_that_fails_to_compile_is_priced_eager(monkeypatch: pytest.Monke
         assert resolve_speed(graph.gm, graph.bound, "on", CPU, True, broken) is None
     assert any("aten.frobnicate" in str(w.message) and "priced as eager" in str(w.message)
                for w in seen)
+
+
+@pytest.mark.slow
+def test_the_real_compile_is_measured_cached_and_priced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor itself (compile's own compile call): profile=True measures the compiled MLP,
+    the plan is priced with that factor, and a compile again takes it from the cache."""
+    monkeypatch.delenv("VARUNA_FX_MACHINE")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    x = torch.randn(16, 64)
+
+    def plan() -> vf.Plan:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return vf.compile(model, vf.Cluster(gpus=1, device="cpu"), example_inputs=(x,),
+                              loss_fn=torch.nn.functional.mse_loss, stages=1,
+                              micro_batch_size=8, profile=True, compile_stages="on").plan
+
+    first = plan()
+    assert first.compile_speedup is not None and first.compile_speedup > 0
+    assert "measured now" in first.compile_note
+    compiled_speed.CACHE.clear()
+    again = plan()
+    assert again.compile_speedup == first.compile_speedup
+    assert "from the cache" in again.compile_note and again.compiles_on("cpu")

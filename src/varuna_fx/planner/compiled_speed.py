@@ -227,7 +227,10 @@ def decide(setting: str, cluster: Cluster, speed: CompiledSpeed | None,
     if setting == "off":
         return CompileDecision(False, None, note)
     if speed is None:
-        if compiled:
+        if compiled and not applies_here(cluster):
+            note += ("; priced as eager stages (the compiled speed is measured on the "
+                     "cluster's own kind of device only)")
+        elif compiled:
             note += ("; priced as eager stages: the compiled speed was not measured "
                      "(profile=True measures it: one compile of the whole model, cached)")
         elif setting == "auto":
@@ -246,12 +249,12 @@ def decide(setting: str, cluster: Cluster, speed: CompiledSpeed | None,
     pays_after = speed.compile_seconds / saved if saved > 0 else math.inf
     if s < THRESHOLD:
         return CompileDecision(False, None, (
-            f"stages: eager (compile_stages='auto' on CPU: compiled stages' speed {speed.describe()}, "
-            f"below the {THRESHOLD:.2f}x that pays for compiling)"))
+            f"stages: eager (compile_stages='auto' on CPU: compiled stages' speed "
+            f"{speed.describe()}, below the {THRESHOLD:.2f}x that pays for compiling)"))
     if pays_after > steps:
         return CompileDecision(False, None, (
-            f"stages: eager (compile_stages='auto' on CPU: compiled stages' speed {speed.describe()}; "
-            f"saving {saved * 1e3:.2f} ms a step, the compile pays after "
+            f"stages: eager (compile_stages='auto' on CPU: compiled stages' speed "
+            f"{speed.describe()}; saving {saved * 1e3:.2f} ms a step, the compile pays after "
             f"{_steps(pays_after)} steps, more than the plan's {steps} ({told}))"))
     return CompileDecision(True, speed, (
         f"stages: compiled with torch.compile / inductor (compile_stages='auto' on CPU: "
