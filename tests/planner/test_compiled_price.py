@@ -96,7 +96,7 @@ FAST = CompiledSpeed((8,), (1.25,), (1.25,), (1.25,), 30.0)
     ("off", FAST, None, False, ""),
     ("on", None, None, True, "not measured"),
     ("on", FAST, None, True, "1.25x"),
-    ("auto", None, None, False, "profile=True measures it"),
+    ("auto", None, None, False, "profile=True with planned_steps measures it"),
     ("auto", dataclasses.replace(FAST, step=(1.03,)), None, False, "below the 1.05x"),
     # 10 ms a sample eager, 8 samples a step: 16 ms saved a step; 30 s pays after 1875 steps
     ("auto", FAST, None, False, "pays after 1875 steps, more than the plan's 1000"),
@@ -127,6 +127,18 @@ def test_auto_decided_on_cpu_runs_compiled_there_and_says_why(stated: Any) -> No
     short = _plan("auto", planned_steps=1)
     assert not short.compile_stages and not short.compiles_on("cpu")
     assert "more than the plan's 1 (planned_steps=1)" in short.compile_note
+
+
+@pytest.mark.parametrize("setting, cluster, profile, steps, measures", [
+    ("on", CPU, True, None, True), ("auto", CPU, True, 600, True),
+    ("auto", CPU, True, None, False),  # a plain vf.compile(profile=True): no compile to weigh
+    ("on", CPU, False, None, False), ("off", CPU, True, 600, False),
+    ("auto", vf.Cluster(gpus=2, device="cuda"), True, None, True),
+])
+def test_the_profiler_measures_only_what_it_can_weigh(setting: str, cluster: vf.Cluster,
+                                                     profile: bool, steps: int | None,
+                                                     measures: bool) -> None:
+    assert compiled_speed.should_measure(setting, cluster, profile, steps) is measures
 
 
 def test_the_train_command_plans_for_its_steps() -> None:

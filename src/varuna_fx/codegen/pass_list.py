@@ -34,7 +34,7 @@ from ..passes.frontend import FRONT_PASSES, FrontState, run_front_end
 from ..passes.manager import Pass, graph_passes, run_passes
 from ..passes.partition import Partition
 from ..passes.split_stages import split_stages
-from ..planner.compiled_speed import resolve_speed
+from ..planner.compiled_speed import resolve_speed, should_measure
 from ..planner.configure import Configuration, Priced, assign_and_price, choose_configuration
 from ..planner.cost_table import CostTable
 from ..planner.measure import ProfileSettings
@@ -80,9 +80,11 @@ def _configure(state: CompileState) -> None:
     def choose(recompute: bool) -> Configuration:
         profile = resolve_profile(state.gm, state.bound, o.profile, settings, timeout=o.timeout)
         # the compiled stages' speed, where they may run compiled: measured with the profile
-        # (profile=True), else a cached or stated one
-        speed = resolve_speed(state.gm, state.bound, o.compile_stages, o.cluster,
-                              o.profile is True, state.profile_compile, o.timeout)
+        # (profile=True, compiled_speed.should_measure), else a cached or stated one
+        assert o.cluster is not None
+        measure = should_measure(o.compile_stages, o.cluster, o.profile, o.planned_steps)
+        speed = resolve_speed(state.gm, state.bound, o.compile_stages, o.cluster, measure,
+                              state.profile_compile, o.timeout)
         return choose_configuration(state.gm, o, example_batch=state.bound.batch_size,
                                     recompute=recompute, profile=profile, table=table,
                                     compiled=speed)

@@ -17,9 +17,11 @@ boundary and the compiled call's fixed cost paid per stage rather than once (sma
 stage's compute on the models benched: bench/bench_compiled_stages.py prints the prediction
 against the measured compiled step).
 
-**When it is measured.** Only where the user asked the profiler to measure
-(``profile=True``) and compile is on or "auto" deciding, on the cluster's kind of device being
-this machine's: one compile of the whole model per machine, torch version and graph, cached by
+**When it is measured** (:func:`should_measure`). Only where the user asked the profiler to
+measure (``profile=True``), on the cluster's kind of device being this machine's, and the
+stages will compile anyway ("on", or "auto" on CUDA) or "auto" on a CPU has a run length to
+weigh the compile against (compile's ``planned_steps``: the train command always passes its
+``steps``; a plain ``vf.compile(profile=True)`` is not slowed by a compile it cannot weigh): one compile of the whole model per machine, torch version and graph, cached by
 the cache service (``world/disk_cache.py``, kind ``compiled``; inductor's own artefacts stay
 under ``$VARUNA_FX_CACHE_DIR/inductor``, so a measurement again is cheap too). Without
 ``profile=True`` a factor cached earlier is used, else none: nothing compiles at plan time
@@ -235,8 +237,8 @@ def decide(setting: str, cluster: Cluster, speed: CompiledSpeed | None,
                      "(profile=True measures it: one compile of the whole model, cached)")
         elif setting == "auto":
             note = ("stages: eager (compile_stages='auto' on CPU: compiling pays only where the "
-                    "profiler measured a gain; profile=True measures it, one compile of the "
-                    "whole model, cached)")
+                    "profiler measured a gain; profile=True with planned_steps measures it, one "
+                    "compile of the whole model, cached; the train command passes its steps)")
         return CompileDecision(compiled, None, note)
     priced = f"priced with the compiled stages' speed {speed.describe()}"
     if compiled:  # "on", or "auto" on CUDA
@@ -274,6 +276,16 @@ def eager_seconds_per_sample(arrays: Callable[[int], NodeArrays], b: int) -> flo
 
 
 # -- finding or measuring ----------------------------------------------------------------------
+
+
+def should_measure(setting: str, cluster: Cluster, profile: Any,
+                   planned_steps: int | None) -> bool:
+    """Whether the profiler measures the compiled speed now (where none is stated or cached):
+    ``profile=True``, and the stages compile anyway or "auto" has the run's length to weigh
+    the compile against (module docstring)."""
+    if profile is not True or setting == "off":
+        return False
+    return setting == "on" or cluster.device == "cuda" or planned_steps is not None
 
 
 def stated_speed() -> CompiledSpeed | None:
