@@ -374,7 +374,8 @@ def main() -> None:
         f"to start; imports {warm_one['imports']:.1f} s)",
         "- the GPT's compiled P=2 plan: predicted "
         + (f"{predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms "
-           f"({predicted / measured:.2f}x)" if predicted and measured else "n/a"),
+           f"({predicted / measured:.2f}x)" if predicted and measured else "n/a")
+        + f"; its note: {peer.get(f'{gpt}|varuna_fx 1f1b compiled|note', '-')}",
         f"- target P=2 >= 1.08x on the GPT: {'met' if p2 >= 1.08 else 'missed'} ({p2:.3f}x); "
         "compiled zero-bubble faster than eager zero-bubble: "
         f"{'met' if zb_compiled < zb_eager else 'missed'} ({zb_eager * 1e3:.1f} -> "
