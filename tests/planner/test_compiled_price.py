@@ -247,3 +247,20 @@ def test_the_real_compile_is_measured_cached_and_priced(monkeypatch: pytest.Monk
     again = plan()
     assert again.compile_speedup == first.compile_speedup
     assert "from the cache" in again.compile_note and again.compiles_on("cpu")
+
+
+def test_plan_for_prices_compiled_stages_as_compile_does(stated: Any) -> None:
+    """``varuna-fx plan`` (``Analyzed.plan``) prints the plan a run gets: compiled stages
+    priced by the same (stated or cached) speed, never compiling to find it."""
+    from varuna_fx.planner import PlanOptions
+
+    stated(1.25)
+    model, x, _ = demo_gpt(n_layer=1)
+    graph = analyze(model, (x,))
+
+    def best(setting: str) -> float:
+        options = PlanOptions(cluster=CPU, stages=2, micro_batch_size=2, recompute=False,
+                              schedule="1f1b", compile_stages=setting)
+        return graph.plan(options).best.step_time
+
+    assert best("on") < best("off") / 1.15

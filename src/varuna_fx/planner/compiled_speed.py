@@ -317,13 +317,14 @@ def _decode(entry: dict[str, Any]) -> CompiledSpeed:
 
 def resolve_speed(gm: fx.GraphModule, bound: BoundInputs, setting: str, cluster: Cluster,
                   measure: bool, compile_fn: Callable[[torch.nn.Module], Any] | None,
-                  timeout: float | None = None) -> CompiledSpeed | None:
+                  timeout: float | None = None, agree: bool = True) -> CompiledSpeed | None:
     """The factor to price ``setting`` on ``cluster`` with: None under "off" or where it
     cannot apply; else the stated machine's, else the cache's, else (``measure``: the user
     asked the profiler to measure, and ``compile_fn`` compiles a module as the runtime
     does) measured now and cached. In a process group every rank measures if any must
     (the cores busy as in training) and rank 0's factor is used by all (``timeout``: the
-    user's, for joining the other ranks)."""
+    user's, for joining the other ranks; ``agree=False``: no collective, this process's own
+    answer, for a caller that may run on one rank alone: ``analyze.plan_for``)."""
     if setting == "off" or not applies_here(cluster):
         return None
     stated = stated_speed()
@@ -332,9 +333,9 @@ def resolve_speed(gm: fx.GraphModule, bound: BoundInputs, setting: str, cluster:
     key = speed_key(gm)
     found = CACHE.load(key, _decode)
     need = found is None and measure and compile_fn is not None
-    if launched_distributed():  # join first: ranks deciding apart would plan apart
+    if agree and launched_distributed():  # join first: ranks deciding apart plan apart
         init_process_group(timeout=resolve_timeout(timeout))
-    group = in_process_group()
+    group = agree and in_process_group()
     if group:
         flag = torch.tensor([float(need)])
         dist.all_reduce(flag)

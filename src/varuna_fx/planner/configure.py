@@ -311,10 +311,7 @@ def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, rec
     network = cluster.network  # measured by Cluster.local() in a launched job
     dtype = str(next((p.dtype for p in gm.parameters()), "float32")).replace("torch.", "")
     planning_times(table, cluster, profile, dtype)  # the profile's, this machine's, or none
-    decision = _compile_decision(table, cluster, options, compiled, example_batch)
-    if decision.speed is not None:  # compiled stages, priced as they run
-        table.measured = CompiledTimes(list(table.names), table.measured, decision.speed,
-                                       estimate=lambda b: table.estimate(b, cluster.spec))
+    decision = compiled_pricing(table, cluster, options, compiled, example_batch)
     if profile is not None:
         if profile.applies_to(cluster):
             network = profile.network or network
@@ -329,17 +326,22 @@ def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, rec
     return planner, decision
 
 
-def _compile_decision(table: CostTable, cluster: Cluster, options: PlanOptions,
-                      compiled: CompiledSpeed | None, example_batch: int) -> CompileDecision:
-    """``options.compile_stages`` resolved with the measured speed (``compiled_speed.decide``):
-    the samples of each replica's step and the planner's eager price of one sample."""
+def compiled_pricing(table: CostTable, cluster: Cluster, options: PlanOptions,
+                     compiled: CompiledSpeed | None, example_batch: int) -> CompileDecision:
+    """``options.compile_stages`` resolved with the measured speed (``compiled_speed.decide``:
+    the samples of each replica's step and the planner's eager price of one sample), and
+    ``table`` priced as compiled stages run where they do (its eager costs set already)."""
     replicas = options.data_parallel or 1
     samples = (options.global_batch_size // replicas if options.global_batch_size
                else example_batch)
     b = min(compiled.sizes[-1], example_batch) if compiled is not None else 1
     per_sample = eager_seconds_per_sample(lambda n: table.node_arrays(n, cluster.spec), b)
-    return decide(options.compile_stages, cluster, compiled, per_sample, samples,
-                  options.planned_steps)
+    decision = decide(options.compile_stages, cluster, compiled, per_sample, samples,
+                      options.planned_steps)
+    if decision.speed is not None:  # compiled stages, priced as they run
+        table.measured = CompiledTimes(list(table.names), table.measured, decision.speed,
+                                       estimate=lambda n: table.estimate(n, cluster.spec))
+    return decision
 
 
 def price(config: Configuration, bounds: tuple[int, ...],
