@@ -101,8 +101,8 @@ def compile(  # noqa: A001 - the public name in API.md
     every pass's graph to (default ``$VARUNA_FX_DUMP``; see ``passes/manager.py``).
     ``recompute``: True / False force it on every stage but the last; "auto" recomputes only
     on the stages whose activations would not fit otherwise (``plan.recompute`` says which).
-    ``stages_per_rank``: v stages on each rank (virtual stages: ``schedule="interleaved-1f1b"``
-    or ``"zbv"``); the world is then (stages / v) x D ranks. None: the schedule's default.
+    ``stages_per_rank``: v stages on each rank (virtual stages: ``schedule="interleaved-1f1b"``,
+    ``"zbv"`` or ``"dualpipev"``); the world is then (stages / v) x D ranks. None: the schedule's default.
     ``grad_accum_steps``: micro-batches per replica per optimizer step (their gradients are
     accumulated): global batch = micro_batch_size x grad_accum_steps x data_parallel.
     ``compression`` / ``replica_sync``: what slow links carry (docs/API.md, "Slow links";
@@ -237,6 +237,7 @@ def plan_of(state: CompileState) -> Plan:
         boundaries=boundaries(state), shards_by_default=config.shards_by_default,
         cost_terms=priced.terms, stage_busy=priced.busy, predicted_spread=priced.spread,
         priced_here=priced.priced_here,
+        learn_key=priced.learn_key,
         compile_stages=compiled, compile_note=why,
         compile_speedup=decision.speedup if decision is not None and compiled else None,
         compile_setting=state.planning.compile_stages,

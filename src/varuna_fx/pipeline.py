@@ -9,6 +9,7 @@ here. The pipeline, like the runtime, takes compile's running options whole
 from __future__ import annotations
 
 import inspect
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -35,6 +36,7 @@ from .morph.controller import InPlace
 from .morph.records import MorphRecord
 from .passes.manager import dump_dir
 from .planner.drift import DriftCheck
+from .planner.learned import StepLearner
 from .planner.plan import Plan
 from .runtime import preemption
 from .runtime.batching import check_sample_shapes, extract_loss
@@ -61,6 +63,8 @@ class Pipeline:
     last_step: StepStats | None = None
     _meter: StepMeter | None = None
     _drift: DriftCheck | None = None
+    _learner: StepLearner | None = None
+    _began = 0.0  # perf_counter at the start of the step being run
 
     def __init__(self, model: nn.Module, captured: Captured, stages: list[Stage], plan: Plan,
                  canonical: dict[str, str], runtime: Runtime, options: RunOptions,
@@ -113,8 +117,10 @@ class Pipeline:
         # the runtime brings those it made for these
         self.other_modes = {**{k: v for k, v in self.other_modes.items() if v is None},
                             **runtime.other_modes}
-        # the checkpointer's group and the step meter were the old runtime's
+        # the checkpointer's group and the step meter were the old runtime's; the checks of
+        # the first steps were the old plan's
         self._checkpointer, self._meter = None, None
+        self._drift, self._learner = None, None
 
     def _finish_saves(self) -> None:
         """Wait for an asynchronous save in flight and forget the checkpointer, whose group
@@ -158,6 +164,7 @@ class Pipeline:
 
     def step(self, *inputs: Any, target: Any = None, **kw_inputs: Any) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the mean loss."""
+        self._began = time.perf_counter()
         self._check_runnable()
         if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
             block = "torch.inference_mode()" if torch.is_inference_mode_enabled() \
@@ -198,12 +205,19 @@ class Pipeline:
         # step's work is done (a signal during this step stops after this step, not the next)
         loss = self.runtime.step(tensors, target, flags=flags)
         self.last_step = meter.finish(tensors)
-        # after the first steps: the measured step against the plan, said once (drift.py)
-        self._drift = self._drift or DriftCheck(
-            self.plan, not isinstance(self.runtime, LocalRuntime) or self.plan.stages == 1)
+        # after the first steps: the measured step against the plan, said once per job, by
+        # rank 0 (drift.py)
+        as_planned = not isinstance(self.runtime, LocalRuntime) or self.plan.stages == 1
+        self._drift = self._drift or DriftCheck(self.plan, as_planned,
+                                                speaks=self.runtime.rank == 0)
         off = self._drift.observe(self.last_step.seconds, self.last_step._raw)
         if off is not None:
             warnings.warn(off, stacklevel=3)  # (step -> _step -> here)
+        # and what a step spends outside its actions, kept by rank 0 for later plans
+        # (learned.py): from the step's start, its checks included
+        self._learner = self._learner or StepLearner(self.plan.learn_key,
+                                                     as_planned and self.runtime.rank == 0)
+        self._learner.observe(time.perf_counter() - self._began, self.last_step._raw)
         return loss
 
     @property

@@ -245,6 +245,9 @@ CATALOGUE = [
     row("PowerSGD rank too large", lambda _: compile_mlp(
         vf.Cluster(gpus=2, device="cpu"), stages=1, data_parallel=2,
         replica_sync=vf.PowerSGD(rank=9)), Plan, "compress none", "choose rank <= 8"),
+    row("dualpipev on 3 stages per rank", lambda _: compile_mlp(
+        stages=6, stages_per_rank=3, schedule="dualpipev"), E, "exactly 2 stages",
+        "stages_per_rank=2"),
     row("stages=0", lambda _: compile_mlp(stages=0), E, "stages=0", "positive number"),
     row("stages=-2", lambda _: compile_mlp(stages=-2), E, "stages=-2", "positive number"),
     row("stages=True", lambda _: compile_mlp(stages=True), E, "stages=True", "positive number"),

@@ -1,6 +1,6 @@
 """Registry models with long skips, a block shared by every stage and keyword inputs, and a
 float64 model (its loss returned in float64 on the rank without the last stage too), 4 stages
-on 2 gloo ranks (v = 2) under both virtual schedules: each rank saves its loss (and its dtype)
+on 2 gloo ranks (v = 2) under every virtual schedule: each rank saves its loss (and its dtype)
 and the gradients of the parameters it holds to ``<out>/rank<r>.pt``.
 Used by tests/test_virtual_distributed.py::test_registry_models_on_two_ranks_match_eager."""
 
@@ -21,7 +21,7 @@ from support.registry import CASES, as_float64  # noqa: E402
 
 MODELS = ("unet_skips", "albert_shared", "kwargs_dict", "mlp64")
 CASES = {**CASES, "mlp64": as_float64(CASES["mlp"])}
-SCHEDULES = ("interleaved-1f1b", "zbv")
+SCHEDULES = ("interleaved-1f1b", "zbv", "dualpipev")
 
 out = Path(sys.argv[1])
 results = {}

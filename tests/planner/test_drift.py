@@ -84,6 +84,23 @@ def test_the_pipeline_warns_once(pipe: vf.Pipeline) -> None:
     assert len(said) == 1 and "term furthest off" in said[0]
 
 
+def test_only_rank_0_warns(pipe: vf.Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank runs the same step against the same plan: the job's one warning is rank 0's
+    (a rank 1 is this one-process pipeline told it is rank 1; nothing launched)."""
+    monkeypatch.setattr(pipe, "plan", dataclasses.replace(pipe.plan, predicted_step_time=1e-6))
+    monkeypatch.setattr(pipe.runtime, "rank", 1)
+    monkeypatch.setattr(pipe, "_drift", None)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            pipe.step(x, y)
+    assert not [w for w in caught if "predicted" in str(w.message)]
+    assert pipe.last_step is not None and pipe.last_step.seconds > 0  # still measured
+    assert all(DriftCheck(_plan(pipe.plan), speaks=False).observe(1.0) is None
+               for _ in range(5))
+
+
 def _row(p: int, d: int, b: int, m: int, step: float, allreduce: float = 0.0,
          chosen: bool = False) -> Alternative:
     return Alternative(p, d, b, m, step, 0.1, allreduce, (1.0,) * p, chosen, "varuna")

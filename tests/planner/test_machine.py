@@ -105,8 +105,12 @@ def test_contention_is_priced_relative_to_the_profile(graph: vf.planner.Analyzed
     measured_by_four = dataclasses.replace(profile, ranks=4)
     assert measured_by_four.measured_times(table, 4).arrays(8).forward.sum() == \
         pytest.approx(alone)
-    again = Profile.from_json(profile.to_json())
-    assert again.machine == FAKE and again.ranks == 1
+    # in CPU time the four that measured together saw no contention: the run's is priced
+    cpu_by_four = dataclasses.replace(profile, ranks=4, cpu_clock=True)
+    assert cpu_by_four.measured_times(table, 4).arrays(8).forward.sum() == \
+        pytest.approx(2 * alone)
+    again = Profile.from_json(cpu_by_four.to_json())
+    assert again.machine == FAKE and again.ranks == 4 and again.cpu_clock
 
 
 def test_cached_costs_are_checked_when_read(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

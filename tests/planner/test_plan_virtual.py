@@ -13,7 +13,7 @@ from varuna_fx.planner import analyze, plan_for
 
 
 @pytest.mark.slow  # compiles 8 stages
-@pytest.mark.parametrize("schedule", ["zbv", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved-1f1b", "dualpipev"])
 def test_plan_for_a_virtual_schedule_is_compiles_configuration(schedule: str) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_embd=32, vocab_size=64, block_size=8))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -15,7 +16,7 @@ from varuna_fx.planner import Analyzed, Planner, Space, analyze
 from varuna_fx.planner.balance import PartitionCosts
 from varuna_fx.planner.network import Links, rank_allreduce, rank_links
 from varuna_fx.planner.virtual import weigh
-from varuna_fx.schedule import build_schedule
+from varuna_fx.schedule import build_schedule, simulate
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,7 @@ def test_the_link_decides_whether_virtual_stages_pay(gpt: Analyzed) -> None:
     hides the wire better."""
     fast, virtual = _weighed(gpt, 1000.0)
     assert virtual["interleaved-1f1b"] < fast and virtual["zbv"] < fast
+    assert virtual["dualpipev"] < fast
     slow, virtual_slow = _weighed(gpt, 0.1)
     assert virtual_slow["interleaved-1f1b"] > 1.4 * slow
     assert virtual_slow["zbv"] < virtual_slow["interleaved-1f1b"]
@@ -116,9 +118,55 @@ def test_a_free_choice_takes_the_fastest(gbits: float) -> None:
         assert plan.stages_per_rank == 2 and plan.schedule.is_virtual
         assert plan.placement is not None and plan.placement.world_size == 2
         # both weighed (listed as rows) on the chosen two ranks
-        assert {"interleaved-1f1b", "zbv"} <= {a.schedule for a in plan.alternatives}
+        assert {"interleaved-1f1b", "zbv", "dualpipev"} <= {a.schedule
+                                                           for a in plan.alternatives}
     else:  # the looped placement's traffic never wins on the slow link
         assert plan.schedule.name != "interleaved-1f1b"
+    loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    got = pipe.step(tokens[:, :-1], target=tokens[:, 1:])
+    torch.testing.assert_close(got, loss.detach())
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n])
+
+
+def test_dualpipev_is_priced_with_its_own_stash_and_order(gpt: Analyzed) -> None:
+    """Weighed among the virtual choices, DualPipeV's candidate is partitioned for the stash
+    counts its order holds (the simulator's: rank r's first chunk 2R-r micro-batches, its
+    second r+1), its memory priced from them and its step the simulation of its own order."""
+    cluster = vf.Cluster(gpus=2, gpus_per_node=1, inter_node_bandwidth=1e9 / 8,
+                         flops="10TFLOP/s", gpu_memory=2**34)
+    planner = Planner(gpt.table(), cluster, schedule="1f1b", recompute=False)
+    best = planner.search(Space(2, 16, 16, stages=2, data_parallel=1, micro_batch_size=4)).best
+    found = {c.schedule: (c, sched) for c, sched in weigh(planner.pricer, best)}
+    c, sched = found["dualpipev"]
+    assert sched.name == "dualpipev" and sched.stage_ranks == (0, 1, 1, 0)
+    sim = simulate(sched, [1.0] * 4, [2.0] * 4)
+    assert c.stash_counts == tuple(sim.peak_stash_count) == (4, 3, 2, 1)
+    assert c.memory == tuple(float(x) for x in c.plan.memory(list(c.stash_counts), False))
+    # ZB-V: the same placement and stash (so the same partition), another order, priced
+    # apart; DualPipeV's order on ZB-V's candidate is DualPipeV's price
+    z, zbv = found["zbv"]
+    assert zbv.stage_ranks == sched.stage_ranks and zbv.lists != sched.lists
+    assert z.stash_counts == c.stash_counts and z.memory == c.memory
+    assert planner.pricer.simulated(copy.copy(z), sched) == pytest.approx(c.step_time)
+    assert c.step_time != pytest.approx(z.step_time)
+
+
+def test_compile_with_dualpipev_plans_its_ranks_and_runs_as_eager() -> None:
+    """schedule="dualpipev" with the stages left to the planner: two stages per rank on the
+    cluster's ranks, the step equal to eager."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=8, vocab_size=64))
+    tokens = torch.randint(0, 64, (8, 9))
+    pipe = vf.compile(model, vf.Cluster(gpus=2, device="cpu"), example_inputs=(tokens[:, :-1],),
+                      loss_fn=lm_loss, global_batch_size=8, data_parallel=1,
+                      schedule="dualpipev", stages_per_rank=None)
+    plan = pipe.plan
+    assert plan.schedule.name == "dualpipev" and plan.stages_per_rank == 2
+    assert plan.stages == 4 and plan.placement.world_size == 2
     loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
     loss.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}

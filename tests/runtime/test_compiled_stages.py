@@ -21,6 +21,7 @@ import varuna_fx as vf
 from varuna_fx.planner.plan import resolve_compile_stages
 from varuna_fx.runtime import compiled_stage, split_compile, worker
 from varuna_fx.runtime.compiled_stage import CompiledStageWarning
+from varuna_fx.schedule import schedule_spec
 
 # inductor fuses and reorders float32 sums: equal to eager within rounding (docs/API.md)
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
@@ -61,15 +62,15 @@ def _eager() -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _step(schedule: str, recompute: bool, **tol: float) -> list[str]:
-    """One step of a compiled P=2 pipeline (zbv: 4 stages, 2 per rank) against eager;
-    returns the warnings' texts."""
+def _step(schedule: str, recompute: bool, ranks: int = 2, **tol: float) -> list[str]:
+    """One step of a compiled pipeline on ``ranks`` ranks (a virtual schedule: 2 stages per
+    rank) against eager; returns the warnings' texts."""
     want_loss, want = _eager()
+    v = schedule_spec(schedule).stages_per_rank
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pipe = vf.compile(_mlp(), vf.Cluster(gpus=2, device="cpu"), example_inputs=(X,),
-                          loss_fn=_mse, stages=4 if schedule == "zbv" else 2,
-                          stages_per_rank=2 if schedule == "zbv" else 1, schedule=schedule,
+        pipe = vf.compile(_mlp(), vf.Cluster(gpus=ranks, device="cpu"), example_inputs=(X,),
+                          loss_fn=_mse, stages=v * ranks, stages_per_rank=v, schedule=schedule,
                           micro_batch_size=1, recompute=recompute, compile_stages="on")
         assert pipe.plan.compile_stages and pipe.plan.recompute[0] == recompute
         loss = pipe.step(X, target=Y)
@@ -133,7 +134,8 @@ def test_the_train_command_passes_compile_stages_on() -> None:
 # -- the compiled path without inductor's cost ----------------------------------------------------
 
 @pytest.mark.parametrize("schedule,recompute", [("1f1b-zb", False), ("1f1b", True),
-                                                ("zbv", False)])
+                                                ("zbv", False), ("dualpipev", False),
+                                                ("dualpipev", True)])
 def test_the_compiled_path_is_exact_with_an_identity_compile(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, schedule: str, recompute: bool) -> None:
     """The worker's compiled path (a split backward run whole at B, W empty; the recompute
@@ -231,12 +233,13 @@ def test_graph_breaks_and_recompiles_are_warned(monkeypatch: pytest.MonkeyPatch,
 # -- inductor for real ------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_inductor_stages_equal_eager_under_1f1b_split_backward_and_recompute(
+def test_inductor_stages_equal_eager_under_1f1b_split_backward_dualpipev_and_recompute(
         monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Three compiled P=2 pipelines (the later ones partly from inductor's cache): loss and
-    every gradient within TOLERANCE of eager; no graph break, and the only recompile is the
-    recomputing stage's no_grad / autograd pair; under the split backward every B queues its
-    compiled weight half (4 micro-batches: the donated-buffer case)."""
+    """Three compiled P=2 pipelines and DualPipeV's two stages on one rank (the later ones
+    partly from inductor's cache): loss and every gradient within TOLERANCE of eager; no
+    graph break, and the only recompile is the recomputing stage's no_grad / autograd pair;
+    under the split backward every B queues its compiled weight half (4 micro-batches: the
+    donated-buffer case)."""
     cache = tmp_path_factory.mktemp("inductor")
     monkeypatch.setenv(compiled_stage.INDUCTOR_CACHE_VAR, str(cache))
     assert _step("1f1b", False) == []
@@ -250,6 +253,11 @@ def test_inductor_stages_equal_eager_under_1f1b_split_backward_and_recompute(
     monkeypatch.setattr(worker, "take_pending", spy)
     assert _step("1f1b-zb", False) == []
     # every B of both stages queued its compiled weight half for its W
+    assert taken == [1] * 8, taken
+    # DualPipeV with both halves of the V on one rank: the same two stage graphs (inductor's
+    # cache), its whole backwards (W right after B) and its deferred ones alike
+    taken.clear()
+    assert _step("dualpipev", False, ranks=1) == []
     assert taken == [1] * 8, taken
     texts = _step("1f1b", True)
     assert len(texts) == 1 and "stage 0: compiled again" in texts[0], texts

@@ -12,7 +12,8 @@ from support.training import check_against_eager, eager_training
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-JOBS = [("interleaved-1f1b", False), ("interleaved-1f1b", True), ("zbv", False), ("zbv", True)]
+JOBS = [("interleaved-1f1b", False), ("interleaved-1f1b", True), ("zbv", False), ("zbv", True),
+        ("dualpipev", True)]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def test_four_stages_on_two_ranks_match_eager(two_ranks: dict, eager: dict, sche
     # messages only between ranks: V-shape's stage 1 -> 2 stays on rank 1
     for r in per_rank:
         assert all(peer != r["rank"] for _kind, peer, _ranks, _gid in r["links"])
-    if schedule == "zbv":  # the tied embedding and head both live on rank 0: no tied group
+    if schedule != "interleaved-1f1b":  # V shape: the tied embedding and head both on rank 0
         assert per_rank[0]["tied"] and all(
             set(h) == {0, 3} for h in per_rank[0]["tied"].values())
 
@@ -64,7 +65,7 @@ def test_registry_models_on_two_ranks_match_eager(tmp_path: Path) -> None:
     """Long skips (a value two local stages receive from one remote stage), a block every
     stage shares, keyword inputs; recompute on; loss and every held gradient as eager. A
     float64 model's loss is float64 on both ranks (interleaved: the last stage is rank 1's,
-    zbv: rank 0's), not rounded to float32 on the other."""
+    zbv and dualpipev: rank 0's), not rounded to float32 on the other."""
     from support.eager import eager_grads
     from support.registry import CASES, as_float64
 

@@ -61,13 +61,14 @@ def test_the_entries_say_what_the_tables_and_the_suffix_said() -> None:
     "-zb" suffix encoded before the registry, now fields of the entries."""
     by = {name: spec for name, spec in SCHEDULES.items()}
     assert {n for n, s in by.items() if s.split_backward} == {"varuna-zb", "1f1b-zb", "gpipe-zb",
-                                                               "zbv"}
+                                                               "zbv", "dualpipev"}
     assert {n: (s.placement, s.stages_per_rank) for n, s in by.items() if s.virtual} == {
-        "interleaved-1f1b": ("looped", 2), "zbv": ("v", 2)}
+        "interleaved-1f1b": ("looped", 2), "zbv": ("v", 2), "dualpipev": ("v", 2)}
     assert all(s.placement == "looped" and s.stages_per_rank == 1 for s in by.values()
                if not s.virtual)
     assert {n for n, s in by.items() if not s.cost_aware} == {"1f1b", "gpipe",
-                                                              "interleaved-1f1b", "zbv"}
+                                                              "interleaved-1f1b", "zbv",
+                                                              "dualpipev"}
     assert {n for n, s in by.items() if s.has_quick} == {"varuna", "varuna-zb", "1f1b-zb",
                                                           "gpipe-zb"}
     assert {n for n, s in by.items() if s.cheaper("quick")} == {"varuna", "varuna-zb"}
@@ -79,7 +80,9 @@ def test_the_entries_say_what_the_tables_and_the_suffix_said() -> None:
     assert [s.name for s in weighed_schedules("auto")] == ["varuna", "1f1b", "gpipe",
                                                            "varuna-zb", "1f1b-zb", "gpipe-zb"]
     assert weighed_schedules("zbv") == (by["zbv"],)
-    assert [s.name for s in virtual_choices()] == virtual_names() == ["interleaved-1f1b", "zbv"]
+    # weighed in registry order (ties to the first); listed by name
+    assert [s.name for s in virtual_choices()] == ["interleaved-1f1b", "zbv", "dualpipev"]
+    assert virtual_names() == ["dualpipev", "interleaved-1f1b", "zbv"]
     assert schedule_choices() == [*schedule_names(), *virtual_names(), "auto"]
 
 

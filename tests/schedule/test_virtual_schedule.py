@@ -32,6 +32,8 @@ def _golden_cases() -> list[tuple[str, int, int, int, bool]]:
              [(4, 2, 4), (4, 2, 8), (8, 2, 8), (6, 3, 6), (4, 2, 3)] for rc in (False, True)]
     cases += [("zbv", p, 2, m, rc) for p, m in [(4, 4), (4, 2), (8, 8), (6, 7)]
               for rc in (False, True)]
+    cases += [("dualpipev", p, 2, m, rc) for p, m in [(2, 3), (4, 4), (4, 2), (6, 6), (8, 8),
+                                                        (6, 7)] for rc in (False, True)]
     return cases
 
 
@@ -48,7 +50,8 @@ def test_golden(name: str, p: int, v: int, m: int, recompute: bool) -> None:
     validate(Schedule.parse(text))
 
 
-@pytest.mark.parametrize("name,vs", [("interleaved-1f1b", (2, 3, 4)), ("zbv", (2,))])
+@pytest.mark.parametrize("name,vs", [("interleaved-1f1b", (2, 3, 4)), ("zbv", (2,)),
+                                     ("dualpipev", (2,))])
 def test_every_size_is_complete_and_deadlock_free(name: str, vs: tuple[int, ...]) -> None:
     for v in vs:
         for ranks in range(1, 7):
@@ -94,8 +97,9 @@ def test_bad_arguments() -> None:
         build_schedule("interleaved-1f1b", 4, 4, stages_per_rank=3)
     with pytest.raises(ScheduleError, match="at least 2"):
         build_schedule("interleaved-1f1b", 4, 4, stages_per_rank=1)
-    with pytest.raises(ScheduleError, match="exactly 2 stages"):
-        build_schedule("zbv", 6, 4, stages_per_rank=3)
+    for v_shaped in ("zbv", "dualpipev"):
+        with pytest.raises(ScheduleError, match="exactly 2 stages"):
+            build_schedule(v_shaped, 6, 4, stages_per_rank=3)
     with pytest.raises(ScheduleError, match="one stage per rank"):
         build_schedule("1f1b", 4, 4, stages_per_rank=2)
     with pytest.raises(ScheduleError, match="unknown schedule.*zbv"):
@@ -180,7 +184,9 @@ def test_text_grid_rows_are_ranks() -> None:
                                          ("interleaved-1f1b", 6, 5, True),
                                          ("interleaved-1f1b", 8, 8, False),
                                          ("zbv", 4, 4, True), ("zbv", 6, 7, False),
-                                         ("zbv", 8, 3, False)])
+                                         ("zbv", 8, 3, False), ("dualpipev", 4, 4, True),
+                                         ("dualpipev", 6, 7, False),
+                                         ("dualpipev", 8, 3, False)])
 def test_nccl_order_holds_with_a_group_per_stage_direction(name: str, p: int, m: int,
                                                            rc: bool) -> None:
     """The lowered virtual schedules finish under NCCL's rules with the runtime's groups (one

@@ -315,9 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--stages-per-rank", default=None, type=_stages_per_rank,
                       metavar="V|auto",
                       help="model stages on each device, as compile's stages_per_rank (several: "
-                           "--schedule interleaved-1f1b or zbv); auto: the schedule's own, and "
-                           "with --schedule auto the planner weighs virtual stages too (default: "
-                           "1, or 2 for interleaved-1f1b and zbv)")
+                           "--schedule interleaved-1f1b, zbv or dualpipev); auto: the "
+                           "schedule's own, and with --schedule auto the planner weighs virtual "
+                           "stages too (default: 1, or 2 for interleaved-1f1b, zbv and "
+                           "dualpipev)")
     plan.add_argument("--recompute", default="auto", type=_setting, metavar="auto|true|false",
                       help="recompute activations in the backward, as compile's recompute: "
                            "auto plans without it unless nothing fits (default: %(default)s)")

@@ -39,7 +39,7 @@ from .machine import planning_times
 from .measure import ProfileSettings
 from .options import PlanOptions
 from .pricing import Pricer
-from .profile import Profile
+from .profile import Profile, graph_hash
 from .resolve import resolve_profile
 from .search import Planner
 from .steady import TIE_TOLERANCE
@@ -64,7 +64,8 @@ class Analyzed:
         if cluster is not None:
             dtype = str(next((p.dtype for p in self.gm.parameters()), "float32"))
             # (no collective: plan_for may run on one rank of a job; rank 0 plans as compile)
-            planning_times(table, cluster, profile, dtype.replace("torch.", ""), agree=False)
+            planning_times(table, cluster, profile, dtype.replace("torch.", ""), agree=False,
+                           graph=graph_hash(self.gm))
         elif profile is not None:
             table.measured = profile.measured_times(table)
         return table

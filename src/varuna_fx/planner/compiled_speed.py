@@ -177,6 +177,15 @@ class CompiledTimes(PerNodeTimes):
         return float(getattr(self.eager, "variation", 0.0))
 
     @property
+    def step(self) -> float:
+        """Seconds a step spends outside its actions (learned.py): not compiled code."""
+        return float(getattr(self.eager, "step", 0.0))
+
+    @property
+    def learn_key(self) -> str | None:
+        return getattr(self.eager, "learn_key", None)
+
+    @property
     def priced_here(self) -> bool:
         """Whether the eager costs are this machine's (not a datasheet's roofline)."""
         return self.eager is not None

@@ -60,7 +60,7 @@ from .machine import planning_times
 from .options import PlanOptions
 from .plan import Alternative
 from .pricing import Pricer
-from .profile import Profile
+from .profile import Profile, graph_hash
 from .search import Planner
 from .slow_links import byte_ratio, check_settings, shards_by_default
 from .steady import TIE_TOLERANCE
@@ -116,6 +116,7 @@ class Priced:
     busy: tuple[float, ...] = ()
     spread: float | None = None  # the profile's relative spread (None: not measured)
     priced_here: bool = False  # by this machine's measured costs (profile or machine.py)
+    learn_key: str | None = None  # where its step overhead is learned (learned.py)
 
 
 def replica_batch(example_batch: int, global_batch_size: int | None, data_parallel: int) -> int:
@@ -145,7 +146,7 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
     """The configuration for ``options`` (its ``cluster`` given): what it fixes is kept, the
     rest chosen. ``options.schedule``: a name (resolved into its entry), or "auto" (the planner picks the fastest that
     fits, per candidate). ``options.stages_per_rank``: v, stages each rank runs (a virtual
-    schedule: ``interleaved-1f1b``, ``zbv``); None: that schedule's default.
+    schedule: ``interleaved-1f1b``, ``zbv``, ``dualpipev``); None: that schedule's default.
     ``options.shard_optimizer``: True counts the optimizer state split over D wherever D > 1;
     "auto" only where a candidate does not fit otherwise; False never. ``recompute``: the
     setting planned for (compile decides it for ``options.recompute="auto"``). ``profile``:
@@ -294,7 +295,8 @@ def check_stages_per_rank(schedule: ScheduleChoice, stages_per_rank: int | None)
                         "interleaved-1f1b), or choose a schedule for one stage per rank")
     if not virtual and stages_per_rank > 1:
         raise PlanError(f"stages_per_rank={stages_per_rank} needs a schedule that runs several "
-                        "stages per rank: schedule='interleaved-1f1b' or 'zbv'")
+                        "stages per rank: schedule='interleaved-1f1b', 'zbv' or "
+                        "'dualpipev'")
     return stages_per_rank
 
 
@@ -310,7 +312,8 @@ def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, rec
     table = CostTable.build(gm) if table is None else dataclasses.replace(table)
     network = cluster.network  # measured by Cluster.local() in a launched job
     dtype = str(next((p.dtype for p in gm.parameters()), "float32")).replace("torch.", "")
-    planning_times(table, cluster, profile, dtype)  # the profile's, this machine's, or none
+    # the profile's, this machine's, or none; with the step's overhead learned for this graph
+    planning_times(table, cluster, profile, dtype, graph=graph_hash(gm))
     decision = compiled_pricing(table, cluster, options, compiled, example_batch)
     if profile is not None:
         if profile.applies_to(cluster):
@@ -369,29 +372,31 @@ def price(config: Configuration, bounds: tuple[int, ...],
     rows = tuple(c.alternative(True) if a.chosen else a for a in config.alternatives)
     busy = c.plan.compute(rc)
     terms = cost_terms(step, c.allreduce_time, busy, c.plan.flags(rc), m, units.action,
-                       pricer.schedule_costs(c, rc).links or ())
-    spread = getattr(pricer.table.measured, "variation", None)
+                       pricer.schedule_costs(c, rc).links or (), pricer.step_overhead)
+    measured = pricer.table.measured
+    spread = getattr(measured, "variation", None)
     return Priced(step, c.memory, rows, sched, tuple(counts), c.compression, c.sync, terms,
-                  tuple(float(x) for x in busy), spread or None,
-                  priced_here(pricer.table.measured))
+                  tuple(float(x) for x in busy), spread or None, priced_here(measured),
+                  measured.learn_key if measured is not None else None)
 
 
 def cost_terms(step: float, allreduce: float, busy: np.ndarray, recomputes: np.ndarray,
-               micro_batches: int, action: float, links: Sequence[float]
-               ) -> tuple[tuple[str, float], ...]:
+               micro_batches: int, action: float, links: Sequence[float],
+               step_overhead: float = 0.0) -> tuple[tuple[str, float], ...]:
     """The predicted step as the terms of the cost model, on the busiest stage: its compute
     (operations), the fixed cost of its actions (``machine.py``), the messages over the
-    slowest link (one each way per micro-batch), the all-reduce, and the rest (the
-    pipeline's fill and drain: the bubble). An account for people and for naming what was
-    off (``drift.py``), not the simulation itself."""
+    slowest link (one each way per micro-batch), the all-reduce, the step's overhead outside
+    its actions (``learned.py``) and the rest (the pipeline's fill and drain: the bubble). An
+    account for people and for naming what was off (``drift.py``), not the simulation
+    itself."""
     s = int(np.argmax(busy))
     actions = (3 if recomputes[s] else 2) * micro_batches
     overhead = actions * action
     compute = max(micro_batches * float(busy[s]) - overhead, 0.0)
     messages = 2 * micro_batches * max(links, default=0.0)
-    rest = max(step - allreduce - compute - overhead - messages, 0.0)
+    rest = max(step - allreduce - compute - overhead - messages - step_overhead, 0.0)
     return (("compute", compute), ("action overhead", overhead), ("messages", messages),
-            ("all-reduce", allreduce), ("bubble", rest))
+            ("all-reduce", allreduce), ("step overhead", step_overhead), ("bubble", rest))
 
 
 def assign_and_price(gm: fx.GraphModule, config: Configuration,

@@ -138,6 +138,10 @@ class MeasuredTimes(PerNodeTimes):
     action: float = 0.0
     scale: float = 1.0
     variation: float = 0.0  # the profile's relative spread of repeated timings (Profile.spread)
+    # seconds a step spends outside its actions (learned.py: learned from the first steps,
+    # or estimated), and the key it is learned under (None: nothing is learned)
+    step: float = 0.0
+    learn_key: str | None = None
 
     def arrays(self, b: int) -> NodeArrays:
         est = self.estimate(b)

@@ -18,6 +18,10 @@ the cost model (``Plan.cost_terms``) whose measured share is furthest from its p
 
 Without a timeline (``record_timeline = False``) the largest predicted term is named as the
 likeliest one.
+
+It speaks on rank 0 only (``speaks``): every rank of a job runs the same step against the same
+plan, so one warning per job says it; the other ranks' steps are their own data and stay in
+``pipe.last_step`` and the monitor's per-rank records.
 """
 
 from __future__ import annotations
@@ -36,15 +40,17 @@ Timeline = Sequence[tuple[int, str, int, float, float]]
 class DriftCheck:
     """Watches a pipeline's first steps against its plan (once: then it is quiet)."""
 
-    def __init__(self, plan: Plan, runs_as_planned: bool = True) -> None:
+    def __init__(self, plan: Plan, runs_as_planned: bool = True, speaks: bool = True) -> None:
         """``runs_as_planned``: the run is the one the plan predicts (each stage on its own
-        rank; not several stages taking turns in one process)."""
+        rank; not several stages taking turns in one process). ``speaks``: this process
+        gives the job's one warning (rank 0; the others stay quiet)."""
         self.plan = plan
         self.seen = 0
         self.samples: list[tuple[float, Timeline]] = []
-        # only a prediction made with this machine's costs, for the layout that runs
+        # only a prediction made with this machine's costs, for the layout that runs, and
+        # said once per job: by rank 0
         self.done = plan.predicted_step_time is None or not plan.priced_here or \
-            not runs_as_planned
+            not runs_as_planned or not speaks
 
     def observe(self, seconds: float, timeline: Timeline = ()) -> str | None:
         """The warning to give after this step, or None (at most one, ever)."""

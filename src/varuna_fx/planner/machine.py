@@ -53,6 +53,7 @@ from ..errors import VarunaFxError
 from ..world import safe_json, switches
 from ..world.files import cache_dir, write_atomically
 from ..world.where import in_process_group
+from . import learned
 from .cluster import Cluster, local_device_type
 from .cost_table import CostTable, NodeArrays, PerNodeTimes
 from .steady import round_significant
@@ -141,6 +142,8 @@ class CalibratedTimes(PerNodeTimes):
     contention: float = 1.0
     speedup: float = 1.0
     reseed: float = 0.0
+    step: float = 0.0  # seconds outside the step's actions (learned.py)
+    learn_key: str | None = None
     # (the table it prices: not a setting of its own, and it holds this object)
     table: CostTable | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -171,23 +174,48 @@ class CalibratedTimes(PerNodeTimes):
 
 
 def planning_times(table: CostTable, cluster: Cluster, profile: Any = None,
-                   dtype: str = "float32", agree: bool = True) -> None:
+                   dtype: str = "float32", agree: bool = True, graph: str = "") -> None:
     """Set ``table.measured`` to what the planner prices ``cluster`` with: ``profile``'s
     times where it applies (scaled for the ranks sharing the cores, plus the action cost);
     else, on this machine's own kind of device with no stated throughput (``Cluster.local``),
     this machine's calibrated costs (``CalibratedTimes``; with ``agree``, rank 0's in a
     launched job, a collective every rank must reach: compile's configure step); else
-    nothing (the device spec's roofline)."""
+    nothing (the device spec's roofline). Either measured kind also carries the step's
+    overhead outside its actions, learned for ``graph`` (its ``graph_hash``) on this world
+    or estimated (``learned.py``; rank 0's with ``agree``)."""
     sharing = ranks_sharing(cluster.kind, cluster.gpus_per_node)
     if profile is not None and profile.applies_to(cluster):
         table.measured = profile.measured_times(table, sharing)
-        return
-    if cluster.flops is not None or cluster.device_type is None or \
-            cluster.kind != _device() or cluster.kind != "cpu":
-        return
-    costs = agreed_machine_costs() if agree else machine_costs()
-    table.measured = CalibratedTimes.of(table, costs, costs.contention(sharing),
-                                        costs.precision_speedup(dtype))
+        network = profile.network or cluster.network
+        threads = profile.threads
+    else:
+        if cluster.flops is not None or cluster.device_type is None or \
+                cluster.kind != _device() or cluster.kind != "cpu":
+            return
+        costs = agreed_machine_costs() if agree else machine_costs()
+        table.measured = CalibratedTimes.of(table, costs, costs.contention(sharing),
+                                            costs.precision_speedup(dtype))
+        network, threads = cluster.network, costs.threads
+    key = learned.learn_key(graph, cluster.gpus, cluster.gpus_per_node, cluster.kind,
+                            threads, dtype) if graph and learns() else None
+    found = _agreed(learned.recall(key)) if agree else learned.recall(key)
+    table.measured.learn_key = key
+    table.measured.step = found if found is not None else \
+        learned.estimated_step_overhead(cluster.gpus, network)
+
+
+def learns() -> bool:
+    """Whether plans learn from their first steps (``learned.py``): not on a stated machine
+    (``$VARUNA_FX_MACHINE``: the same plans on every host, whatever ran before)."""
+    return not switches.read(MACHINE_ENV)
+
+
+def _agreed(value: float | None) -> float | None:
+    """``value``, rank 0's in a process group (every rank must call it then)."""
+    found = [value]
+    if in_process_group():
+        dist.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 def paper_costs(kind: str, rows: Sequence[int] = (1, 8, 64, 512, 4096)) -> MachineCosts:

@@ -123,6 +123,7 @@ def measure(gm: fx.GraphModule, bound: BoundInputs, key: str,
         dtype=str(_dtype_of(gm)).replace("torch.", ""), threads=torch.get_num_threads(),
         sizes=sizes, chunks=profiles, reseed=_reseed_time(device, settings),
         machine=machine_costs(), ranks=_ranks_measuring(), spread=spread,
+        cpu_clock=settings.timer(device) is time.process_time,
     )
 
 

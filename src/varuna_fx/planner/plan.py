@@ -120,6 +120,9 @@ class Plan:
     # whether the prediction is this machine's (a profile, or the machine's own costs:
     # planner/machine.py), so a measured step may be held against it (drift.py)
     priced_here: bool = False
+    # where this plan's step overhead outside its actions is learned from its first steps
+    # (planner/learned.py; None: nothing is learned)
+    learn_key: str | None = None
     # whether the stages run through torch.compile / inductor (compile's compile_stages,
     # resolved: ``resolve_compile_stages``) and why
     compile_stages: bool = False

@@ -431,8 +431,17 @@ class Pricer:
         else:
             c.allreduce_time = self.allreduce(c)
         c.bubble = sim.bubble_fraction  # type: ignore[attr-defined]
-        c.step_time = sim.step_time + c.allreduce_time  # type: ignore[attr-defined]
+        # plus what a step spends outside its actions (learned.py): the same for every
+        # candidate of this world, so it moves predictions, not which one is fastest
+        c.step_time = sim.step_time + c.allreduce_time + self.step_overhead  # type: ignore[attr-defined]
         return c.step_time
+
+    @property
+    def step_overhead(self) -> float:
+        """Seconds a step spends outside its actions (``learned.py``), where measured costs
+        price it; 0 on the datasheet's roofline."""
+        measured = self.table.measured
+        return float(measured.step) if measured is not None else 0.0
 
     def virtual_sync(self, c: Candidate, net: Links, sched: Schedule) -> float:
         """The reductions of a virtual schedule (per rank: ``network.rank_allreduce``), under

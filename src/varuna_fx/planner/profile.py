@@ -37,9 +37,9 @@ from .machine import MachineCosts
 from .machine import from_json as machine_from_json
 from .steady import round_costs
 
-FORMAT = 4  # bump when the JSON layout or the measuring method changes (3: memory counts
+FORMAT = 5  # bump when the JSON layout or the measuring method changes (3: memory counts
 # the saved tensors' own bytes, see measure._memory; 4: the machine's costs and the ranks
-# that measured at once)
+# that measured at once; 5: which clock timed it)
 
 
 @dataclass
@@ -76,6 +76,9 @@ class Profile:
     # the timings' relative spread: per chunk and size, the interquartile range of the
     # repeats over their median, the median of those (how sure the prediction is)
     spread: float = 0.0
+    # whether the times are this process's CPU time (one torch thread on a CPU: immune to
+    # other processes, so they hold no contention of the ranks that measured at once)
+    cpu_clock: bool = False
     from_cache: bool = False
 
     def measured_times(self, table: CostTable, ranks_per_node: int = 1) -> MeasuredTimes:
@@ -114,7 +117,11 @@ class Profile:
         scale, action = 1.0, 0.0
         if self.machine is not None:
             m = self.machine
-            scale = m.contention(ranks_per_node) / m.contention(self.ranks)
+            # wall times hold the contention of the ranks that measured together; CPU times
+            # hold none (a rank waiting for a core spends no CPU time), so the run's is priced
+            # whole: 4 ranks on 2 cores run each rank's compute 2x slower than it measured
+            scale = m.contention(ranks_per_node) / \
+                (1.0 if self.cpu_clock else m.contention(self.ranks))
             action = float(round_costs(np.array([m.action * m.contention(ranks_per_node)]))[0])
         return MeasuredTimes(list(table.names), chunk_of, coef("forward"), coef("recompute"),
                              coef("backward"), coef("memory"),

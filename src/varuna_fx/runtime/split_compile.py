@@ -1,6 +1,6 @@
 """A compiled stage's backward split in two: input gradients at ``B``, weight gradients at ``W``.
 
-Under a split-backward schedule (``*-zb``, ``zbv``) a compiled stage goes through
+Under a split-backward schedule (``*-zb``, ``zbv``, ``dualpipev``) a compiled stage goes through
 :func:`split_backend`, a torch.compile backend: AOTAutograd traces and partitions the joint
 graph as inductor's does, and the backward graph it hands over (saved values and output
 gradients in; a gradient per forward input out) is cut here into

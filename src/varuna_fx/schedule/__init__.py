@@ -1,7 +1,7 @@
 """Pipeline schedules: one registry entry per schedule (``registry.py``: Varuna, 1F1B, GPipe,
-their split-backward variants, interleaved 1F1B and ZB-V); generate, validate, simulate and
-draw them; lower them to explicit sends and receives (``lowering.py``) and check those against
-NCCL's rules (``nccl_check.py``).
+their split-backward variants, interleaved 1F1B, ZB-V and DualPipeV); generate, validate,
+simulate and draw them; lower them to explicit sends and receives (``lowering.py``) and check
+those against NCCL's rules (``nccl_check.py``).
 
 >>> from varuna_fx.schedule import build_schedule, simulate
 >>> sched = build_schedule("varuna", num_stages=4, num_micro_batches=8)

@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Final, Literal, TypeAlias
 
 from varuna_fx.errors import ScheduleError
+from varuna_fx.schedule.dualpipev import dualpipev
 from varuna_fx.schedule.generators import (
     ScheduleFn,
     gpipe,
@@ -133,6 +134,10 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({s.name: s for s in (
     ScheduleSpec("interleaved-1f1b", rank_order=interleaved_1f1b, placement="looped",
                  stages_per_rank=2),
     ScheduleSpec("zbv", rank_order=zbv, split_backward=True, placement="v", stages_per_rank=2),
+    # DualPipeV: ZB-V's placement, its steady state pairing a forward on one chunk with a
+    # backward on the other (``dualpipev.py``); after zbv, so zbv wins ties
+    ScheduleSpec("dualpipev", rank_order=dualpipev, split_backward=True, placement="v",
+                 stages_per_rank=2),
 )})
 
 # what schedule= accepts, resolved: an entry, or AUTO (the planner picks)
@@ -199,7 +204,7 @@ def virtual_choices() -> tuple[ScheduleSpec, ...]:
 
 
 def is_split(name: str) -> bool:
-    """Whether ``name`` is a split-backward schedule (``<base>-zb``, or ``zbv``)."""
+    """Whether ``name`` is a split-backward schedule (``<base>-zb``, ``zbv``, ``dualpipev``)."""
     found = SCHEDULES.get(name)
     return found is not None and found.split_backward
 

@@ -1,4 +1,5 @@
-"""Virtual stages: schedules whose ranks run several stages each (interleaved 1F1B, ZB-V).
+"""Virtual stages: schedules whose ranks run several stages each (interleaved 1F1B, ZB-V;
+DualPipeV, on ZB-V's placement, is ``dualpipev.py``).
 
 With ``v`` stages per rank a micro-batch passes each rank ``v`` times, every stage is ``1/v`` of
 the work a rank would otherwise hold, and the fill and drain of the pipeline shrink with it: the
@@ -43,7 +44,7 @@ RankLists = list[list[Action]]
 VirtualFn = Callable[[int, int, int, Sequence[bool]], RankLists]
 
 
-def _with_recompute(acts: list[Action], recompute: Sequence[bool]) -> list[Action]:
+def with_recompute(acts: list[Action], recompute: Sequence[bool]) -> list[Action]:
     """``acts`` with an ``R`` inserted right before each ``B`` of a stage that recomputes."""
     out: list[Action] = []
     for a in acts:
@@ -74,7 +75,7 @@ def interleaved_1f1b(ranks: int, per_rank: int, m: int, recompute: Sequence[bool
         for k in range(len(forwards) - warmup):
             acts += [forwards[warmup + k], backwards[k]]
         acts += backwards[len(forwards) - warmup:]
-        out.append(_with_recompute(acts, recompute))
+        out.append(with_recompute(acts, recompute))
     return out
 
 
@@ -83,7 +84,7 @@ def zbv(ranks: int, per_rank: int, m: int, recompute: Sequence[bool]) -> RankLis
     if per_rank != 2:
         raise ScheduleError(f"zbv runs exactly 2 stages per rank, not {per_rank}")
     n = max(m, 2 * ranks - 1)
-    return [_with_recompute([a for a in _zbv_rank(ranks, r, n) if a.mb < m], recompute)
+    return [with_recompute([a for a in _zbv_rank(ranks, r, n) if a.mb < m], recompute)
             for r in range(ranks)]
 
 
