@@ -86,6 +86,9 @@ def test_compiled_pricing_divides_times_by_the_factor(stated: Any) -> None:
     np.testing.assert_allclose(c.backward, a.backward / 1.8)
     np.testing.assert_array_equal(c.activations, a.activations)
     assert speed.at(1) == (1.5, 2.0) and speed.at(100) == (1.2, 1.6)  # nearest outside
+    eager.step, eager.learn_key = 0.003, "learned-here"  # outside the actions: not compiled
+    assert (compiled.step, compiled.learn_key, compiled.action) == \
+        (0.003, "learned-here", eager.action)
 
 
 CPU = vf.Cluster(gpus=2, device="cpu")
