@@ -352,10 +352,10 @@ DEPARTS = ("departs from eager numerics by design: compressed boundaries and/or 
 def resolve_compile_stages(setting: str, cluster: Cluster | None) -> tuple[bool, str]:
     """Whether a plan's stages run compiled under compile's ``compile_stages`` (checked
     already) on ``cluster`` (a ``Cluster``; None: this machine, a CPU unless CUDA is there),
-    and the plan's note saying why. "auto" compiles on CUDA, where inductor's fused kernels
-    repay a compile of seconds within a few steps; not on CPU, where the compile takes tens of
-    seconds for a gain of about 10% (bench/bench_compiled_stages.py) that the profiler does not
-    measure yet."""
+    and the plan's note saying why, where no compiled speed is known. "auto" compiles on
+    CUDA, where inductor's fused kernels repay a compile of seconds within a few steps; not on
+    CPU, where the compile takes tens of seconds for 10-30% a step (bench/
+    bench_compiled_stages.py): there ``compiled_speed.decide`` weighs a measured speed."""
     if setting == "on":
         return True, "stages: compiled with torch.compile / inductor (compile_stages='on')"
     if setting == "off":
