@@ -292,17 +292,18 @@ def distributed_rows(found: dict[str, Any]) -> list[str]:
     return rows
 
 
-def warm_profile(layers: int) -> None:
+def warm_profile(layers: int) -> str:
     """The GPT's profile and compiled speed measured once here (profile=True, cached), so the
-    ranks under torchrun plan from the cache instead of both measuring."""
+    ranks under torchrun plan from the cache instead of both measuring; the plan's note."""
     import varuna_fx as vf
 
     model, x, _, loss = gpt_case(layers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        vf.compile(model, vf.Cluster(gpus=2, device="cpu"), example_inputs=(x,), loss_fn=loss,
-                   stages=2, schedule="1f1b", micro_batch_size=2, recompute=False,
-                   profile=True, compile_stages="on")
+        pipe = vf.compile(model, vf.Cluster(gpus=2, device="cpu"), example_inputs=(x,),
+                          loss_fn=loss, stages=2, schedule="1f1b", micro_batch_size=2,
+                          recompute=False, profile=True, compile_stages="on")
+    return pipe.plan.compile_note
 
 
 def main() -> None:
@@ -334,7 +335,7 @@ def main() -> None:
     warm = child_first_step(args.layers, cache)
     # inductor's pool of compile workers starts on the first compile: one thread skips it
     warm_one = child_first_step(args.layers, cache, TORCHINDUCTOR_COMPILE_THREADS="1")
-    warm_profile(args.layers)
+    here = warm_profile(args.layers)
     peer = distributed(args.layers, cache, args.quick)
 
     gpt = next(iter(MODELS))
@@ -375,7 +376,8 @@ def main() -> None:
         "- the GPT's compiled P=2 plan: predicted "
         + (f"{predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms "
            f"({predicted / measured:.2f}x)" if predicted and measured else "n/a")
-        + f"; its note: {peer.get(f'{gpt}|varuna_fx 1f1b compiled|note', '-')}",
+        + f"; its note: {peer.get(f'{gpt}|varuna_fx 1f1b compiled|note', '-')} (the same "
+        f"plan in one process, before: {here})",
         f"- target P=2 >= 1.08x on the GPT: {'met' if p2 >= 1.08 else 'missed'} ({p2:.3f}x); "
         "compiled zero-bubble faster than eager zero-bubble: "
         f"{'met' if zb_compiled < zb_eager else 'missed'} ({zb_eager * 1e3:.1f} -> "
