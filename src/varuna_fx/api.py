@@ -51,6 +51,7 @@ from .pipeline import Pipeline
 from .planner.cluster import Cluster
 from .planner.network import rank_links
 from .planner.plan import Boundary, Plan, resolve_compile_stages
+from .runtime import compiled_stage
 from .runtime.compress import transfer_mode, wire_nbytes
 from .runtime.distributed import make_distributed_runtime
 from .runtime.local import LocalRuntime
@@ -92,6 +93,7 @@ def compile(  # noqa: A001 - the public name in API.md
     replica_sync: ReplicaSync = "exact",
     compile_stages: str = "auto",
     compile_wait: bool = False,
+    planned_steps: int | None = None,
 ) -> Pipeline:
     """Trace ``model``, cut it into balanced stages and return a runnable :class:`Pipeline`.
 
@@ -107,10 +109,14 @@ def compile(  # noqa: A001 - the public name in API.md
     ``compression`` / ``replica_sync``: what slow links carry (docs/API.md, "Slow links";
     anything but "off" / "exact" departs from eager numerics by design, and the plan says so).
     ``compile_stages``: "on" runs every stage's forward and backward through torch.compile /
-    inductor, "off" eagerly; "auto" compiles on CUDA clusters (``plan.compile_stages`` and the
-    plan's title say which, ``plan.compile_note`` why). Compiled stages run eagerly while
-    they compile in a background thread and switch at a step boundary once compiled, so no
-    step waits for a compile; ``compile_wait=True`` compiles at the first call instead.
+    inductor, "off" eagerly; "auto" compiles on CUDA clusters, and on CPU where the profiler
+    measured a gain that ``planned_steps`` steps (default 1000) pay the compile back
+    (``planner/compiled_speed.py``; ``plan.compile_stages`` and the plan's title say which,
+    ``plan.compile_note`` why, with the measured factor). Where stages run compiled and their
+    speed was measured (``profile=True``, or cached from an earlier one), the plan is priced
+    with it. Compiled stages run eagerly while they compile in a
+    background thread and switch at a step boundary once compiled, so no step waits for a
+    compile; ``compile_wait=True`` compiles at the first call instead.
     """
     # every keyword but the model and its inputs (CompileOptions' fields are exactly these:
     # tests/api/test_options.py), so a new option is a field of its part and a keyword here
@@ -127,7 +133,8 @@ def compile(  # noqa: A001 - the public name in API.md
     # partition, split and codegen on this compile's own copy of the graph
     dump = dump_dir(o.dump)
     state = CompileState(model=model, bound=bound, tracer=o.tracer,
-                         canonical=canonical_names(model), profile_split=input_grads)
+                         canonical=canonical_names(model), profile_split=input_grads,
+                         profile_compile=compile_for_profile)
     run_front_end(state, dump)
     if in_place():  # what this process runs: a running job refuses a joiner that differs
         assert state.captured is not None
@@ -188,7 +195,16 @@ class Replan:
         return CompileState(model=self.model, bound=self.bound, tracer=o.tracer,
                             canonical=self.canonical,
                             planning=dataclasses.replace(o.planning, cluster=cluster),
-                            profile_split=input_grads, captured=self.captured), o
+                            profile_split=input_grads, profile_compile=compile_for_profile,
+                            captured=self.captured), o
+
+
+def compile_for_profile(module: nn.Module) -> Callable[..., Any]:
+    """A module compiled as the runtime compiles a stage (``compiled_stage.inductor``, looked
+    up at each call so tests may replace it; inductor's caches under the cache service's
+    folder): what the profiler times the compiled model with (planner/compiled_speed.py)."""
+    compiled_stage.use_cache_dir()
+    return compiled_stage.inductor(module)
 
 
 def plan_of(state: CompileState) -> Plan:
@@ -197,8 +213,9 @@ def plan_of(state: CompileState) -> Plan:
     config, partition, priced = state.config, state.partition, state.priced
     assert config is not None and partition is not None and priced is not None
     assert state.built is not None and state.captured is not None and state.setting is not None
-    compiled, why = resolve_compile_stages(state.planning.compile_stages,
-                                           state.planning.cluster)
+    decision = config.compile
+    compiled, why = (decision.compiled, decision.note) if decision is not None else \
+        resolve_compile_stages(state.planning.compile_stages, state.planning.cluster)
     holders: dict[str, list[int]] = {}
     for s in state.built:
         for p in s.parameter_names:
@@ -225,6 +242,7 @@ def plan_of(state: CompileState) -> Plan:
         priced_here=priced.priced_here,
         learn_key=priced.learn_key,
         compile_stages=compiled, compile_note=why,
+        compile_speedup=decision.speedup if decision is not None and compiled else None,
         compile_setting=state.planning.compile_stages,
     )
 

@@ -226,6 +226,8 @@ CATALOGUE = [
         "compile_stages='max'", "'on'", "'auto'"),
     row("compile_wait not a bool", lambda _: compile_mlp(stages=1, compile_wait="yes"), E,
         "compile_wait='yes'", "True", "False"),
+    row("planned_steps not a count", lambda _: compile_mlp(stages=1, planned_steps=0), E,
+        "planned_steps=0", "positive number of optimizer steps"),
     # -- what slow links carry (issue 31) -------------------------------------------------
     row("unknown compression", lambda _: compile_mlp(stages=2, compression="int4"), E,
         "compression='int4'", "'bf16'", "'int8'"),

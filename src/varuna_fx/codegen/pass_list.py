@@ -34,6 +34,7 @@ from ..passes.frontend import FRONT_PASSES, FrontState, run_front_end
 from ..passes.manager import Pass, graph_passes, run_passes
 from ..passes.partition import Partition
 from ..passes.split_stages import split_stages
+from ..planner.compiled_speed import resolve_speed, should_measure
 from ..planner.configure import Configuration, Priced, assign_and_price, choose_configuration
 from ..planner.cost_table import CostTable
 from ..planner.measure import ProfileSettings
@@ -52,6 +53,9 @@ class CompileState(FrontState):
     # the runtime's split backward (``runtime.split_backward.input_grads``): configure's profiler
     # times a split-backward schedule's two passes with it
     profile_split: Callable[..., Any] | None = None
+    # how the runtime compiles a stage (``api.compile_for_profile``): the profiler times the
+    # compiled model with it where compile is on or "auto" (planner/compiled_speed.py)
+    profile_compile: Callable[..., Any] | None = None
     pass_list: tuple[Pass, ...] = ()  # the list being run (codegen's header names its passes)
     config: Configuration | None = None  # configure: P, D, b, m and the simulated schedule
     setting: CostSetting | None = None  # configure: what the partition prices nodes with
@@ -75,8 +79,15 @@ def _configure(state: CompileState) -> None:
 
     def choose(recompute: bool) -> Configuration:
         profile = resolve_profile(state.gm, state.bound, o.profile, settings, timeout=o.timeout)
+        # the compiled stages' speed, where they may run compiled: measured with the profile
+        # (profile=True, compiled_speed.should_measure), else a cached or stated one
+        assert o.cluster is not None
+        measure = should_measure(o.compile_stages, o.cluster, o.profile, o.planned_steps)
+        speed = resolve_speed(state.gm, state.bound, o.compile_stages, o.cluster, measure,
+                              state.profile_compile, o.timeout)
         return choose_configuration(state.gm, o, example_batch=state.bound.batch_size,
-                                    recompute=recompute, profile=profile, table=table)
+                                    recompute=recompute, profile=profile, table=table,
+                                    compiled=speed)
 
     if o.recompute == "auto":
         # plan as if nothing recomputed (the fastest when memory allows); only if no

@@ -26,8 +26,10 @@ from ..schedule import AUTO, DEFAULT_SCHEDULE, ScheduleSpec
 from ..world.where import resolve_timeout
 from .candidates import Candidate, SearchResult, Space
 from .cluster import Cluster
+from .compiled_speed import resolve_speed
 from .configure import (
     check_stages_per_rank,
+    compiled_pricing,
     micro_batch_of,
     replica_batch,
 )
@@ -97,8 +99,15 @@ class Analyzed:
                       options.stages, options.data_parallel, options.micro_batch_size,
                       micro_batches=options.grad_accum_steps)
 
+        # priced as compiled stages where compile_stages runs them (a stated or cached
+        # speed: nothing is compiled to plan here), as compile prices them
+        speed = resolve_speed(self.gm, self.bound, options.compile_stages, cluster, False, None,
+                              agree=False)  # (plan_for may run on one rank of a job)
+
         def search(recompute: bool) -> SearchResult:
-            planner = Planner(self.table(use, cluster), cluster, schedule=choice,
+            table = self.table(use, cluster)
+            compiled_pricing(table, cluster, options, speed, self.bound.batch_size)
+            planner = Planner(table, cluster, schedule=choice,
                               recompute=recompute,
                               # as compile: the profile's links, else the cluster's
                               network=(use.network if use else None) or cluster.network,

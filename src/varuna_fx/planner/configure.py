@@ -46,6 +46,14 @@ from . import cache as plan_cache
 from . import partition_cache
 from .candidates import Candidate, Space
 from .cluster import Cluster
+from .compiled_speed import (
+    CompileDecision,
+    CompiledSpeed,
+    CompiledTimes,
+    decide,
+    eager_seconds_per_sample,
+    priced_here,
+)
 from .cost_table import CostTable
 from .explain import explain_nothing_fits
 from .machine import planning_times
@@ -86,6 +94,9 @@ class Configuration:
     # the plan cache's key of the search that chose this (None: nothing searched): the
     # partition pass's answer is kept under a key made from it (partition_cache.py)
     search_key: str | None = None
+    # whether the stages run compiled, the factor they were priced with and why
+    # (compiled_speed.decide; None: compile_stages not resolved here)
+    compile: CompileDecision | None = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +141,8 @@ def default_micro_batch_size(batch: int, stages: int) -> int:
 
 def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_batch: int,
                          recompute: bool, profile: Profile | None = None,
-                         table: CostTable | None = None) -> Configuration:
+                         table: CostTable | None = None,
+                         compiled: CompiledSpeed | None = None) -> Configuration:
     """The configuration for ``options`` (its ``cluster`` given): what it fixes is kept, the
     rest chosen. ``options.schedule``: a name (resolved into its entry), or "auto" (the planner picks the fastest that
     fits, per candidate). ``options.stages_per_rank``: v, stages each rank runs (a virtual
@@ -138,7 +150,10 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
     ``options.shard_optimizer``: True counts the optimizer state split over D wherever D > 1;
     "auto" only where a candidate does not fit otherwise; False never. ``recompute``: the
     setting planned for (compile decides it for ``options.recompute="auto"``). ``profile``:
-    measured costs (``varuna_fx.planner.Profile``), or None for estimates."""
+    measured costs (``varuna_fx.planner.Profile``), or None for estimates. ``compiled``: the
+    compiled stages' measured speed (``compiled_speed.resolve_speed``): where the stages run
+    compiled (``options.compile_stages``, resolved by ``compiled_speed.decide``) they are
+    priced with it."""
     assert options.cluster is not None, "the caller resolves Cluster.local()"
     # the schedule's entry (or "auto"), resolved once when the options were made
     cluster, schedule = options.cluster, options.schedule_choice
@@ -152,7 +167,8 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
             raise PartitionError(f"stages={stages} is more than the {operations} operations of "
                                  f"the model: use at most {operations} stages")
     # a rank holds v stages, each checked at its share of the memory
-    planner = _planner(gm, cluster, schedule, recompute, profile, options, v, table)
+    planner, decision = _planner(gm, cluster, schedule, recompute, profile, options, v, table,
+                                 compiled, example_batch)
     pricer = planner.pricer
     alternatives: list[Alternative] = []
     searched: tuple[int, ...] | None = None
@@ -222,7 +238,7 @@ def choose_configuration(gm: fx.GraphModule, options: PlanOptions, *, example_ba
                               [options.replica_sync if options.replica_sync != "auto"
                                else "exact"], pricer.table.parameter_shapes),
         shards_by_default=shards_by_default(options, net, shard),
-        search_key=key,
+        search_key=key, compile=decision,
     )
 
 
@@ -286,15 +302,19 @@ def check_stages_per_rank(schedule: ScheduleChoice, stages_per_rank: int | None)
 
 def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, recompute: bool,
              profile: Profile | None, options: PlanOptions,
-             stages_per_rank: int, table: CostTable | None = None) -> Planner:
+             stages_per_rank: int, table: CostTable | None = None,
+             compiled: CompiledSpeed | None = None, example_batch: int = 1
+             ) -> tuple[Planner, CompileDecision]:
     """Costs measured by ``profile`` when it was made on this kind of device, else estimated
-    from FLOPs for the cluster's devices. ``table``: ``CostTable.build(gm)`` made already (a
-    copy is taken: a profile's times are set on it)."""
+    from FLOPs for the cluster's devices; compiled stages' where compile is on (or "auto"
+    decides it: ``compiled_speed.decide``) and their speed ``compiled`` is known. ``table``:
+    ``CostTable.build(gm)`` made already (a copy is taken: a profile's times are set on it)."""
     table = CostTable.build(gm) if table is None else dataclasses.replace(table)
     network = cluster.network  # measured by Cluster.local() in a launched job
     dtype = str(next((p.dtype for p in gm.parameters()), "float32")).replace("torch.", "")
     # the profile's, this machine's, or none; with the step's overhead learned for this graph
     planning_times(table, cluster, profile, dtype, graph=graph_hash(gm))
+    decision = compiled_pricing(table, cluster, options, compiled, example_batch)
     if profile is not None:
         if profile.applies_to(cluster):
             network = profile.network or network
@@ -306,7 +326,25 @@ def _planner(gm: fx.GraphModule, cluster: Cluster, schedule: ScheduleChoice, rec
                       shard_optimizer=options.shard_optimizer, stages_per_rank=stages_per_rank,
                       compression=options.compression, replica_sync=options.replica_sync)
     plan_cache.shared_memo(planner.pricer)  # a re-plan for another world reuses its prices
-    return planner
+    return planner, decision
+
+
+def compiled_pricing(table: CostTable, cluster: Cluster, options: PlanOptions,
+                     compiled: CompiledSpeed | None, example_batch: int) -> CompileDecision:
+    """``options.compile_stages`` resolved with the measured speed (``compiled_speed.decide``:
+    the samples of each replica's step and the planner's eager price of one sample), and
+    ``table`` priced as compiled stages run where they do (its eager costs set already)."""
+    replicas = options.data_parallel or 1
+    samples = (options.global_batch_size // replicas if options.global_batch_size
+               else example_batch)
+    b = min(compiled.sizes[-1], example_batch) if compiled is not None else 1
+    per_sample = eager_seconds_per_sample(lambda n: table.node_arrays(n, cluster.spec), b)
+    decision = decide(options.compile_stages, cluster, compiled, per_sample, samples,
+                      options.planned_steps)
+    if decision.speed is not None:  # compiled stages, priced as they run
+        table.measured = CompiledTimes(list(table.names), table.measured, decision.speed,
+                                       estimate=lambda n: table.estimate(n, cluster.spec))
+    return decision
 
 
 def price(config: Configuration, bounds: tuple[int, ...],
@@ -339,7 +377,7 @@ def price(config: Configuration, bounds: tuple[int, ...],
     measured = pricer.table.measured
     spread = getattr(measured, "variation", None)
     return Priced(step, c.memory, rows, sched, tuple(counts), c.compression, c.sync, terms,
-                  tuple(float(x) for x in busy), spread or None, measured is not None,
+                  tuple(float(x) for x in busy), spread or None, priced_here(measured),
                   measured.learn_key if measured is not None else None)
 
 

@@ -82,6 +82,11 @@ class MachineCosts:
     # about twice the forward's FLOPs; slower per FLOP: the weight gradient's inner dimension
     # is the micro-batch); empty: priced at the forward's rate
     gemm_backward_seconds: tuple[float, ...] = ()
+    # a stated machine only (never measured here: compiled_speed.py measures it per model):
+    # eager over compiled time of any model's stages, and the compile's seconds, so plans with
+    # compile_stages priced alike on every host (None: no factor stated)
+    compiled_speedup: float | None = None
+    compile_seconds: float = 0.0
 
     def __post_init__(self) -> None:  # (read back from JSON: lists)
         for name in ("gemm_flops", "gemm_seconds", "gemm_backward_seconds"):
@@ -424,12 +429,15 @@ def from_json(text: str) -> MachineCosts:
         raise ValueError("not an object")
     costs = MachineCosts(**data)
     numbers = [costs.op_launch, costs.backward_launch, costs.action, costs.memory_bandwidth, costs.half_speedup,
-               *costs.gemm_flops, *costs.gemm_seconds, *costs.gemm_backward_seconds]
+               *costs.gemm_flops, *costs.gemm_seconds, *costs.gemm_backward_seconds,
+               costs.compile_seconds,
+               *(() if costs.compiled_speedup is None else (costs.compiled_speedup,))]
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
                and x >= 0 for x in numbers) or not costs.gemm_flops or \
             len(costs.gemm_flops) != len(costs.gemm_seconds) or \
             len(costs.gemm_backward_seconds) not in (0, len(costs.gemm_flops)) or \
             min(costs.gemm_flops) <= 0 or min(costs.gemm_seconds) <= 0 or \
-            costs.memory_bandwidth <= 0 or costs.half_speedup <= 0:
+            costs.memory_bandwidth <= 0 or costs.half_speedup <= 0 or \
+            costs.compiled_speedup == 0:
         raise ValueError("a number that is not finite and positive")
     return costs

@@ -49,6 +49,9 @@ class PlanOptions:
     # whether each stage's forward and backward run through torch.compile / inductor
     # ("auto": where a step pays for the compile; the plan resolves it: plan.compile_stages)
     compile_stages: str = "auto"
+    # the optimizer steps the run will take, which "auto" weighs the compile against
+    # (planner/compiled_speed.py: decide); None: compiled_speed.DEFAULT_STEPS
+    planned_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.cluster is not None and not isinstance(self.cluster, Cluster):
@@ -71,6 +74,7 @@ class PlanOptions:
         check_compression(self.compression)
         check_replica_sync(self.replica_sync)
         check_compile_stages(self.compile_stages)
+        check_count("planned_steps", self.planned_steps, "optimizer steps the run will take")
         _ = self.schedule_choice  # the name resolved once, now: an unknown one is refused
 
     @cached_property

@@ -128,12 +128,18 @@ class Plan:
     compile_stages: bool = False
     compile_note: str = ""
     compile_setting: str = "auto"  # compile's compile_stages, as given
+    # the compiled stages' speed-up the plan was priced with (planner/compiled_speed.py;
+    # None: priced as eager stages)
+    compile_speedup: float | None = None
 
     def compiles_on(self, device_type: str) -> bool:
         """Whether stages run compiled on a device of ``device_type`` ("cpu", "cuda"): as
         the plan says, but "auto" only on CUDA (a plan for a CUDA cluster stepped on CPU, as
-        tests and notebooks do, runs eager stages)."""
-        return self.compile_stages and (self.compile_setting == "on" or device_type == "cuda")
+        tests and notebooks do, runs eager stages), or on a CPU where "auto" decided it from
+        this machine's measured speed (``compile_speedup``)."""
+        return self.compile_stages and (
+            self.compile_setting == "on" or device_type == "cuda"
+            or (device_type == "cpu" and self.compile_speedup is not None))
 
     def sync_of(self, stage: int) -> ReplicaSync:
         """Stage ``stage``'s replica sync ("exact" where the plan names none)."""
@@ -233,9 +239,10 @@ class Plan:
     def explain(self) -> str:
         """What decided the pick, in words: the configuration, its predicted step and what
         the cost model says it is made of, and why it won against the runner-up
-        (``explain_pick``)."""
-        return explain_pick(self.alternatives, self.cost_terms, self.predicted_step_time,
+        (``explain_pick``); where the stages were priced compiled, with which speed-up."""
+        text = explain_pick(self.alternatives, self.cost_terms, self.predicted_step_time,
                             self.predicted_spread)
+        return text + (f"\n{self.compile_note}" if self.compile_speedup is not None else "")
 
     def __str__(self) -> str:
         # As wide as the widest table (at least 120 columns, for the captions): a string has
@@ -345,10 +352,10 @@ DEPARTS = ("departs from eager numerics by design: compressed boundaries and/or 
 def resolve_compile_stages(setting: str, cluster: Cluster | None) -> tuple[bool, str]:
     """Whether a plan's stages run compiled under compile's ``compile_stages`` (checked
     already) on ``cluster`` (a ``Cluster``; None: this machine, a CPU unless CUDA is there),
-    and the plan's note saying why. "auto" compiles on CUDA, where inductor's fused kernels
-    repay a compile of seconds within a few steps; not on CPU, where the compile takes tens of
-    seconds for a gain of about 10% (bench/bench_compiled_stages.py) that the profiler does not
-    measure yet."""
+    and the plan's note saying why, where no compiled speed is known. "auto" compiles on
+    CUDA, where inductor's fused kernels repay a compile of seconds within a few steps; not on
+    CPU, where the compile takes tens of seconds for 10-30% a step (bench/
+    bench_compiled_stages.py): there ``compiled_speed.decide`` weighs a measured speed."""
     if setting == "on":
         return True, "stages: compiled with torch.compile / inductor (compile_stages='on')"
     if setting == "off":

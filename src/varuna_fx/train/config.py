@@ -161,7 +161,8 @@ class TrainConfig:
     tracer: str = key(AUTO, "compile", "fx / export / auto", choices=TRACERS)
     offload_stash: bool = key(False, "compile", "keep stashed activations in host memory")
     compile_stages: str = key(AUTO, "compile", "run each stage through torch.compile / "
-                              "inductor: on / off / auto (auto: on CUDA, off on CPU)",
+                              "inductor: on / off / auto (auto: on CUDA; on CPU where profile=true "
+                              "measured a gain that the run's steps pay the compile back for)",
                               choices=("on", "off", AUTO))
     compile_wait: bool = key(False, "compile", "compiled stages: compile each at its first "
                              "call, the first step waiting (false: eager while they compile "
@@ -219,7 +220,8 @@ class TrainConfig:
                     recompute=self.recompute, shard_optimizer=self.shard_optimizer,
                     precision=self.precision, tracer=self.tracer,
                     offload_stash=self.offload_stash, profile=self.profile,
-                    compile_stages=self.compile_stages, compile_wait=self.compile_wait)
+                    compile_stages=self.compile_stages, compile_wait=self.compile_wait,
+                    planned_steps=self.steps)
 
     @property
     def warmup(self) -> int:
