@@ -81,7 +81,11 @@ def llama_case(layers: int) -> Case:
     tokens = torch.randint(0, 512, (8, 65))
 
     def loss(out: Any, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+        # varuna_fx hands the model's output (a CausalLMOutput); pipelining's traced last stage
+        # its flattened outputs (the logits first)
+        logits = out.logits if hasattr(out, "logits") else \
+            out[0] if isinstance(out, (tuple, list)) else out
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
     return model, tokens[:, :-1], tokens[:, 1:], loss
 
 

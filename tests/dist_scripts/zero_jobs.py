@@ -4,6 +4,7 @@ Usage: ``zero_jobs.py OUT_DIR JOBS_JSON``. Each job writes ``OUT_DIR/<name>_rank
 
 * ``train``: STEPS clipped, scheduled AdamW steps at (P, D) with ``pipe.optimizer``; reports the
   state this rank holds, its optimizer state bytes, and whether the optimizer is sharded.
+  ``compiled``: its stages through torch.compile / inductor (``compile_stages="on"``).
   ``save``: also saves after SPLIT steps to ``path``.
 * ``resume``: loads ``path`` at (P, D, shard) with ``pipe.optimizer`` (or torch's own when
   ``direct``), trains to STEPS, reports the state.
@@ -50,6 +51,8 @@ OUT = Path(sys.argv[1])
 
 def compile_job(job: dict[str, Any], seed: int = 0, **kw: Any) -> vf.Pipeline:
     share = BATCH // job["D"]
+    if job.get("compiled"):  # the stages through inductor, the first step waiting for it
+        kw = {**kw, "compile_stages": "on", "compile_wait": True}
     return vf.compile(ckpt_model(seed=seed), example_inputs=(tokens()[0, :share, :-1],),
                       loss_fn=lm_loss, stages=job["P"], data_parallel=job["D"],
                       micro_batch_size=2, shard_optimizer=job.get("shard", True), **kw)

@@ -270,3 +270,16 @@ def test_inductor_stages_equal_eager_under_1f1b_split_backward_dualpipev_and_rec
     texts = _step("1f1b", True)
     assert len(texts) == 1 and "stage 0: compiled again" in texts[0], texts
     assert any(cache.rglob("*")), "inductor's artefacts land in the cache folder"
+    # int8 boundaries depart from eager by design: compiled stages equal eager stages under
+    # the same codec (the one-process runtime applies it between the two "ranks")
+    got = {}
+    for setting in ("off", "on"):
+        pipe = vf.compile(_mlp(), vf.Cluster(gpus=2, device="cpu"), example_inputs=(X,),
+                          loss_fn=_mse, stages=2, micro_batch_size=1, schedule="1f1b",
+                          compression="int8", compile_stages=setting, compile_wait=True)
+        assert pipe.plan.compression == ("int8",)
+        loss = pipe.step(X, target=Y)
+        got[setting] = float(loss), {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    torch.testing.assert_close(got["on"][0], got["off"][0], **TOLERANCE)
+    for n, g in got["off"][1].items():
+        torch.testing.assert_close(got["on"][1][n], g, **TOLERANCE)

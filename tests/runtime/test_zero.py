@@ -70,10 +70,13 @@ def one_process(stages: int, *, save: Path | None = None,
     return pipe.state_dict()
 
 
-def check(state: dict[str, torch.Tensor], eager: dict[str, torch.Tensor], where: str) -> None:
+def check(state: dict[str, torch.Tensor], eager: dict[str, torch.Tensor], where: str,
+          **tol: float) -> None:
+    """``tol``: assert_close's (default TOL, float64's; compiled stages: inductor reorders
+    sums, docs/API.md "Compiled stages")."""
     assert state, where
     for name, value in state.items():
-        torch.testing.assert_close(value, eager[name], **TOL,
+        torch.testing.assert_close(value, eager[name], **(tol or TOL),
                                    msg=lambda m, n=name: f"{n} ({where}): {m}")
 
 
@@ -122,6 +125,9 @@ def test_sharded_training_and_checkpoints_equal_eager(tmp_path: Path) -> None:
          "path": str(ck / "s12")},
         {"name": "accumulate", "kind": "accumulate", "P": 2, "D": 2},
         {"name": "loops", "kind": "loops", "P": 2, "D": 2},
+        # compiled stages (issue 43 item 2) under torchrun, ZeRO-1, the tied embedding and
+        # head on two stages, clipping: eager's training within inductor's reordering
+        {"name": "t22compiled", "kind": "train", "P": 2, "D": 2, "compiled": True},
     ])
     six = run(tmp_path / "w6", 6, [
         {"name": "t23", "kind": "train", "P": 2, "D": 3, "shard": "auto"},  # D > 1: shards
@@ -136,7 +142,8 @@ def test_sharded_training_and_checkpoints_equal_eager(tmp_path: Path) -> None:
         if name in ("refuse", "precision", "accumulate", "loops"):
             continue
         for r, result in enumerate(results):
-            check(result["state"], eager, f"{name} rank {r}")
+            check(result["state"], eager, f"{name} rank {r}",
+                  **({"rtol": 1e-7, "atol": 1e-9} if "compiled" in name else TOL))
             assert result["sharded"] == (name not in ("r22off", "r23direct")), name
 
     # optimizer state per rank: 1/D of the stage's (AdamW's two moments), give or take padding
