@@ -140,8 +140,8 @@ def test_the_train_command_passes_compile_stages_on() -> None:
 # -- the compiled path without inductor's cost ----------------------------------------------------
 
 @pytest.mark.parametrize("schedule,recompute", [("1f1b-zb", False), ("1f1b", True),
-                                                ("zbv", False), ("dualpipev", False),
-                                                ("dualpipev", True)])
+                                                ("interleaved-1f1b", False), ("zbv", False),
+                                                ("dualpipev", False), ("dualpipev", True)])
 def test_the_compiled_path_is_exact_with_an_identity_compile(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, schedule: str, recompute: bool) -> None:
     """The worker's compiled path (a split backward run whole at B, W empty; the recompute
